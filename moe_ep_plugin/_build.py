@@ -1,0 +1,57 @@
+"""Compile csrc/*.cu into moe_ep_plugin/lib/libmoe_ep_kernels.so with nvcc (stdlib only).
+
+Run as ``python -m moe_ep_plugin._build`` (CI does, so a kernel that does not compile never lands) or
+implicitly from ``setup.py``. The library has a plain C ABI and no torch headers, so one build serves
+every torch version and needs no GPU to compile.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+_PKG = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_PKG)
+LIB_NAME = "libmoe_ep_kernels.so"
+LIB_PATH = os.path.join(_PKG, "lib", LIB_NAME)
+
+
+def find_nvcc() -> str | None:
+    """Path of nvcc from $CUDA_HOME, PATH or /usr/local/cuda, or None."""
+    for candidate in (os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"), shutil.which("nvcc") or "",
+                      "/usr/local/cuda/bin/nvcc"):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def nvcc_command(nvcc: str, sources: list[str], output: str) -> list[str]:
+    arch = os.environ.get("MOE_EP_CUDA_ARCH", "90a")
+    return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-lineinfo",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", os.path.join(_ROOT, "csrc"),
+            *sources, "-o", output]
+
+
+def build_kernels(required: bool = False) -> str | None:
+    """Build the kernel library; returns its path, or None when there is nothing to build with.
+
+    ``required=True`` turns a missing nvcc or missing sources into an error (CI uses it).
+    """
+    sources = sorted(glob.glob(os.path.join(_ROOT, "csrc", "*.cu")))
+    nvcc = find_nvcc()
+    if not sources or nvcc is None:
+        if required:
+            raise RuntimeError(f"cannot build kernels: nvcc={nvcc!r}, sources={len(sources)} in csrc/")
+        return None
+    os.makedirs(os.path.dirname(LIB_PATH), exist_ok=True)
+    cmd = nvcc_command(nvcc, sources, LIB_PATH)
+    print("[moe_ep_plugin] " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return LIB_PATH
+
+
+if __name__ == "__main__":
+    path = build_kernels(required="--required" in sys.argv)
+    print(f"[moe_ep_plugin] kernel library: {path}")

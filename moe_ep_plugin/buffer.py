@@ -1,0 +1,320 @@
+"""``Buffer``: DeepEP V1's normal-mode API (layout, dispatch, combine) over a pluggable transport.
+
+The Buffer validates every input before any communication, owns the communication stream and the
+``previous_event``/``async_finish``/``allocate_on_comm_stream`` semantics, and hands validated, contiguous
+tensors to its transport (``torch`` reference or ``nvlink`` kernels).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import fp8
+from .config import Config, combine_config, dispatch_config
+from .event import EventOverlap
+from .handle import DispatchHandle
+from .transports import DispatchArgs, create_transport, resolve_transport_name
+
+DEFAULT_TIMEOUT_S = 100.0
+XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
+           device: torch.device) -> torch.Tensor:
+    """Type, dtype, shape (None = any size) and device of an input tensor, with the argument's name in the error."""
+    t = _require_tensor(name, t)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.device.type != device.type:
+        raise ValueError(f"{name}: expected a tensor on {device.type} (the buffer's device), got {t.device}")
+    return t
+
+
+def _check_expert_range(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Every id in [-1, E). Skipped while a CUDA graph is being captured (it would need a host sync)."""
+    if topk_idx.numel() == 0 or (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = (int(v) for v in torch.aminmax(topk_idx))
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"topk_idx: expert ids must lie in [-1, {num_experts}), found values in [{lo}, {hi}]")
+
+
+class Buffer:
+    """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``, normal mode).
+
+    ``transport``: ``"auto"`` (``nvlink`` kernels when CUDA, the kernel library and peer access exist, else
+    ``torch``), ``"torch"`` or ``"nvlink"``; ``$MOE_EP_TRANSPORT`` overrides ``auto``. ``timeout_s`` bounds
+    every wait on another rank (``$MOE_EP_TIMEOUT_S``, default 100 s).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
+                 transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
+        group = group if group is not None else dist.group.WORLD
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+        if low_latency_mode:
+            raise ValueError("low_latency_mode=True: the low-latency kernels are not provided yet; use normal mode")
+        if not isinstance(transport, str):
+            raise TypeError(f"transport: expected a str, got {type(transport).__name__}")
+        timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = False
+        self.explicitly_destroy = explicitly_destroy
+        is_cuda = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
+        self.transport_name = resolve_transport_name(transport, group, self.device)
+        self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes)
+        self.timeout_s = timeout_s
+        self._comm_stream = torch.cuda.Stream(priority=-1) if is_cuda else None
+
+    # ---- configuration (static, as in DeepEP) ----
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs the normal kernels use by default (even: two per channel)."""
+        if not isinstance(new_num_sms, int) or isinstance(new_num_sms, bool) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms: expected a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return dispatch_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return combine_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        from .event import capture
+        return capture()
+
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        return self._comm_stream
+
+    def destroy(self) -> None:
+        """Release transport resources (collective for the kernel transport)."""
+        release = getattr(self.transport, "destroy", None)
+        if release is not None:
+            release()
+
+    # ---- streams ----
+    def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,
+                        allocate_on_comm_stream: bool, inputs: Sequence[Optional[torch.Tensor]]) -> tuple:
+        """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream's work)."""
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
+        if allocate_on_comm_stream and previous_event is None:
+            raise ValueError("allocate_on_comm_stream=True needs previous_event (the point the comm stream waits for)")
+        if self._comm_stream is None:
+            return fn() + (EventOverlap(),)
+        compute = torch.cuda.current_stream()
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            outputs = fn()
+        for t in inputs:
+            if t is not None:
+                t.record_stream(comm)
+        for t in _tensors_in(outputs):
+            t.record_stream(compute)  # outputs are made on the comm stream and used on the compute stream
+        event = torch.cuda.Event()
+        event.record(comm)
+        if not async_finish:
+            compute.wait_event(event)
+            return outputs + (EventOverlap(),)
+        return outputs + (EventOverlap(event, extra_tensors=tuple(t for t in inputs if t is not None)),)
+
+    # ---- layout ----
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """``topk_idx`` ``[N, K]`` int64/int32 (-1 = none) → ``(num_tokens_per_rank [R] int32, None,
+        num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``."""
+        self._check_num_experts(num_experts)
+        topk_idx = _check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self.device)
+        topk_idx = topk_idx.to(torch.int64).contiguous()
+        _check_expert_range(topk_idx, num_experts)
+        per_rank, per_expert, in_rank, event = self._on_comm_stream(
+            lambda: self.transport.get_dispatch_layout(topk_idx, num_experts), previous_event, async_finish,
+            allocate_on_comm_stream, (topk_idx,))
+        return per_rank, None, per_expert, in_rank, event
+
+    def _check_num_experts(self, num_experts: int) -> None:
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+            raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts: {num_experts} experts do not divide evenly over {self.group_size} EP ranks")
+
+    # ---- dispatch ----
+    def dispatch(self, x: XInput, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, *, num_experts: Optional[int] = None,
+                 fp8_dispatch: bool = False, fp8_out: bool = False, round_scale: bool = False):
+        """Send each token once to every rank that hosts one of its experts.
+
+        ``x``: BF16/FP32 ``[N, H]`` or ``(float8_e4m3fn [N, H], float32 scales [N, H/128])``. Beyond DeepEP:
+        ``fp8_dispatch=True`` quantizes BF16 ``x`` to FP8 in the send path (1x128 blocks, ``round_scale`` for
+        power-of-two scales); rows arrive dequantized to BF16, or as ``(fp8, scales)`` with ``fp8_out=True``.
+        Without ``handle``, pass the layout from :meth:`get_dispatch_layout` (or just ``topk_idx`` and
+        ``num_experts``, and the layout is computed here). Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)``; rows are ordered by source rank, then source token.
+        """
+        x_data, x_scales = self._check_x(x, fp8_dispatch, fp8_out, round_scale)
+        n = x_data.shape[0]
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
+        config = self._check_config(config, self.get_dispatch_config)
+        if handle is not None:
+            self._check_handle(handle, n)
+            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                                ("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank)):
+                if value is not None:
+                    raise ValueError(f"{name}: must be None when a cached handle is given (the layout is reused)")
+            num_experts = handle.num_experts
+        else:
+            if topk_idx is None:
+                raise ValueError("topk_idx: required when no cached handle is given")
+            topk_idx = _check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None), self.device)
+            topk_idx = topk_idx.to(torch.int64).contiguous()
+            if topk_weights is not None:
+                topk_weights = _check("topk_weights", topk_weights, (torch.float32,), tuple(topk_idx.shape),
+                                      self.device).contiguous()
+            if num_experts is None and num_tokens_per_expert is not None:
+                num_experts = _check("num_tokens_per_expert", num_tokens_per_expert,
+                                     (torch.int32, torch.int64), (None,), self.device).shape[0]
+            if num_experts is None:
+                raise ValueError("num_experts: pass num_experts or num_tokens_per_expert so expert ids can be localised")
+            self._check_num_experts(num_experts)
+            _check_expert_range(topk_idx, num_experts)
+            if (num_tokens_per_rank is None) != (is_token_in_rank is None):
+                raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
+            if num_tokens_per_rank is None:
+                num_tokens_per_rank, _, _, is_token_in_rank, _ = self.get_dispatch_layout(topk_idx, num_experts)
+            num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),
+                                         (self.group_size,), self.device)
+            is_token_in_rank = _check("is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size),
+                                      self.device).contiguous()
+        args = DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                            num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                            num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
+                            wire_fp8=fp8_dispatch, recv_bf16=fp8_dispatch and not fp8_out, round_scale=round_scale,
+                            config=config)
+        result, event = self._on_comm_stream(lambda: (self.transport.dispatch(args),), previous_event, async_finish,
+                                             allocate_on_comm_stream, (x_data, x_scales, topk_idx, topk_weights))
+        recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
+        counts: list[int] = []
+        if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
+            a = expert_alignment
+            counts = [(c + a - 1) // a * a for c in result.num_recv_tokens_per_expert.tolist()]
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
+
+    def _check_x(self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"x: an FP8 input is a (data, scales) pair, got a tuple of {len(x)}")
+            data = _check("x[0]", x[0], (fp8.FP8_DTYPE,), (None, None), self.device)
+            fp8.check_fp8_hidden(data.shape[1], "x[0]")
+            scales = _check("x[1]", x[1], (torch.float32,), (data.shape[0], data.shape[1] // fp8.BLOCK), self.device)
+            if fp8_dispatch:
+                raise ValueError("fp8_dispatch: x is already FP8; fp8_dispatch quantizes BF16 input")
+            return data.contiguous(), scales.contiguous()
+        data = _check("x", x, (torch.bfloat16, torch.float32), (None, None), self.device)
+        if fp8_out and not fp8_dispatch:
+            raise ValueError("fp8_out: only meaningful with fp8_dispatch=True (BF16 input quantized in the send path)")
+        if round_scale and not fp8_dispatch:
+            raise ValueError("round_scale: only meaningful with fp8_dispatch=True")
+        if fp8_dispatch:
+            fp8.check_fp8_hidden(data.shape[1], "x")
+        return data.contiguous(), None
+
+    def _check_config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            raise TypeError(f"config: expected moe_ep_plugin.Config, got {type(config).__name__}")
+        return config
+
+    def _check_handle(self, handle: object, num_tokens: Optional[int] = None) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
+        if handle.num_ranks != self.group_size or handle.rank != self.rank:
+            raise ValueError("handle: it was made by a buffer on a different group")
+        if num_tokens is not None and num_tokens != handle.num_tokens:
+            raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
+        return handle
+
+    # ---- combine ----
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Reduce received rows back to their tokens: ``x`` ``[N_recv, H]`` BF16/FP32 in dispatch order →
+        ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``; sums in fp32, adds ``bias``
+        (0–2 tensors ``[N, H]``) once, casts to ``x.dtype``. Gate weights are applied by the caller before."""
+        handle = self._check_handle(handle)
+        x = _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self.device).contiguous()
+        if topk_weights is not None:
+            topk_weights = _check("topk_weights", topk_weights, (torch.float32,), (handle.num_recv_rows, None),
+                                  self.device).contiguous()
+        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+        if len(biases) > 2:
+            raise ValueError(f"bias: at most two tensors, got {len(biases)}")
+        biases = tuple(_check(f"bias[{i}]", b, (x.dtype,), (handle.num_tokens, x.shape[1]), self.device).contiguous()
+                       for i, b in enumerate(biases))
+        config = self._check_config(config, self.get_combine_config)
+        combined, weights, event = self._on_comm_stream(
+            lambda: self.transport.combine(x, handle, topk_weights, biases, config), previous_event, async_finish,
+            allocate_on_comm_stream, (x, topk_weights) + biases)
+        return combined, weights, event
+
+
+def _tensors_in(outputs: tuple) -> list[torch.Tensor]:
+    """Tensors inside a transport's outputs (tuples and result dataclasses), to mark their stream use."""
+    found: list[torch.Tensor] = []
+    for item in outputs:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, tuple):
+            found.extend(_tensors_in(item))
+        elif hasattr(item, "__dataclass_fields__"):
+            found.extend(_tensors_in(tuple(getattr(item, f) for f in item.__dataclass_fields__)))
+    return found

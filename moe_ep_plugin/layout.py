@@ -1,0 +1,48 @@
+"""Dispatch layout from top-k expert ids: pure tensor ops, no host sync, any device."""
+from __future__ import annotations
+
+import torch
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``topk_idx`` ``[N, K]`` int64 (-1 = none), experts laid out contiguously over ranks →
+    ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``.
+
+    A token counts once per rank however many of its experts live there.
+    """
+    n = topk_idx.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0
+    # Invalid entries go to an extra overflow slot that is sliced off, so no boolean indexing (host sync) is needed.
+    expert_slot = torch.where(valid, topk_idx, num_experts).reshape(-1)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
+    per_expert.scatter_add_(0, expert_slot, torch.ones_like(expert_slot, dtype=torch.int32))
+    rank_slot = torch.where(valid, topk_idx // experts_per_rank, num_ranks)
+    in_rank = torch.zeros(n, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    in_rank.scatter_(1, rank_slot, True)
+    is_token_in_rank = in_rank[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+    return num_tokens_per_rank, per_expert[:num_experts].contiguous(), is_token_in_rank
+
+
+def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """``[N, R]`` bool → ``[N, R]`` int32: index of token ``t`` among the tokens sent to ``r`` (token order), -1 if not sent."""
+    running = is_token_in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
+    return torch.where(is_token_in_rank, running, torch.full_like(running, -1))
+
+
+def localize_topk(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor | None, rank: int,
+                  num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Global expert ids of received rows → local ids (-1 where the expert lives elsewhere; its weight 0),
+    plus ``[L]`` int32 counts of rows per local expert."""
+    local = recv_topk_idx - rank * num_local_experts
+    is_local = (recv_topk_idx >= 0) & (local >= 0) & (local < num_local_experts)
+    local = torch.where(is_local, local, torch.full_like(local, -1))
+    weights = None
+    if recv_topk_weights is not None:
+        weights = torch.where(is_local, recv_topk_weights, torch.zeros_like(recv_topk_weights))
+    slot = torch.where(is_local, local, num_local_experts).reshape(-1)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=local.device)
+    counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
+    return local, weights, counts[:num_local_experts]
