@@ -1,0 +1,11 @@
+"""DeepSpeed integration: the plugin's dropless dispatcher as a drop-in for ``deepspeed.moe.layer.MoE``.
+
+>>> from moe_ep_plugin.deepspeed import MoE              # same constructor as deepspeed.moe.layer.MoE
+>>> from moe_ep_plugin.deepspeed import convert_moe      # or swap the dispatcher of an existing model
+"""
+from .layer import MoE, PluginMOELayer, convert_moe, destroy_buffers, get_buffer, update_expert_biases
+from .options import PluginOptions
+from .routing import GroupLimitedGate, Routes
+
+__all__ = ["MoE", "PluginMOELayer", "PluginOptions", "GroupLimitedGate", "Routes", "convert_moe",
+           "destroy_buffers", "get_buffer", "update_expert_biases"]

@@ -1,0 +1,208 @@
+"""The plugin's dispatcher inside DeepSpeed's legacy MoE: a drop-in ``MoE`` and a converter for built models.
+
+DeepSpeed's ``MOELayer`` pads every expert to a capacity ``C`` and moves the whole ``[E, C, H]`` buffer with two
+equal-split all-to-alls, sending a token once per chosen expert. :class:`PluginMOELayer` keeps DeepSpeed's gate,
+``Experts`` and EP group but moves each token once per destination rank with variable splits
+(``moe_ep_plugin.Buffer`` through ``moe_ep_plugin.autograd``), runs every local expert on its contiguous rows
+(``moe_ep_plugin.permute``) and combines back, differentiably. Module names and parameters are unchanged, so
+``is_moe_param`` tagging, ``split_params_into_different_moe_groups_for_optimizer``, ZeRO 1/2 and DeepSpeed's
+(expert-sharded) checkpoints work as for the stock layer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.moe.sharded_moe import FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_ALLTOALL_TIMER, MOELayer
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+from .. import autograd as ep_autograd
+from .. import permute as ep_permute
+from ..buffer import Buffer
+from .options import PluginOptions, check_moe_args, check_world
+from .routing import GroupLimitedGate, route
+
+_BUFFERS: dict[tuple[int, str], Buffer] = {}
+
+
+def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str) -> Buffer:
+    """One ``Buffer`` per (EP group, transport), shared by all layers, grown when a wider layer needs more
+    (DeepEP's usage pattern: the NVLink transport pre-allocates peer-visible memory). Collective on first use."""
+    num_ranks = dist.get_world_size(group)
+    need = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+    key = (id(group), transport)
+    buffer = _BUFFERS.get(key)
+    if buffer is None or buffer.group is not group or buffer.num_nvl_bytes < need:
+        if buffer is not None:
+            buffer.destroy()
+        buffer = Buffer(group, num_nvl_bytes=need, transport=transport)
+        _BUFFERS[key] = buffer
+    return buffer
+
+
+def destroy_buffers() -> None:
+    """Release every shared ``Buffer`` (collective: call on all ranks before ``destroy_process_group``)."""
+    for buffer in _BUFFERS.values():
+        buffer.destroy()
+    _BUFFERS.clear()
+
+
+def _first(out: object) -> torch.Tensor:
+    # DeepSpeed's Experts drop an expert's bias output the same way
+    return out[0] if isinstance(out, tuple) else out
+
+
+class PluginMOELayer(MOELayer):
+    """``MOELayer`` with dropless variable-split dispatch; sets ``l_aux``/``exp_counts`` like the original.
+
+    ``gate``: DeepSpeed's ``TopKGate`` (its exact routes, including ``drop_tokens=True`` capacity drops, RTS and
+    noisy gating) or a :class:`GroupLimitedGate`. ``experts``: DeepSpeed's ``Experts`` (``num_local_experts``
+    copies, tagged ``allreduce=False``).
+    """
+
+    def __init__(self, gate: torch.nn.Module, experts: torch.nn.Module, ep_group_name: str, ep_size: int,
+                 num_local_experts: int, options: PluginOptions) -> None:
+        super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
+        self.options = options
+        self.num_experts = ep_size * num_local_experts
+
+    @classmethod
+    def from_stock(cls, layer: MOELayer, options: PluginOptions,
+                   gate: Optional[torch.nn.Module] = None) -> "PluginMOELayer":
+        """The plugin layer over ``layer``'s gate (or ``gate``), experts and EP group (if already set)."""
+        plugin = cls(gate if gate is not None else layer.gate, layer.experts, layer.ep_group_name, layer.ep_size,
+                     layer.num_local_experts, options)
+        if layer.ep_group is not None:
+            plugin.ep_group = layer.ep_group
+            if gate is not None:
+                gate._set_ep_group(layer.ep_group)
+        plugin.wall_clock_breakdown = layer.wall_clock_breakdown
+        return plugin
+
+    def _time(self, name: str, start: bool) -> None:
+        if self.wall_clock_breakdown:
+            timer = self.timers(name)
+            timer.start() if start else timer.stop()
+
+    def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden_states [..., H]`` (BF16/FP32) → same shape; ``used_token`` as DeepSpeed's (k=1 only)."""
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states: expected a tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"hidden_states: the plugin dispatches BF16 or FP32, got {hidden_states.dtype}")
+        if self.ep_group is None:
+            raise ValueError("ep_group: not set; run deepspeed.initialize (or MoE.set_deepspeed_parallelism) first")
+        tp = bwc_tensor_model_parallel_world_size(groups.mpu)
+        if tp > 1:
+            raise ValueError(f"groups.mpu: tensor parallelism (size {tp}) around the MoE layer is not supported "
+                             "by the plugin layer")
+        self._time(MOE_TIMER, True)
+        hidden = hidden_states.shape[-1]
+        x = hidden_states.reshape(-1, hidden)
+        routes = route(self.gate, x, used_token)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+
+        buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), self.options.transport)
+        self._time(FIRST_ALLTOALL_TIMER, True)
+        recv_x, recv_idx, recv_w, counts, handle = ep_autograd.dispatch(
+            buffer, x, routes.topk_idx, routes.topk_weights, self.num_experts,
+            fp8_dispatch=self.options.fp8_dispatch)
+        self._time(FIRST_ALLTOALL_TIMER, False)
+
+        rows, probs, _, row_map = ep_permute.permute(recv_x, recv_idx, recv_w, self.num_local_experts, counts)
+        # every local expert runs, also on zero rows, so each one's parameters get a (zero) gradient
+        outputs = [_first(expert(chunk)) for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts)]
+        # gate weights in fp32 like DeepSpeed's decode; one rank's routes summed in fp32, then cast for the wire
+        weighted = torch.cat(outputs) * probs.unsqueeze(1)
+        per_row = ep_permute.unpermute(weighted, row_map).to(x.dtype)
+
+        self._time(SECOND_ALLTOALL_TIMER, True)
+        out = ep_autograd.combine(buffer, per_row, handle)
+        self._time(SECOND_ALLTOALL_TIMER, False)
+        self._time(MOE_TIMER, False)
+        if self.wall_clock_breakdown:
+            self.time_falltoall = self.timers(FIRST_ALLTOALL_TIMER).elapsed(reset=False)
+            self.time_salltoall = self.timers(SECOND_ALLTOALL_TIMER).elapsed(reset=False)
+            self.time_moe = self.timers(MOE_TIMER).elapsed(reset=False)
+        return out.reshape(hidden_states.shape)
+
+
+class MoE(DeepSpeedMoE):
+    """``deepspeed.moe.layer.MoE`` with the plugin's dispatcher. Same constructor, plus the plugin's options
+    (keyword-only, see :class:`PluginOptions`); ``forward`` returns ``(output, l_aux, exp_counts)``.
+
+    Differences: dropless by default (``drop_tokens=False``; ``True`` keeps DeepSpeed's capacity drops);
+    ``use_tutel`` and ``enable_expert_tensor_parallelism`` are refused. It is a subclass of DeepSpeed's ``MoE``,
+    so ``deepspeed.initialize`` creates its expert groups and checkpoints its experts per rank as usual.
+    """
+
+    def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1,
+                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = False,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True, *, router: str = "deepspeed",
+                 score_function: str = "softmax", use_pre_softmax: bool = False, num_groups: Optional[int] = None,
+                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                 expert_bias_rate: float = 0.0, fp8_dispatch: bool = False, round_scale: bool = False,
+                 transport: str = "auto") -> None:
+        options = PluginOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
+                                num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
+                                expert_bias_rate=expert_bias_rate, fp8_dispatch=fp8_dispatch,
+                                round_scale=round_scale, transport=transport)
+        if not isinstance(expert, torch.nn.Module):
+            raise TypeError(f"expert: expected a torch.nn.Module, got {type(expert).__name__}")
+        if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
+            raise ValueError(f"noisy_gate_policy: expected None, 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
+        check_moe_args(hidden_size, num_experts, ep_size, k, drop_tokens, use_tutel,
+                       enable_expert_tensor_parallelism, options)
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, False, False,
+                         top2_2nd_expert_sampling)
+        stock = self.deepspeed_moe
+        gate = GroupLimitedGate(hidden_size, num_experts, k, options, wg=stock.gate.wg) \
+            if options.router == "group_limited" else None
+        self.deepspeed_moe = PluginMOELayer.from_stock(stock, options, gate)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        check_world(self.ep_size)
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+
+
+def convert_moe(model: torch.nn.Module, *, router: str = "deepspeed", **options) -> list[str]:
+    """Swap the dispatcher of every stock ``deepspeed.moe.layer.MoE`` in ``model`` for :class:`PluginMOELayer`,
+    reusing its gate, experts and EP group (call before or after ``deepspeed.initialize``; before keeps
+    DeepSpeed's timers pointing at the new layers). ``options``: :class:`PluginOptions` fields. With
+    ``router='group_limited'`` the new gate reuses the old gate's ``wg`` parameter. Returns the converted
+    modules' names.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    opts = PluginOptions(router=router, **options)
+    converted = []
+    for name, module in model.named_modules():
+        if not isinstance(module, DeepSpeedMoE) or isinstance(module.deepspeed_moe, PluginMOELayer):
+            continue
+        stock = module.deepspeed_moe
+        gate = stock.gate
+        check_moe_args(gate.wg.in_features, module.num_experts, module.ep_size, gate.k, gate.drop_tokens, False,
+                       module.enable_expert_tensor_parallelism, opts)
+        new_gate = GroupLimitedGate(gate.wg.in_features, module.num_experts, gate.k, opts, wg=gate.wg) \
+            if opts.router == "group_limited" else None
+        module.deepspeed_moe = PluginMOELayer.from_stock(stock, opts, new_gate)
+        converted.append(name)
+    if not converted:
+        raise ValueError("model: no deepspeed.moe.layer.MoE layer to convert")
+    return converted
+
+
+def update_expert_biases(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
+    """Apply the aux-loss-free bias step of every :class:`GroupLimitedGate` with a bias in ``model`` (call on all
+    ranks after ``engine.step()``). Returns how many gates were updated."""
+    gates = [m for m in model.modules() if isinstance(m, GroupLimitedGate) and m.expert_bias is not None]
+    for gate in gates:
+        gate.update_expert_bias(group)
+    return len(gates)
