@@ -1,0 +1,132 @@
+"""Rank 0's outputs: the readable log, metrics.csv (+ TensorBoard), and the PNG plots at the end."""
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+COLUMNS = ("step", "loss", "lm_loss", "aux_loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+           "load_max_over_mean", "load_max_over_mean_worst_layer", "elapsed_s")
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines printed above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stdout)
+
+
+def make_logger(out_dir: str, to_console: bool) -> logging.Logger:
+    """``moe_ep_plugin.train`` logger: ``<out_dir>/train.log`` plus the console (above the tqdm bar)."""
+    logger = logging.getLogger("moe_ep_plugin.train")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    file_handler = logging.FileHandler(os.path.join(out_dir, "train.log"))
+    file_handler.setFormatter(fmt)
+    logger.addHandler(file_handler)
+    if to_console:
+        console = _TqdmHandler()
+        console.setFormatter(fmt)
+        logger.addHandler(console)
+    return logger
+
+
+def load_balance(counts: torch.Tensor) -> tuple[float, float]:
+    """``counts [layers, E]`` tokens per expert → (mean over layers, worst layer) of max load / mean load
+    (1.0 = perfectly balanced; E/K when every token picks the same K experts)."""
+    if counts.numel() == 0:
+        return 1.0, 1.0
+    counts = counts.double()
+    ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
+    return float(ratio.mean()), float(ratio.max())
+
+
+class MetricsWriter:
+    """Appends one row per logged step to ``metrics.csv``; on resume keeps the rows up to the resumed step."""
+
+    def __init__(self, out_dir: str, resume_step: int, tensorboard: bool) -> None:
+        self.path = os.path.join(out_dir, "metrics.csv")
+        rows = []
+        if resume_step > 0 and os.path.isfile(self.path):
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        self.file = open(self.path, "w", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=COLUMNS)
+        self.writer.writeheader()
+        self.writer.writerows(rows)
+        self.file.flush()
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ValueError("output.tensorboard: needs the tensorboard package (pip install tensorboard)") from exc
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=resume_step + 1)
+
+    def write(self, row: dict[str, Optional[float]]) -> None:
+        self.writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, int(row["step"]))
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def write_plots(out_dir: str, load_totals: torch.Tensor, first_moe_block: int) -> Optional[str]:
+    """``loss.png`` (train/eval loss and tokens/s over steps) and ``expert_load.png`` (each MoE block's share of
+    routed tokens per expert over the whole run, relative to a uniform load). Returns None when written, else
+    why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'moe_ep_plugin[plots]')"
+    with open(os.path.join(out_dir, "metrics.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    fig, (ax_loss, ax_speed) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 1))
+    ax_loss.plot(steps, [float(r["loss"]) for r in rows], label="train loss (LM + aux)")
+    evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
+    if evals:
+        ax_loss.plot(*zip(*evals), "o-", label="eval loss")
+    ax_loss.set_ylabel("cross-entropy (nats/token)")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    ax_speed.plot(steps, [float(r["tokens_per_s"]) for r in rows], color="tab:green")
+    ax_speed.set_ylabel("tokens/s (all ranks)")
+    ax_speed.set_xlabel("step")
+    ax_speed.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=110)
+    plt.close(fig)
+
+    if load_totals.shape[0] == 0:  # no MoE blocks
+        return None
+    loads = load_totals.double()
+    relative = (loads / loads.mean(dim=1, keepdim=True).clamp_min(1e-9)).numpy()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * loads.shape[1] + 2), 1.0 + 0.6 * loads.shape[0]))
+    image = ax.imshow(relative, aspect="auto", cmap="coolwarm", vmin=0.0, vmax=2.0, interpolation="nearest")
+    ax.set_xlabel("routed expert")
+    ax.set_ylabel("block")
+    ax.set_yticks(range(loads.shape[0]), [str(first_moe_block + i) for i in range(loads.shape[0])])
+    ax.set_title("tokens per expert over the run / uniform share")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "expert_load.png"), dpi=110)
+    plt.close(fig)
+    return None

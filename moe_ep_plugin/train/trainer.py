@@ -1,0 +1,291 @@
+"""The training loop of one rank: data-parallel over the EP group for replicated weights, expert-parallel for
+the routed experts.
+
+Each rank feeds its own slice of the global batch. The loss a rank back-propagates is its local mean divided by
+R, so the all-reduced (summed) gradients of the replicated weights, and the expert gradients that dispatch/combine
+bring back from every rank, are both gradients of the global mean loss — the same numbers one rank holding all
+experts computes on the whole batch (the EP=1 ≡ EP=R property the tests check).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .. import gating
+from ..buffer import Buffer
+from . import checkpoint, metrics
+from .config import TrainerConfig, validate
+from .data import TokenWindows, load_tokens
+from .model import MoETransformer
+
+
+def resolve_device(cfg: TrainerConfig) -> torch.device:
+    want = cfg.parallel.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("parallel.device: 'cuda' requested but torch sees no GPU")
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_backend(cfg: TrainerConfig) -> str:
+    if cfg.parallel.backend != "auto":
+        return cfg.parallel.backend
+    return "nccl" if resolve_device(cfg).type == "cuda" else "gloo"
+
+
+def resolve_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.model.dtype)
+
+
+def lr_at(cfg: TrainerConfig, step: int) -> float:
+    """Linear warm-up to ``train.lr``, then cosine decay to ``train.min_lr`` at ``train.steps``."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.double().square().sum()
+    return total
+
+
+@dataclass
+class StepResult:
+    """Global (all-rank) means of one forward/backward, and the global tokens per expert ``[blocks, E]``."""
+    lm_loss: float
+    aux_loss: float
+    counts: torch.Tensor
+
+    @property
+    def loss(self) -> float:
+        return self.lm_loss + self.aux_loss
+
+
+class Trainer:
+    """One rank's model, optimizer, data and Buffer on ``group`` (the EP group, which is also the DP group)."""
+
+    def __init__(self, cfg: TrainerConfig, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.cfg = cfg
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        validate(cfg, world_size=self.world)
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        hidden_bytes = cfg.model.hidden_size * max(self.dtype.itemsize, 2)
+        nvl_bytes = max(Buffer.get_dispatch_config(self.world).get_nvl_buffer_size_hint(hidden_bytes, self.world),
+                        Buffer.get_combine_config(self.world).get_nvl_buffer_size_hint(hidden_bytes, self.world))
+        self.buffer = Buffer(self.group, num_nvl_bytes=nvl_bytes, transport=cfg.parallel.transport,
+                             timeout_s=cfg.parallel.timeout_s)
+        self.model = MoETransformer(cfg, self.rank, self.world)
+        self.model.initialize(cfg.train.seed)
+        self.model.to(self.device)
+        self.model.attach(self.buffer)
+        self.replicated = self.model.replicated_parameters()
+        self.experts = self.model.expert_parameters()
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        self.data = TokenWindows(load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len,
+                                 cfg.data.eval_fraction, t.seed)
+        self.step = 0
+        self.load_totals = torch.zeros(len(self.model.moe_layers()), cfg.moe.num_experts, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ one step, in pieces the tests reuse
+    def batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data.batch(step, self.cfg.train.micro_batch_size, self.rank, self.world, self.device, split)
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def _global_mean(self, lm: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor) -> StepResult:
+        """One all-reduce for the two losses and the expert counts (float64 holds counts exactly)."""
+        packed = torch.cat([torch.stack([lm.detach(), aux.detach()]).double(), counts.to(lm.device).double().flatten()])
+        dist.all_reduce(packed, group=self.group)
+        return StepResult(lm_loss=float(packed[0]) / self.world, aux_loss=float(packed[1]) / self.world,
+                          counts=packed[2:].round().long().view_as(counts).cpu())
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Loss on this rank's ``inputs/targets [B, S]``, gradients of the global mean loss in every ``.grad``."""
+        with self._autocast():
+            logits, stats = self.model(inputs)
+        lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        ((lm + stats.aux_loss) / self.world).backward()
+        self._sum_replicated_grads()
+        return self._global_mean(lm, stats.aux_loss, stats.counts)
+
+    def _sum_replicated_grads(self) -> None:
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p in self.replicated:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p)
+            offset += n
+
+    def clip_gradients(self) -> float:
+        """Global gradient norm (replicated weights once + every rank's experts), clipped to ``train.grad_clip``."""
+        expert_sq = _squared_norm(self.experts, self.device)
+        dist.all_reduce(expert_sq, group=self.group)
+        norm = math.sqrt(float(_squared_norm(self.replicated, self.device)) + float(expert_sq))
+        clip = self.cfg.train.grad_clip
+        if clip > 0 and norm > clip:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def optimizer_step(self, step: int, result: StepResult) -> float:
+        """Clip, AdamW step at the scheduled LR, then the aux-loss-free bias update from the global loads."""
+        norm = self.clip_gradients()
+        lr = lr_at(self.cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.moe.expert_bias:
+            for layer, counts in zip(self.model.moe_layers(), result.counts):
+                gating.update_expert_bias(layer.expert_bias, counts.to(self.device).float(),
+                                          self.cfg.moe.bias_update_rate)
+        self.load_totals += result.counts
+        return norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean LM loss over ``train.eval_batches`` fixed held-out batches (all ranks)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(self.cfg.train.eval_batches):
+            inputs, targets = self.batch(i, "eval")
+            with self._autocast():
+                logits, _ = self.model(inputs)
+            total += F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1)).double()
+        dist.all_reduce(total, group=self.group)
+        return float(total) / (self.world * self.cfg.train.eval_batches)
+
+    # ------------------------------------------------------------------ the whole run
+    def resume(self) -> Optional[str]:
+        directory = checkpoint.find_resume_dir(self.cfg)
+        if directory is not None:
+            self.step, self.load_totals = checkpoint.load(directory, self.cfg, self.model, self.optimizer, self.group)
+        return directory
+
+    def train(self) -> dict[str, float]:
+        """Train from the resumed step to ``train.steps``; rank 0 writes the log, metrics.csv and plots."""
+        cfg, lead = self.cfg, self.rank == 0
+        out = cfg.output.dir
+        if lead:
+            os.makedirs(out, exist_ok=True)
+        dist.barrier(self.group)
+        logger = metrics.make_logger(out, to_console=lead) if lead else None
+        resumed = self.resume()
+        writer = metrics.MetricsWriter(out, self.step, cfg.output.tensorboard) if lead else None
+        if lead:
+            self._log_header(logger, resumed)
+        tokens_per_step = self.world * cfg.train.micro_batch_size * cfg.model.seq_len
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (lead and cfg.output.progress_bar),
+                   unit="step", dynamic_ncols=True)
+        start, last = time.perf_counter(), {}
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            result = self.forward_backward(*self.batch(self.step))
+            norm = self.optimizer_step(self.step, result)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.step += 1
+            done = self.step == cfg.train.steps
+            eval_loss = None
+            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or done):
+                eval_loss = self.evaluate()
+            balance, worst = metrics.load_balance(result.counts)
+            last = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
+                    "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
+                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
+                    "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start}
+            if lead:
+                writer.write(last)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                if self.step % cfg.output.log_interval == 0 or done or eval_loss is not None:
+                    logger.info(_format(last, cfg.train.steps))
+            interval = cfg.output.checkpoint_interval
+            if done or (interval and self.step % interval == 0):
+                path = checkpoint.save(cfg, self.step, self.model, self.optimizer, self.load_totals, self.group)
+                if lead:
+                    logger.info(f"checkpoint saved: {path}")
+        bar.close()
+        if lead:
+            writer.close()
+            self._finish(logger, last)
+        return last
+
+    def _log_header(self, logger, resumed: Optional[str]) -> None:
+        cfg = self.cfg
+        n_rep = sum(p.numel() for p in self.replicated)
+        n_exp = sum(p.numel() for p in self.experts)
+        logger.info(f"moe-ep-train: {self.world} EP rank(s) on {self.device.type} ({dist.get_backend(self.group)}), "
+                    f"transport={self.buffer.transport_name}, compute dtype {str(self.dtype).replace('torch.', '')}, "
+                    f"FP8 dispatch {'on' if cfg.parallel.fp8_dispatch else 'off'}")
+        logger.info(f"model: {cfg.model.num_layers} blocks ({cfg.model.num_dense_layers} dense), hidden "
+                    f"{cfg.model.hidden_size}, {cfg.moe.num_experts} routed experts top-{cfg.moe.topk} "
+                    f"({cfg.moe.num_groups} groups, top-{cfg.moe.group_topk}) + {cfg.moe.num_shared_experts} shared; "
+                    f"params: {n_rep / 1e6:.2f}M replicated + {n_exp / 1e6:.2f}M experts per rank")
+        logger.info(f"data: {len(self.data.train):,} training tokens ({cfg.data.path or 'shipped corpus'}); "
+                    f"global batch {self.world * cfg.train.micro_batch_size} x {cfg.model.seq_len} tokens; "
+                    f"output in {cfg.output.dir}")
+        if resumed:
+            logger.info(f"resumed from {resumed} at step {self.step}")
+
+    def _finish(self, logger, last: dict) -> None:
+        if self.cfg.output.plots:
+            why_not = metrics.write_plots(self.cfg.output.dir, self.load_totals, self.cfg.model.num_dense_layers)
+            logger.info(f"plots skipped: {why_not}" if why_not else
+                        f"plots: {os.path.join(self.cfg.output.dir, 'loss.png')}, expert_load.png")
+        if last:
+            logger.info(f"done: step {last['step']}, loss {last['loss']:.4f}, "
+                        f"{last['tokens_per_s']:,.0f} tokens/s at the last step; metrics in "
+                        f"{os.path.join(self.cfg.output.dir, 'metrics.csv')}")
+
+
+def _format(row: dict, total_steps: int) -> str:
+    width = len(str(total_steps))
+    text = (f"step {row['step']:>{width}}/{total_steps} | loss {row['loss']:.4f} (aux {row['aux_loss']:.2e}) | "
+            f"lr {row['lr']:.2e} | grad {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | "
+            f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})")
+    if row["eval_loss"] is not None:
+        text += f" | eval {row['eval_loss']:.4f}"
+    return text
+
+
+def run(cfg: TrainerConfig) -> None:
+    """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
+    if resolve_device(cfg).type == "cpu":
+        # Ranks on one host share its cores; more threads than cores makes every rank wait on the slowest.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.buffer.destroy()
