@@ -40,12 +40,15 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     check_fp8_hidden(h)
     blocks = x.float().view(n, h // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2).clamp_min(AMAX_FLOOR)
+    # True IEEE fp32 divisions against a full tensor: torch turns division by a Python scalar into a multiply by
+    # its reciprocal, which rounds differently from the kernels' ``448.0f / amax``.
+    fp8_max = torch.full_like(amax, FP8_MAX)
     if round_scale:
-        scales = _power_of_two_ceil(amax / FP8_MAX)
-        factor = 1.0 / scales
+        scales = _power_of_two_ceil(amax / fp8_max)
+        factor = torch.ones_like(scales) / scales
     else:
-        scales = amax / FP8_MAX
-        factor = FP8_MAX / amax
+        scales = amax / fp8_max
+        factor = fp8_max / amax
     q = (blocks * factor.unsqueeze(2)).to(FP8_DTYPE).view(n, h)
     return q, scales
 

@@ -66,8 +66,9 @@ def permute(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights
     is_pad = slot_of == n * k
     rows = torch.where(is_pad, n, slot_of // k)
     has_padding = alignment > 1
-    permuted_x = recv_x.index_select(0, rows.clamp_max(max(n - 1, 0))) if n > 0 else recv_x.new_zeros(num_out, recv_x.shape[1])
-    if has_padding and n > 0:
+    # Padding rows point at row n (past the end): clamp them to a real row for the gather, then zero them.
+    permuted_x = recv_x.index_select(0, rows.clamp_max(max(n - 1, 0)))
+    if has_padding:
         permuted_x = permuted_x.masked_fill(is_pad.unsqueeze(1), 0)
     probs = None
     if recv_topk_weights is not None:

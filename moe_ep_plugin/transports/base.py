@@ -21,7 +21,7 @@ class DispatchArgs:
     """One dispatch. ``x``: ``[N, H]`` BF16/FP32, or FP8 e4m3 with ``x_scales`` ``[N, H/128]`` float32.
 
     ``wire_fp8``: BF16 ``x`` is quantized to FP8 (1x128 blocks) before it is sent (``round_scale``: UE8M0
-    scales); ``recv_bf16``: FP8 rows are dequantized to BF16 on receive. ``topk_idx`` holds *global* expert ids
+    scales); ``recv_bf16``: FP8 rows are dequantized on receive (to the dtype of ``x``). ``topk_idx`` holds *global* expert ids
     (-1 = none); with ``handle`` set it is None (cached layout).
     """
 

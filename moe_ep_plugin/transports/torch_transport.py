@@ -160,7 +160,7 @@ class TorchTransport(Transport):
         if x_scales is not None:
             recv_scales = padded(_unpack(received, span["scales"], torch.float32, x_scales.shape[1]), 0)
             if args.recv_bf16:
-                recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, torch.bfloat16), None
+                recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
         recv_topk_idx = recv_topk_weights = counts = None
         recv_src_idx = handle.recv_src_idx
         if args.topk_idx is not None:
