@@ -1,0 +1,179 @@
+"""Time dispatch/combine of the ``nvlink`` kernels and the ``torch`` transport (NCCL) on the standard shape.
+
+One process per local GPU (spawned; or under torchrun). Standard shape (../shared/BENCHMARKS.md): 4096 tokens
+per rank, hidden 7168, 256 experts, top-8 with group-limited sigmoid routing (8 groups, top-4 groups); FP8
+dispatch, BF16 dispatch, BF16 combine. Before timing, the nvlink results are checked against the torch
+transport on the same inputs. Method: CUDA events around each call, warm-up, median of ``--iters`` runs over
+4 rotating input sets, a barrier before every timed series; the slowest rank's median is reported.
+Bandwidth: *logical* = all rows a rank receives (its own included, DeepEP's way); *physical* = rows that
+cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] [--json out.json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_plugin import Buffer, Config, gating
+from moe_ep_plugin.launch import launch
+
+
+def _routing(n: int, num_experts: int, topk: int, device: torch.device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(n, num_experts, device=device, generator=gen)
+    weights, idx = gating.group_limited_topk(logits, topk, score_function="sigmoid", num_groups=8, group_topk=4)
+    return idx, weights.float().contiguous()
+
+
+def _median_us(fn: Callable[[int], object], iters: int, warmup: int) -> float:
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    dist.barrier()
+    pairs = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    median = statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
+    slowest = torch.tensor([median], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(_same(u, v) for u, v in zip(a, b))
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _shape_rows(buffer: Buffer, inputs: list, num_experts: int) -> tuple[int, int, int, int]:
+    """(rows received, rows received from other ranks, rows sent back by combine to others) on this rank."""
+    x, idx, w = inputs[0]
+    _, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts)
+    rpm = handle.rank_prefix_matrix.cpu()
+    me = dist.get_rank()
+    own = int(rpm[me, me] - (rpm[me - 1, me] if me else 0))
+    total = int(handle.num_recv_tokens)
+    return total, total - own, total - own, x.shape[0]
+
+
+def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list, check: Buffer | None) -> None:
+    device = buffer.device
+    h, e, k = args.hidden, args.experts, args.topk
+    inputs = []
+    for j in range(4):
+        idx, w = _routing(n, e, k, device, seed + 17 * j)
+        inputs.append((torch.randn(n, h, device=device).to(torch.bfloat16), idx, w))
+    layouts = [buffer.get_dispatch_layout(idx, e) for _, idx, _ in inputs]
+    total, remote, _, _ = _shape_rows(buffer, inputs, e)
+    sums = torch.tensor([total, remote], dtype=torch.float64, device=device)
+    dist.all_reduce(sums, op=dist.ReduceOp.MAX)
+    total, remote = int(sums[0]), int(sums[1])
+
+    def disp(i: int, **kw):
+        x, idx, w = inputs[i % 4]
+        per_rank, _, per_expert, in_rank, _ = layouts[i % 4]
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
+
+    if check is not None:
+        ok = True
+        for kw in (dict(), dict(fp8_dispatch=True, fp8_out=True), dict(fp8_dispatch=True)):
+            got, want = disp(0, **kw), None
+            x, idx, w = inputs[0]
+            want = check.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
+            ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3])) and got[3] == want[3]
+            y = got[0] if not isinstance(got[0], tuple) else torch.randn(got[4].num_recv_rows, h, device=device).to(torch.bfloat16)
+            ok &= _same(buffer.combine(y, got[4])[0], check.combine(y, want[4])[0])
+        flag = torch.tensor([0 if ok else 1], device=device)
+        dist.all_reduce(flag)
+        results.append(dict(tag=tag, tokens=n, op="check vs torch", ok=int(flag.item()) == 0))
+
+    handles = [disp(j)[4] for j in range(4)]
+    ys = [torch.randn(hd.num_recv_rows, h, device=device).to(torch.bfloat16) for hd in handles]
+    bf16_row, fp8_row = h * 2, h + h // 128 * 4
+    worst = n * dist.get_world_size()
+    ops = [
+        ("layout", lambda i: buffer.get_dispatch_layout(inputs[i % 4][1], e), 0),
+        ("dispatch fp8", lambda i: disp(i, fp8_dispatch=True, fp8_out=True), fp8_row),
+        ("dispatch fp8->bf16", lambda i: disp(i, fp8_dispatch=True), fp8_row),
+        ("dispatch bf16", lambda i: disp(i), bf16_row),
+        ("dispatch bf16 cached", lambda i: buffer.dispatch(inputs[i % 4][0], handle=handles[i % 4]), bf16_row),
+        ("dispatch fp8 worst", lambda i: disp(i, fp8_dispatch=True, fp8_out=True, num_worst_tokens=worst), fp8_row),
+        ("combine bf16", lambda i: buffer.combine(ys[i % 4], handles[i % 4]), bf16_row),
+    ]
+    if args.quick:
+        ops = [op for op in ops if op[0] in ("dispatch fp8", "dispatch bf16", "combine bf16")]
+    for name, fn, row_bytes in ops:
+        us = _median_us(fn, args.iters, args.warmup)
+        results.append(dict(tag=tag, tokens=n, op=name, us=us,
+                            logical_gbs=total * row_bytes / us / 1e3 if row_bytes else None,
+                            physical_gbs=remote * row_bytes / us / 1e3 if row_bytes else None,
+                            rows=total, remote_rows=remote))
+
+
+def _worker(args) -> None:
+    torch.manual_seed(1234 + dist.get_rank())
+    Buffer.set_num_sms(args.sms)
+    nvlink = Buffer(dist.group.WORLD, transport="nvlink")
+    reference = Buffer(dist.group.WORLD, transport="torch")
+    results: list = []
+    _bench_one(nvlink, args.tokens, args, 7, f"nvlink {args.sms} SMs", results, reference)
+    if not args.quick:
+        _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
+    for sms, send_warps in args.split_sweep:
+        Buffer.set_num_sms(sms)
+        nvlink.transport.dispatch_send_warps = nvlink.transport.combine_send_warps = send_warps
+        sub = argparse.Namespace(**{**vars(args), "quick": True})
+        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {send_warps} send warps", results, None)
+    nvlink.transport.dispatch_send_warps, nvlink.transport.combine_send_warps = 12, 12
+    Buffer.set_num_sms(args.sms)
+    sub = argparse.Namespace(**{**vars(args), "quick": True})
+    for n in args.sweep:
+        if n != args.tokens:
+            _bench_one(nvlink, n, sub, 11, f"nvlink {args.sms} SMs", results, None)
+    if dist.get_rank() == 0:
+        print(f"\n{'config':<34} {'tokens':>6} {'op':<22} {'time us':>9} {'logical GB/s':>13} {'physical GB/s':>14}")
+        for r in results:
+            if "ok" in r:
+                print(f"{r['tag']:<34} {r['tokens']:>6} {r['op']:<22} {'PASS' if r['ok'] else 'FAIL':>9}")
+                continue
+            lg = f"{r['logical_gbs']:.0f}" if r["logical_gbs"] else "-"
+            ph = f"{r['physical_gbs']:.0f}" if r["physical_gbs"] else "-"
+            print(f"{r['tag']:<34} {r['tokens']:>6} {r['op']:<22} {r['us']:>9.1f} {lg:>13} {ph:>14}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(args={k: v for k, v in vars(args).items()}, results=results), f, indent=1)
+    torch.cuda.synchronize()
+    dist.barrier()
+    nvlink.destroy()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--sms", type=int, default=24)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[512, 1024, 2048, 8192])
+    p.add_argument("--split-sweep", type=lambda s: [tuple(int(u) for u in v.split(":")) for v in s.split(",") if v],
+                   default=[], help="SMs:send_warps pairs to time on the standard shape, e.g. 24:8,24:16")
+    p.add_argument("--quick", action="store_true", help="only FP8/BF16 dispatch and combine")
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    launch(_worker, args=(args,), nprocs=torch.cuda.device_count(), backend="nccl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// Shared by the kernel translation units: the peer-buffer layout, the device view of a context,
+// memory-ordering helpers for NVLink peer memory, timed spin-waits and error reporting.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "moe_ep.h"
+
+namespace moe_ep {
+
+constexpr int kMaxRanks = MOE_EP_MAX_RANKS;
+constexpr int kChunkRows = 8;                    // rows published by one flag
+constexpr int kMaxRegionRows = 65536;            // rows one source may place in a peer region
+constexpr int kMaxChunks = kMaxRegionRows / kChunkRows;
+
+// Every rank's buffer: [header | flags[R][kMaxChunks] | staging: one region per source rank].
+struct Header {
+    int signals[kMaxRanks];            // barrier arrivals, slot r incremented by rank r
+    int counts[kMaxRanks][kMaxRanks];  // counts[i][j]: tokens rank i sends to rank j (written by rank i)
+    int barrier_count;                 // barriers this rank completed; doubles as the sequence id of flags
+    int abort;                         // first error code seen on this rank (sticky)
+};
+constexpr int64_t kHeaderBytes = 4096;
+constexpr int64_t kFlagsOffset = kHeaderBytes;
+constexpr int64_t kStagingOffset = kFlagsOffset + int64_t(kMaxRanks) * kMaxChunks * 4;
+static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
+static_assert(kStagingOffset % 4096 == 0, "staging must stay page aligned");
+
+// What kernels need to reach every rank's buffer; passed by value.
+struct DevCtx {
+    char* bufs[kMaxRanks];  // bufs[rank] is local, the others are CUDA-IPC mappings of peer buffers
+    int32_t* host_err;      // device alias of the host-mapped error record
+    int64_t timeout_ns;
+    int64_t region_bytes;
+    int rank, num_ranks;
+};
+
+__device__ __forceinline__ Header* header(char* buf) { return reinterpret_cast<Header*>(buf); }
+__device__ __forceinline__ int* flags(char* buf, int src) {
+    return reinterpret_cast<int*>(buf + kFlagsOffset) + int64_t(src) * kMaxChunks;
+}
+__device__ __forceinline__ char* region(const DevCtx& c, int owner, int src) {
+    return c.bufs[owner] + kStagingOffset + int64_t(src) * c.region_bytes;
+}
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+    asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// 16-byte load of memory another GPU wrote (after an acquire): coherent path, never the read-only cache.
+__device__ __forceinline__ int4 ld_coherent(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// First error wins: it sets this rank's abort flag (which ends every other wait quickly) and fills the
+// host-mapped record Python reads.
+__device__ __forceinline__ void report_error(const DevCtx& c, int code, int a, int b) {
+    if (atomicCAS(&header(c.bufs[c.rank])->abort, 0, code) == 0) {
+        volatile int32_t* rec = c.host_err;
+        rec[1] = a;
+        rec[2] = b;
+        rec[3] = c.rank;
+        __threadfence_system();
+        rec[0] = code;
+    }
+}
+
+// Spin until *flag == target (or, with at_least, target - *flag <= 0 in wrapping arithmetic). Returns false
+// when this rank has aborted or the wait exceeded the timeout (then the error is reported with a, b).
+template <bool kAtLeast>
+__device__ __noinline__ bool wait_flag(const DevCtx& c, const int* flag, int target, int code, int a, int b) {
+    const int* abort = &header(c.bufs[c.rank])->abort;
+    uint64_t start = 0;
+    for (uint32_t iter = 0;; ++iter) {
+        const int v = ld_acquire_sys(flag);
+        if (kAtLeast ? (v - target >= 0) : (v == target)) return true;
+        if ((iter & 255u) == 255u) {
+            if (ld_volatile(abort) != 0) return false;
+            const uint64_t t = now_ns();
+            if (start == 0) {
+                start = t;
+            } else if (t - start > uint64_t(c.timeout_ns)) {
+                report_error(c, code, a, b);
+                return false;
+            }
+        }
+    }
+}
+
+// Counting barrier over all ranks, run by one whole block. Every rank increments its slot in every peer's
+// signals and waits until each peer's slot in its own buffer reached this rank's barrier count + 1; no reset is
+// needed because all ranks run the same sequence of barriers. Prior writes of the block are made visible
+// system-wide first. Returns false on timeout/abort.
+static __device__ bool block_barrier(const DevCtx& c) {
+    __shared__ int ok;
+    Header* mine = header(c.bufs[c.rank]);
+    __threadfence_system();
+    __syncthreads();
+    const int target = ld_volatile(&mine->barrier_count) + 1;
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    const int peer = threadIdx.x;
+    if (peer < c.num_ranks && peer != c.rank) atomicAdd_system(&header(c.bufs[peer])->signals[c.rank], 1);
+    if (peer < c.num_ranks && peer != c.rank) {
+        if (!wait_flag<true>(c, &mine->signals[peer], target, MOE_EP_ERR_BARRIER_TIMEOUT, peer, 0)) ok = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(&mine->barrier_count) = target;
+    __syncthreads();
+    return ok != 0;
+}
+
+}  // namespace moe_ep

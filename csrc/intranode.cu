@@ -1,0 +1,676 @@
+// NVLink kernels for the ranks of one host: notify (barrier + count exchange + send order), dispatch and combine.
+//
+// Push model with worst-case sized staging: every rank owns one region per source rank in its peer-visible
+// buffer. A sender warp writes a chunk of kChunkRows rows straight into the destination's region (NVLink
+// stores), then publishes the chunk by storing the operation's sequence id into a per-(source, chunk) flag
+// with release semantics. Receiver warps of the destination acquire the flag and copy the rows into the
+// output tensors. Sender and receiver warps share each block, so sending and receiving overlap. Rows a rank
+// keeps for itself never touch the staging area. Regions are sized for the worst case, so senders never wait;
+// a barrier at the start of every operation guarantees the previous operation's readers are done.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+#include "context.h"
+
+namespace moe_ep {
+
+constexpr int kThreads = 768;  // 24 warps per block, one block per SM
+constexpr int kWarps = kThreads / 32;
+constexpr int kNotifyThreads = 1024;
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+// Byte layout of one staged dispatch row: hidden payload, FP8 scales, local top-k ids, weights, source index.
+struct SlotLayout {
+    int payload_bytes, num_scales, scales_off, idx_off, w_off, src_off, slot_bytes;
+};
+
+__device__ __forceinline__ int rows_from(const int32_t* rpm, int R, int src, int dst) {
+    return rpm[src * R + dst] - (src > 0 ? rpm[(src - 1) * R + dst] : 0);
+}
+__device__ __forceinline__ int offset_from(const int32_t* rpm, int R, int src, int dst) {
+    return src > 0 ? rpm[(src - 1) * R + dst] : 0;
+}
+
+// Warp-wide copy of n 16-byte vectors, 8 loads in flight per lane. kPeerWritten: the source was written by
+// another GPU (read it on the coherent path); otherwise it is a read-only input.
+template <bool kPeerWritten>
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+    int i = lane;
+#pragma unroll 1
+    for (; i + 32 * 7 < n; i += 32 * 8) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = kPeerWritten ? ld_coherent(src + i + 32 * u) : __ldg(src + i + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) dst[i + 32 * u] = v[u];
+    }
+    for (; i < n; i += 32) dst[i] = kPeerWritten ? ld_coherent(src + i) : __ldg(src + i);
+}
+
+template <bool kPeerWritten>
+__device__ __forceinline__ void warp_copy_floats(float* dst, const float* src, int n, int lane) {
+    for (int i = lane; i < n; i += 32) dst[i] = kPeerWritten ? *reinterpret_cast<const volatile float*>(src + i) : __ldg(src + i);
+}
+
+// 16 consecutive input values of a BF16 or FP32 row as float.
+__device__ __forceinline__ void load16(const __nv_bfloat16* row, int c0, float v[16]) {
+    const int4* p = reinterpret_cast<const int4*>(row + c0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int4 raw = __ldg(p + h);
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 f = __bfloat1622float2(b[i]);
+            v[h * 8 + 2 * i] = f.x;
+            v[h * 8 + 2 * i + 1] = f.y;
+        }
+    }
+}
+__device__ __forceinline__ void load16(const float* row, int c0, float v[16]) {
+    const int4* p = reinterpret_cast<const int4*>(row + c0);
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        int4 raw = __ldg(p + h);
+        v[h * 4 + 0] = __int_as_float(raw.x);
+        v[h * 4 + 1] = __int_as_float(raw.y);
+        v[h * 4 + 2] = __int_as_float(raw.z);
+        v[h * 4 + 3] = __int_as_float(raw.w);
+    }
+}
+
+__device__ __forceinline__ float fp8_to_float(uint32_t byte) {
+    __nv_fp8_e4m3 f;
+    f.__x = static_cast<__nv_fp8_storage_t>(byte);
+    return float(f);
+}
+
+// 16 FP8 bytes times `scale` → 16 BF16 (fp32 product, round to nearest even), stored as two int4.
+__device__ __forceinline__ void store_dequant16(__nv_bfloat16* out, const int4& q, float scale) {
+    const uint32_t words[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+    int4 o[2];
+    __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(o);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float a = __fmul_rn(fp8_to_float((words[w] >> (16 * h)) & 0xff), scale);
+            const float b = __fmul_rn(fp8_to_float((words[w] >> (16 * h + 8)) & 0xff), scale);
+            ob[w * 2 + h] = __floats2bfloat162_rn(a, b);
+        }
+    }
+    reinterpret_cast<int4*>(out)[0] = o[0];
+    reinterpret_cast<int4*>(out)[1] = o[1];
+}
+
+// Warp-wide 1x128 FP8 quantization of one row, exactly moe_ep_plugin.fp8.quantize: amax floored at 1e-4;
+// scale = amax / 448, q = fp8(x * (448 / amax)) with IEEE fp32 divisions; with round_scale
+// scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
+// Each lane handles 16 channels, 8 lanes one 128-channel block. Any of q_out / s_out / deq_out may be null.
+template <typename T>
+__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_out, float* s_out,
+                                             __nv_bfloat16* deq_out, bool round_scale, int lane) {
+    for (int base = 0; base < hidden; base += 512) {
+        const int c0 = base + lane * 16;
+        const bool active = c0 < hidden;
+        float v[16];
+        if (active) {
+            load16(x, c0, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        amax = fmaxf(amax, kAmaxFloor);
+        float scale, factor;
+        if (round_scale) {
+            const uint32_t bits = __float_as_uint(__fdiv_rn(amax, kFp8Max));
+            const uint32_t exponent = ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+            scale = __uint_as_float(exponent << 23);
+            factor = __frcp_rn(scale);
+        } else {
+            scale = __fdiv_rn(amax, kFp8Max);
+            factor = __fdiv_rn(kFp8Max, amax);
+        }
+        if (!active) continue;
+        uint32_t words[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+                make_float2(__fmul_rn(v[4 * w], factor), __fmul_rn(v[4 * w + 1], factor)), __NV_SATFINITE, __NV_E4M3);
+            const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+                make_float2(__fmul_rn(v[4 * w + 2], factor), __fmul_rn(v[4 * w + 3], factor)), __NV_SATFINITE, __NV_E4M3);
+            words[w] = uint32_t(lo) | (uint32_t(hi) << 16);
+        }
+        const int4 q = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
+        if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
+        if (s_out != nullptr && (lane & 7) == 0) s_out[c0 / 128] = scale;
+        if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
+    }
+}
+
+// Warp-wide dequantization of one FP8 row (16 bytes per lane per step).
+template <bool kPeerWritten>
+__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, __nv_bfloat16* out, int hidden,
+                                            int lane) {
+    for (int c0 = lane * 16; c0 < hidden; c0 += 512) {
+        const int4* src = reinterpret_cast<const int4*>(q + c0);
+        const int4 v = kPeerWritten ? ld_coherent(src) : __ldg(src);
+        const float s = kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
+        store_dequant16(out + c0, v, s);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// notify: barrier, count exchange (every rank receives the whole [R, R] count matrix), rank prefix matrix;
+// blocks 1..R compute send_pos[:, dst] and the inverse list send_list[dst] by a block-wide scan.
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const int32_t* num_tokens_per_rank,
+                                                                const uint8_t* __restrict__ in_rank, int num_tokens,
+                                                                int list_stride, int32_t* rpm, int32_t* send_pos,
+                                                                int32_t* send_list) {
+    const int R = c.num_ranks, me = c.rank;
+    if (blockIdx.x == 0) {
+        if (!block_barrier(c)) return;
+        if (num_tokens_per_rank == nullptr) return;
+        for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+            const int dst = i / R, j = i % R;
+            *reinterpret_cast<volatile int*>(&header(c.bufs[dst])->counts[me][j]) = num_tokens_per_rank[j];
+        }
+        if (!block_barrier(c)) return;
+        if (threadIdx.x < R) {
+            const int j = threadIdx.x;
+            const Header* mine = header(c.bufs[me]);
+            int sum = 0;
+            for (int i = 0; i < R; ++i) {
+                sum += ld_volatile(&mine->counts[i][j]);
+                rpm[i * R + j] = sum;
+            }
+        }
+        return;
+    }
+    const int dst = blockIdx.x - 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ int warp_offsets[kNotifyThreads / 32];
+    __shared__ int tile_total;
+    int running = 0;
+    for (int base = 0; base < num_tokens; base += kNotifyThreads) {
+        const int t = base + threadIdx.x;
+        const bool sent = t < num_tokens && in_rank[int64_t(t) * R + dst] != 0;
+        const uint32_t ballot = __ballot_sync(0xffffffffu, sent);
+        const int prefix = __popc(ballot & ((1u << lane) - 1u));
+        if (lane == 0) warp_offsets[warp] = __popc(ballot);
+        __syncthreads();
+        if (warp == 0) {
+            const int count = warp_offsets[lane];
+            int inclusive = count;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+                if (lane >= d) inclusive += up;
+            }
+            warp_offsets[lane] = inclusive - count;
+            if (lane == 31) tile_total = inclusive;
+        }
+        __syncthreads();
+        if (t < num_tokens) {
+            const int pos = running + warp_offsets[warp] + prefix;
+            send_pos[int64_t(t) * R + dst] = sent ? pos : -1;
+            if (sent) send_list[int64_t(dst) * list_stride + pos] = t;
+        }
+        running += tile_total;
+        __syncthreads();
+    }
+}
+
+__global__ void barrier_kernel(DevCtx c) { block_barrier(c); }
+
+// ---------------------------------------------------------------------------------------------------------
+// dispatch. kQuant: 0 = rows travel as they are (BF16/FP32, or FP8 with its scales); 1 = BF16 rows and
+// 2 = FP32 rows quantized to FP8 in the send path.
+template <int kQuant>
+struct InputType { using type = uint8_t; };
+template <>
+struct InputType<1> { using type = __nv_bfloat16; };
+template <>
+struct InputType<2> { using type = float; };
+
+// Local top-k ids of token t for rank `owner` (-1 elsewhere), weights (0 elsewhere), and the source index,
+// written through `emit(k, idx, weight)` and `emit_src(t)` by lanes < K and lane 0.
+__device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t, int owner, int lane, int& idx,
+                                         float& weight) {
+    const int L = int(p.num_local_experts);
+    const int64_t e = __ldg(p.topk_idx + int64_t(t) * p.num_topk + lane);
+    const int64_t lo = int64_t(owner) * L;
+    idx = (e >= lo && e < lo + L) ? int(e - lo) : -1;
+    weight = (p.topk_weights != nullptr && idx >= 0) ? __ldg(p.topk_weights + int64_t(t) * p.num_topk + lane) : 0.0f;
+}
+
+__device__ __forceinline__ void emit_meta(const moe_ep_dispatch_params& p, int64_t row, int idx, float weight,
+                                          int src, int lane, int* s_hist) {
+    if (p.recv_topk_idx != nullptr && lane < p.num_topk) {
+        p.recv_topk_idx[row * p.num_topk + lane] = idx;
+        if (p.recv_topk_weights != nullptr) p.recv_topk_weights[row * p.num_topk + lane] = weight;
+        if (idx >= 0 && p.recv_expert_count != nullptr) atomicAdd(&s_hist[idx], 1);
+    }
+    if (lane == 0) p.recv_src_idx[row] = src;
+}
+
+template <int kQuant>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl) {
+    using T = typename InputType<kQuant>::type;
+    extern __shared__ int s_hist[];
+    const int R = c.num_ranks, me = c.rank;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
+    const int S = sl.num_scales;
+    const int32_t* rpm = p.rank_prefix_matrix;
+    const bool has_topk = p.topk_idx != nullptr;
+    const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
+    const bool dequant = wire_fp8 && p.recv_bf16 != 0;
+    const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
+    const int64_t out_row_bytes = dequant ? int64_t(H) * 2 : int64_t(sl.payload_bytes);
+    char* recv_x = static_cast<char*>(p.recv_x);
+    // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
+    if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
+    for (int i = threadIdx.x; i < L; i += blockDim.x) s_hist[i] = 0;
+    __syncthreads();
+
+    const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
+    const int total_recv = rpm[(R - 1) * R + me];
+    const bool fits = total_recv <= p.num_recv_rows;
+    if (!fits && blockIdx.x == 0 && threadIdx.x == 0)
+        report_error(c, MOE_EP_ERR_WORST_TOKENS, total_recv, int(p.num_recv_rows));
+    const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
+    const int num_send_warps = int(p.num_send_warps);
+
+    if (warp < num_send_warps) {
+        // ---- send: chunks of rows to every peer, interleaved over peers ----
+        const int gw = blockIdx.x * num_send_warps + warp, nw = gridDim.x * num_send_warps;
+        int max_chunks = 0;
+        for (int d = 0; d < R; ++d)
+            if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, me, d) + kChunkRows - 1) / kChunkRows);
+        for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
+            const int chunk = u / (R - 1), d = (me + 1 + u % (R - 1)) % R;
+            const int count = rows_from(rpm, R, me, d);
+            const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
+            if (begin >= count) continue;
+            if (end > cap_rows) {
+                if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
+                break;
+            }
+            char* dst_region = region(c, d, me);
+            for (int pos = begin; pos < end; ++pos) {
+                const int t = __ldg(p.send_list + int64_t(d) * p.list_stride + pos);
+                char* slot = dst_region + int64_t(pos) * sl.slot_bytes;
+                if constexpr (kQuant == 0) {
+                    warp_copy<false>(reinterpret_cast<int4*>(slot),
+                                     reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + t * in_row_bytes),
+                                     sl.payload_bytes / 16, lane);
+                    if (p.fp8_in) warp_copy_floats<false>(reinterpret_cast<float*>(slot + sl.scales_off),
+                                                          p.x_scales + int64_t(t) * S, S, lane);
+                } else {
+                    quantize_row<T>(static_cast<const T*>(p.x) + int64_t(t) * H, H, reinterpret_cast<uint8_t*>(slot),
+                                    reinterpret_cast<float*>(slot + sl.scales_off), nullptr, p.round_scale != 0, lane);
+                }
+                if (has_topk && lane < K) {
+                    int idx;
+                    float weight;
+                    localize(p, t, d, lane, idx, weight);
+                    reinterpret_cast<int*>(slot + sl.idx_off)[lane] = idx;
+                    reinterpret_cast<float*>(slot + sl.w_off)[lane] = weight;
+                }
+                if (lane == 0) *reinterpret_cast<int*>(slot + sl.src_off) = t;
+            }
+            __threadfence_system();  // each lane's row stores reach the peer before the flag
+            __syncwarp();
+            if (lane == 0) st_release_sys(flags(c.bufs[d], me) + chunk, seq);
+        }
+    } else {
+        // ---- receive: own rows straight from x, peers' rows from the staging regions once published ----
+        const int num_recv_warps = kWarps - num_send_warps;
+        const int gw = blockIdx.x * num_recv_warps + (warp - num_send_warps), nw = gridDim.x * num_recv_warps;
+        int max_chunks = 0;
+        for (int s = 0; s < R; ++s) max_chunks = max(max_chunks, (rows_from(rpm, R, s, me) + kChunkRows - 1) / kChunkRows);
+        for (int u = gw; fits && u < max_chunks * R; u += nw) {
+            const int chunk = u / R, s = (me + u % R) % R;
+            const int count = rows_from(rpm, R, s, me);
+            const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
+            if (begin >= count) continue;
+            const int64_t out_base = offset_from(rpm, R, s, me);
+            if (s == me) {
+                for (int pos = begin; pos < end; ++pos) {
+                    const int t = __ldg(p.send_list + int64_t(me) * p.list_stride + pos);
+                    const int64_t row = out_base + pos;
+                    char* out = recv_x + row * out_row_bytes;
+                    if constexpr (kQuant == 0) {
+                        const char* xrow = static_cast<const char*>(p.x) + t * in_row_bytes;
+                        if (dequant) {
+                            dequant_row<false>(reinterpret_cast<const uint8_t*>(xrow), p.x_scales + int64_t(t) * S,
+                                               reinterpret_cast<__nv_bfloat16*>(out), H, lane);
+                        } else {
+                            warp_copy<false>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(xrow),
+                                             sl.payload_bytes / 16, lane);
+                            if (p.fp8_in) warp_copy_floats<false>(p.recv_scales + row * S, p.x_scales + int64_t(t) * S, S, lane);
+                        }
+                    } else {
+                        quantize_row<T>(static_cast<const T*>(p.x) + int64_t(t) * H, H,
+                                        dequant ? nullptr : reinterpret_cast<uint8_t*>(out),
+                                        dequant ? nullptr : p.recv_scales + row * S,
+                                        dequant ? reinterpret_cast<__nv_bfloat16*>(out) : nullptr, p.round_scale != 0, lane);
+                    }
+                    int idx = -1;
+                    float weight = 0.0f;
+                    if (has_topk && lane < K) localize(p, t, me, lane, idx, weight);
+                    emit_meta(p, row, idx, weight, t, lane, s_hist);
+                }
+            } else {
+                int ok = 1;
+                if (lane == 0)
+                    ok = wait_flag<false>(c, flags(c.bufs[me], s) + chunk, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, s, chunk);
+                if (!__shfl_sync(0xffffffffu, ok, 0)) break;
+                const char* src_region = region(c, me, s);
+                for (int pos = begin; pos < end; ++pos) {
+                    const char* slot = src_region + int64_t(pos) * sl.slot_bytes;
+                    const int64_t row = out_base + pos;
+                    char* out = recv_x + row * out_row_bytes;
+                    if (dequant) {
+                        dequant_row<true>(reinterpret_cast<const uint8_t*>(slot),
+                                          reinterpret_cast<const float*>(slot + sl.scales_off),
+                                          reinterpret_cast<__nv_bfloat16*>(out), H, lane);
+                    } else {
+                        warp_copy<true>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
+                                        sl.payload_bytes / 16, lane);
+                        if (wire_fp8) warp_copy_floats<true>(p.recv_scales + row * S,
+                                                             reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
+                    }
+                    int idx = -1;
+                    float weight = 0.0f;
+                    if (has_topk && lane < K) {
+                        idx = reinterpret_cast<const volatile int*>(slot + sl.idx_off)[lane];
+                        weight = reinterpret_cast<const volatile float*>(slot + sl.w_off)[lane];
+                    }
+                    emit_meta(p, row, idx, weight, *reinterpret_cast<const volatile int*>(slot + sl.src_off), lane, s_hist);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (p.recv_expert_count != nullptr)
+        for (int i = threadIdx.x; i < L; i += blockDim.x)
+            if (s_hist[i]) atomicAdd(&p.recv_expert_count[i], s_hist[i]);
+    if (!fits) return;
+    // num_worst_tokens: rows past the received ones hold zeros, top-k ids -1, weights 0, source index -1.
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, nthreads = int64_t(gridDim.x) * blockDim.x;
+    const int64_t tail_rows = p.num_recv_rows - total_recv;
+    if (tail_rows <= 0) return;
+    int4* tail_x = reinterpret_cast<int4*>(recv_x + total_recv * out_row_bytes);
+    for (int64_t i = tid; i < tail_rows * out_row_bytes / 16; i += nthreads) tail_x[i] = make_int4(0, 0, 0, 0);
+    if (wire_fp8 && !dequant)
+        for (int64_t i = tid; i < tail_rows * S; i += nthreads) p.recv_scales[total_recv * S + i] = 0.0f;
+    if (p.recv_topk_idx != nullptr)
+        for (int64_t i = tid; i < tail_rows * K; i += nthreads) {
+            p.recv_topk_idx[total_recv * K + i] = -1;
+            if (p.recv_topk_weights != nullptr) p.recv_topk_weights[total_recv * K + i] = 0.0f;
+        }
+    for (int64_t i = tid; i < tail_rows; i += nthreads) p.recv_src_idx[total_recv + i] = -1;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// combine: every rank pushes the rows it received back into the origin's region for it (same positions as
+// the dispatch send order), the origin sums each token's copies in source-rank order in fp32, then the biases.
+template <typename T>
+struct Vec;
+template <>
+struct Vec<__nv_bfloat16> {
+    static constexpr int kN = 8;
+    __device__ static void add(float* acc, const int4& v) {
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(b[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
+    __device__ static int4 pack(const float* acc) {
+        int4 o;
+        __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        return o;
+    }
+};
+template <>
+struct Vec<float> {
+    static constexpr int kN = 4;
+    __device__ static void add(float* acc, const int4& v) {
+        acc[0] += __int_as_float(v.x);
+        acc[1] += __int_as_float(v.y);
+        acc[2] += __int_as_float(v.z);
+        acc[3] += __int_as_float(v.w);
+    }
+    __device__ static int4 pack(const float* acc) {
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+    }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p, int slot_bytes,
+                                                              int w_off) {
+    constexpr int kN = Vec<T>::kN;
+    constexpr int kUnroll = 2;
+    const int R = c.num_ranks, me = c.rank;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int K = int(p.num_topk);
+    const int64_t row_bytes = p.hidden * int64_t(sizeof(T));
+    const int n16 = int(row_bytes / 16);
+    const int32_t* rpm = p.rank_prefix_matrix;
+    const char* x = static_cast<const char*>(p.x);
+    if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
+    const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
+    const int cap_rows = int(min(c.region_bytes / slot_bytes, int64_t(kMaxRegionRows)));
+    const int num_send_warps = int(p.num_send_warps);
+
+    if (warp < num_send_warps) {
+        const int gw = blockIdx.x * num_send_warps + warp, nw = gridDim.x * num_send_warps;
+        int max_chunks = 0;
+        for (int d = 0; d < R; ++d)
+            if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
+        for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
+            const int chunk = u / (R - 1), d = (me + 1 + u % (R - 1)) % R;
+            const int count = rows_from(rpm, R, d, me);
+            const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
+            if (begin >= count) continue;
+            if (end > cap_rows) {
+                if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
+                break;
+            }
+            const int64_t base = offset_from(rpm, R, d, me);
+            char* dst_region = region(c, d, me);
+            for (int pos = begin; pos < end; ++pos) {
+                char* slot = dst_region + int64_t(pos) * slot_bytes;
+                warp_copy<false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(x + (base + pos) * row_bytes),
+                                 n16, lane);
+                if (p.topk_weights != nullptr && lane < K)
+                    reinterpret_cast<float*>(slot + w_off)[lane] = __ldg(p.topk_weights + (base + pos) * K + lane);
+            }
+            __threadfence_system();
+            __syncwarp();
+            if (lane == 0) st_release_sys(flags(c.bufs[d], me) + chunk, seq);
+        }
+        return;
+    }
+    const int num_recv_warps = kWarps - num_send_warps;
+    const int gw = blockIdx.x * num_recv_warps + (warp - num_send_warps), nw = gridDim.x * num_recv_warps;
+    const int64_t self_base = offset_from(rpm, R, me, me);
+    int seen_chunk[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) seen_chunk[r] = -1;
+    for (int t = gw; t < p.num_tokens; t += nw) {
+        const char* src[kMaxRanks];
+        bool ok = true;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+            src[r] = nullptr;
+            if (r >= R) continue;
+            const int pos = __ldg(p.send_pos + int64_t(t) * R + r);
+            if (pos < 0) continue;
+            if (r == me) {
+                src[r] = x + (self_base + pos) * row_bytes;
+                continue;
+            }
+            const int chunk = pos / kChunkRows;
+            if (chunk != seen_chunk[r]) {
+                int good = 1;
+                if (lane == 0) good = wait_flag<false>(c, flags(c.bufs[me], r) + chunk, seq, MOE_EP_ERR_COMBINE_TIMEOUT, r, chunk);
+                good = __shfl_sync(0xffffffffu, good, 0);
+                if (!good) ok = false;
+                seen_chunk[r] = chunk;
+            }
+            src[r] = region(c, me, r) + int64_t(pos) * slot_bytes;
+        }
+        if (!ok) break;
+        const char* bias0 = static_cast<const char*>(p.bias0);
+        const char* bias1 = static_cast<const char*>(p.bias1);
+        int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
+        for (int j0 = lane; j0 < n16; j0 += 32 * kUnroll) {
+            float acc[kUnroll][kN];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int i = 0; i < kN; ++i) acc[u][i] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r) {
+                if (src[r] == nullptr) continue;
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int j = j0 + 32 * u;
+                    if (j < n16) {
+                        const int4* s = reinterpret_cast<const int4*>(src[r]) + j;
+                        v[u] = r == me ? __ldg(s) : ld_coherent(s);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (j0 + 32 * u < n16) Vec<T>::add(acc[u], v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int j = j0 + 32 * u;
+                if (j >= n16) continue;
+                if (bias0 != nullptr) Vec<T>::add(acc[u], __ldg(reinterpret_cast<const int4*>(bias0 + int64_t(t) * row_bytes) + j));
+                if (bias1 != nullptr) Vec<T>::add(acc[u], __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
+                out[j] = Vec<T>::pack(acc[u]);
+            }
+        }
+        if (p.out_weights != nullptr && lane < K) {
+            float w = 0.0f;
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r) {
+                if (src[r] == nullptr) continue;
+                if (r == me) {
+                    const int pos = __ldg(p.send_pos + int64_t(t) * R + r);
+                    w += __ldg(p.topk_weights + (self_base + pos) * K + lane);
+                } else {
+                    w += reinterpret_cast<const volatile float*>(src[r] + w_off)[lane];
+                }
+            }
+            p.out_weights[int64_t(t) * K + lane] = w;
+        }
+    }
+}
+
+int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps) {
+    int device_sms = 0;
+    int err = check_cuda(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, ctx->device),
+                         "cudaDeviceGetAttribute");
+    if (err) return err;
+    if (num_sms < 1 || num_sms > device_sms)
+        return set_error(-1, "num_sms=" + std::to_string(num_sms) + " must lie in [1, " + std::to_string(device_sms) +
+                                 "] (all blocks must be resident at once)");
+    if (num_send_warps < 1 || num_send_warps >= kWarps)
+        return set_error(-1, "num_send_warps=" + std::to_string(num_send_warps) + " must lie in [1, " +
+                                 std::to_string(kWarps - 1) + "]");
+    return 0;
+}
+
+}  // namespace moe_ep
+
+using namespace moe_ep;
+
+extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const uint8_t* is_token_in_rank,
+                                      int64_t num_tokens, int64_t list_stride, int32_t* rank_prefix_matrix,
+                                      int32_t* send_pos, int32_t* send_list, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
+    notify_kernel<<<1 + ctx->dev.num_ranks, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        ctx->dev, num_tokens_per_rank, is_token_in_rank, int(num_tokens), int(list_stride), rank_prefix_matrix,
+        send_pos, send_list);
+    return check_launch("notify_kernel");
+}
+
+extern "C" int moe_ep_barrier(void* handle, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    barrier_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev);
+    return check_launch("barrier_kernel");
+}
+
+extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_dispatch_params& p = *params;
+    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps)) return err;
+    if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
+    const bool quantize = p.wire_fp8 != 0;
+    if (quantize && p.x_elem_bytes != 2 && p.x_elem_bytes != 4)
+        return set_error(-1, "FP8 quantization in the send path needs BF16 or FP32 input");
+    const bool fp8_rows = quantize || p.fp8_in != 0;
+    if (fp8_rows && p.hidden % 128 != 0) return set_error(-1, "FP8 rows need hidden % 128 == 0");
+    SlotLayout sl;
+    sl.payload_bytes = int(fp8_rows ? p.hidden : p.hidden * p.x_elem_bytes);
+    if (sl.payload_bytes % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
+    sl.num_scales = fp8_rows ? int(p.hidden / 128) : 0;
+    sl.scales_off = sl.payload_bytes;
+    sl.idx_off = sl.scales_off + 4 * sl.num_scales;
+    sl.w_off = sl.idx_off + 4 * int(p.num_topk);
+    sl.src_off = sl.w_off + 4 * int(p.num_topk);
+    sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
+    const size_t smem = size_t(p.num_local_experts) * sizeof(int);
+    if (smem > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int grid = int(p.num_sms);
+    if (!quantize) {
+        dispatch_kernel<0><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl);
+    } else if (p.x_elem_bytes == 2) {
+        dispatch_kernel<1><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl);
+    } else {
+        dispatch_kernel<2><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl);
+    }
+    return check_launch("dispatch_kernel");
+}
+
+extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_combine_params& p = *params;
+    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps)) return err;
+    if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
+    if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
+    if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
+    const int w_off = int(p.hidden * p.elem_bytes);
+    const int slot_bytes = (w_off + 4 * int(p.num_topk) + 15) / 16 * 16;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int grid = int(p.num_sms);
+    if (p.elem_bytes == 2) {
+        combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
+    } else {
+        combine_kernel<float><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
+    }
+    return check_launch("combine_kernel");
+}

@@ -1,0 +1,59 @@
+// Dispatch layout: per-rank and per-expert token counts and the token-to-rank mask, from top-k expert ids.
+#include "common.cuh"
+#include "context.h"
+
+namespace moe_ep {
+
+constexpr int kLayoutThreads = 256;
+
+// One thread per token (grid-stride). Block-local histograms in shared memory, flushed with one atomic per
+// nonzero bin. Experts are laid out contiguously over ranks: rank = expert / (E / R).
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens,
+                                                                int num_topk, int num_experts, int num_ranks,
+                                                                int32_t* per_rank, int32_t* per_expert,
+                                                                uint8_t* is_token_in_rank) {
+    extern __shared__ int s_counts[];  // [num_experts] then [num_ranks]
+    int* s_rank = s_counts + num_experts;
+    for (int i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) s_counts[i] = 0;
+    __syncthreads();
+    const int experts_per_rank = num_experts / num_ranks;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
+        uint32_t mask = 0;
+        for (int k = 0; k < num_topk; ++k) {
+            const int64_t e = __ldg(topk_idx + int64_t(t) * num_topk + k);
+            if (e < 0) continue;
+            atomicAdd(&s_counts[e], 1);
+            mask |= 1u << (int(e) / experts_per_rank);
+        }
+        for (int r = 0; r < num_ranks; ++r) {
+            const bool in = (mask >> r) & 1u;
+            is_token_in_rank[int64_t(t) * num_ranks + r] = in;
+            if (in) atomicAdd(&s_rank[r], 1);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x)
+        if (s_counts[i]) atomicAdd(&per_expert[i], s_counts[i]);
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
+        if (s_rank[r]) atomicAdd(&per_rank[r], s_rank[r]);
+}
+
+}  // namespace moe_ep
+
+using namespace moe_ep;
+
+extern "C" int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
+                                          int64_t num_experts, int64_t num_ranks, int32_t* per_rank,
+                                          int32_t* per_expert, uint8_t* is_token_in_rank, void* stream) {
+    if (num_ranks < 1 || num_ranks > 32 || num_experts % num_ranks != 0 || num_experts > 12288)
+        return set_error(-1, "moe_ep_get_dispatch_layout: need num_experts divisible by 1 <= num_ranks <= 32 and "
+                             "num_experts <= 12288");
+    if (num_tokens == 0) return 0;
+    const int blocks = int((num_tokens + kLayoutThreads - 1) / kLayoutThreads < 64
+                               ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads : 64);
+    const size_t smem = size_t(num_experts + num_ranks) * sizeof(int);
+    layout_kernel<<<blocks, kLayoutThreads, smem, static_cast<cudaStream_t>(stream)>>>(
+        topk_idx, int(num_tokens), int(num_topk), int(num_experts), int(num_ranks), per_rank, per_expert,
+        is_token_in_rank);
+    return check_launch("layout_kernel");
+}

@@ -1,0 +1,92 @@
+/* moe_ep_plugin kernel library: the plain C ABI that moe_ep_plugin/_ext.py loads with ctypes.
+ *
+ * No torch headers: every tensor is a raw device pointer, every stream a cudaStream_t passed as void*.
+ * Functions return 0 on success, or a nonzero code with a message in moe_ep_last_error().
+ * Peer-memory waits inside kernels time out; what stalled is written to the context's error record
+ * (moe_ep_error_info), which Python turns into an exception.
+ */
+#ifndef MOE_EP_H_
+#define MOE_EP_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOE_EP_ABI_VERSION 1
+#define MOE_EP_MAX_RANKS 8
+#define MOE_EP_MAX_TOPK 32
+
+/* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
+#define MOE_EP_ERR_BARRIER_TIMEOUT 1   /* [1] = peer rank that never arrived */
+#define MOE_EP_ERR_DISPATCH_TIMEOUT 2  /* [1] = source rank whose rows never arrived, [2] = chunk */
+#define MOE_EP_ERR_COMBINE_TIMEOUT 3   /* [1] = rank whose rows never came back, [2] = chunk */
+#define MOE_EP_ERR_WORST_TOKENS 4      /* [1] = rows received, [2] = rows allocated (num_worst_tokens) */
+#define MOE_EP_ERR_CAPACITY 5          /* [1] = rows needed in one peer region, [2] = rows it holds */
+
+/* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
+ * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
+ * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1). recv_bf16 dequantizes FP8 rows on receive. */
+typedef struct {
+    const void* x;
+    const float* x_scales;             /* [N, hidden/128] with fp8_in, else NULL */
+    const int64_t* topk_idx;           /* [N, K] global expert ids, or NULL (cached layout) */
+    const float* topk_weights;         /* [N, K] or NULL */
+    const int32_t* rank_prefix_matrix; /* [R, R] inclusive prefix over source ranks, on the device */
+    const int32_t* send_list;          /* [R, list_stride]: tokens sent to each rank, in token order */
+    void* recv_x;                      /* [num_recv_rows, hidden] */
+    float* recv_scales;                /* [num_recv_rows, hidden/128] when FP8 is received, else NULL */
+    int64_t* recv_topk_idx;            /* [num_recv_rows, K] local ids, or NULL */
+    float* recv_topk_weights;          /* [num_recv_rows, K] or NULL */
+    int32_t* recv_src_idx;             /* [num_recv_rows] */
+    int32_t* recv_expert_count;        /* [num_local_experts], zeroed by the caller; or NULL */
+    int64_t num_tokens, hidden, x_elem_bytes, num_topk, num_local_experts, list_stride, num_recv_rows;
+    int64_t wire_fp8, fp8_in, recv_bf16, round_scale, num_sms, num_send_warps;
+} moe_ep_dispatch_params;
+
+/* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
+ * summed per token in fp32 (source-rank order), then bias0 and bias1 are added; out is [num_tokens, hidden]. */
+typedef struct {
+    const void* x;
+    const float* topk_weights;         /* [num_recv_rows, K] or NULL */
+    const int32_t* rank_prefix_matrix; /* [R, R] */
+    const int32_t* send_pos;           /* [num_tokens, R]: row of each token among those sent to r, -1 if none */
+    const void* bias0;                 /* [num_tokens, hidden] or NULL */
+    const void* bias1;
+    void* out;                         /* [num_tokens, hidden] */
+    float* out_weights;                /* [num_tokens, K] or NULL */
+    int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps;
+} moe_ep_combine_params;
+
+int moe_ep_abi_version(void);
+const char* moe_ep_last_error(void);
+
+/* Context: one peer-visible buffer per rank (cudaMalloc, shared by CUDA IPC) plus a host-mapped error record. */
+void* moe_ep_create(int rank, int num_ranks, int device, int64_t buffer_bytes, int64_t timeout_ns);
+int moe_ep_ipc_handle(void* ctx, void* out_handle /* 64 bytes */);
+int moe_ep_open_peers(void* ctx, const void* handles /* num_ranks * 64 bytes, rank order */);
+int moe_ep_destroy(void* ctx);
+volatile int32_t* moe_ep_error_info(void* ctx); /* host pointer to int32[4]; [0] == 0 while healthy */
+int64_t moe_ep_region_bytes(void* ctx);         /* staging bytes reserved for each source rank */
+
+/* topk_idx [N, K] -> per-rank token counts (a token counts once per rank), per-expert counts, is_token_in_rank
+ * [N, R] (bytes 0/1). per_rank and per_expert must be zeroed by the caller. */
+int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                               int64_t num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* is_token_in_rank,
+                               void* stream);
+
+/* Barrier with every peer; with num_tokens_per_rank given, also exchanges counts into rank_prefix_matrix [R, R].
+ * Always writes send_pos [N, R] and send_list [R, list_stride] from is_token_in_rank. */
+int moe_ep_notify_dispatch(void* ctx, const int32_t* num_tokens_per_rank, const uint8_t* is_token_in_rank,
+                           int64_t num_tokens, int64_t list_stride, int32_t* rank_prefix_matrix, int32_t* send_pos,
+                           int32_t* send_list, void* stream);
+int moe_ep_barrier(void* ctx, void* stream);
+int moe_ep_dispatch(void* ctx, const moe_ep_dispatch_params* params, void* stream);
+int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EP_H_ */

@@ -1,0 +1,101 @@
+"""ctypes loader of the kernel library ``moe_ep_plugin/lib/libmoe_ep_kernels.so`` (C ABI of ``csrc/moe_ep.h``).
+
+Loaded lazily on first use; nothing here imports CUDA or needs a GPU until a function is called.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+from ._build import LIB_PATH
+
+ABI_VERSION = 1
+MAX_RANKS = 8
+MAX_TOPK = 32
+
+# Error record codes (csrc/moe_ep.h).
+ERR_BARRIER_TIMEOUT = 1
+ERR_DISPATCH_TIMEOUT = 2
+ERR_COMBINE_TIMEOUT = 3
+ERR_WORST_TOKENS = 4
+ERR_CAPACITY = 5
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+class DispatchParams(ctypes.Structure):
+    """``moe_ep_dispatch_params``: pointers (0 = NULL) then int64 fields, in the header's order."""
+
+    _fields_ = [(name, _p) for name in (
+        "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
+        "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
+            "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
+            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps")]
+
+
+class CombineParams(ctypes.Structure):
+    """``moe_ep_combine_params``."""
+
+    _fields_ = [(name, _p) for name in (
+        "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
+        (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
+                                  "num_send_warps")]
+
+
+_lib: Optional[ctypes.CDLL] = None
+
+
+def library_path() -> str:
+    return os.environ.get("MOE_EP_KERNEL_LIB", LIB_PATH)
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the kernel library cannot be loaded (None when it can)."""
+    path = library_path()
+    if not os.path.isfile(path):
+        return f"kernel library {path} is not built (run `python -m moe_ep_plugin._build`)"
+    try:
+        load()
+    except OSError as exc:
+        return f"kernel library {path} failed to load: {exc}"
+    return None
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library with argument/return types declared; raises OSError if it is missing or stale."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    lib = ctypes.CDLL(library_path())
+    lib.moe_ep_abi_version.restype = ctypes.c_int
+    if lib.moe_ep_abi_version() != ABI_VERSION:
+        raise OSError(f"kernel library ABI {lib.moe_ep_abi_version()} != {ABI_VERSION}: rebuild it")
+    lib.moe_ep_last_error.restype = ctypes.c_char_p
+    lib.moe_ep_create.restype = _p
+    lib.moe_ep_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _i64, _i64]
+    lib.moe_ep_ipc_handle.argtypes = [_p, ctypes.c_char_p]
+    lib.moe_ep_open_peers.argtypes = [_p, ctypes.c_char_p]
+    lib.moe_ep_destroy.argtypes = [_p]
+    lib.moe_ep_error_info.restype = ctypes.POINTER(ctypes.c_int32)
+    lib.moe_ep_error_info.argtypes = [_p]
+    lib.moe_ep_region_bytes.restype = _i64
+    lib.moe_ep_region_bytes.argtypes = [_p]
+    lib.moe_ep_get_dispatch_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
+    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _i64, _i64, _p, _p, _p, _p]
+    lib.moe_ep_barrier.argtypes = [_p, _p]
+    lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
+    lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
+    for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
+                 "moe_ep_notify_dispatch", "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_combine"):
+        getattr(lib, name).restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def check(code: int, what: str) -> None:
+    """Raise ``RuntimeError`` with the library's message when a C call returned nonzero."""
+    if code != 0:
+        message = load().moe_ep_last_error().decode(errors="replace")
+        raise RuntimeError(f"moe_ep_plugin kernels: {what} failed ({code}): {message}")

@@ -1,0 +1,281 @@
+"""The ``nvlink`` transport: custom CUDA kernels (``csrc/``) moving rows between the GPUs of one host.
+
+Every rank owns one peer-visible buffer (``cudaMalloc``, mapped into the other ranks with CUDA IPC) with a
+staging region per source rank, sized for the worst case so senders never wait. One dispatch is:
+``notify`` (barrier, count exchange → ``rank_prefix_matrix``, send order), one host read of the received row
+count (skipped with ``num_worst_tokens``, which makes the dispatch CUDA-graph capturable), then one kernel
+whose sender warps write rows (quantized to FP8 on the way when asked) straight into the destination's
+region while its receiver warps copy published rows into the outputs. Combine is a barrier plus one kernel
+that sends rows back and sums each token's copies in fp32, in source-rank order. Results equal the ``torch``
+transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order.
+
+Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel records what stalled in a
+host-mapped record, every later wait on that rank gives up at once, and the next call on this transport (or
+the host read inside a normal dispatch) raises ``TimeoutError`` naming it.
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _ext
+from ..config import Config
+from ..handle import DispatchHandle
+from .base import DispatchArgs, DispatchResult, Transport
+
+# Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
+_DEFAULT_ROWS = 8192
+_DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * _ext.MAX_TOPK * 4 + 16
+_STAGING_OFFSET = 4096 + _ext.MAX_RANKS * (65536 // 8) * 4  # header + flags (csrc/common.cuh)
+_MAX_REGION_ROWS = 65536
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def dispatch_slot_bytes(hidden: int, elem_bytes: int, fp8_rows: bool, num_topk: int) -> int:
+    """Bytes of one staged dispatch row (csrc/intranode.cu ``SlotLayout``)."""
+    payload = hidden if fp8_rows else hidden * elem_bytes
+    scales = hidden // 128 if fp8_rows else 0
+    return _round16(payload + 4 * scales + 8 * num_topk + 4)
+
+
+def combine_slot_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
+    return _round16(hidden * elem_bytes + 4 * num_topk)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@dataclass
+class _NVLinkState:
+    """Kept in ``DispatchHandle.transport_state``: the tokens sent to each rank, in order ([R, max(N, 1)] int32)."""
+
+    send_list: torch.Tensor
+
+
+class NVLinkTransport(Transport):
+    """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
+
+    ``dispatch_send_warps``/``combine_send_warps``: of the 24 warps of each block, how many send (the rest
+    receive); tuned on 2 x H200.
+    """
+
+    name = "nvlink"
+    dispatch_send_warps = 12
+    combine_send_warps = 12
+
+    @staticmethod
+    def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+        """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
+        local = None
+        if not torch.cuda.is_available():
+            local = "CUDA is not available"
+        elif dist.get_world_size(group) > _ext.MAX_RANKS:
+            local = f"more than {_ext.MAX_RANKS} ranks"
+        else:
+            local = _ext.unavailable_reason()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        info = (socket.gethostname(), index, local)
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, info, group=group)
+        for host, _, reason in gathered:
+            if reason is not None:
+                return reason
+            if host != gathered[0][0]:
+                return "the ranks span several hosts"
+        for _, peer, _ in gathered:
+            if peer != index and not torch.cuda.can_device_access_peer(index, peer):
+                return f"GPU {index} has no peer access to GPU {peer}"
+        return None
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int = 0) -> None:
+        super().__init__(group, device, timeout_s)
+        self._lib = _ext.load()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        nbytes = max(int(num_nvl_bytes), _STAGING_OFFSET + self.num_ranks * _DEFAULT_ROWS * _DEFAULT_ROW_BYTES)
+        with torch.cuda.device(self.device):
+            ctx = self._lib.moe_ep_create(self.rank, self.num_ranks, index, nbytes, int(timeout_s * 1e9))
+        if not ctx:
+            raise RuntimeError("moe_ep_plugin kernels: creating the peer buffer failed: "
+                               + self._lib.moe_ep_last_error().decode(errors="replace"))
+        self._ctx = ctx
+        handle = ctypes.create_string_buffer(64)
+        _ext.check(self._lib.moe_ep_ipc_handle(ctx, handle), "cudaIpcGetMemHandle")
+        handles: list = [None] * self.num_ranks
+        dist.all_gather_object(handles, handle.raw, group=group)
+        with torch.cuda.device(self.device):
+            _ext.check(self._lib.moe_ep_open_peers(ctx, b"".join(handles)), "opening peer buffers")
+        self._error = self._lib.moe_ep_error_info(ctx)
+        self.region_bytes = int(self._lib.moe_ep_region_bytes(ctx))
+        self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    # ---- errors ----
+    def check_error(self) -> None:
+        """Raise if a kernel on this rank recorded a failure (timeouts are sticky: the transport is then unusable)."""
+        code = self._error[0]
+        if code == 0:
+            return
+        a, b = self._error[1], self._error[2]
+        where = f"moe_ep_plugin[nvlink] rank {self.rank}/{self.num_ranks}"
+        if code == _ext.ERR_BARRIER_TIMEOUT:
+            raise TimeoutError(f"{where}: rank {a} did not reach the start-of-operation barrier within "
+                               f"{self.timeout_s:g} s (it never joined, or called a different operation)")
+        if code == _ext.ERR_DISPATCH_TIMEOUT:
+            raise TimeoutError(f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
+        if code == _ext.ERR_COMBINE_TIMEOUT:
+            raise TimeoutError(f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
+        if code == _ext.ERR_WORST_TOKENS:
+            raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
+                             "the outputs of that dispatch are incomplete")
+        if code == _ext.ERR_CAPACITY:
+            raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
+        raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _num_sms(self, config: Config) -> int:
+        return min(config.num_sms, self._device_sms)
+
+    def _check_capacity(self, rows: int, slot_bytes: int, what: str) -> None:
+        capacity = min(self.region_bytes // slot_bytes, _MAX_REGION_ROWS)
+        if rows > capacity:
+            raise ValueError(f"{what}: {rows} rows per rank exceed the nvlink staging capacity of {capacity} rows of "
+                             f"{slot_bytes} bytes; pass a larger num_nvl_bytes to Buffer")
+
+    def destroy(self) -> None:
+        """Free the peer buffer after every rank is done with it (collective)."""
+        if self._ctx is None:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        _ext.check(self._lib.moe_ep_destroy(self._ctx), "destroy")
+        self._ctx = None
+
+    # ---- layout ----
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, k = topk_idx.shape
+        per_rank = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty(n, self.num_ranks, dtype=torch.bool, device=self.device)
+        _ext.check(self._lib.moe_ep_get_dispatch_layout(_ptr(topk_idx), n, k, num_experts, self.num_ranks,
+                                                        _ptr(per_rank), _ptr(per_expert), _ptr(in_rank), self._stream()),
+                   "get_dispatch_layout")
+        return per_rank, per_expert, in_rank
+
+    # ---- dispatch ----
+    def _notify(self, num_tokens_per_rank: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
+                rank_prefix_matrix: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Barrier (+ count exchange into ``rank_prefix_matrix``); returns ``(send_pos [N, R], send_list)``."""
+        n = is_token_in_rank.shape[0]
+        send_pos = torch.empty(n, self.num_ranks, dtype=torch.int32, device=self.device)
+        send_list = torch.empty(self.num_ranks, max(n, 1), dtype=torch.int32, device=self.device)
+        _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(num_tokens_per_rank), _ptr(is_token_in_rank), n,
+                                                    send_list.shape[1], _ptr(rank_prefix_matrix), _ptr(send_pos),
+                                                    _ptr(send_list), self._stream()), "notify_dispatch")
+        return send_pos, send_list
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self.check_error()
+        x = args.x
+        n, hidden = x.shape
+        fp8_in = args.x_scales is not None
+        fp8_rows = fp8_in or args.wire_fp8
+        dequant = fp8_rows and args.recv_bf16
+        k = args.topk_idx.shape[1] if args.topk_idx is not None else 0
+        if k > _ext.MAX_TOPK:
+            raise ValueError(f"topk_idx: the nvlink kernels take at most {_ext.MAX_TOPK} experts per token, got {k}")
+        if (hidden * (1 if fp8_rows else x.element_size())) % 16:
+            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
+        slot = dispatch_slot_bytes(hidden, x.element_size(), fp8_rows, k)
+        self._check_capacity(n, slot, "x")
+        handle = args.handle
+        if handle is None:
+            rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
+            counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
+            in_rank = args.is_token_in_rank.contiguous()
+            send_pos, send_list = self._notify(counts, in_rank, rpm)
+            if args.num_worst_tokens > 0:
+                num_recv, rows = None, args.num_worst_tokens
+            else:
+                num_recv = int(rpm[self.num_ranks - 1, self.rank].item())  # the one host sync of a dispatch
+                self.check_error()
+                rows = num_recv
+            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
+                                    recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device), num_tokens=n,
+                                    num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
+                                    num_ranks=self.num_ranks, num_recv_rows=rows,
+                                    transport_state=_NVLinkState(send_list))
+        else:
+            rpm = handle.rank_prefix_matrix.to(device=self.device, dtype=torch.int32).contiguous()
+            if isinstance(handle.transport_state, _NVLinkState):
+                send_list = handle.transport_state.send_list
+                _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+            else:
+                _, send_list = self._notify(None, handle.is_token_in_rank.contiguous(), None)
+            rows = handle.num_recv_rows
+
+        if dequant:
+            recv_x = torch.empty(rows, hidden, dtype=torch.bfloat16, device=self.device)
+        elif fp8_rows:
+            recv_x = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=self.device)
+        else:
+            recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=self.device)
+        recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=self.device)
+                       if fp8_rows and not dequant else None)
+        has_topk = args.topk_idx is not None
+        num_local = args.num_experts // self.num_ranks
+        recv_topk_idx = torch.empty(rows, k, dtype=torch.int64, device=self.device) if has_topk else None
+        recv_topk_weights = (torch.empty(rows, k, dtype=torch.float32, device=self.device)
+                             if has_topk and args.topk_weights is not None else None)
+        expert_counts = torch.zeros(num_local, dtype=torch.int32, device=self.device) if has_topk else None
+        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
+        params = _ext.DispatchParams(
+            x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(args.topk_idx), topk_weights=_ptr(args.topk_weights),
+            rank_prefix_matrix=_ptr(rpm), send_list=_ptr(send_list), recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
+            recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
+            recv_src_idx=_ptr(recv_src_idx), recv_expert_count=_ptr(expert_counts), num_tokens=n, hidden=hidden,
+            x_elem_bytes=x.element_size(), num_topk=k, num_local_experts=num_local, list_stride=send_list.shape[1],
+            num_recv_rows=rows, wire_fp8=int(args.wire_fp8), fp8_in=int(fp8_in), recv_bf16=int(dequant),
+            round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
+            num_send_warps=self.dispatch_send_warps)
+        _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
+        if args.handle is None or has_topk:
+            handle.recv_src_idx = recv_src_idx
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
+
+    # ---- combine ----
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.check_error()
+        hidden = x.shape[1]
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        if k > _ext.MAX_TOPK:
+            raise ValueError(f"topk_weights: the nvlink kernels take at most {_ext.MAX_TOPK} columns, got {k}")
+        if (hidden * x.element_size()) % 16:
+            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
+        self._check_capacity(handle.num_tokens, combine_slot_bytes(hidden, x.element_size(), k), "x")
+        rpm = handle.rank_prefix_matrix.to(device=self.device, dtype=torch.int32).contiguous()
+        send_pos = handle.send_pos.to(device=self.device, dtype=torch.int32).contiguous()
+        out = torch.empty(handle.num_tokens, hidden, dtype=x.dtype, device=self.device)
+        out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
+                       if topk_weights is not None else None)
+        params = _ext.CombineParams(
+            x=_ptr(x), topk_weights=_ptr(topk_weights), rank_prefix_matrix=_ptr(rpm), send_pos=_ptr(send_pos),
+            bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
+            out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
+            num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
+            num_send_warps=self.combine_send_warps)
+        _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+        _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
+        return out, out_weights

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU proof of the nvlink kernels (issue 4), for the 2 x H200 device machine: library check, GPU tests against the
+# torch transport, then the dispatch/combine benchmark. Logs go to $OUT (device tool) or runs/gpu_kernels/.
+# Needs moe_ep_plugin/lib/libmoe_ep_kernels.so (built here with `python3 -m moe_ep_plugin._build --required`;
+# carry it, or it is built on the spot when nvcc exists). Takes about 3 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOGS="${OUT:-runs/gpu_kernels}"
+mkdir -p "$LOGS"
+status=0
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv | tee "$LOGS/gpu.txt"
+if ! python3 -c "from moe_ep_plugin import _ext; assert _ext.unavailable_reason() is None, _ext.unavailable_reason()"; then
+    python3 -m moe_ep_plugin._build --required 2>&1 | tail -n 3 || exit 1
+fi
+python3 -c "from moe_ep_plugin import _ext; r = _ext.unavailable_reason(); print('kernel library:', r or 'loads'); assert r is None" || exit 1
+timeout 240 python3 -m pytest -q -rs tests/gpu 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
+timeout 200 python3 benchmarks/bench_dispatch_combine.py --json "$LOGS/bench.json" "$@" 2>&1 | tee "$LOGS/bench.log" || status=1
+exit $status

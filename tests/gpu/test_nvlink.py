@@ -1,0 +1,231 @@
+"""The ``nvlink`` kernels against the ``torch`` transport (NCCL) on the same inputs, on every local GPU.
+
+BF16/FP32 rows and FP8 bytes must match bit for bit, metadata exactly, combine bit for bit at two ranks (both
+sum in source-rank order in fp32) and within rounding beyond. Also: ``num_worst_tokens``, cached dispatch,
+a CUDA-graph captured dispatch+combine replayed on new inputs, and a peer that never arrives. Skips without
+two GPUs or without the built kernel library.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_ep_plugin import Buffer, Config, fp8
+from moe_ep_plugin import _ext
+from moe_ep_plugin.launch import spawn
+
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [
+    pytest.mark.skipif(_GPUS < 2, reason="needs 2 or more CUDA GPUs"),
+    pytest.mark.skipif(_GPUS >= 2 and _ext.unavailable_reason() is not None,
+                       reason=f"kernel library unavailable: {_ext.unavailable_reason()}"),
+]
+
+# tokens on rank r, hidden, top-k, experts per rank, routing; fresh random data every run.
+CASES = [
+    dict(tokens=lambda r: 4096, hidden=7168, topk=8, experts_per_rank=128, routing="random"),
+    dict(tokens=lambda r: 0 if r == 0 else 37, hidden=2048, topk=1, experts_per_rank=4, routing="random"),
+    dict(tokens=lambda r: 8192 if r == 0 else 100, hidden=4096, topk=4, experts_per_rank=32, routing="sparse"),
+    dict(tokens=lambda r: 513 + 400 * r, hidden=2560, topk=6, experts_per_rank=16, routing="one_expert"),
+    dict(tokens=lambda r: 3 + 2 * r, hidden=136, topk=2, experts_per_rank=8, routing="random"),
+    dict(tokens=lambda r: 2000 - 500 * r, hidden=5120, topk=8, experts_per_rank=4, routing="random"),
+]
+# (x dtype, fp8_dispatch, fp8_out, round_scale, FP8 tuple input)
+MODES = [
+    ("bf16", torch.bfloat16, False, False, False, False),
+    ("fp32", torch.float32, False, False, False, False),
+    ("fp8_wire_bf16_out", torch.bfloat16, True, False, False, False),
+    ("fp8_wire_fp8_out", torch.bfloat16, True, True, False, False),
+    ("fp8_wire_ue8m0", torch.bfloat16, True, True, True, False),
+    ("fp8_wire_from_fp32", torch.float32, True, False, False, False),
+    ("fp8_input", torch.bfloat16, False, False, False, True),
+]
+
+
+def _routing(kind: str, n: int, k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    if kind == "one_expert":
+        idx = torch.full((n, k), -1, dtype=torch.int64, device=device)
+        idx[:, 0] = 0
+        return idx
+    idx = torch.rand(n, num_experts, device=device).topk(min(k, num_experts), dim=1).indices
+    if kind == "sparse":
+        idx[torch.rand(n, k, device=device) < 0.5] = -1
+    else:
+        idx[torch.rand(n, k, device=device) < 0.05] = -1
+    return idx
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _same(name: str, a, b) -> None:
+    if isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b), name
+        for i, (u, v) in enumerate(zip(a, b)):
+            _same(f"{name}[{i}]", u, v)
+        return
+    if a is None or b is None:
+        assert a is None and b is None, f"{name}: {type(a)} vs {type(b)}"
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if not torch.equal(_bits(a), _bits(b)):
+        diff = (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten()
+        raise AssertionError(f"{name}: {diff.numel()} of {a.shape[0]} rows differ, first {diff[:5].tolist()}")
+
+
+def _make_x(mode: tuple, n: int, h: int, device: torch.device):
+    _, dtype, _, _, _, fp8_input = mode
+    # Per-token scales spread amax over decades so the FP8 scales vary.
+    x = (torch.randn(n, h, device=device) * torch.logspace(-3, 2, max(n, 1), device=device)[:n, None]).to(dtype)
+    return fp8.quantize(x) if fp8_input else x
+
+
+def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = nv.device
+    name, _, fp8_dispatch, fp8_out, round_scale, fp8_input = mode
+    n, h, k = case["tokens"](rank), case["hidden"], case["topk"]
+    if (fp8_dispatch or fp8_input) and h % 128:
+        return
+    num_experts = case["experts_per_rank"] * world
+    x = _make_x(mode, n, h, device)
+    idx = _routing(case["routing"], n, k, num_experts, device)
+    w = torch.rand(n, k, device=device)
+    tag = f"{name} n={n} h={h} k={k} E={num_experts}"
+
+    layout = nv.get_dispatch_layout(idx, num_experts)
+    ref_layout = ref.get_dispatch_layout(idx, num_experts)
+    for i in (0, 2, 3):
+        _same(f"{tag} layout[{i}]", layout[i], ref_layout[i])
+    kw = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+              topk_idx=idx, topk_weights=w, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    out = nv.dispatch(x, **kw)
+    expect = ref.dispatch(x, **kw)
+    for i, part in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+        _same(f"{tag} {part}", out[i], expect[i])
+    assert out[3] == expect[3], f"{tag} counts {out[3]} vs {expect[3]}"
+    handle, ref_handle = out[4], expect[4]
+    _same(f"{tag} rank_prefix_matrix", handle.rank_prefix_matrix, ref_handle.rank_prefix_matrix.to(device))
+    _same(f"{tag} send_pos", handle.send_pos, ref_handle.send_pos)
+    _same(f"{tag} recv_src_idx", handle.recv_src_idx, ref_handle.recv_src_idx)
+    assert handle.num_recv_tokens == ref_handle.num_recv_tokens
+
+    # combine of fresh rows with the received weights and a bias
+    if not fp8_input and not (fp8_dispatch and fp8_out):
+        dtype = out[0].dtype
+        y = torch.randn(handle.num_recv_rows, h, device=device).to(dtype)
+        bias = torch.randn(n, h, device=device).to(dtype)
+        got = nv.combine(y, handle, topk_weights=out[2], bias=bias)
+        want = ref.combine(y, ref_handle, topk_weights=expect[2], bias=bias)
+        if world <= 2:
+            _same(f"{tag} combine", got[0], want[0])
+            _same(f"{tag} combine weights", got[1], want[1])
+        else:
+            torch.testing.assert_close(got[0].float(), want[0].float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got[1], want[1])
+
+    # cached layout (no top-k): same rows
+    cached = nv.dispatch(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    _same(f"{tag} cached recv_x", cached[0], out[0])
+
+    # num_worst_tokens: fixed rows, no host sync; the prefix is the exact result, the rest is padding
+    worst = int(sum(case["tokens"](r) for r in range(world)))
+    wout = nv.dispatch(x, num_worst_tokens=worst, **kw)
+    wref = ref.dispatch(x, num_worst_tokens=worst, **kw)
+    for i, part in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+        _same(f"{tag} worst {part}", wout[i], wref[i])
+    assert wout[3] == [] and wout[4].num_recv_rows == worst
+    got_src = wout[4].recv_src_idx
+    num_recv = handle.num_recv_tokens
+    _same(f"{tag} worst recv_src_idx", got_src[:num_recv], ref_handle.recv_src_idx)
+    assert bool((got_src[num_recv:] == -1).all())
+
+
+def _graph_replay(nv: Buffer) -> None:
+    """Capture dispatch (num_worst_tokens) + combine in one CUDA graph; replays on new inputs equal eager calls."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = nv.device
+    n, h, k, num_experts = 1024, 4096, 8, 32 * world
+    worst = n * world
+    x = torch.empty(n, h, dtype=torch.bfloat16, device=device)
+    idx = torch.empty(n, k, dtype=torch.int64, device=device)
+    w = torch.empty(n, k, dtype=torch.float32, device=device)
+
+    def refill() -> None:
+        x.copy_(torch.randn(n, h, device=device))
+        idx.copy_(_routing("random", n, k, num_experts, device))
+        w.copy_(torch.rand(n, k, device=device))
+
+    def step():
+        recv_x, _, recv_w, _, handle, _ = nv.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
+                                                      num_worst_tokens=worst, fp8_dispatch=True)
+        combined, combined_w, _ = nv.combine(recv_x, handle, topk_weights=recv_w)
+        return recv_x, combined, combined_w
+
+    refill()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    for _ in range(3):
+        refill()
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize(device)
+        for name, a, b in zip(("recv_x", "combined", "combined_weights"), static, eager):
+            _same(f"graph replay {name}", a, b)
+
+
+def _suite() -> None:
+    nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=30.0)
+    ref = Buffer(dist.group.WORLD, transport="torch", timeout_s=60.0)
+    Buffer.set_num_sms(24)
+    for case in CASES:
+        for mode in MODES:
+            _check_case(nv, ref, case, mode)
+    # fewer SMs than channels of work, and a non-default split of warps
+    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 4
+    _check_case(nv, ref, CASES[0], MODES[2])
+    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 12
+    _graph_replay(nv)
+    torch.cuda.synchronize()
+    dist.barrier()
+    nv.destroy()
+
+
+def _absent_peer(timeout_s: float) -> None:
+    """Rank 1 never dispatches: rank 0 must raise TimeoutError naming rank 1 within a few timeouts."""
+    nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=timeout_s)
+    device = nv.device
+    if dist.get_rank() == 0:
+        x = torch.randn(16, 256, device=device).to(torch.bfloat16)
+        idx = torch.arange(16 * 2, device=device).reshape(16, 2) % 4
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="rank 1"):
+            nv.dispatch(x, topk_idx=idx, num_experts=4)
+        assert time.monotonic() - start < 4 * timeout_s
+        with pytest.raises(TimeoutError):  # sticky: the transport stays unusable
+            nv.dispatch(x, topk_idx=idx, num_experts=4)
+    torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def test_nvlink_matches_torch_transport() -> None:
+    spawn(_suite, min(_GPUS, 8), backend="nccl", timeout_s=600.0)
+
+
+def test_nvlink_peer_that_never_arrives_raises() -> None:
+    spawn(_absent_peer, 2, args=(2.0,), backend="nccl", timeout_s=120.0)
