@@ -1,0 +1,134 @@
+"""Register the plugin with Megatron-Core without editing it: ``install()`` / ``uninstall()``.
+
+After :func:`install`:
+
+- ``moe_token_dispatcher_type: ep_plugin`` (YAML or ``TransformerConfig``) makes ``MoELayer`` build
+  :class:`EPPluginTokenDispatcher`. ``MoELayer.__init__`` chooses its dispatcher by comparing the type string
+  with its three built-in names, so the wrapper runs the original ``__init__`` with the type shown as ``flex``
+  and the name ``MoEFlexTokenDispatcher`` bound to the plugin dispatcher, restoring both before returning.
+  ``TransformerConfig.__post_init__`` validates an ``ep_plugin`` config the way it validates ``alltoall``
+  (the built-in dispatcher whose features — shared-expert overlap, capacity dropping — the plugin has), then
+  checks the plugin's own options.
+- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep`` runs on this library's
+  Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms`` are rebound in ``token_dispatcher`` and
+  ``fused_a2a`` (Megatron reads them at call time).
+
+Both steps are idempotent; :func:`uninstall` restores every original object.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator, Optional
+
+import megatron.core
+from megatron.core.transformer import transformer_config as tc_module
+from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
+
+from . import deepep_shim
+from .dispatcher import EPPluginTokenDispatcher
+from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
+
+SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
+_SHIM_NAMES = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
+_originals: dict[tuple[Any, str], Any] = {}
+_default_options = PluginOptions()
+
+
+def _check_version() -> None:
+    version = getattr(megatron.core, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_MCORE):
+        raise RuntimeError(f"moe_ep_plugin.megatron supports megatron-core {', '.join(SUPPORTED_MCORE)}.x; "
+                           f"found {version}")
+    for module, name in ((moe_layer, "MoEFlexTokenDispatcher"), (token_dispatcher, "_DeepepManager"),
+                         (token_dispatcher, "fused_dispatch"), (fused_a2a, "fused_combine")):
+        if not hasattr(module, name):
+            raise RuntimeError(f"megatron-core {version}: {module.__name__}.{name} is missing; this layout is "
+                               f"not supported")
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    key = (owner, name)
+    if key not in _originals:
+        _originals[key] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def _dispatcher_type_shown_as(config: Any, shown: str) -> Iterator[None]:
+    config.moe_token_dispatcher_type = shown
+    try:
+        yield
+    finally:
+        config.moe_token_dispatcher_type = PLUGIN_DISPATCHER_TYPE
+
+
+def _wrap_moe_layer_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        if config.moe_token_dispatcher_type != PLUGIN_DISPATCHER_TYPE:
+            return original(self, *args, **kwargs)
+        factory = functools.partial(EPPluginTokenDispatcher, options=get_plugin_options(config, _default_options))
+        flex = moe_layer.MoEFlexTokenDispatcher
+        moe_layer.MoEFlexTokenDispatcher = factory
+        try:
+            with _dispatcher_type_shown_as(config, "flex"):
+                original(self, *args, **kwargs)
+        finally:
+            moe_layer.MoEFlexTokenDispatcher = flex
+    __init__._moe_ep_plugin = True
+    return __init__
+
+
+def _wrap_post_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
+            return original(self)
+        if getattr(self, "overlap_moe_expert_parallel_comm", False):
+            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: overlap_moe_expert_parallel_comm is not supported")
+        if getattr(self, "expert_tensor_parallel_size", 1) not in (None, 1):
+            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: expert tensor parallelism is not supported "
+                             f"(expert_tensor_parallel_size={self.expert_tensor_parallel_size}); use 1")
+        if self.moe_pad_expert_input_to_capacity:
+            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: moe_pad_expert_input_to_capacity is not supported")
+        with _dispatcher_type_shown_as(self, "alltoall"):
+            original(self)
+        options = get_plugin_options(self, _default_options)
+        set_plugin_options(self, options)  # validates the options against this config (FP8 needs H % 128)
+    __post_init__._moe_ep_plugin = True
+    return __post_init__
+
+
+def is_installed() -> bool:
+    return getattr(moe_layer.MoELayer.__init__, "_moe_ep_plugin", False)
+
+
+def install(options: Optional[PluginOptions] = None) -> None:
+    """Register ``ep_plugin`` and serve ``flex`` + ``deepep`` with this library. ``options`` are the defaults
+    for configs that carry none (and the options of the DeepEP shim). Calling it again only updates them."""
+    global _default_options
+    if options is not None and not isinstance(options, PluginOptions):
+        raise TypeError(f"options: expected PluginOptions or None, got {type(options).__name__}")
+    _check_version()
+    _default_options = options if options is not None else PluginOptions()
+    deepep_shim.configure(_default_options)
+    if is_installed():
+        return
+    _patch(moe_layer.MoELayer, "__init__", _wrap_moe_layer_init(moe_layer.MoELayer.__init__))
+    config_cls = tc_module.TransformerConfig
+    _patch(config_cls, "__post_init__", _wrap_post_init(config_cls.__post_init__))
+    for module in (token_dispatcher, fused_a2a):
+        for name in _SHIM_NAMES:
+            _patch(module, name, getattr(deepep_shim, name))
+
+
+def uninstall() -> None:
+    """Restore everything :func:`install` replaced; a no-op when not installed."""
+    global _default_options
+    for (owner, name), value in reversed(list(_originals.items())):
+        setattr(owner, name, value)
+    _originals.clear()
+    _default_options = PluginOptions()
+    deepep_shim.configure(_default_options)
