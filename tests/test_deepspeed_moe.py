@@ -9,6 +9,7 @@ random token selection) is replayed by seeding both forwards alike.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -137,3 +138,134 @@ def test_matches_stock_deepspeed_ep1_ep2_ep4_on_4_ranks():
              dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=12),  # 2 EP groups x 2 data-parallel
              dict(num_experts=8, ep_size=4, k=3, drop_tokens=False, tokens=12)]
     launch.spawn(_worker_matches_stock, 4, (cases,))
+
+
+def gather_experts(moe) -> list[torch.nn.Module]:
+    """Every rank's local experts, in global expert order, as fresh fp32 copies on this rank."""
+    local = [{n: t.float() for n, t in e.state_dict().items()} for e in moe.deepspeed_moe.experts.deepspeed_experts]
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, local)
+    experts = []
+    for state in (s for rank_states in per_rank for s in rank_states):
+        expert = Expert(state["fc1.weight"].shape[1], state["fc1.weight"].shape[0])
+        expert.load_state_dict(state)
+        experts.append(expert)
+    return experts
+
+
+def loop_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   experts: list[torch.nn.Module]) -> torch.Tensor:
+    """``y[s] = Σ_k w[s, k] · expert_{idx[s, k]}(x[s])``, one token and one route at a time (-1 skipped)."""
+    rows = []
+    for s in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1])
+        for j in range(topk_idx.shape[1]):
+            e = int(topk_idx[s, j])
+            if e >= 0:
+                acc = acc + topk_weights[s, j] * experts[e](x[s:s + 1].float())[0]
+        rows.append(acc)
+    if not rows:  # no tokens: an empty result still tied to x and the gate, so their gradients are zeros
+        return x.float() * 0 + topk_weights.sum() * 0
+    return torch.stack(rows)
+
+
+def check_against_loop(moe, x: torch.Tensor, tol: float, what: str, fp8_wire: bool = False) -> None:
+    """Output, x.grad, gate and expert gradients of the plugin layer vs. the loop on gathered fp32 expert copies.
+
+    ``tol``: elementwise (atol = rtol) for fp32; with ``fp8_wire`` the experts see the FP8 round trip of ``x``
+    and compute in BF16, so the bound is on the relative error norm ``|a - b| / |b|`` instead.
+    """
+    from moe_ep_plugin import fp8
+    from moe_ep_plugin.deepspeed.routing import route
+
+    def close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+        actual = actual.float()
+        if fp8_wire:
+            err = float((actual - expected).detach().norm() / expected.norm().clamp_min(1e-12))
+            assert err < tol, f"{what} {name}: relative error {err:.3g} >= {tol}"
+        else:
+            torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{what} {name}: {m}")
+
+    layer = moe.deepspeed_moe
+    experts = gather_experts(moe)
+    gate_ref = copy.deepcopy(layer.gate.wg).float()
+    grad_out = torch.randn(x.shape)
+    moe.zero_grad(set_to_none=True)
+    xp = x.clone().requires_grad_(True)
+    out, _, _ = moe(xp)
+    (out.float() * grad_out).sum().backward()
+
+    layer.gate.wg, live_wg = gate_ref, layer.gate.wg  # route the reference through the copied gate weight
+    xr = x.float().requires_grad_(True)
+    routes = route(layer.gate, xr, None)
+    layer.gate.wg = live_wg
+    x_expert = xr
+    if fp8_wire:  # what the experts receive; the gradient passes straight through the quantizer
+        x_expert = xr + (fp8.dequantize(*fp8.quantize(x), dtype=torch.float32) - xr).detach()
+    ref = loop_reference(x_expert, routes.topk_idx, routes.topk_weights, experts)
+    (ref * grad_out).sum().backward()
+    close(out, ref, "output")
+    close(xp.grad, xr.grad, "x.grad")
+    close(live_wg.weight.grad, gate_ref.weight.grad, "gate grad")
+    for ref_expert in experts:  # an expert's gradient gathers every rank's tokens (same order on all ranks)
+        for p in ref_expert.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            dist.all_reduce(p.grad)
+    first = dist.get_rank() * layer.num_local_experts
+    for i, expert in enumerate(layer.experts.deepspeed_experts):
+        for (name, p), ref_p in zip(expert.named_parameters(), experts[first + i].parameters()):
+            close(p.grad, ref_p.grad, f"expert {first + i} {name}")
+
+
+def _worker_edge_cases() -> None:
+    from moe_ep_plugin.deepspeed import MoE
+    ds_init()
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+
+    # group-limited sigmoid routing with an expert bias; rank 1 has no tokens at all
+    torch.manual_seed(0)
+    moe = MoE(H, Expert(H), 8, 2, 4, router="group_limited", score_function="sigmoid", num_groups=4, group_topk=2,
+              scaling_factor=2.0, expert_bias_rate=1e-3)
+    moe.set_deepspeed_parallelism()
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    check_against_loop(moe, torch.randn(10 if rank == 0 else 0, H, generator=gen), 1e-5,
+                       f"rank {rank} group-limited, rank 1 empty")
+
+    # every token to expert 0 (a zero gate: all logits tie, argmax takes the first), uneven token counts
+    torch.manual_seed(1)
+    moe = MoE(H, Expert(H), 4, 2, 1, min_capacity=0)
+    moe.set_deepspeed_parallelism()
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.zero_()
+    x = torch.randn(5 + 4 * rank, H, generator=gen)
+    _, _, counts = moe(x)
+    assert counts.tolist() == [x.shape[0], 0, 0, 0]
+    check_against_loop(moe, x, 1e-5, f"rank {rank} all to expert 0")
+
+    # FP8 dispatch of BF16 activations (hidden 128): tokens arrive as dequantized FP8
+    torch.manual_seed(2)
+    moe = MoE(128, Expert(128, 32), 4, 2, 2, fp8_dispatch=True, top2_2nd_expert_sampling=False)
+    with torch.no_grad():  # O(1) expert outputs: at default init the top-2 gate gradient is ~1e-6, BF16 noise
+        for p in moe.deepspeed_moe.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    moe.to(torch.bfloat16).set_deepspeed_parallelism()
+    check_against_loop(moe, torch.randn(12, 128, generator=gen).to(torch.bfloat16), 2e-2,
+                       f"rank {rank} fp8 dispatch", fp8_wire=True)
+
+    # the aux-loss-free bias step: the same step on every rank, towards the under-loaded experts
+    torch.manual_seed(3)
+    moe = MoE(H, Expert(H), 8, 2, 2, router="group_limited", score_function="sigmoid", expert_bias_rate=0.01)
+    moe.set_deepspeed_parallelism()
+    _, _, counts = moe(torch.randn(16, H, generator=gen))
+    total = counts.float().clone()
+    dist.all_reduce(total)
+    from moe_ep_plugin.deepspeed import update_expert_biases
+    assert update_expert_biases(moe) == 1
+    bias = moe.deepspeed_moe.gate.expert_bias
+    assert torch.equal(bias, 0.01 * torch.sign(total.mean() - total))
+
+
+def test_edge_cases_against_loop_reference():
+    launch.spawn(_worker_edge_cases, 2)

@@ -96,7 +96,9 @@ class GroupLimitedGate(torch.nn.Module):
             num_groups=o.num_groups, group_topk=o.group_topk, scaling_factor=o.scaling_factor,
             expert_bias=self.expert_bias)
         scores, routing_map = gating.aux_loss_scores(logits, self.k, score_function=o.score_function)
-        l_aux = gating.switch_aux_loss(scores, routing_map.sum(dim=0), topk=self.k)
+        # a rank without tokens contributes a zero loss (the switch loss averages over its tokens)
+        l_aux = gating.switch_aux_loss(scores, routing_map.sum(dim=0), topk=self.k,
+                                       total_num_tokens=max(x.shape[0], 1))
         exp_counts = gating.tokens_per_expert(idx, self.num_experts)
         if self.expert_bias is not None and self.training:
             self._pending_counts += exp_counts.float()
