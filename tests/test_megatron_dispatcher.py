@@ -1,0 +1,160 @@
+"""``EPPluginTokenDispatcher``'s six methods driven directly (as Megatron's own dispatcher tests do), on gloo.
+
+Covers what Megatron's ``MoELayer`` cannot reach on CPU: a rank with zero tokens, routing maps with fewer
+than top-k experts (-1 slots), every token on one expert, and FP8 dispatch (BF16 in, FP8 on the wire, BF16 out).
+The expert-major layout is checked row by row against a plain loop over every rank's tokens; with identity
+experts the output is ``sum_k p_k x`` (``x`` FP8-rounded when dispatched in FP8) and the gradients are exact.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from moe_ep_plugin import fp8  # noqa: E402
+from moe_ep_plugin.launch import spawn  # noqa: E402
+
+EXPERTS, TOPK = 8, 3
+
+
+def _routing(case: str, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``probs [T, E]`` (zero off the map) and ``routing_map [T, E]`` for one routing pattern."""
+    scores = torch.rand(tokens, EXPERTS, generator=gen)
+    if case == "one_expert":
+        scores[:, 0] = 2.0
+    idx = scores.topk(TOPK, dim=1).indices
+    routing_map = torch.zeros(tokens, EXPERTS, dtype=torch.bool).scatter_(1, idx, True)
+    if case == "dropped":  # some (token, expert) pairs dropped, as capacity dropping leaves them
+        routing_map &= torch.rand(tokens, EXPERTS, generator=gen) > 0.4
+    probs = torch.where(routing_map, torch.rand(tokens, EXPERTS, generator=gen) + 0.1, 0.0)
+    return probs, routing_map
+
+
+def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed: int) -> None:
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_local = EXPERTS // world
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=EXPERTS,
+                               moe_router_topk=TOPK, expert_model_parallel_size=world, use_cpu_initialization=True,
+                               moe_token_dispatcher_type="ep_plugin")
+    dispatcher = EPPluginTokenDispatcher(num_local, list(range(rank * num_local, (rank + 1) * num_local)), config,
+                                         get_default_pg_collection(), options=PluginOptions(fp8_dispatch=fp8_dispatch))
+    all_tokens = [0 if (case == "zero_rank" and r == 0) else 4 + 3 * r for r in range(world)]
+    gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(world)]
+    inputs = [(torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g)) for n, g in zip(all_tokens, gens)]
+    x_all = [x.view(-1, hidden) for x, _, _ in inputs]
+    sent = [fp8.dequantize(*fp8.quantize(x), dtype) if fp8_dispatch else x for x in x_all]  # what the experts see
+    x, probs, routing_map = (t.clone() for t in inputs[rank])
+    x.requires_grad_(True)
+    probs.requires_grad_(True)
+
+    h, p = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    h, p = dispatcher.token_dispatch(h, p)
+    permuted, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(h, p)
+
+    # Expert-major layout: expert l holds, in (source rank, token) order, every token that selected it.
+    expected_rows, expected_probs, expected_counts = [], [], []
+    for local in range(num_local):
+        e = rank * num_local + local
+        count = 0
+        for src in range(world):
+            for t in range(all_tokens[src]):
+                if inputs[src][2][t, e]:
+                    expected_rows.append(sent[src][t])
+                    expected_probs.append(inputs[src][1][t, e])
+                    count += 1
+        expected_counts.append(count)
+    assert tokens_per_expert.tolist() == expected_counts and tokens_per_expert.dtype == torch.int64
+    assert permuted.dtype == dtype
+    if expected_rows:
+        assert torch.equal(permuted, torch.stack(expected_rows))
+        assert torch.equal(permuted_probs, torch.stack(expected_probs).float())
+    else:
+        assert permuted.shape == (0, hidden) and permuted_probs.shape == (0,)
+
+    expert_out = permuted * permuted_probs.unsqueeze(-1).to(dtype)
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(expert_out)))
+    assert out.shape == x.shape and out.dtype == dtype
+    mine = sent[rank]
+    expected = torch.zeros(mine.shape[0], hidden, dtype=torch.float32)
+    for t in range(mine.shape[0]):
+        for e in range(EXPERTS):
+            if routing_map[t, e]:
+                expected[t] += (mine[t] * probs[t, e].detach().to(dtype)).float()
+    # fp32: only the summation order differs (per-rank partial sums, then across ranks)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(out.view(-1, hidden).float(), expected, **tol)
+
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 99 + rank)).to(dtype)
+    out.backward(grad)
+    g = grad.view(-1, hidden).float()
+    expected_dx = g * (probs.detach() * routing_map).sum(1, keepdim=True)
+    expected_dp = torch.where(routing_map, (mine.float() * g).sum(1, keepdim=True), 0.0)
+    torch.testing.assert_close(x.grad.view(-1, hidden).float(), expected_dx, **tol)
+    torch.testing.assert_close(probs.grad, expected_dp, rtol=1e-4 if dtype == torch.float32 else 2e-2,
+                               atol=1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def _suite(seed: int) -> None:
+    from megatron.core import parallel_state as ps
+    world = dist.get_world_size()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    try:
+        for i, case in enumerate(("random", "zero_rank", "dropped", "one_expert")):
+            _check(case, 32, torch.float32, False, seed + i)
+        _check("random", 256, torch.bfloat16, True, seed + 7)
+        _check("dropped", 128, torch.bfloat16, False, seed + 8)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatcher_methods_match_plain_loop(world: int) -> None:
+    spawn(_suite, world, args=(int(time.time()) % 1000,), backend="gloo", timeout_s=120)
+
+
+def _errors() -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions, routing_map_to_topk
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS,
+                                   moe_router_topk=TOPK, use_cpu_initialization=True)
+        pgc = get_default_pg_collection()
+        with pytest.raises(ValueError, match="num_local_experts"):
+            EPPluginTokenDispatcher(4, list(range(4)), config, pgc)
+        with pytest.raises(TypeError, match="options"):
+            EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc, options={"fp8_dispatch": True})
+        fp8_dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc,
+                                                 options=PluginOptions(fp8_dispatch=True))
+        rmap = torch.zeros(2, EXPERTS, dtype=torch.bool)
+        rmap[:, :TOPK] = True
+        with pytest.raises(ValueError, match="hidden % 128"):
+            fp8_dispatcher.dispatch_preprocess(torch.randn(2, 96), rmap, rmap.float())
+        with pytest.raises(ValueError, match="routing_map"):
+            fp8_dispatcher.dispatch_preprocess(torch.randn(3, 96), rmap, rmap.float())
+        with pytest.raises(ValueError, match="routing_map"):
+            routing_map_to_topk(rmap.float(), rmap.float(), TOPK)
+        with pytest.raises(ValueError, match="probs"):
+            routing_map_to_topk(rmap, rmap.float()[:1], TOPK)
+        with pytest.raises(RuntimeError, match="dispatch_preprocess"):
+            fp8_dispatcher.token_dispatch(torch.randn(2, 96), torch.ones(2, TOPK))
+        idx, w = routing_map_to_topk(rmap & torch.tensor([True, False]).unsqueeze(1), rmap.float(), TOPK)
+        assert sorted(idx[0].tolist()) == [0, 1, 2] and idx[1].tolist() == [-1] * TOPK
+        assert w[1].tolist() == [0.0] * TOPK and w.dtype == torch.float32
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_bad_inputs_raise_clearly() -> None:
+    spawn(_errors, 1, backend="gloo")
