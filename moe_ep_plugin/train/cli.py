@@ -1,4 +1,5 @@
-"""``moe-ep-train [CONFIG.yaml] [--set section.key=value ...] [--dry-run]``.
+"""``moe-ep-train [CONFIG.yaml] [--set section.key=value ...] [--until STEP] [--dry-run] [--list-keys]``,
+``moe-ep-train --plot RUN_DIR``.
 
 Without torchrun it spawns ``parallel.nprocs`` local ranks itself; under torchrun it joins torchrun's ranks.
 Without a config file it trains the built-in defaults (identical to ``configs/tiny.yaml``).
@@ -13,6 +14,7 @@ import torch
 
 from .. import launch
 from . import config as config_mod
+from . import metrics
 from .trainer import resolve_backend, run
 
 
@@ -22,8 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny config)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one key, e.g. --set train.steps=50 (repeatable; the value is parsed as YAML)")
+    p.add_argument("--until", type=int, metavar="STEP",
+                   help="stop after this step with a checkpoint (a later run resumes; the LR schedule still "
+                        "follows train.steps)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, build the model on the meta device and print its size, then exit")
+    p.add_argument("--plot", metavar="RUN_DIR",
+                   help="(re)draw loss.png and expert_load.png from a run directory's CSV files, then exit")
     p.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
     return p
 
@@ -51,6 +58,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for key, tname, default, doc in config_mod.schema():
             print(f"{key} ({tname}, default {default!r}): {doc}")
         return 0
+    if args.plot:
+        why_not = metrics.write_plots(args.plot)
+        print(f"moe-ep-train: plots not written: {why_not}" if why_not else f"wrote {args.plot}/loss.png, expert_load.png")
+        return 1 if why_not else 0
     try:
         cfg = config_mod.load(args.config, tuple(args.overrides))
         if args.dry_run:
@@ -60,7 +71,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"moe-ep-train: config error: {exc}", file=sys.stderr)
         return 2
-    launch.launch(run, cfg.parallel.nprocs, (cfg,), backend=backend, timeout_s=cfg.parallel.timeout_s)
+    if args.until is not None and args.until < 1:
+        print(f"moe-ep-train: --until must be >= 1, got {args.until}", file=sys.stderr)
+        return 2
+    launch.launch(run, cfg.parallel.nprocs, (cfg, args.until), backend=backend, timeout_s=cfg.parallel.timeout_s)
     return 0
 
 

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
+from ..transports import TRANSPORTS
+
 FP8_BLOCK = 128  # FP8 dispatch quantizes per token in blocks of this many channels (moe_ep_plugin.fp8.BLOCK)
 
 
@@ -55,7 +57,8 @@ class MoEConfig:
                                            None)
     expert_bias: bool = _doc("Aux-loss-free balancing: a per-expert bias added to the scores for selection only "
                              "(sigmoid only).", True)
-    bias_update_rate: float = _doc("Per step, bias += rate * sign(mean load - expert load) (DeepSeek-V3: 1e-3).", 1e-3)
+    bias_update_rate: float = _doc("Per step, bias += rate * sign(mean load - expert load) (DeepSeek-V3: 1e-3 over "
+                                   "far more steps than the tiny run).", 1e-2)
     seq_aux_loss_coeff: float = _doc("Weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4); 0 disables.", 1e-4)
 
 
@@ -65,7 +68,8 @@ class ParallelConfig:
                        "WORLD_SIZE is the EP size instead.", 2)
     device: str = _doc("'auto' (cuda when available), 'cpu' or 'cuda'. One GPU per rank.", "auto")
     backend: str = _doc("torch.distributed backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo' or 'nccl'.", "auto")
-    transport: str = _doc("moe_ep_plugin.Buffer transport: 'auto', 'torch' or a kernel transport name.", "auto")
+    transport: str = _doc("moe_ep_plugin.Buffer transport: 'auto' (NVLink kernels when built and usable, else torch), "
+                          "'torch' (torch.distributed collectives, any device) or 'nvlink'.", "auto")
     fp8_dispatch: bool = _doc("Send tokens as FP8 e4m3 with per-128-channel scales on dispatch (receive BF16); "
                               "combine and all gradients stay BF16. Needs hidden_size % 128 == 0.", False)
     timeout_s: float = _doc("Seconds a collective may wait for a missing rank before raising.", 120.0)
@@ -127,6 +131,7 @@ _CHOICES = {
     "moe.score_function": ("sigmoid", "softmax"),
     "parallel.device": ("auto", "cpu", "cuda"),
     "parallel.backend": ("auto", "gloo", "nccl"),
+    "parallel.transport": ("auto",) + TRANSPORTS,
 }
 
 

@@ -86,10 +86,19 @@ class MetricsWriter:
             self.tb.close()
 
 
-def write_plots(out_dir: str, load_totals: torch.Tensor, first_moe_block: int) -> Optional[str]:
-    """``loss.png`` (train/eval loss and tokens/s over steps) and ``expert_load.png`` (each MoE block's share of
-    routed tokens per expert over the whole run, relative to a uniform load). Returns None when written, else
-    why not."""
+def write_expert_load(out_dir: str, load_totals: torch.Tensor, first_moe_block: int) -> None:
+    """``expert_load.csv``: tokens routed to each expert of each MoE block over the whole run (all ranks)."""
+    with open(os.path.join(out_dir, "expert_load.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("block", "expert", "tokens"))
+        for i, row in enumerate(load_totals.tolist()):
+            writer.writerows((first_moe_block + i, e, n) for e, n in enumerate(row))
+
+
+def write_plots(out_dir: str) -> Optional[str]:
+    """From ``metrics.csv`` and ``expert_load.csv`` in ``out_dir``: ``loss.png`` (train/eval loss and tokens/s over
+    steps) and ``expert_load.png`` (each MoE block's routed tokens per expert over the run, relative to a uniform
+    share). Returns None when written, else the reason they were not."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -115,15 +124,20 @@ def write_plots(out_dir: str, load_totals: torch.Tensor, first_moe_block: int) -
     fig.savefig(os.path.join(out_dir, "loss.png"), dpi=110)
     plt.close(fig)
 
-    if load_totals.shape[0] == 0:  # no MoE blocks
+    with open(os.path.join(out_dir, "expert_load.csv"), newline="") as f:
+        cells = [(int(r["block"]), int(r["expert"]), int(r["tokens"])) for r in csv.DictReader(f)]
+    if not cells:  # no MoE blocks
         return None
-    loads = load_totals.double()
+    blocks = sorted({b for b, _, _ in cells})
+    loads = torch.zeros(len(blocks), max(e for _, e, _ in cells) + 1, dtype=torch.float64)
+    for b, e, n in cells:
+        loads[blocks.index(b), e] = n
     relative = (loads / loads.mean(dim=1, keepdim=True).clamp_min(1e-9)).numpy()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * loads.shape[1] + 2), 1.0 + 0.6 * loads.shape[0]))
     image = ax.imshow(relative, aspect="auto", cmap="coolwarm", vmin=0.0, vmax=2.0, interpolation="nearest")
     ax.set_xlabel("routed expert")
     ax.set_ylabel("block")
-    ax.set_yticks(range(loads.shape[0]), [str(first_moe_block + i) for i in range(loads.shape[0])])
+    ax.set_yticks(range(len(blocks)), [str(b) for b in blocks])
     ax.set_title("tokens per expert over the run / uniform share")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()

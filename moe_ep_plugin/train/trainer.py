@@ -190,8 +190,9 @@ class Trainer:
             self.step, self.load_totals = checkpoint.load(directory, self.cfg, self.model, self.optimizer, self.group)
         return directory
 
-    def train(self) -> dict[str, float]:
-        """Train from the resumed step to ``train.steps``; rank 0 writes the log, metrics.csv and plots."""
+    def train(self, until: Optional[int] = None) -> dict[str, float]:
+        """Train from the resumed step to ``train.steps`` (or stop after step ``until``, checkpointing there, as a
+        time-boxed job would); rank 0 writes the log, metrics.csv and plots. Returns the last metrics row."""
         cfg, lead = self.cfg, self.rank == 0
         out = cfg.output.dir
         if lead:
@@ -206,7 +207,8 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (lead and cfg.output.progress_bar),
                    unit="step", dynamic_ncols=True)
         start, last = time.perf_counter(), {}
-        while self.step < cfg.train.steps:
+        end = cfg.train.steps if until is None else min(until, cfg.train.steps)
+        while self.step < end:
             t0 = time.perf_counter()
             result = self.forward_backward(*self.batch(self.step))
             norm = self.optimizer_step(self.step, result)
@@ -214,9 +216,10 @@ class Trainer:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             self.step += 1
-            done = self.step == cfg.train.steps
+            done = self.step == end
             eval_loss = None
-            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or done):
+            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0
+                                                                   or self.step == cfg.train.steps):
                 eval_loss = self.evaluate()
             balance, worst = metrics.load_balance(result.counts)
             last = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
@@ -258,8 +261,9 @@ class Trainer:
             logger.info(f"resumed from {resumed} at step {self.step}")
 
     def _finish(self, logger, last: dict) -> None:
+        metrics.write_expert_load(self.cfg.output.dir, self.load_totals, self.cfg.model.num_dense_layers)
         if self.cfg.output.plots:
-            why_not = metrics.write_plots(self.cfg.output.dir, self.load_totals, self.cfg.model.num_dense_layers)
+            why_not = metrics.write_plots(self.cfg.output.dir)
             logger.info(f"plots skipped: {why_not}" if why_not else
                         f"plots: {os.path.join(self.cfg.output.dir, 'loss.png')}, expert_load.png")
         if last:
@@ -278,7 +282,7 @@ def _format(row: dict, total_steps: int) -> str:
     return text
 
 
-def run(cfg: TrainerConfig) -> None:
+def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:
     """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
     if resolve_device(cfg).type == "cpu":
         # Ranks on one host share its cores; more threads than cores makes every rank wait on the slowest.
@@ -286,6 +290,6 @@ def run(cfg: TrainerConfig) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     trainer = Trainer(cfg)
     try:
-        trainer.train()
+        trainer.train(until)
     finally:
         trainer.buffer.destroy()
