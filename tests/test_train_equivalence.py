@@ -8,8 +8,8 @@ norm, and the expert bias after the aux-loss-free update.
 Tolerances: FP32 compute, so the EP=2 and EP=1 runs differ only in the order of fp32 sums (combine adds a token's
 per-rank partial outputs, EP=1 adds all of them in one unpermute): rtol 1e-4 / atol 1e-6. With FP8 dispatch the
 quantization is per token, so FP8 EP=2 vs FP8 EP=1 keeps the same tight tolerance; FP8 EP=2 against the
-full-precision EP=1 step is held to the looser bound the FP8 rounding allows: loss within 1e-2 relative, and
-each gradient within 10 % of its norm (measured: about 5e-4 and 3 %).
+full-precision EP=1 step is held to the looser bound the FP8 rounding allows: loss within 1e-3 relative, and
+each gradient tensor within 10 % of its norm (measured: 1.3e-5 and at worst 4.1 %).
 """
 import torch
 import torch.distributed as dist
@@ -80,7 +80,7 @@ def _compare() -> None:
     _assert_same_step(rank, steps[2, True][:4], steps[1, True][:4], "fp8 dispatch")
     # FP8 EP=2 against the full-precision EP=1 step: the FP8 rounding error, bounded.
     (r2, g2, _, _), (r1, g1, _, _) = steps[2, True][:4], steps[1, False][:4]
-    assert abs(r2.loss - r1.loss) <= 1e-2 * abs(r1.loss), (r2.loss, r1.loss)
+    assert abs(r2.loss - r1.loss) <= 1e-3 * abs(r1.loss), (r2.loss, r1.loss)
     errors = {name: float((g - _slice_of(name, g1[name], rank, 2)).norm() / g1[name].norm().clamp_min(1e-12))
               for name, g in g2.items()}
     print(f"rank {rank}: fp8 vs fp32 loss {abs(r2.loss - r1.loss) / r1.loss:.2e}, worst grad {max(errors.values()):.2e}")

@@ -203,6 +203,8 @@ class Trainer:
         writer = metrics.MetricsWriter(out, self.step, cfg.output.tensorboard) if lead else None
         if lead:
             self._log_header(logger, resumed)
+            if self.step >= cfg.train.steps:
+                logger.info(f"nothing to train: the checkpoint is at train.steps={cfg.train.steps} (raise it to go on)")
         tokens_per_step = self.world * cfg.train.micro_batch_size * cfg.model.seq_len
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (lead and cfg.output.progress_bar),
                    unit="step", dynamic_ncols=True)

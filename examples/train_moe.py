@@ -1,0 +1,27 @@
+"""The example MoE trainer as a plain script: what `moe-ep-train` does, spelled out with the library API.
+
+    python examples/train_moe.py configs/tiny.yaml                       # spawns parallel.nprocs local ranks
+    python examples/train_moe.py configs/tiny.yaml --set train.steps=50  # override any key
+    torchrun --nproc-per-node 2 examples/train_moe.py configs/ep2_h200.yaml
+"""
+import argparse
+
+from moe_ep_plugin import launch
+from moe_ep_plugin.train import config, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args()
+    # Strict load: an unknown key or an impossible value raises ValueError naming the key.
+    cfg = config.load(args.config, tuple(args.set))
+    # Under torchrun this joins its ranks; otherwise it starts parallel.nprocs processes (gloo on CPU, NCCL on GPU),
+    # and each one runs trainer.run(cfg): build the Buffer on the EP group, the model, and train.
+    launch.launch(trainer.run, cfg.parallel.nprocs, (cfg,), backend=trainer.resolve_backend(cfg),
+                  timeout_s=cfg.parallel.timeout_s)
+
+
+if __name__ == "__main__":
+    main()
