@@ -8,12 +8,13 @@ exactly ``TopKRouter``.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
+
+from .host import cuda_device_is_host
 
 # megatron-core 0.16 without TransformerEngine never binds moe_utils.te_general_gemm, so every router forward
 # raises NameError; 0.19 binds it to None in that case, which is the value its code expects.
@@ -21,26 +22,13 @@ if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
 
 
-@contextlib.contextmanager
-def _cuda_device_is_host() -> Iterator[None]:
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original
-
-
 class PortableTopKRouter(TopKRouter):
     """``TopKRouter`` that keeps its tensors on the host when CUDA is unavailable (same outputs)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with _cuda_device_is_host():
+        with cuda_device_is_host():
             super().__init__(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any):
-        with _cuda_device_is_host():
+        with cuda_device_is_host():
             return super().forward(*args, **kwargs)

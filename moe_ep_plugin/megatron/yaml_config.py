@@ -1,0 +1,239 @@
+"""YAML → Megatron-Core ``TransformerConfig`` (+ parallel layout, GPT, plugin, training and data options).
+
+A pretraining YAML has these sections; anything else, and any key a section does not know, is an error that
+names it:
+
+- ``parallel``: ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``expert_model_parallel_size``,
+  ``expert_tensor_parallel_size``, ``sequence_parallel`` (only here: the same keys under ``model`` conflict).
+- ``model``: ``TransformerConfig`` fields (``MLATransformerConfig`` when ``multi_latent_attention: true``), by
+  their Megatron names, plus ``activation: gelu | silu | swiglu | geglu`` (functions cannot be written in YAML)
+  and ``dtype: fp32 | bf16 | fp16`` (sets ``params_dtype``/``bf16``/``fp16`` together).
+  ``moe_token_dispatcher_type: ep_plugin`` selects this library's dispatcher; ``flex`` with
+  ``moe_flex_dispatcher_backend: deepep`` runs Megatron's own flex dispatcher on this library.
+- ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``num_sms``, ``timeout_s``).
+- ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
+- ``train``, ``data``: the launcher's own options (:class:`TrainOptions`, :class:`DataOptions`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import yaml
+
+from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
+
+PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "sequence_parallel")
+SECTIONS = ("parallel", "model", "ep_plugin", "gpt", "train", "data")
+_ACTIVATIONS = {"gelu": (torch.nn.functional.gelu, False), "silu": (torch.nn.functional.silu, False),
+                "swiglu": (torch.nn.functional.silu, True), "geglu": (torch.nn.functional.gelu, True)}
+_DTYPES = {"fp32": (torch.float32, False, False), "bf16": (torch.bfloat16, True, False),
+           "fp16": (torch.float16, False, True)}
+_SMS_KEYS = ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms")
+
+
+@dataclass(frozen=True)
+class GPTOptions:
+    """``GPTModel`` constructor arguments that are not part of ``TransformerConfig``."""
+
+    vocab_size: int = 256
+    max_sequence_length: int = 256
+    position_embedding_type: str = "rope"
+    rotary_base: int = 10000
+    share_embeddings_and_output_weights: bool = False
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Training loop: ``steps`` optimizer steps of ``global_batch_size`` sequences of ``seq_length`` tokens."""
+
+    steps: int = 100
+    seq_length: int = 128
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    seed: int = 1234
+    log_interval: int = 10
+    save_dir: Optional[str] = None
+    save_interval: int = 0
+    load_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Offline token data through ``moe_ep_plugin.train.data``: ``path`` is a text file read as bytes, or a
+    ``.npy`` of token ids (None: the corpus shipped in ``moe_ep_plugin/data``); ``eval_fraction`` is held out."""
+
+    path: Optional[str] = None
+    seed: int = 0
+    eval_fraction: float = 0.05
+
+
+@dataclass
+class PretrainConfig:
+    """Everything one YAML file holds, validated."""
+
+    parallel: dict[str, Any]
+    transformer: Any  # TransformerConfig or MLATransformerConfig
+    gpt: GPTOptions
+    plugin: Optional[PluginOptions]
+    train: TrainOptions
+    data: DataOptions
+    source: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{name}: expected a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def _typed(section: str, cls: type, values: dict[str, Any]) -> Any:
+    """Build dataclass ``cls`` from ``values``: unknown keys and values of the wrong plain type are errors."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{section}: unknown key(s) {unknown}; known: {sorted(known)}")
+    for key, value in values.items():
+        _check_type(f"{section}.{key}", known[key], value)
+    return cls(**values)
+
+
+_PLAIN = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _check_type(name: str, spec: dataclasses.Field, value: Any) -> None:
+    """Check ``value`` against a field annotated with a plain ``bool``/``int``/``float``/``str`` (others pass)."""
+    annotation = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", "")
+    expected = _PLAIN.get(annotation)
+    if value is None or expected is None:
+        return
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise TypeError(f"{name}: expected {annotation}, got {value!r}")
+
+
+def _config_class(model: dict[str, Any]) -> type:
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    return MLATransformerConfig if model.get("multi_latent_attention") else TransformerConfig
+
+
+def _float_like(value: Any) -> Any:
+    # PyYAML reads "3e-4" (no dot) as a string; accept the numeric spellings Megatron's YAMLs use.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
+                             plugin: Optional[PluginOptions]) -> Any:
+    """``model`` + ``parallel`` sections (and the plugin options) → a validated Megatron config object."""
+    model = dict(model)
+    clash = sorted(set(model) & set(PARALLEL_KEYS))
+    if clash:
+        raise ValueError(f"model: {clash} belong in the parallel: section (set them there only)")
+    unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
+    if unknown:
+        raise ValueError(f"parallel: unknown key(s) {unknown}; known: {list(PARALLEL_KEYS)}")
+    kwargs: dict[str, Any] = dict(parallel)
+    if "activation" in model:
+        name = model.pop("activation")
+        if name not in _ACTIVATIONS:
+            raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {name!r}")
+        if "gated_linear_unit" in model:
+            raise ValueError("model: give activation or gated_linear_unit, not both (activation sets it)")
+        kwargs["activation_func"], kwargs["gated_linear_unit"] = _ACTIVATIONS[name]
+    if "dtype" in model:
+        name = model.pop("dtype")
+        if name not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+        for key in ("params_dtype", "bf16", "fp16"):
+            if key in model:
+                raise ValueError(f"model: give dtype or {key}, not both (dtype sets it)")
+        kwargs["params_dtype"], kwargs["bf16"], kwargs["fp16"] = _DTYPES[name]
+    for key in ("activation_func", "params_dtype", "init_method", "output_layer_init_method"):
+        if key in model:
+            raise ValueError(f"model.{key}: not expressible in YAML (use model.activation / model.dtype)")
+    cls = _config_class(model)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(model) - set(known))
+    if unknown:
+        raise ValueError(f"model: unknown key(s) {unknown} for {cls.__name__}")
+    for key, value in model.items():
+        value = _float_like(value) if known[key].type in (float, "float") else value
+        _check_type(f"model.{key}", known[key], value)
+        kwargs[key] = value
+
+    dispatcher = model.get("moe_token_dispatcher_type", "allgather")
+    serves_plugin = dispatcher == PLUGIN_DISPATCHER_TYPE or (
+        dispatcher == "flex" and model.get("moe_flex_dispatcher_backend", "deepep") == "deepep")
+    if plugin is not None and not serves_plugin:
+        raise ValueError(f"ep_plugin: options given but model.moe_token_dispatcher_type is {dispatcher!r}; use "
+                         f"{PLUGIN_DISPATCHER_TYPE!r} (or flex with backend deepep)")
+    sms = {k: model[k] for k in _SMS_KEYS if model.get(k) is not None}
+    if plugin is not None and plugin.num_sms is not None and any(v != plugin.num_sms for v in sms.values()):
+        raise ValueError(f"ep_plugin.num_sms={plugin.num_sms} conflicts with model {sms}")
+    if serves_plugin:
+        from .install import install
+        install(plugin)  # idempotent; makes this config's options the defaults of the DeepEP shim
+    config = cls(**kwargs)
+    if dispatcher == PLUGIN_DISPATCHER_TYPE:
+        set_plugin_options(config, plugin or PluginOptions())
+    return config
+
+
+def load_pretrain_config(source: Union[str, dict[str, Any]]) -> PretrainConfig:
+    """Read a YAML file path (or an already parsed mapping) into a :class:`PretrainConfig`."""
+    if isinstance(source, str):
+        with open(source, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    elif isinstance(source, dict):
+        raw = source
+    else:
+        raise TypeError(f"source: expected a YAML path or a mapping, got {type(source).__name__}")
+    if not isinstance(raw, dict):
+        raise TypeError(f"top level: expected a mapping of sections, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    plugin = PluginOptions.from_dict(_section(raw, "ep_plugin")) if "ep_plugin" in raw else None
+    parallel = _section(raw, "parallel")
+    train_values = {k: _float_like(v) if k in ("lr", "min_lr", "weight_decay", "clip_grad") else v
+                    for k, v in _section(raw, "train").items()}
+    train = _typed("train", TrainOptions, train_values)
+    data = _typed("data", DataOptions, _section(raw, "data"))
+    gpt = _typed("gpt", GPTOptions, _section(raw, "gpt"))
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
+    if train.seq_length > gpt.max_sequence_length:
+        raise ValueError(f"train.seq_length={train.seq_length} exceeds gpt.max_sequence_length="
+                         f"{gpt.max_sequence_length}")
+    for name in ("steps", "seq_length", "micro_batch_size", "global_batch_size", "log_interval"):
+        if getattr(train, name) <= 0:
+            raise ValueError(f"train.{name} must be positive, got {getattr(train, name)}")
+    if train.global_batch_size % train.micro_batch_size:
+        raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                         f"train.micro_batch_size={train.micro_batch_size}")
+    transformer = build_transformer_config(_section(raw, "model"), parallel, plugin)
+    return PretrainConfig(parallel=parallel, transformer=transformer, gpt=gpt, plugin=plugin, train=train,
+                          data=data, source=raw)
