@@ -222,6 +222,8 @@ def _worker_edge_cases() -> None:
     ds_init()
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
+    with pytest.raises(ValueError, match="^ep_size: 4 does not divide the world size 2"):
+        MoE(H, Expert(H), 8, 4, 2)
 
     # group-limited sigmoid routing with an expert bias; rank 1 has no tokens at all
     torch.manual_seed(0)

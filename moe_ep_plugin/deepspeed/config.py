@@ -1,0 +1,213 @@
+"""YAML run configuration of the DeepSpeed example: strict sections, every key typed and checked.
+
+A file maps sections to keys::
+
+    dispatcher: plugin        # 'plugin' (moe_ep_plugin.deepspeed.MoE) or 'deepspeed' (deepspeed.moe.layer.MoE)
+    model: {...}              # ModelConfig
+    moe: {...}                # MoEConfig: deepspeed.moe.layer.MoE's arguments + the plugin's options
+    train: {...}              # TrainConfig
+    deepspeed: {...}          # passed to deepspeed.initialize as its config (JSON keys)
+
+Missing keys take their defaults; an unknown section or key, a wrong type or an impossible combination raises
+``ValueError`` starting with the dotted key (``moe.ep_size: ...``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from .. import fp8
+from .options import PluginOptions, check_moe_args
+
+DISPATCHERS = ("plugin", "deepspeed")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class ModelConfig:
+    """A next-token model: embedding, ``num_layers`` pre-norm residual MoE blocks, a norm, an LM head."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    ffn_hidden_size: int = 256   # inner width of each expert's GELU MLP
+    num_layers: int = 2
+    seq_len: int = 64
+
+
+@dataclass
+class MoEConfig:
+    """``deepspeed.moe.layer.MoE`` arguments (same names) plus the plugin's (:class:`PluginOptions`)."""
+
+    num_experts: int = 8
+    ep_size: int = 2
+    k: int = 2
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 0
+    drop_tokens: bool = False
+    use_rts: bool = True
+    noisy_gate_policy: Optional[str] = None
+    use_residual: bool = False
+    top2_2nd_expert_sampling: bool = True
+    aux_loss_coeff: float = 0.01     # loss += coeff * sum of the layers' l_aux
+    # plugin only (dispatcher: plugin)
+    router: str = "deepspeed"
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    scaling_factor: Optional[float] = None
+    expert_bias_rate: float = 0.0
+    fp8_dispatch: bool = False
+    round_scale: bool = False
+    transport: str = "auto"
+
+    def plugin_options(self) -> PluginOptions:
+        return PluginOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PluginOptions)})
+
+    def stock(self) -> "MoEConfig":
+        """The same DeepSpeed arguments with the plugin's options at their defaults (for dispatcher: deepspeed)."""
+        defaults = PluginOptions()
+        return dataclasses.replace(self, **{f.name: getattr(defaults, f.name)
+                                            for f in dataclasses.fields(PluginOptions)})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    micro_batch_size: int = 8          # sequences per rank per step
+    lr: float = 3e-3
+    seed: int = 1234
+    dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
+    log_interval: int = 10
+    warmup_steps: int = 5              # steps left out of the step-time median
+    nprocs: int = 2                    # ranks to spawn when not started by torchrun
+    checkpoint_dir: Optional[str] = None  # save a DeepSpeed checkpoint here at the end
+
+
+@dataclass
+class RunConfig:
+    dispatcher: str = "plugin"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: dict = field(default_factory=lambda: {"zero_optimization": {"stage": 2}})
+
+
+# keys of the DeepSpeed config the train section owns
+_OWNED_DS_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "train_batch_size":
+                  "train.micro_batch_size", "gradient_accumulation_steps": "train.micro_batch_size",
+                  "bf16": "train.dtype", "fp16": "train.dtype", "optimizer": "train.lr (a torch AdamW is used)"}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against the field type ``hint`` (int, float, bool, str, Optional[...])."""
+    if typing.get_origin(hint) is typing.Union:
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads '3e-3' as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"{key}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def _section(name: str, cls: type, values: Any) -> Any:
+    if values is None:
+        return cls()
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: expected a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ValueError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+    return cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()})
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{key}: must be >= 1, got {value}")
+
+
+def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
+    """Cross-key checks; ``world_size`` (when known) must be a multiple of ``moe.ep_size``."""
+    if cfg.dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher: expected one of {DISPATCHERS}, got {cfg.dispatcher!r}")
+    for key in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "seq_len"):
+        _positive(f"model.{key}", getattr(cfg.model, key))
+    for key in ("num_experts", "ep_size", "k"):
+        _positive(f"moe.{key}", getattr(cfg.moe, key))
+    for key in ("steps", "micro_batch_size", "log_interval", "nprocs"):
+        _positive(f"train.{key}", getattr(cfg.train, key))
+    m = cfg.moe
+    if m.fp8_dispatch and cfg.model.hidden_size % fp8.BLOCK:
+        raise ValueError(f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, "
+                         f"got {cfg.model.hidden_size}")
+    try:  # the layer's own checks, before any rank starts
+        options = m.plugin_options()
+        check_moe_args(cfg.model.hidden_size, m.num_experts, m.ep_size, m.k, m.drop_tokens, False, False, options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"moe.{exc}") from exc
+    ranks = world_size if world_size is not None else cfg.train.nprocs
+    if ranks % m.ep_size:
+        raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks")
+    changed = [f.name for f in dataclasses.fields(PluginOptions)
+               if f.name != "transport" and getattr(options, f.name) != getattr(PluginOptions(), f.name)]
+    if cfg.dispatcher == "deepspeed" and changed:
+        raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
+    if cfg.train.dtype not in DTYPES:
+        raise ValueError(f"train.dtype: expected one of {DTYPES}, got {cfg.train.dtype!r}")
+    if not isinstance(cfg.deepspeed, dict):
+        raise ValueError(f"deepspeed: expected a mapping (DeepSpeed's JSON config), got {type(cfg.deepspeed).__name__}")
+    for key, owner in _OWNED_DS_KEYS.items():
+        if key in cfg.deepspeed:
+            raise ValueError(f"deepspeed.{key}: set by the example from {owner}; remove it here")
+    stage = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(f"deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, got {stage}")
+    return cfg
+
+
+def parse_config(data: Any, world_size: Optional[int] = None) -> RunConfig:
+    """A parsed YAML document (a mapping) → validated :class:`RunConfig`."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
+    sections = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}
+    for key in data:
+        if key not in ("dispatcher", "deepspeed", *sections):
+            raise ValueError(f"{key}: unknown section (known: dispatcher, model, moe, train, deepspeed)")
+    cfg = RunConfig(dispatcher=data.get("dispatcher", "plugin"),
+                    deepspeed=data.get("deepspeed", RunConfig().deepspeed),
+                    **{name: _section(name, cls, data.get(name)) for name, cls in sections.items()})
+    return validate(cfg, world_size)
+
+
+def load_config(path: str, overrides: tuple[str, ...] = (), world_size: Optional[int] = None) -> RunConfig:
+    """Read a YAML file; ``overrides`` are ``section.key=value`` strings (values parsed as YAML)."""
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected section.key=value")
+        *parents, name = key.split(".")
+        node = data
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{'.'.join(parents[:i + 1])}: expected a mapping, got {type(node).__name__}")
+        node[name] = yaml.safe_load(raw)
+    return parse_config(data, world_size)
