@@ -119,3 +119,23 @@ def test_shipped_corpus_is_byte_level_text():
     ids = load_tokens(None, vocab_size=256)
     assert 50_000 < len(ids) < 400_000 and ids.max() < 128
     assert open(shipped_corpus_path(), encoding="utf-8").read().encode() == bytes(ids.astype(np.uint8))
+
+
+def test_cli_list_keys_and_plot_from_csv(tmp_path, capsys):
+    assert cli.main(["--list-keys"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"{key} (" in listed for key, *_ in config.schema())
+    (tmp_path / "metrics.csv").write_text(
+        "step,loss,lm_loss,aux_loss,eval_loss,lr,grad_norm,tokens_per_s,step_time_s,load_max_over_mean,"
+        "load_max_over_mean_worst_layer,elapsed_s\n"
+        "1,5.5,5.4,0.1,,0.001,1.0,1000,0.1,2.0,3.0,0.1\n2,4.0,3.9,0.1,4.2,0.001,1.0,1100,0.1,1.5,2.0,0.2\n")
+    (tmp_path / "expert_load.csv").write_text("block,expert,tokens\n1,0,10\n1,1,30\n2,0,20\n2,1,20\n")
+    code = cli.main(["--plot", str(tmp_path)])
+    try:
+        import matplotlib  # noqa: F401  (the [plots] extra)
+    except ImportError:
+        assert code == 1 and "matplotlib is not installed" in capsys.readouterr().out
+        return
+    assert code == 0
+    for name in ("loss.png", "expert_load.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
