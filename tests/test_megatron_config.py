@@ -1,0 +1,159 @@
+"""Registration (install/uninstall), plugin options and the YAML → ``TransformerConfig`` mapping; no processes."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from megatron.core.transformer import transformer_config as tc  # noqa: E402
+from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher  # noqa: E402
+
+import moe_ep_plugin.megatron as ep_megatron  # noqa: E402
+from moe_ep_plugin.megatron import deepep_shim  # noqa: E402
+from moe_ep_plugin.megatron.yaml_config import load_pretrain_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [os.path.join(ROOT, "configs", name) for name in ("megatron_dsv3_cpu.yaml", "megatron_dsv3_ep2.yaml")]
+
+
+@pytest.fixture(autouse=True)
+def _restore_megatron():
+    yield
+    ep_megatron.uninstall()
+
+
+def _originals():
+    return (moe_layer.MoELayer.__init__, tc.TransformerConfig.__post_init__, token_dispatcher.fused_dispatch,
+            token_dispatcher.fused_combine, token_dispatcher.set_deepep_num_sms, fused_a2a.fused_dispatch)
+
+
+def _moe_config(**kw):
+    base = dict(num_layers=1, hidden_size=128, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
+                moe_token_dispatcher_type="ep_plugin", use_cpu_initialization=True)
+    base.update(kw)
+    return tc.TransformerConfig(**base)
+
+
+def test_install_is_idempotent_and_reversible() -> None:
+    before = _originals()
+    assert not ep_megatron.is_installed()
+    ep_megatron.install()
+    once = _originals()
+    ep_megatron.install(ep_megatron.PluginOptions(fp8_dispatch=True))
+    assert _originals() == once and ep_megatron.is_installed()
+    assert token_dispatcher.fused_dispatch is deepep_shim.fused_dispatch
+    assert fused_a2a.fused_combine is deepep_shim.fused_combine
+    assert deepep_shim.current_options().fp8_dispatch  # the second call only updated the options
+    ep_megatron.uninstall()
+    assert _originals() == before and not ep_megatron.is_installed()
+    assert not deepep_shim.current_options().fp8_dispatch
+    ep_megatron.uninstall()
+    assert _originals() == before
+    ep_megatron.install()
+    assert ep_megatron.is_installed()
+
+
+def test_config_validation_after_install() -> None:
+    # Megatron itself refuses shared-expert overlap for an unknown dispatcher type ...
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap"):
+        _moe_config(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
+    ep_megatron.install()
+    # ... the plugin has it, so after install() the config is accepted and carries the default options.
+    config = _moe_config(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
+    assert config.moe_token_dispatcher_type == "ep_plugin"
+    assert ep_megatron.get_plugin_options(config) == ep_megatron.PluginOptions()
+    with pytest.raises(ValueError, match="expert tensor parallelism"):
+        _moe_config(expert_tensor_parallel_size=2, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="moe_pad_expert_input_to_capacity"):
+        _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    ep_megatron.install(ep_megatron.PluginOptions(fp8_dispatch=True))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        _moe_config(hidden_size=96)
+    ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="torch", num_sms=8))
+    assert ep_megatron.get_plugin_options(config).num_sms == 8
+    with pytest.raises(TypeError, match="PluginOptions"):
+        ep_megatron.set_plugin_options(config, {"transport": "torch"})
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"transport": "nccl"}, ValueError, "transport"),
+    ({"fp8_dispatch": 1}, TypeError, "fp8_dispatch"),
+    ({"num_sms": 7}, ValueError, "num_sms"),
+    ({"num_sms": True}, ValueError, "num_sms"),
+    ({"timeout_s": 0}, ValueError, "timeout_s"),
+])
+def test_plugin_options_are_validated(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        ep_megatron.PluginOptions(**kwargs)
+
+
+def test_shipped_configs_map_to_transformer_config() -> None:
+    cpu, gpu = (load_pretrain_config(path) for path in CONFIGS)
+    for cfg in (cpu, gpu):
+        t = cfg.transformer
+        assert isinstance(t, tc.TransformerConfig) and t.moe_token_dispatcher_type == "ep_plugin"
+        assert (t.moe_router_score_function, t.moe_router_topk_scaling_factor) == ("sigmoid", 2.5)
+        assert t.moe_router_enable_expert_bias and t.gated_linear_unit and t.activation_func is torch.nn.functional.silu
+        assert t.moe_layer_freq[0] == 0 and t.moe_shared_expert_intermediate_size > 0
+        assert t.expert_model_parallel_size == cfg.parallel["expert_model_parallel_size"] == 2
+        assert ep_megatron.get_plugin_options(t) == cfg.plugin
+    assert cpu.transformer.params_dtype == torch.float32 and not cpu.transformer.bf16
+    assert gpu.transformer.params_dtype == torch.bfloat16 and gpu.transformer.bf16
+    assert gpu.plugin == ep_megatron.PluginOptions(transport="auto", fp8_dispatch=True, num_sms=24)
+    assert (gpu.transformer.moe_router_num_groups, gpu.transformer.moe_router_group_topk) == (8, 4)
+    assert gpu.train.steps == 100 and gpu.train.lr == 1e-3
+
+
+def _raw() -> dict:
+    with open(CONFIGS[0], encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def _edit(section: str, **values) -> dict:
+    raw = copy.deepcopy(_raw())
+    raw.setdefault(section, {}).update(values)
+    return raw
+
+
+@pytest.mark.parametrize("raw,error,match", [
+    ({**_raw(), "optimizer": {}}, ValueError, r"unknown section\(s\) \['optimizer'\]"),
+    (_edit("model", moe_router_topk_typo=3), ValueError, r"model: unknown key\(s\) \['moe_router_topk_typo'\]"),
+    (_edit("ep_plugin", sms=3), ValueError, r"ep_plugin: unknown option\(s\) \['sms'\]"),
+    (_edit("train", step=3), ValueError, r"train: unknown key\(s\) \['step'\]"),
+    (_edit("parallel", data_parallel_size=2), ValueError, r"parallel: unknown key"),
+    (_edit("model", expert_model_parallel_size=2), ValueError, "belong in the parallel: section"),
+    (_edit("model", moe_token_dispatcher_type="alltoall"), ValueError, "ep_plugin: options given"),
+    (_edit("model", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"), ValueError,
+     "ep_plugin: options given"),
+    (_edit("model", moe_deepep_num_sms=20) | {"ep_plugin": {"num_sms": 24}}, ValueError, "conflicts"),
+    (_edit("model", gated_linear_unit=True), ValueError, "activation or gated_linear_unit"),
+    (_edit("model", bf16=True), ValueError, "dtype or bf16"),
+    (_edit("model", activation="relu2"), ValueError, "model.activation"),
+    (_edit("model", dtype="fp8"), ValueError, "model.dtype"),
+    (_edit("model", num_layers="3"), TypeError, "model.num_layers: expected int"),
+    (_edit("model", add_bias_linear="no"), TypeError, "model.add_bias_linear: expected bool"),
+    (_edit("model", hidden_size=96) | {"ep_plugin": {"fp8_dispatch": True}}, ValueError, "multiple of 128"),
+    (_edit("ep_plugin", transport="ib"), ValueError, "ep_plugin.transport"),
+    (_edit("train", global_batch_size=6), ValueError, "global_batch_size"),
+    (_edit("train", seq_length=128), ValueError, "max_sequence_length"),
+    (_edit("data", eval_fraction=1.0), ValueError, "eval_fraction"),
+    (_edit("model", activation_func="silu"), ValueError, "not expressible"),
+])
+def test_yaml_errors_name_the_key(raw, error, match) -> None:
+    with pytest.raises(error, match=match):
+        load_pretrain_config(raw)
+
+
+def test_yaml_flex_deepep_is_served_and_number_spellings() -> None:
+    raw = _raw()
+    raw["model"].update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    raw["train"]["lr"] = "3e-4"  # PyYAML reads this spelling as a string
+    cfg = load_pretrain_config(raw)
+    assert cfg.transformer.moe_token_dispatcher_type == "flex" and cfg.train.lr == 3e-4
+    assert ep_megatron.is_installed() and token_dispatcher.fused_dispatch is deepep_shim.fused_dispatch
+    assert deepep_shim.current_options() == cfg.plugin
