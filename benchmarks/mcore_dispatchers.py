@@ -1,0 +1,164 @@
+"""Time Megatron-Core MoE token dispatchers at DeepSeek-V3 shapes on all local GPUs: Megatron's own (alltoall,
+flex+DeepEP) and this library's (``ep_plugin`` on each transport, and flex+deepep served by the plugin's shim).
+
+The team's harness (../shared/bench/mcore_dispatchers.py) extended with the plugin kinds; the timed region is the
+same: identity experts, the six dispatcher methods end to end (preprocess, dispatch, permute, and back),
+forward and forward+backward, median of 30 CUDA-event-timed runs after a barrier; every rank times and the
+slowest rank's median is reported. Before timing, each kind's output is checked against ``x * sum(probs)``
+(``x`` rounded through FP8 first for FP8-dispatch kinds).
+
+Kinds: ``alltoall``, ``flex`` (Megatron's flex dispatcher with whatever ``deep_ep`` provides), ``flex_plugin``
+(the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8]`` with
+transport ``torch`` / ``nvlink`` / ``auto``.
+Run: torchrun --nproc-per-node N benchmarks/mcore_dispatchers.py [--tokens 4096,128] [--kinds ...]
+Without CUDA it runs on CPU ranks (gloo) as a smoke check of the harness itself; those timings mean nothing.
+"""
+import argparse
+import os
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--tokens", default="4096,128", help="comma-separated token counts per rank")
+p.add_argument("--hidden", type=int, default=7168)
+p.add_argument("--experts", type=int, default=256)
+p.add_argument("--topk", type=int, default=8)
+p.add_argument("--iters", type=int, default=30)
+p.add_argument("--num-sms", type=int, default=24, help="SMs for the plugin's nvlink kernels")
+p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
+a = p.parse_args()
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+use_cuda = torch.cuda.is_available()
+if use_cuda:
+    dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+else:
+    dev = torch.device("cpu")
+    dist.init_process_group("gloo")
+from megatron.core import parallel_state as ps  # noqa: E402
+
+ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+import moe_ep_plugin.megatron as ep_megatron  # noqa: E402
+from moe_ep_plugin import fp8  # noqa: E402
+
+pg = moe_utils.get_default_pg_collection()
+L = a.experts // world
+local_idx = list(range(rank * L, (rank + 1) * L))
+
+
+def cfg(kind):
+    kw = dict(num_layers=1, hidden_size=a.hidden, num_attention_heads=8, num_moe_experts=a.experts, moe_router_topk=a.topk,
+              expert_model_parallel_size=world, moe_router_dtype="fp32", bf16=True, params_dtype=torch.bfloat16,
+              moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+              moe_token_dispatcher_type=kind.split(":")[0].replace("flex_plugin", "flex"))
+    if kw["moe_token_dispatcher_type"] == "flex":
+        kw["moe_flex_dispatcher_backend"] = "deepep"
+    return TransformerConfig(**kw)
+
+
+def make_dispatcher(kind):
+    """(dispatcher, whether rows travel in FP8) for one kind."""
+    if kind == "alltoall":
+        return MoEAlltoAllTokenDispatcher(L, local_idx, cfg(kind), pg_collection=pg), False
+    if kind == "flex":
+        return MoEFlexTokenDispatcher(L, local_idx, cfg(kind), pg_collection=pg), False
+    if kind == "flex_plugin":
+        ep_megatron.install(ep_megatron.PluginOptions(transport="auto", num_sms=a.num_sms))
+        return MoEFlexTokenDispatcher(L, local_idx, cfg(kind), pg_collection=pg), False
+    name, transport, *flags = kind.split(":") + ["auto"] * (kind.count(":") == 0)
+    if name != "ep_plugin" or any(f != "fp8" for f in flags):
+        raise ValueError(f"unknown kind {kind!r}")
+    options = ep_megatron.PluginOptions(transport=transport, fp8_dispatch="fp8" in flags, num_sms=a.num_sms)
+    return ep_megatron.EPPluginTokenDispatcher(L, local_idx, cfg(kind), pg, options=options), options.fp8_dispatch
+
+
+def step(d, x, rmap, probs, backward):
+    h, pr = d.dispatch_preprocess(x, rmap, probs)
+    h, pr = d.token_dispatch(h, pr)
+    h, tpe, pp = d.dispatch_postprocess(h, pr)
+    h = h * pp.unsqueeze(-1).to(h.dtype)
+    h = d.combine_preprocess(h)
+    h = d.token_combine(h)
+    out = d.combine_postprocess(h)
+    if backward:
+        out.backward(torch.ones_like(out))
+    return out
+
+
+def run_us(fn):
+    """Microseconds of one call: CUDA events on GPU, the host clock on CPU."""
+    if not use_cuda:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1000
+
+
+def bench(fn, iters):
+    for _ in range(5):
+        fn()
+    if use_cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    times = sorted(run_us(fn) for _ in range(iters))
+    slowest = torch.tensor(times[len(times) // 2], device=dev)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+rows = []
+for tokens in (int(t) for t in a.tokens.split(",")):
+    torch.manual_seed(1234 + rank)
+    logits = torch.randn(tokens, a.experts, device=dev)
+    bias = torch.randn(a.experts, device=dev) * 0.01
+    probs, rmap = moe_utils.topk_routing_with_score_function(logits, a.topk, use_pre_softmax=True, num_groups=8,
+                                                             group_topk=4, scaling_factor=2.5,
+                                                             score_function="sigmoid", expert_bias=bias)
+    x0 = torch.randn(tokens, 1, a.hidden, device=dev, dtype=torch.bfloat16)
+    for kind in a.kinds.split(","):
+        try:
+            disp, wire_fp8 = make_dispatcher(kind)
+            xf = x0.clone()
+            out = step(disp, xf, rmap, probs, False)
+            seen = fp8.dequantize(*fp8.quantize(x0.view(tokens, -1))).view_as(x0) if wire_fp8 else x0
+            ok = torch.allclose(out.float(), seen.float() * probs.sum(-1).view(-1, 1, 1), rtol=2e-2, atol=2e-2)
+            ok_all = torch.tensor(int(ok), device=dev)
+            dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
+            fwd = bench(lambda: step(disp, xf, rmap, probs, False), a.iters)
+            xg = x0.clone().requires_grad_(True)
+            fb = bench(lambda: step(disp, xg, rmap, probs, True), a.iters)
+            rows.append((kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", str(bool(ok_all.item()))))
+            if rank == 0:
+                print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
+                      f"fwd_bwd_us={fb:.1f} correct={bool(ok_all.item())}", flush=True)
+        except Exception as ex:
+            rows.append((kind, tokens, "-", "-", f"FAILED {type(ex).__name__}: {str(ex)[:80]}"))
+            if rank == 0:
+                import traceback
+                traceback.print_exc()
+                print(f"RESULT mcore-{kind} tokens={tokens} FAILED {type(ex).__name__}: {ex}", flush=True)
+        dist.barrier()
+if rank == 0:
+    header = ("kind", "tokens", "fwd us", "fwd+bwd us", "correct")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
+    print(f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "
+          f"top-{a.topk} of {a.experts}, identity experts, median of {a.iters} (slowest rank)")
+    for r in [header] + rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+dist.barrier()
+ps.destroy_model_parallel()
+dist.destroy_process_group()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Megatron-Core integration on the 2 x H200 device machine (issue 5), about 2-3 minutes:
+#   1. benchmarks/mcore_dispatchers.py at EP2, hidden 7168, top-8 of 256, 4096 and 128 tokens per rank, forward and
+#      forward+backward: Megatron's alltoall vs ep_plugin on the torch (NCCL) and nvlink transports (BF16 and FP8
+#      dispatch) and flex+deepep served by the plugin; prints a table (benchmarks/RESULTS.md takes it).
+#   2. moe-ep-pretrain configs/megatron_dsv3_ep2.yaml: 100 steps of the DeepSeek-V3-style model, loss logged.
+# Run it after scripts/gpu_kernels.sh, which builds moe_ep_plugin/lib/libmoe_ep_kernels.so (without the library
+# the ep_plugin:nvlink rows report FAILED and transport "auto" falls back to torch).
+#
+# The device machine has no megatron-core. Carry its wheel (2.4 MB; it needs torch, numpy, packaging, plus triton,
+# pyyaml and einops, all present there). Here, in the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl megatron-core==0.19.2
+#   -> .whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
+# and name .whl in the run's carry. This script installs that wheel into /tmp/mcore when megatron.core is missing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOGS="${OUT:-runs/gpu_megatron}"
+mkdir -p "$LOGS"
+status=0
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+    wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -n 1)
+    [ -n "$wheel" ] || { echo "megatron-core missing and no .whl/megatron_core-*.whl carried"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mcore "$wheel" || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/mcore"
+fi
+python3 -W ignore -c "import megatron.core, moe_ep_plugin.megatron; print('megatron-core', megatron.core.__version__)" || exit 1
+timeout 120 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 4096,128 2>&1 \
+    | grep -v -i warn | tee "$LOGS/mcore_dispatchers.log" || status=1
+timeout 150 python3 -m moe_ep_plugin.megatron.pretrain configs/megatron_dsv3_ep2.yaml --save-dir /tmp/megatron_dsv3_ep2 \
+    2>&1 | grep -v -i warn | tee "$LOGS/pretrain_ep2.log" || status=1
+cp /tmp/megatron_dsv3_ep2/metrics.jsonl "$LOGS/pretrain_ep2_metrics.jsonl" 2>/dev/null || status=1
+exit $status
