@@ -18,8 +18,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, Config, gating
+from moe_ep_plugin import Buffer, gating
 from moe_ep_plugin.launch import launch
+from moe_ep_plugin.transports import DispatchArgs
 
 
 def _routing(n: int, num_experts: int, topk: int, device: torch.device, seed: int):
@@ -110,8 +111,24 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         ("dispatch fp8 worst", lambda i: disp(i, fp8_dispatch=True, fp8_out=True, num_worst_tokens=worst), fp8_row),
         ("combine bf16", lambda i: buffer.combine(ys[i % 4], handles[i % 4]), bf16_row),
     ]
+    if buffer.transport_name == "nvlink":
+        # The kernels alone: straight to the transport, no Buffer validation, streams or host syncs.
+        transport, config = buffer.transport, Buffer.get_dispatch_config(dist.get_world_size())
+
+        def kernel_dispatch(i: int, fp8: bool):
+            return transport.dispatch(DispatchArgs(
+                x=inputs[i % 4][0], x_scales=None, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
+                is_token_in_rank=None, num_experts=e, handle=handles[i % 4], num_worst_tokens=0, wire_fp8=fp8,
+                recv_bf16=False, round_scale=False, config=config))
+
+        ops += [
+            ("kernel layout", lambda i: transport.get_dispatch_layout(inputs[i % 4][1], e), 0),
+            ("kernel dispatch fp8", lambda i: kernel_dispatch(i, True), fp8_row),
+            ("kernel dispatch bf16", lambda i: kernel_dispatch(i, False), bf16_row),
+            ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), config), bf16_row),
+        ]
     if args.quick:
-        ops = [op for op in ops if op[0] in ("dispatch fp8", "dispatch bf16", "combine bf16")]
+        ops = [op for op in ops if op[0].startswith("kernel ")]
     for name, fn, row_bytes in ops:
         us = _median_us(fn, args.iters, args.warmup)
         results.append(dict(tag=tag, tokens=n, op=name, us=us,
@@ -134,7 +151,8 @@ def _worker(args) -> None:
         nvlink.transport.dispatch_send_warps = nvlink.transport.combine_send_warps = send_warps
         sub = argparse.Namespace(**{**vars(args), "quick": True})
         _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {send_warps} send warps", results, None)
-    nvlink.transport.dispatch_send_warps, nvlink.transport.combine_send_warps = 12, 12
+    nvlink.transport.dispatch_send_warps = type(nvlink.transport).dispatch_send_warps
+    nvlink.transport.combine_send_warps = type(nvlink.transport).combine_send_warps
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
     for n in args.sweep:
@@ -166,10 +184,11 @@ def main() -> None:
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[512, 1024, 2048, 8192])
+    p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
     p.add_argument("--split-sweep", type=lambda s: [tuple(int(u) for u in v.split(":")) for v in s.split(",") if v],
-                   default=[], help="SMs:send_warps pairs to time on the standard shape, e.g. 24:8,24:16")
-    p.add_argument("--quick", action="store_true", help="only FP8/BF16 dispatch and combine")
+                   default=[(24, 4), (24, 8), (24, 10), (16, 6), (32, 6)],
+                   help="SMs:send_warps pairs (of 16 warps per block) to time the kernels with on the standard shape")
+    p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()
     launch(_worker, args=(args,), nprocs=torch.cuda.device_count(), backend="nccl")

@@ -10,12 +10,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "common.cuh"
 #include "context.h"
 
 namespace moe_ep {
 
-constexpr int kThreads = 768;  // 24 warps per block, one block per SM
+constexpr int kThreads = 512;  // 16 warps per block, one block per SM
 constexpr int kWarps = kThreads / 32;
 constexpr int kNotifyThreads = 1024;
 constexpr float kFp8Max = 448.0f;
@@ -33,20 +35,27 @@ __device__ __forceinline__ int offset_from(const int32_t* rpm, int R, int src, i
     return src > 0 ? rpm[(src - 1) * R + dst] : 0;
 }
 
-// Warp-wide copy of n 16-byte vectors, 8 loads in flight per lane. kPeerWritten: the source was written by
-// another GPU (read it on the coherent path); otherwise it is a read-only input.
+template <bool kPeerWritten>
+__device__ __forceinline__ int4 load16B(const int4* p) {
+    return kPeerWritten ? ld_coherent(p) : __ldg(p);
+}
+
+// Warp-wide copy of n 16-byte vectors. Each lane keeps kCopyBatch loads in flight (guarded, so short rows and
+// row tails cost one memory latency per batch, not per vector): copies are latency-bound, not issue-bound.
+// kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
+constexpr int kCopyBatch = 16;
 template <bool kPeerWritten>
 __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
-    int i = lane;
 #pragma unroll 1
-    for (; i + 32 * 7 < n; i += 32 * 8) {
-        int4 v[8];
+    for (int base = lane; base < n; base += 32 * kCopyBatch) {
+        int4 v[kCopyBatch];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = kPeerWritten ? ld_coherent(src + i + 32 * u) : __ldg(src + i + 32 * u);
+        for (int u = 0; u < kCopyBatch; ++u)
+            if (base + 32 * u < n) v[u] = load16B<kPeerWritten>(src + base + 32 * u);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) dst[i + 32 * u] = v[u];
+        for (int u = 0; u < kCopyBatch; ++u)
+            if (base + 32 * u < n) dst[base + 32 * u] = v[u];
     }
-    for (; i < n; i += 32) dst[i] = kPeerWritten ? ld_coherent(src + i) : __ldg(src + i);
 }
 
 template <bool kPeerWritten>
@@ -54,31 +63,19 @@ __device__ __forceinline__ void warp_copy_floats(float* dst, const float* src, i
     for (int i = lane; i < n; i += 32) dst[i] = kPeerWritten ? *reinterpret_cast<const volatile float*>(src + i) : __ldg(src + i);
 }
 
-// 16 consecutive input values of a BF16 or FP32 row as float.
-__device__ __forceinline__ void load16(const __nv_bfloat16* row, int c0, float v[16]) {
-    const int4* p = reinterpret_cast<const int4*>(row + c0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int4 raw = __ldg(p + h);
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float2 f = __bfloat1622float2(b[i]);
-            v[h * 8 + 2 * i] = f.x;
-            v[h * 8 + 2 * i + 1] = f.y;
-        }
-    }
+// Input rows of the quantizing send path, read 16 channels per lane: BF16 = 2 vectors, FP32 = 4 vectors.
+template <typename T>
+struct In16 {
+    static constexpr int kVecs = 16 * int(sizeof(T)) / 16;
+    __device__ static float get(const int4* raw, int i);
+};
+template <>
+__device__ __forceinline__ float In16<__nv_bfloat16>::get(const int4* raw, int i) {
+    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(raw)[i]);
 }
-__device__ __forceinline__ void load16(const float* row, int c0, float v[16]) {
-    const int4* p = reinterpret_cast<const int4*>(row + c0);
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-        int4 raw = __ldg(p + h);
-        v[h * 4 + 0] = __int_as_float(raw.x);
-        v[h * 4 + 1] = __int_as_float(raw.y);
-        v[h * 4 + 2] = __int_as_float(raw.z);
-        v[h * 4 + 3] = __int_as_float(raw.w);
-    }
+template <>
+__device__ __forceinline__ float In16<float>::get(const int4* raw, int i) {
+    return reinterpret_cast<const float*>(raw)[i];
 }
 
 __device__ __forceinline__ float fp8_to_float(uint32_t byte) {
@@ -87,84 +84,105 @@ __device__ __forceinline__ float fp8_to_float(uint32_t byte) {
     return float(f);
 }
 
-// 16 FP8 bytes times `scale` → 16 BF16 (fp32 product, round to nearest even), stored as two int4.
-__device__ __forceinline__ void store_dequant16(__nv_bfloat16* out, const int4& q, float scale) {
+// 16 FP8 bytes times `scale` (fp32 products) → 16 values of OutT (BF16 rounded to nearest even, or FP32).
+template <typename OutT>
+__device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float scale) {
     const uint32_t words[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
-    int4 o[2];
-    __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(o);
+    float f[16];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int i = 0; i < 16; ++i) f[i] = __fmul_rn(fp8_to_float((words[i / 4] >> (8 * (i % 4))) & 0xffu), scale);
+    if constexpr (sizeof(OutT) == 2) {
+        int4 o[2];
+        __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(o);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float a = __fmul_rn(fp8_to_float((words[w] >> (16 * h)) & 0xff), scale);
-            const float b = __fmul_rn(fp8_to_float((words[w] >> (16 * h + 8)) & 0xff), scale);
-            ob[w * 2 + h] = __floats2bfloat162_rn(a, b);
-        }
+        for (int i = 0; i < 8; ++i) ob[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+        reinterpret_cast<int4*>(out)[0] = o[0];
+        reinterpret_cast<int4*>(out)[1] = o[1];
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            reinterpret_cast<int4*>(out)[i] = make_int4(__float_as_int(f[4 * i]), __float_as_int(f[4 * i + 1]),
+                                                        __float_as_int(f[4 * i + 2]), __float_as_int(f[4 * i + 3]));
     }
-    reinterpret_cast<int4*>(out)[0] = o[0];
-    reinterpret_cast<int4*>(out)[1] = o[1];
 }
 
 // Warp-wide 1x128 FP8 quantization of one row, exactly moe_ep_plugin.fp8.quantize: amax floored at 1e-4;
 // scale = amax / 448, q = fp8(x * (448 / amax)) with IEEE fp32 divisions; with round_scale
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
-// Each lane handles 16 channels, 8 lanes one 128-channel block. Any of q_out / s_out / deq_out may be null.
+// Each lane handles 16 channels of a 512-channel group (8 lanes = one 128-channel block); the loads of
+// kGroups groups are issued together. Any of q_out / s_out / deq_out (dequantized, type T) may be null.
 template <typename T>
-__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_out, float* s_out,
-                                             __nv_bfloat16* deq_out, bool round_scale, int lane) {
-    for (int base = 0; base < hidden; base += 512) {
-        const int c0 = base + lane * 16;
-        const bool active = c0 < hidden;
-        float v[16];
-        if (active) {
-            load16(x, c0, v);
-        } else {
+__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_out, float* s_out, T* deq_out,
+                                             bool round_scale, int lane) {
+    constexpr int kVecs = In16<T>::kVecs;
+    constexpr int kGroups = 8 / kVecs;  // 8 vectors in flight per lane (more spills registers)
+#pragma unroll 1
+    for (int base = 0; base < hidden; base += 512 * kGroups) {
+        int4 raw[kGroups][kVecs];
 #pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
-        }
-        float amax = 0.0f;
+        for (int g = 0; g < kGroups; ++g) {
+            const int c0 = base + 512 * g + lane * 16;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-        amax = fmaxf(amax, kAmaxFloor);
-        float scale, factor;
-        if (round_scale) {
-            const uint32_t bits = __float_as_uint(__fdiv_rn(amax, kFp8Max));
-            const uint32_t exponent = ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
-            scale = __uint_as_float(exponent << 23);
-            factor = __frcp_rn(scale);
-        } else {
-            scale = __fdiv_rn(amax, kFp8Max);
-            factor = __fdiv_rn(kFp8Max, amax);
+            for (int v = 0; v < kVecs; ++v)
+                raw[g][v] = c0 < hidden ? __ldg(reinterpret_cast<const int4*>(x + c0) + v) : make_int4(0, 0, 0, 0);
         }
-        if (!active) continue;
-        uint32_t words[4];
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-                make_float2(__fmul_rn(v[4 * w], factor), __fmul_rn(v[4 * w + 1], factor)), __NV_SATFINITE, __NV_E4M3);
-            const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-                make_float2(__fmul_rn(v[4 * w + 2], factor), __fmul_rn(v[4 * w + 3], factor)), __NV_SATFINITE, __NV_E4M3);
-            words[w] = uint32_t(lo) | (uint32_t(hi) << 16);
+        for (int g = 0; g < kGroups; ++g) {
+            const int c0 = base + 512 * g + lane * 16;
+            if (base + 512 * g >= hidden) break;  // warp-uniform
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(In16<T>::get(raw[g], i)));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+            amax = fmaxf(amax, kAmaxFloor);
+            float scale, factor;
+            if (round_scale) {
+                const uint32_t bits = __float_as_uint(__fdiv_rn(amax, kFp8Max));
+                const uint32_t exponent = ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+                scale = __uint_as_float(exponent << 23);
+                factor = __frcp_rn(scale);
+            } else {
+                scale = __fdiv_rn(amax, kFp8Max);
+                factor = __fdiv_rn(kFp8Max, amax);
+            }
+            if (c0 >= hidden) continue;
+            uint32_t words[4];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+                    make_float2(__fmul_rn(In16<T>::get(raw[g], 4 * w), factor),
+                                __fmul_rn(In16<T>::get(raw[g], 4 * w + 1), factor)), __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+                    make_float2(__fmul_rn(In16<T>::get(raw[g], 4 * w + 2), factor),
+                                __fmul_rn(In16<T>::get(raw[g], 4 * w + 3), factor)), __NV_SATFINITE, __NV_E4M3);
+                words[w] = uint32_t(lo) | (uint32_t(hi) << 16);
+            }
+            const int4 q = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
+            if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
+            if (s_out != nullptr && (lane & 7) == 0) s_out[c0 / 128] = scale;
+            if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
         }
-        const int4 q = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
-        if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
-        if (s_out != nullptr && (lane & 7) == 0) s_out[c0 / 128] = scale;
-        if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
     }
 }
 
-// Warp-wide dequantization of one FP8 row (16 bytes per lane per step).
-template <bool kPeerWritten>
-__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, __nv_bfloat16* out, int hidden,
-                                            int lane) {
-    for (int c0 = lane * 16; c0 < hidden; c0 += 512) {
-        const int4* src = reinterpret_cast<const int4*>(q + c0);
-        const int4 v = kPeerWritten ? ld_coherent(src) : __ldg(src);
-        const float s = kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
-        store_dequant16(out + c0, v, s);
+// Warp-wide dequantization of one FP8 row into OutT (16 bytes per lane per step, kCopyBatch steps in flight).
+template <bool kPeerWritten, typename OutT>
+__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, OutT* out, int hidden, int lane) {
+#pragma unroll 1
+    for (int base = lane * 16; base < hidden; base += 512 * kCopyBatch) {
+        int4 v[kCopyBatch];
+#pragma unroll
+        for (int u = 0; u < kCopyBatch; ++u)
+            if (base + 512 * u < hidden) v[u] = load16B<kPeerWritten>(reinterpret_cast<const int4*>(q + base + 512 * u));
+#pragma unroll
+        for (int u = 0; u < kCopyBatch; ++u) {
+            const int c0 = base + 512 * u;
+            if (c0 >= hidden) continue;
+            const float s = kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
+            store_dequant16(out + c0, v[u], s);
+        }
     }
 }
 
@@ -241,41 +259,52 @@ struct InputType<1> { using type = __nv_bfloat16; };
 template <>
 struct InputType<2> { using type = float; };
 
-// Local top-k ids of token t for rank `owner` (-1 elsewhere), weights (0 elsewhere), and the source index,
-// written through `emit(k, idx, weight)` and `emit_src(t)` by lanes < K and lane 0.
-__device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t, int owner, int lane, int& idx,
+// Token k-th expert of token t as seen by rank `owner`: local id (-1 when the expert lives elsewhere) and weight
+// (0 there), as the torch transport's localize_topk computes them.
+__device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t, int owner, int k, int& idx,
                                          float& weight) {
     const int L = int(p.num_local_experts);
-    const int64_t e = __ldg(p.topk_idx + int64_t(t) * p.num_topk + lane);
+    const int64_t e = __ldg(p.topk_idx + int64_t(t) * p.num_topk + k);
     const int64_t lo = int64_t(owner) * L;
     idx = (e >= lo && e < lo + L) ? int(e - lo) : -1;
-    weight = (p.topk_weights != nullptr && idx >= 0) ? __ldg(p.topk_weights + int64_t(t) * p.num_topk + lane) : 0.0f;
+    weight = (p.topk_weights != nullptr && idx >= 0) ? __ldg(p.topk_weights + int64_t(t) * p.num_topk + k) : 0.0f;
 }
 
-__device__ __forceinline__ void emit_meta(const moe_ep_dispatch_params& p, int64_t row, int idx, float weight,
-                                          int src, int lane, int* s_hist) {
-    if (p.recv_topk_idx != nullptr && lane < p.num_topk) {
-        p.recv_topk_idx[row * p.num_topk + lane] = idx;
-        if (p.recv_topk_weights != nullptr) p.recv_topk_weights[row * p.num_topk + lane] = weight;
-        if (idx >= 0 && p.recv_expert_count != nullptr) atomicAdd(&s_hist[idx], 1);
+__device__ __forceinline__ void emit_entry(const moe_ep_dispatch_params& p, int64_t row, int k, int idx, float weight,
+                                           int* s_hist) {
+    p.recv_topk_idx[row * p.num_topk + k] = idx;
+    if (p.recv_topk_weights != nullptr) p.recv_topk_weights[row * p.num_topk + k] = weight;
+    if (idx >= 0 && p.recv_expert_count != nullptr) atomicAdd(&s_hist[idx], 1);
+}
+
+// Calls f(i, k, t_i) for every (row, top-k entry) of a chunk of `rows` rows, spread over the lanes so all their
+// loads are in flight together; `tok` holds the token of row i in lane i.
+template <typename F>
+__device__ __forceinline__ void for_each_entry(int rows, int K, int tok, int lane, F&& f) {
+    for (int e0 = 0; e0 < rows * K; e0 += 32) {
+        const int e = e0 + lane;
+        const int i = min(e / K, rows - 1);
+        const int t = __shfl_sync(0xffffffffu, tok, i);
+        if (e < rows * K) f(i, e - i * K, t);
     }
-    if (lane == 0) p.recv_src_idx[row] = src;
 }
 
 template <int kQuant>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl) {
     using T = typename InputType<kQuant>::type;
+    using OutT = typename std::conditional<kQuant == 2, float, __nv_bfloat16>::type;  // dequantized rows
     extern __shared__ int s_hist[];
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
-    const bool has_topk = p.topk_idx != nullptr;
+    const bool has_topk = p.topk_idx != nullptr && K > 0;
     const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
     const bool dequant = wire_fp8 && p.recv_bf16 != 0;
     const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
-    const int64_t out_row_bytes = dequant ? int64_t(H) * 2 : int64_t(sl.payload_bytes);
+    const int64_t out_row_bytes = dequant ? int64_t(H) * int64_t(sizeof(OutT)) : int64_t(sl.payload_bytes);
+    const char* x = static_cast<const char*>(p.x);
     char* recv_x = static_cast<char*>(p.recv_x);
     // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
@@ -290,6 +319,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const int num_send_warps = int(p.num_send_warps);
 
+    // One row of x (token t) transformed for the wire or for the output: a plain copy, or FP8 quantization
+    // (with its dequantization when BF16/FP32 rows are wanted back).
+    auto write_row = [&](int t, char* dst, float* dst_scales, bool to_output) {
+        const char* xrow = x + t * in_row_bytes;
+        if constexpr (kQuant == 0) {
+            if (to_output && dequant) {
+                dequant_row<false>(reinterpret_cast<const uint8_t*>(xrow), p.x_scales + int64_t(t) * S,
+                                   reinterpret_cast<OutT*>(dst), H, lane);
+            } else {
+                warp_copy<false>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(xrow), sl.payload_bytes / 16, lane);
+                if (p.fp8_in) warp_copy_floats<false>(dst_scales, p.x_scales + int64_t(t) * S, S, lane);
+            }
+        } else {
+            const bool deq = to_output && dequant;
+            quantize_row<T>(reinterpret_cast<const T*>(xrow), H, deq ? nullptr : reinterpret_cast<uint8_t*>(dst),
+                            deq ? nullptr : dst_scales, deq ? reinterpret_cast<T*>(dst) : nullptr, p.round_scale != 0, lane);
+        }
+    };
+
     if (warp < num_send_warps) {
         // ---- send: chunks of rows to every peer, interleaved over peers ----
         const int gw = blockIdx.x * num_send_warps + warp, nw = gridDim.x * num_send_warps;
@@ -299,36 +347,29 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
             const int chunk = u / (R - 1), d = (me + 1 + u % (R - 1)) % R;
             const int count = rows_from(rpm, R, me, d);
-            const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
-            if (begin >= count) continue;
-            if (end > cap_rows) {
+            const int begin = chunk * kChunkRows, rows = min(kChunkRows, count - begin);
+            if (rows <= 0) continue;
+            if (begin + rows > cap_rows) {
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
                 break;
             }
-            char* dst_region = region(c, d, me);
-            for (int pos = begin; pos < end; ++pos) {
-                const int t = __ldg(p.send_list + int64_t(d) * p.list_stride + pos);
-                char* slot = dst_region + int64_t(pos) * sl.slot_bytes;
-                if constexpr (kQuant == 0) {
-                    warp_copy<false>(reinterpret_cast<int4*>(slot),
-                                     reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + t * in_row_bytes),
-                                     sl.payload_bytes / 16, lane);
-                    if (p.fp8_in) warp_copy_floats<false>(reinterpret_cast<float*>(slot + sl.scales_off),
-                                                          p.x_scales + int64_t(t) * S, S, lane);
-                } else {
-                    quantize_row<T>(static_cast<const T*>(p.x) + int64_t(t) * H, H, reinterpret_cast<uint8_t*>(slot),
-                                    reinterpret_cast<float*>(slot + sl.scales_off), nullptr, p.round_scale != 0, lane);
-                }
-                if (has_topk && lane < K) {
+            char* first = region(c, d, me) + int64_t(begin) * sl.slot_bytes;
+            const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
+            if (has_topk)
+                for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
                     int idx;
                     float weight;
-                    localize(p, t, d, lane, idx, weight);
-                    reinterpret_cast<int*>(slot + sl.idx_off)[lane] = idx;
-                    reinterpret_cast<float*>(slot + sl.w_off)[lane] = weight;
-                }
-                if (lane == 0) *reinterpret_cast<int*>(slot + sl.src_off) = t;
+                    localize(p, t, d, k, idx, weight);
+                    char* slot = first + int64_t(i) * sl.slot_bytes;
+                    reinterpret_cast<int*>(slot + sl.idx_off)[k] = idx;
+                    reinterpret_cast<float*>(slot + sl.w_off)[k] = weight;
+                });
+            if (lane < rows) *reinterpret_cast<int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off) = tok;
+            for (int i = 0; i < rows; ++i) {
+                char* slot = first + int64_t(i) * sl.slot_bytes;
+                write_row(__shfl_sync(0xffffffffu, tok, i), slot, reinterpret_cast<float*>(slot + sl.scales_off), false);
             }
-            __threadfence_system();  // each lane's row stores reach the peer before the flag
+            __threadfence_system();  // each lane's stores reach the peer before the flag
             __syncwarp();
             if (lane == 0) st_release_sys(flags(c.bufs[d], me) + chunk, seq);
         }
@@ -336,67 +377,61 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         // ---- receive: own rows straight from x, peers' rows from the staging regions once published ----
         const int num_recv_warps = kWarps - num_send_warps;
         const int gw = blockIdx.x * num_recv_warps + (warp - num_send_warps), nw = gridDim.x * num_recv_warps;
+        // own rows first (nothing to wait for), then the peers' chunks interleaved over sources
+        const int self_chunks = (rows_from(rpm, R, me, me) + kChunkRows - 1) / kChunkRows;
         int max_chunks = 0;
-        for (int s = 0; s < R; ++s) max_chunks = max(max_chunks, (rows_from(rpm, R, s, me) + kChunkRows - 1) / kChunkRows);
-        for (int u = gw; fits && u < max_chunks * R; u += nw) {
-            const int chunk = u / R, s = (me + u % R) % R;
+        for (int s = 0; s < R; ++s)
+            if (s != me) max_chunks = max(max_chunks, (rows_from(rpm, R, s, me) + kChunkRows - 1) / kChunkRows);
+        const int num_units = self_chunks + (R - 1) * max_chunks;
+        for (int u = gw; fits && u < num_units; u += nw) {
+            const int v = u - self_chunks;
+            const int chunk = v < 0 ? u : v / (R - 1);
+            const int s = v < 0 ? me : (me + 1 + v % (R - 1)) % R;
             const int count = rows_from(rpm, R, s, me);
-            const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
-            if (begin >= count) continue;
-            const int64_t out_base = offset_from(rpm, R, s, me);
+            const int begin = chunk * kChunkRows, rows = min(kChunkRows, count - begin);
+            if (rows <= 0) continue;
+            const int64_t out_first = offset_from(rpm, R, s, me) + begin;
             if (s == me) {
-                for (int pos = begin; pos < end; ++pos) {
-                    const int t = __ldg(p.send_list + int64_t(me) * p.list_stride + pos);
-                    const int64_t row = out_base + pos;
-                    char* out = recv_x + row * out_row_bytes;
-                    if constexpr (kQuant == 0) {
-                        const char* xrow = static_cast<const char*>(p.x) + t * in_row_bytes;
-                        if (dequant) {
-                            dequant_row<false>(reinterpret_cast<const uint8_t*>(xrow), p.x_scales + int64_t(t) * S,
-                                               reinterpret_cast<__nv_bfloat16*>(out), H, lane);
-                        } else {
-                            warp_copy<false>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(xrow),
-                                             sl.payload_bytes / 16, lane);
-                            if (p.fp8_in) warp_copy_floats<false>(p.recv_scales + row * S, p.x_scales + int64_t(t) * S, S, lane);
-                        }
-                    } else {
-                        quantize_row<T>(static_cast<const T*>(p.x) + int64_t(t) * H, H,
-                                        dequant ? nullptr : reinterpret_cast<uint8_t*>(out),
-                                        dequant ? nullptr : p.recv_scales + row * S,
-                                        dequant ? reinterpret_cast<__nv_bfloat16*>(out) : nullptr, p.round_scale != 0, lane);
-                    }
-                    int idx = -1;
-                    float weight = 0.0f;
-                    if (has_topk && lane < K) localize(p, t, me, lane, idx, weight);
-                    emit_meta(p, row, idx, weight, t, lane, s_hist);
+                const int tok = lane < rows ? __ldg(p.send_list + int64_t(me) * p.list_stride + begin + lane) : -1;
+                if (has_topk)
+                    for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
+                        int idx;
+                        float weight;
+                        localize(p, t, me, k, idx, weight);
+                        emit_entry(p, out_first + i, k, idx, weight, s_hist);
+                    });
+                if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
+                for (int i = 0; i < rows; ++i) {
+                    const int64_t row = out_first + i;
+                    write_row(__shfl_sync(0xffffffffu, tok, i), recv_x + row * out_row_bytes,
+                              wire_fp8 ? p.recv_scales + row * S : nullptr, true);
                 }
-            } else {
-                int ok = 1;
-                if (lane == 0)
-                    ok = wait_flag<false>(c, flags(c.bufs[me], s) + chunk, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, s, chunk);
-                if (!__shfl_sync(0xffffffffu, ok, 0)) break;
-                const char* src_region = region(c, me, s);
-                for (int pos = begin; pos < end; ++pos) {
-                    const char* slot = src_region + int64_t(pos) * sl.slot_bytes;
-                    const int64_t row = out_base + pos;
-                    char* out = recv_x + row * out_row_bytes;
-                    if (dequant) {
-                        dequant_row<true>(reinterpret_cast<const uint8_t*>(slot),
-                                          reinterpret_cast<const float*>(slot + sl.scales_off),
-                                          reinterpret_cast<__nv_bfloat16*>(out), H, lane);
-                    } else {
-                        warp_copy<true>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
-                                        sl.payload_bytes / 16, lane);
-                        if (wire_fp8) warp_copy_floats<true>(p.recv_scales + row * S,
-                                                             reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
-                    }
-                    int idx = -1;
-                    float weight = 0.0f;
-                    if (has_topk && lane < K) {
-                        idx = reinterpret_cast<const volatile int*>(slot + sl.idx_off)[lane];
-                        weight = reinterpret_cast<const volatile float*>(slot + sl.w_off)[lane];
-                    }
-                    emit_meta(p, row, idx, weight, *reinterpret_cast<const volatile int*>(slot + sl.src_off), lane, s_hist);
+                continue;
+            }
+            int ok = 1;
+            if (lane == 0) ok = wait_flag<false>(c, flags(c.bufs[me], s) + chunk, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, s, chunk);
+            if (!__shfl_sync(0xffffffffu, ok, 0)) break;
+            const char* first = region(c, me, s) + int64_t(begin) * sl.slot_bytes;
+            if (has_topk)
+                for_each_entry(rows, K, 0, lane, [&](int i, int k, int) {
+                    const char* slot = first + int64_t(i) * sl.slot_bytes;
+                    emit_entry(p, out_first + i, k, reinterpret_cast<const volatile int*>(slot + sl.idx_off)[k],
+                               reinterpret_cast<const volatile float*>(slot + sl.w_off)[k], s_hist);
+                });
+            if (lane < rows)
+                p.recv_src_idx[out_first + lane] =
+                    *reinterpret_cast<const volatile int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off);
+            for (int i = 0; i < rows; ++i) {
+                const char* slot = first + int64_t(i) * sl.slot_bytes;
+                const int64_t row = out_first + i;
+                char* out = recv_x + row * out_row_bytes;
+                if (dequant) {
+                    dequant_row<true>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
+                                      reinterpret_cast<OutT*>(out), H, lane);
+                } else {
+                    warp_copy<true>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot), sl.payload_bytes / 16, lane);
+                    if (wire_fp8) warp_copy_floats<true>(p.recv_scales + row * S,
+                                                         reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
                 }
             }
         }
@@ -461,11 +496,13 @@ struct Vec<float> {
     }
 };
 
-template <typename T>
+// kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
+// for kCopyBatch / kRanks vectors before adding any of them.
+template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p, int slot_bytes,
                                                               int w_off) {
     constexpr int kN = Vec<T>::kN;
-    constexpr int kUnroll = 2;
+    constexpr int kUnroll = kCopyBatch / kRanks;
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = int(p.num_topk);
@@ -510,17 +547,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const int num_recv_warps = kWarps - num_send_warps;
     const int gw = blockIdx.x * num_recv_warps + (warp - num_send_warps), nw = gridDim.x * num_recv_warps;
     const int64_t self_base = offset_from(rpm, R, me, me);
-    int seen_chunk[kMaxRanks];
+    int seen_chunk[kRanks];
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) seen_chunk[r] = -1;
+    for (int r = 0; r < kRanks; ++r) seen_chunk[r] = -1;
+    const char* bias0 = static_cast<const char*>(p.bias0);
+    const char* bias1 = static_cast<const char*>(p.bias1);
+    // send_pos of the next token is loaded while the current one is summed
+    int next_pos[kRanks];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) next_pos[r] = (r < R && gw < p.num_tokens) ? __ldg(p.send_pos + int64_t(gw) * R + r) : -1;
     for (int t = gw; t < p.num_tokens; t += nw) {
-        const char* src[kMaxRanks];
+        int cur_pos[kRanks];
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) {
+            cur_pos[r] = next_pos[r];
+            next_pos[r] = (r < R && t + nw < p.num_tokens) ? __ldg(p.send_pos + int64_t(t + nw) * R + r) : -1;
+        }
+        const char* src[kRanks];
         bool ok = true;
 #pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) {
+        for (int r = 0; r < kRanks; ++r) {
             src[r] = nullptr;
-            if (r >= R) continue;
-            const int pos = __ldg(p.send_pos + int64_t(t) * R + r);
+            const int pos = cur_pos[r];
             if (pos < 0) continue;
             if (r == me) {
                 src[r] = x + (self_base + pos) * row_bytes;
@@ -537,48 +585,42 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             src[r] = region(c, me, r) + int64_t(pos) * slot_bytes;
         }
         if (!ok) break;
-        const char* bias0 = static_cast<const char*>(p.bias0);
-        const char* bias1 = static_cast<const char*>(p.bias1);
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
+#pragma unroll 1
         for (int j0 = lane; j0 < n16; j0 += 32 * kUnroll) {
-            float acc[kUnroll][kN];
+            int4 v[kRanks][kUnroll];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int i = 0; i < kN; ++i) acc[u][i] = 0.0f;
-#pragma unroll
-            for (int r = 0; r < kMaxRanks; ++r) {
-                if (src[r] == nullptr) continue;
-                int4 v[kUnroll];
+            for (int r = 0; r < kRanks; ++r)
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = j0 + 32 * u;
-                    if (j < n16) {
-                        const int4* s = reinterpret_cast<const int4*>(src[r]) + j;
-                        v[u] = r == me ? __ldg(s) : ld_coherent(s);
+                    if (src[r] != nullptr && j < n16) {
+                        const int4* a = reinterpret_cast<const int4*>(src[r]) + j;
+                        v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
                     }
                 }
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (j0 + 32 * u < n16) Vec<T>::add(acc[u], v[u]);
-            }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int j = j0 + 32 * u;
                 if (j >= n16) continue;
-                if (bias0 != nullptr) Vec<T>::add(acc[u], __ldg(reinterpret_cast<const int4*>(bias0 + int64_t(t) * row_bytes) + j));
-                if (bias1 != nullptr) Vec<T>::add(acc[u], __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
-                out[j] = Vec<T>::pack(acc[u]);
+                float acc[kN];
+#pragma unroll
+                for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
+#pragma unroll
+                for (int r = 0; r < kRanks; ++r)
+                    if (src[r] != nullptr) Vec<T>::add(acc, v[r][u]);
+                if (bias0 != nullptr) Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias0 + int64_t(t) * row_bytes) + j));
+                if (bias1 != nullptr) Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
+                out[j] = Vec<T>::pack(acc);
             }
         }
         if (p.out_weights != nullptr && lane < K) {
             float w = 0.0f;
 #pragma unroll
-            for (int r = 0; r < kMaxRanks; ++r) {
+            for (int r = 0; r < kRanks; ++r) {
                 if (src[r] == nullptr) continue;
                 if (r == me) {
-                    const int pos = __ldg(p.send_pos + int64_t(t) * R + r);
-                    w += __ldg(p.topk_weights + (self_base + pos) * K + lane);
+                    w += __ldg(p.topk_weights + (self_base + cur_pos[r]) * K + lane);
                 } else {
                     w += reinterpret_cast<const volatile float*>(src[r] + w_off)[lane];
                 }
@@ -667,10 +709,16 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const int slot_bytes = (w_off + 4 * int(p.num_topk) + 15) / 16 * 16;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
+    const int R = ctx->dev.num_ranks;
+#define MOE_EP_LAUNCH_COMBINE(T)                                                                          \
+    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);           \
+    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);      \
+    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
     if (p.elem_bytes == 2) {
-        combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
+        MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {
-        combine_kernel<float><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
+        MOE_EP_LAUNCH_COMBINE(float)
     }
+#undef MOE_EP_LAUNCH_COMBINE
     return check_launch("combine_kernel");
 }

@@ -64,13 +64,13 @@ class _NVLinkState:
 class NVLinkTransport(Transport):
     """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
 
-    ``dispatch_send_warps``/``combine_send_warps``: of the 24 warps of each block, how many send (the rest
+    ``dispatch_send_warps``/``combine_send_warps``: of the 16 warps of each block, how many send (the rest
     receive); tuned on 2 x H200.
     """
 
     name = "nvlink"
-    dispatch_send_warps = 12
-    combine_send_warps = 12
+    dispatch_send_warps = 6
+    combine_send_warps = 6
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -165,8 +165,8 @@ class NVLinkTransport(Transport):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, k = topk_idx.shape
-        per_rank = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
+        counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=self.device)  # one memset
+        per_rank, per_expert = counts[:self.num_ranks], counts[self.num_ranks:]
         in_rank = torch.empty(n, self.num_ranks, dtype=torch.bool, device=self.device)
         _ext.check(self._lib.moe_ep_get_dispatch_layout(_ptr(topk_idx), n, k, num_experts, self.num_ranks,
                                                         _ptr(per_rank), _ptr(per_expert), _ptr(in_rank), self._stream()),
@@ -225,8 +225,8 @@ class NVLinkTransport(Transport):
                 _, send_list = self._notify(None, handle.is_token_in_rank.contiguous(), None)
             rows = handle.num_recv_rows
 
-        if dequant:
-            recv_x = torch.empty(rows, hidden, dtype=torch.bfloat16, device=self.device)
+        if dequant:  # back to the input's dtype (BF16 for FP8 input)
+            recv_x = torch.empty(rows, hidden, dtype=x.dtype if args.wire_fp8 else torch.bfloat16, device=self.device)
         elif fp8_rows:
             recv_x = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=self.device)
         else:

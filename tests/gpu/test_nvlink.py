@@ -7,7 +7,10 @@ two GPUs or without the built kernel library.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+import traceback
 
 import pytest
 import torch
@@ -143,6 +146,8 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
     num_recv = handle.num_recv_tokens
     _same(f"{tag} worst recv_src_idx", got_src[:num_recv], ref_handle.recv_src_idx)
     assert bool((got_src[num_recv:] == -1).all())
+    if rank == 0:
+        print(f"ok {tag}", flush=True)
 
 
 def _graph_replay(nv: Buffer) -> None:
@@ -187,19 +192,39 @@ def _graph_replay(nv: Buffer) -> None:
         torch.cuda.synchronize(device)
         for name, a, b in zip(("recv_x", "combined", "combined_weights"), static, eager):
             _same(f"graph replay {name}", a, b)
+    if rank == 0:
+        print("ok CUDA-graph replay of dispatch + combine (num_worst_tokens)", flush=True)
+
+
+def _fail_fast(fn, *args) -> None:
+    """Run ``fn``; on failure print this rank's traceback at once and leave without the NCCL teardown, so a
+    rank stuck in a collective with it cannot hang the test (its own wait then times out)."""
+    try:
+        fn(*args)
+    except BaseException:
+        print(f"--- rank {dist.get_rank()} failed ---", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _suite_entry() -> None:
+    _fail_fast(_suite)
 
 
 def _suite() -> None:
-    nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=30.0)
-    ref = Buffer(dist.group.WORLD, transport="torch", timeout_s=60.0)
+    nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=20.0)
+    ref = Buffer(dist.group.WORLD, transport="torch", timeout_s=20.0)
     Buffer.set_num_sms(24)
     for case in CASES:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
     # fewer SMs than channels of work, and a non-default split of warps
-    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 4
+    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 1
+    Buffer.set_num_sms(2)
     _check_case(nv, ref, CASES[0], MODES[2])
-    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 12
+    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 6
+    Buffer.set_num_sms(24)
     _graph_replay(nv)
     torch.cuda.synchronize()
     dist.barrier()
@@ -224,7 +249,7 @@ def _absent_peer(timeout_s: float) -> None:
 
 
 def test_nvlink_matches_torch_transport() -> None:
-    spawn(_suite, min(_GPUS, 8), backend="nccl", timeout_s=600.0)
+    spawn(_suite_entry, min(_GPUS, 8), backend="nccl", timeout_s=60.0)
 
 
 def test_nvlink_peer_that_never_arrives_raises() -> None:
