@@ -172,6 +172,15 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(m.hidden_size, eps=1e-6)
         self.mlp = MoEMLP(cfg, ep_rank, ep_size) if moe else SwiGLU(m.hidden_size, m.ffn_hidden_size)
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``x [B, S, H]`` → ``(x [B, S, H], expert counts [E] or None, aux loss or None)`` (None: dense block)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        if isinstance(self.mlp, MoEMLP):
+            y, counts, aux = self.mlp(self.mlp_norm(x))
+            return x + y, counts, aux
+        return x + self.mlp(self.mlp_norm(x)), None, None
+
 
 class MoETransformer(nn.Module):
     """Token ids ``[B, S]`` int64 → logits ``[B, S, vocab]`` (float32) and :class:`MoEStats`."""
@@ -237,14 +246,10 @@ class MoETransformer(nn.Module):
         x = self.embed(ids)
         counts, aux = [], x.new_zeros((), dtype=torch.float32)
         for blk in self.blocks:
-            x = x + blk.attn(blk.attn_norm(x), cos, sin)
-            if isinstance(blk.mlp, MoEMLP):
-                y, c, a = blk.mlp(blk.mlp_norm(x))
+            x, c, a = blk(x, cos, sin)
+            if c is not None:
                 counts.append(c)
                 aux = aux + a
-            else:
-                y = blk.mlp(blk.mlp_norm(x))
-            x = x + y
         logits = self.head(self.norm(x)).float()
         stacked = torch.stack(counts) if counts else torch.zeros(0, self.cfg.moe.num_experts, dtype=torch.int64)
         return logits, MoEStats(counts=stacked, aux_loss=aux)
