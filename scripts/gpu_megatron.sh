@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-Core integration on the 2 x H200 device machine (issue 5), about 2-3 minutes:
+#   0. tests/test_megatron_layer.py on the GPUs: Megatron's MoELayer with ep_plugin (torch and auto transports, with
+#      and without shared-expert overlap) and flex+deepep served by the plugin, against a plain-loop reference.
 #   1. benchmarks/mcore_dispatchers.py at EP2, hidden 7168, top-8 of 256, 4096 and 128 tokens per rank, forward and
 #      forward+backward: Megatron's alltoall vs ep_plugin on the torch (NCCL) and nvlink transports (BF16 and FP8
 #      dispatch) and flex+deepep served by the plugin; prints a table (benchmarks/RESULTS.md takes it).
@@ -28,6 +30,8 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/mcore"
 fi
 python3 -W ignore -c "import megatron.core, moe_ep_plugin.megatron; print('megatron-core', megatron.core.__version__)" || exit 1
+timeout 90 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | tee "$LOGS/megatron_gpu_tests.log" \
+    || status=1
 timeout 120 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 4096,128 2>&1 \
     | grep -v -i warn | tee "$LOGS/mcore_dispatchers.log" || status=1
 timeout 150 python3 -m moe_ep_plugin.megatron.pretrain configs/megatron_dsv3_ep2.yaml --save-dir /tmp/megatron_dsv3_ep2 \

@@ -23,9 +23,11 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 HIDDEN, EXPERTS, TOPK, GROUPS, GROUP_TOPK, FFN = 16, 8, 3, 4, 2, 8
 
 
-def _config(world: int, kind: str, capacity: float | None):
+def _config(world: int, kind: str, capacity: float | None, overlap: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
     extra = {"moe_flex_dispatcher_backend": "deepep"} if kind == "flex" else {}
+    if overlap:
+        extra["moe_shared_expert_overlap"] = True
     if capacity is not None:
         extra.update(moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
     return TransformerConfig(
@@ -47,14 +49,14 @@ def _param_grads(layer) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def _check_case(world: int, kind: str, case: str, seed: int) -> None:
+def _check_case(world: int, kind: str, case: str, seed: int, device: torch.device) -> None:
     from moe_ep_plugin.megatron import compat
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed)
     capacity = 0.5 if case == "capacity" else None
-    config = _config(world, kind, capacity)
+    config = _config(world, kind, capacity, overlap=case == "shared_overlap")
     torch.manual_seed(seed)  # identical router / shared-expert init on every rank, distinct experts below
-    layer = compat.build_moe_layer(compat.local_moe_spec(EXPERTS), config)
+    layer = compat.build_moe_layer(compat.local_moe_spec(EXPERTS), config).to(device)
     num_local = EXPERTS // world
     with torch.no_grad():
         for e, expert in enumerate(layer.experts.local_experts):
@@ -64,12 +66,12 @@ def _check_case(world: int, kind: str, case: str, seed: int) -> None:
         bias = torch.randn(EXPERTS, generator=gen) * 0.1
         if case == "one_expert":
             bias[EXPERTS - 1] = 100.0  # every token of every rank selects the last expert
-        layer.router.expert_bias.copy_(bias)
+        layer.router.expert_bias.copy_(bias.to(device))
     # Megatron's router cannot take an empty batch, so a rank with zero tokens is covered in
     # test_megatron_dispatcher.py; here the smallest batch is one token.
     tokens = {"one_token": 1 if rank == 0 else 5, "uneven": 3 + 4 * rank}.get(case, 7)
-    x = torch.randn(tokens, 1, HIDDEN, generator=torch.Generator().manual_seed(seed + 17 * rank + 1))
-    grad_out = torch.randn(tokens, 1, HIDDEN, generator=torch.Generator().manual_seed(seed + 31 * rank + 2))
+    x = torch.randn(tokens, 1, HIDDEN, generator=torch.Generator().manual_seed(seed + 17 * rank + 1)).to(device)
+    grad_out = torch.randn(tokens, 1, HIDDEN, generator=torch.Generator().manual_seed(seed + 31 * rank + 2)).to(device)
 
     seen = {}
 
@@ -95,24 +97,24 @@ def _check_case(world: int, kind: str, case: str, seed: int) -> None:
     routing_map = seen["routing_map"]
     counts = routing_map.sum(0).to(torch.int64)
     dist.all_reduce(counts)
-    expected_tpe = counts[rank * num_local:(rank + 1) * num_local]
+    expected_tpe = counts[rank * num_local:(rank + 1) * num_local].cpu()
     tpe = seen["tokens_per_expert"]
     assert tpe.dtype == torch.int64 and tpe.device.type == "cpu", (tpe.dtype, tpe.device)
     assert torch.equal(tpe, expected_tpe), (case, tpe, expected_tpe)
     if case == "one_expert":
         assert routing_map[:, EXPERTS - 1].all()
     if case == "capacity":
-        dropped = torch.tensor(int((routing_map.sum(1) < TOPK).sum()))
+        dropped = torch.tensor(int((routing_map.sum(1) < TOPK).sum()), device=device)
         dist.all_reduce(dropped)
         assert int(dropped) > 0, "capacity case must drop some (token, expert) pairs"
 
     # Reference: gather every expert's weights, run each token through each selected expert locally.
     weights = []
     for expert in layer.experts.local_experts:
-        weights.append((expert.linear_fc1.weight.detach(), expert.linear_fc2.weight.detach()))
+        weights.append((expert.linear_fc1.weight.detach().cpu(), expert.linear_fc2.weight.detach().cpu()))
     all_weights = [None] * world
     dist.all_gather_object(all_weights, weights)
-    ref_w = [(w1.clone().requires_grad_(True), w2.clone().requires_grad_(True))
+    ref_w = [(w1.to(device).requires_grad_(True), w2.to(device).requires_grad_(True))
              for rank_weights in all_weights for w1, w2 in rank_weights]
     x_ref = x.clone().requires_grad_(True)
     probs, ref_map = layer.router(x_ref)
@@ -120,7 +122,7 @@ def _check_case(world: int, kind: str, case: str, seed: int) -> None:
     flat = x_ref.view(-1, HIDDEN)
     rows = []
     for t in range(flat.shape[0]):
-        acc = torch.zeros(HIDDEN)
+        acc = torch.zeros(HIDDEN, device=device)
         for e in range(EXPERTS):
             if ref_map[t, e]:
                 acc = acc + probs[t, e] * _swiglu_mlp(flat[t:t + 1], *ref_w[e])[0]
@@ -130,11 +132,12 @@ def _check_case(world: int, kind: str, case: str, seed: int) -> None:
     ref.backward(grad_out)
     ref_grads = _param_grads(layer)
 
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x_plugin.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if device.type == "cpu" else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(x_plugin.grad, x_ref.grad, **tol)
     assert set(ref_grads) == {n for n in plugin_grads if ".local_experts." not in n}
     for name, grad in ref_grads.items():  # router and shared expert: this rank's own contribution
-        torch.testing.assert_close(plugin_grads[name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(plugin_grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
     for w1, w2 in ref_w:  # expert weights: the gradient summed over every rank's tokens
         for w in (w1, w2):
             if w.grad is None:  # no token of this rank selected the expert
@@ -143,23 +146,26 @@ def _check_case(world: int, kind: str, case: str, seed: int) -> None:
     for e, expert in enumerate(layer.experts.local_experts):
         w1, w2 = ref_w[rank * num_local + e]
         name = f"experts.local_experts.{e}.linear_fc"
-        torch.testing.assert_close(plugin_grads.get(name + "1.weight", torch.zeros_like(w1)), w1.grad,
-                                   rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(plugin_grads.get(name + "2.weight", torch.zeros_like(w2)), w2.grad,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plugin_grads.get(name + "1.weight", torch.zeros_like(w1)), w1.grad, **tol)
+        torch.testing.assert_close(plugin_grads.get(name + "2.weight", torch.zeros_like(w2)), w2.grad, **tol)
 
 
-def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int) -> None:
+def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int, transport: str = "torch") -> None:
     from megatron.core import parallel_state as ps
 
     import moe_ep_plugin.megatron as ep_megatron
+    from moe_ep_plugin.megatron.host import seed_model_parallel_rng
     world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
-    ep_megatron.install()
+    seed_model_parallel_rng(seed)
+    ep_megatron.install(ep_megatron.PluginOptions(transport=transport))
     try:
         for kind in kinds:
             for i, case in enumerate(cases):
-                _check_case(world, kind, case, seed + i)
+                if kind == "flex" and case == "shared_overlap":
+                    continue  # the overlap under test is the plugin dispatcher's; flex has its own
+                _check_case(world, kind, case, seed + i, device)
     finally:
         ep_megatron.uninstall()
         ps.destroy_model_parallel()
@@ -169,3 +175,12 @@ def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int) -> None:
 def test_moe_layer_matches_local_reference(world: int, kinds: tuple[str, ...]) -> None:
     cases = ("random", "uneven", "one_expert", "one_token", "capacity") if world > 1 else ("random", "capacity")
     spawn(_suite, world, args=(kinds, cases, int(time.time()) % 1000), backend="gloo", timeout_s=300)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("transport", ["torch", "auto"])
+def test_moe_layer_on_gpus(transport: str) -> None:
+    """The same checks on 2 GPUs (NCCL; ``auto`` = the nvlink kernels when built), plus the shared expert
+    overlapped with dispatch on Megatron's side stream (``moe_shared_expert_overlap``)."""
+    spawn(_suite, 2, args=(("ep_plugin", "flex"), ("random", "one_expert", "capacity", "shared_overlap"),
+                           int(time.time()) % 1000, transport), backend="nccl", timeout_s=300)
