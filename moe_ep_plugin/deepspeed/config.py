@@ -38,9 +38,10 @@ class ModelConfig:
     seq_len: int = 64
 
 
-@dataclass
-class MoEConfig:
-    """``deepspeed.moe.layer.MoE`` arguments (same names) plus the plugin's (:class:`PluginOptions`)."""
+@dataclass(frozen=True)
+class MoEConfig(PluginOptions):
+    """``deepspeed.moe.layer.MoE`` arguments (same names) plus the plugin's options (the inherited
+    :class:`PluginOptions` fields: router, score_function, ..., fp8_dispatch, transport; dispatcher: plugin only)."""
 
     num_experts: int = 8
     ep_size: int = 2
@@ -54,17 +55,6 @@ class MoEConfig:
     use_residual: bool = False
     top2_2nd_expert_sampling: bool = True
     aux_loss_coeff: float = 0.01     # loss += coeff * sum of the layers' l_aux
-    # plugin only (dispatcher: plugin)
-    router: str = "deepspeed"
-    score_function: str = "softmax"
-    use_pre_softmax: bool = False
-    num_groups: Optional[int] = None
-    group_topk: Optional[int] = None
-    scaling_factor: Optional[float] = None
-    expert_bias_rate: float = 0.0
-    fp8_dispatch: bool = False
-    round_scale: bool = False
-    transport: str = "auto"
 
     def plugin_options(self) -> PluginOptions:
         return PluginOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PluginOptions)})
@@ -132,7 +122,11 @@ def _section(name: str, cls: type, values: Any) -> Any:
     for key in values:
         if key not in known:
             raise ValueError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
-    return cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()})
+    coerced = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
+    try:
+        return cls(**coerced)
+    except (TypeError, ValueError) as exc:  # PluginOptions' own checks name the key without its section
+        raise ValueError(f"{name}.{exc}") from exc
 
 
 def _positive(key: str, value: int) -> None:
@@ -154,8 +148,8 @@ def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
     if m.fp8_dispatch and cfg.model.hidden_size % fp8.BLOCK:
         raise ValueError(f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, "
                          f"got {cfg.model.hidden_size}")
+    options = m.plugin_options()
     try:  # the layer's own checks, before any rank starts
-        options = m.plugin_options()
         check_moe_args(cfg.model.hidden_size, m.num_experts, m.ep_size, m.k, m.drop_tokens, False, False, options)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"moe.{exc}") from exc

@@ -44,6 +44,11 @@ def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str) -> B
     return buffer
 
 
+def buffer_transports() -> list[str]:
+    """Names of the transports the shared buffers resolved to (``auto`` → ``nvlink`` or ``torch``)."""
+    return sorted({buffer.transport_name for buffer in _BUFFERS.values()})
+
+
 def destroy_buffers() -> None:
     """Release every shared ``Buffer`` (collective: call on all ranks before ``destroy_process_group``)."""
     for buffer in _BUFFERS.values():

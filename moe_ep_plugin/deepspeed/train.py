@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from .config import RunConfig, validate
-from .layer import MoE, destroy_buffers
+from .layer import MoE, buffer_transports, destroy_buffers, update_expert_biases
 
 SUCCESSOR_PROB = 0.9
 
@@ -149,6 +149,7 @@ class TrainResult:
     losses: list[float]          # per step, averaged over all ranks
     step_times_s: list[float]    # per step, slowest rank
     tokens_per_step: int         # over all ranks
+    transport: str = ""          # what moved the tokens
 
     def median_step_s(self, warmup: int) -> float:
         times = self.step_times_s[warmup:] or self.step_times_s
@@ -170,6 +171,8 @@ def train_steps(engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: i
         total = loss + cfg.moe.aux_loss_coeff * l_aux
         engine.backward(total)
         engine.step()
+        if cfg.moe.expert_bias_rate > 0:
+            update_expert_biases(engine.module)
         _sync(device)
         stats = torch.tensor([loss.item(), time.perf_counter() - start], dtype=torch.float64, device=device)
         elapsed = stats[1:].clone()
@@ -188,6 +191,8 @@ def train(cfg: RunConfig) -> TrainResult:
     """Build, train ``train.steps`` steps (rank 0 logs), save a checkpoint if ``train.checkpoint_dir`` is set."""
     engine = build_engine(cfg)
     result = train_steps(engine, cfg, 0, cfg.train.steps, log=True)
+    result.transport = ("padded all_to_all" if cfg.dispatcher == "deepspeed" else
+                        "+".join(buffer_transports()) + (" fp8" if cfg.moe.fp8_dispatch else ""))
     if cfg.train.checkpoint_dir:
         engine.save_checkpoint(cfg.train.checkpoint_dir)
     return result
@@ -211,10 +216,11 @@ def format_table(cfg: RunConfig, results: dict[str, TrainResult]) -> str:
     lines = [f"world {dist.get_world_size()}, EP {cfg.moe.ep_size}, E {cfg.moe.num_experts}, k {cfg.moe.k}, "
              f"H {cfg.model.hidden_size}, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
              f"{resolve_dtype(cfg)}, median over steps {w}..{cfg.train.steps - 1}",
-             f"{'dispatcher':<12}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}{'last loss':>11}"]
+             f"{'dispatcher':<12}{'transport':<20}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
+             f"{'last loss':>11}"]
     for name, r in results.items():
         t = r.median_step_s(w)
-        lines.append(f"{name:<12}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
+        lines.append(f"{name:<12}{r.transport:<20}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
                      f"{r.losses[0]:>12.4f}{r.losses[-1]:>11.4f}")
     return "\n".join(lines)
 
