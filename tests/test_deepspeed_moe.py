@@ -9,6 +9,7 @@ random token selection) is replayed by seeding both forwards alike.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -95,6 +96,30 @@ def assert_same(stock_res, plugin_res, what: str) -> None:
         torch.testing.assert_close(g_p[name], g_s[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} {name}: {m}")
 
 
+@contextlib.contextmanager
+def count_dispatched_rows():
+    """Rows the plugin's dispatch delivers to this rank, and the rows it should: one per (token of any rank,
+    this rank) pair where the token chose at least one (kept) expert of this rank — no copy per expert."""
+    import moe_ep_plugin.autograd as ep_autograd
+    original, rows = ep_autograd.dispatch, {"received": 0, "expected": 0}
+
+    def counting(buffer, x, topk_idx, topk_weights, num_experts, **kwargs):
+        out = original(buffer, x, topk_idx, topk_weights, num_experts, **kwargs)
+        ranks = buffer.group_size
+        dest = torch.where(topk_idx >= 0, topk_idx // (num_experts // ranks), ranks)
+        hits = torch.zeros(x.shape[0], ranks + 1, dtype=torch.int64).scatter_(1, dest, 1)[:, :ranks].sum(0)
+        dist.all_reduce(hits, group=buffer.group)
+        rows["received"] += out[0].shape[0]
+        rows["expected"] += int(hits[buffer.rank])
+        return out
+
+    ep_autograd.dispatch = counting
+    try:
+        yield rows
+    finally:
+        ep_autograd.dispatch = original
+
+
 def _worker_matches_stock(cases: list[dict]) -> None:
     ds_init()
     rank = dist.get_rank()
@@ -109,7 +134,9 @@ def _worker_matches_stock(cases: list[dict]) -> None:
         used = (torch.rand(tokens, generator=gen) > 0.3).float() if use_mask else None
         for step in range(2):  # a second step: cached buffer, gate noise redrawn
             expected = run_step(stock, x, grad_out, 7 + step, used)
-            assert_same(expected, run_step(plugin, x, grad_out, 7 + step, used), f"rank {rank} {case} step {step}")
+            with count_dispatched_rows() as rows:
+                assert_same(expected, run_step(plugin, x, grad_out, 7 + step, used), f"rank {rank} {case} step {step}")
+            assert rows["received"] == rows["expected"], f"rank {rank} {case}: {rows}"
             assert_same(expected, run_step(converted, x, grad_out, 7 + step, used), f"rank {rank} {case} converted")
 
 

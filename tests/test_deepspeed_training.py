@@ -33,7 +33,8 @@ def _worker_training(ckpt_dir: str) -> None:
     for stage in (2, 1):
         cfg = parse_config({**SMALL, "deepspeed": {"zero_optimization": {"stage": stage}}}, dist.get_world_size())
         stock_cfg = dataclasses.replace(cfg, dispatcher="deepspeed", moe=cfg.moe.stock())
-        stock = train_steps(build_engine(stock_cfg), stock_cfg, 0, 6).losses
+        stock_engine = build_engine(stock_cfg)
+        stock = train_steps(stock_engine, stock_cfg, 0, 6).losses
         engine = build_engine(cfg)
         plugin = train_steps(engine, cfg, 0, 6).losses
         # same weights, data and gate noise: only fp32 summation order differs, compounded over the steps
@@ -60,6 +61,14 @@ def _worker_training(ckpt_dir: str) -> None:
     assert resumed == after, f"{resumed} != {after}"
     if dist.get_rank() == 0:  # DeepSpeed writes each global expert of each layer to its own file
         assert len(glob.glob(os.path.join(ckpt_dir, "t", "layer_*_expert_*_mp_rank_00_model_states.pt"))) == 8
+
+    # a stock DeepSpeed checkpoint resumes in the plugin: the same next steps up to summation order
+    stock_engine.save_checkpoint(ckpt_dir, tag="stock")
+    torch.manual_seed(5)
+    stock_after = train_steps(stock_engine, stock_cfg, 6, 2).losses
+    other.load_checkpoint(ckpt_dir, tag="stock")
+    torch.manual_seed(5)
+    assert train_steps(other, cfg, 6, 2).losses == pytest.approx(stock_after, rel=1e-5, abs=0)
 
 
 def test_zero1_zero2_training_matches_stock_and_checkpoints(tmp_path):
