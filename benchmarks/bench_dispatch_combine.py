@@ -146,13 +146,18 @@ def _worker(args) -> None:
     _bench_one(nvlink, args.tokens, args, 7, f"nvlink {args.sms} SMs", results, reference)
     if not args.quick:
         _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
-    for sms, send_warps in args.split_sweep:
+    transport, defaults = nvlink.transport, type(nvlink.transport)
+    for sms, split in args.split_sweep:
         Buffer.set_num_sms(sms)
-        nvlink.transport.dispatch_send_warps = nvlink.transport.combine_send_warps = send_warps
+        blocks = int(split[1:]) if split.startswith("b") else 0
+        warps = defaults.dispatch_send_warps if blocks else int(split)
+        transport.dispatch_send_warps = transport.combine_send_warps = warps
+        transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {send_warps} send warps", results, None)
-    nvlink.transport.dispatch_send_warps = type(nvlink.transport).dispatch_send_warps
-    nvlink.transport.combine_send_warps = type(nvlink.transport).combine_send_warps
+        what = f"{blocks} send blocks" if blocks else f"{warps} send warps"
+        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
+    for name in ("dispatch_send_warps", "combine_send_warps", "dispatch_send_blocks", "combine_send_blocks"):
+        setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
     for n in args.sweep:
@@ -185,9 +190,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--split-sweep", type=lambda s: [tuple(int(u) for u in v.split(":")) for v in s.split(",") if v],
-                   default=[(24, 4), (24, 8), (24, 10), (16, 6), (32, 6)],
-                   help="SMs:send_warps pairs (of 16 warps per block) to time the kernels with on the standard shape")
+    p.add_argument("--split-sweep", type=lambda s: [(int(v.split(":")[0]), v.split(":")[1]) for v in s.split(",") if v],
+                   default=[(24, "4"), (24, "8"), (24, "b6"), (24, "b8"), (24, "b12"), (24, "b16")],
+                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send) pairs to time "
+                        "the kernels with on the standard shape")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

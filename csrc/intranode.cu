@@ -186,6 +186,33 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
     }
 }
 
+// Publish a chunk the whole warp wrote into a peer's region: the warp barrier orders every lane's stores before
+// lane 0's system-scope fence, which (being cumulative) makes them visible on the peer before the flag.
+__device__ __forceinline__ void publish(int* flag, int seq, int lane) {
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence_system();
+        st_release_sys(flag, seq);
+    }
+}
+
+// Which warps send and which receive. With num_send_blocks > 0 whole blocks take one role (blocks
+// [0, num_send_blocks) send), else the first num_send_warps warps of every block send. gw/nw: this warp's index
+// among the warps of its role, and their number.
+struct Role {
+    bool send;
+    int gw, nw;
+};
+__device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blocks, int warp) {
+    if (num_send_blocks > 0) {
+        if (int(blockIdx.x) < num_send_blocks) return {true, int(blockIdx.x) * kWarps + warp, num_send_blocks * kWarps};
+        return {false, (int(blockIdx.x) - num_send_blocks) * kWarps + warp, (int(gridDim.x) - num_send_blocks) * kWarps};
+    }
+    if (warp < num_send_warps) return {true, int(blockIdx.x) * num_send_warps + warp, int(gridDim.x) * num_send_warps};
+    const int num_recv_warps = kWarps - num_send_warps;
+    return {false, int(blockIdx.x) * num_recv_warps + warp - num_send_warps, int(gridDim.x) * num_recv_warps};
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // notify: barrier, count exchange (every rank receives the whole [R, R] count matrix), rank prefix matrix;
 // blocks 1..R compute send_pos[:, dst] and the inverse list send_list[dst] by a block-wide scan.
@@ -299,7 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
-    const bool has_topk = p.topk_idx != nullptr && K > 0;
+    const bool send_topk = p.topk_idx != nullptr && K > 0;       // this rank's rows carry top-k
+    const bool recv_topk = p.recv_topk_idx != nullptr && K > 0;  // received rows carry top-k
     const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
     const bool dequant = wire_fp8 && p.recv_bf16 != 0;
     const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
@@ -317,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     if (!fits && blockIdx.x == 0 && threadIdx.x == 0)
         report_error(c, MOE_EP_ERR_WORST_TOKENS, total_recv, int(p.num_recv_rows));
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
-    const int num_send_warps = int(p.num_send_warps);
+    const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
     // One row of x (token t) transformed for the wire or for the output: a plain copy, or FP8 quantization
     // (with its dequantization when BF16/FP32 rows are wanted back).
@@ -338,9 +366,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         }
     };
 
-    if (warp < num_send_warps) {
+    if (role.send) {
         // ---- send: chunks of rows to every peer, interleaved over peers ----
-        const int gw = blockIdx.x * num_send_warps + warp, nw = gridDim.x * num_send_warps;
+        const int gw = role.gw, nw = role.nw;
         int max_chunks = 0;
         for (int d = 0; d < R; ++d)
             if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, me, d) + kChunkRows - 1) / kChunkRows);
@@ -355,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             }
             char* first = region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
-            if (has_topk)
+            if (send_topk)
                 for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
                     int idx;
                     float weight;
@@ -369,14 +397,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 char* slot = first + int64_t(i) * sl.slot_bytes;
                 write_row(__shfl_sync(0xffffffffu, tok, i), slot, reinterpret_cast<float*>(slot + sl.scales_off), false);
             }
-            __threadfence_system();  // each lane's stores reach the peer before the flag
-            __syncwarp();
-            if (lane == 0) st_release_sys(flags(c.bufs[d], me) + chunk, seq);
+            publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
         // ---- receive: own rows straight from x, peers' rows from the staging regions once published ----
-        const int num_recv_warps = kWarps - num_send_warps;
-        const int gw = blockIdx.x * num_recv_warps + (warp - num_send_warps), nw = gridDim.x * num_recv_warps;
+        const int gw = role.gw, nw = role.nw;
         // own rows first (nothing to wait for), then the peers' chunks interleaved over sources
         const int self_chunks = (rows_from(rpm, R, me, me) + kChunkRows - 1) / kChunkRows;
         int max_chunks = 0;
@@ -393,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             const int64_t out_first = offset_from(rpm, R, s, me) + begin;
             if (s == me) {
                 const int tok = lane < rows ? __ldg(p.send_list + int64_t(me) * p.list_stride + begin + lane) : -1;
-                if (has_topk)
+                if (recv_topk)
                     for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
                         int idx;
                         float weight;
@@ -412,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (lane == 0) ok = wait_flag<false>(c, flags(c.bufs[me], s) + chunk, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, s, chunk);
             if (!__shfl_sync(0xffffffffu, ok, 0)) break;
             const char* first = region(c, me, s) + int64_t(begin) * sl.slot_bytes;
-            if (has_topk)
+            if (recv_topk)
                 for_each_entry(rows, K, 0, lane, [&](int i, int k, int) {
                     const char* slot = first + int64_t(i) * sl.slot_bytes;
                     emit_entry(p, out_first + i, k, reinterpret_cast<const volatile int*>(slot + sl.idx_off)[k],
@@ -513,10 +538,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
     const int cap_rows = int(min(c.region_bytes / slot_bytes, int64_t(kMaxRegionRows)));
-    const int num_send_warps = int(p.num_send_warps);
+    const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
-    if (warp < num_send_warps) {
-        const int gw = blockIdx.x * num_send_warps + warp, nw = gridDim.x * num_send_warps;
+    if (role.send) {
+        const int gw = role.gw, nw = role.nw;
         int max_chunks = 0;
         for (int d = 0; d < R; ++d)
             if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
@@ -538,14 +563,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                 if (p.topk_weights != nullptr && lane < K)
                     reinterpret_cast<float*>(slot + w_off)[lane] = __ldg(p.topk_weights + (base + pos) * K + lane);
             }
-            __threadfence_system();
-            __syncwarp();
-            if (lane == 0) st_release_sys(flags(c.bufs[d], me) + chunk, seq);
+            publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
         return;
     }
-    const int num_recv_warps = kWarps - num_send_warps;
-    const int gw = blockIdx.x * num_recv_warps + (warp - num_send_warps), nw = gridDim.x * num_recv_warps;
+    const int gw = role.gw, nw = role.nw;
     const int64_t self_base = offset_from(rpm, R, me, me);
     int seen_chunk[kRanks];
 #pragma unroll
@@ -630,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     }
 }
 
-int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps) {
+int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, int64_t num_send_blocks) {
     int device_sms = 0;
     int err = check_cuda(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, ctx->device),
                          "cudaDeviceGetAttribute");
@@ -638,7 +660,11 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps) {
     if (num_sms < 1 || num_sms > device_sms)
         return set_error(-1, "num_sms=" + std::to_string(num_sms) + " must lie in [1, " + std::to_string(device_sms) +
                                  "] (all blocks must be resident at once)");
-    if (num_send_warps < 1 || num_send_warps >= kWarps)
+    if (num_send_blocks > 0) {
+        if (num_send_blocks >= num_sms)
+            return set_error(-1, "num_send_blocks=" + std::to_string(num_send_blocks) + " must be < num_sms=" +
+                                     std::to_string(num_sms));
+    } else if (num_send_warps < 1 || num_send_warps >= kWarps)
         return set_error(-1, "num_send_warps=" + std::to_string(num_send_warps) + " must lie in [1, " +
                                  std::to_string(kWarps - 1) + "]");
     return 0;
@@ -668,7 +694,7 @@ extern "C" int moe_ep_barrier(void* handle, void* stream) {
 extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_dispatch_params& p = *params;
-    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps)) return err;
+    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
     const bool quantize = p.wire_fp8 != 0;
     if (quantize && p.x_elem_bytes != 2 && p.x_elem_bytes != 4)
@@ -701,7 +727,7 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
 extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_combine_params& p = *params;
-    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps)) return err;
+    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
     if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
     if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");

@@ -64,13 +64,15 @@ class _NVLinkState:
 class NVLinkTransport(Transport):
     """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
 
-    ``dispatch_send_warps``/``combine_send_warps``: of the 16 warps of each block, how many send (the rest
-    receive); tuned on 2 x H200.
+    Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
+    when ``*_send_blocks`` > 0, that many whole blocks send and the other blocks receive; tuned on 2 x H200.
     """
 
     name = "nvlink"
     dispatch_send_warps = 6
     combine_send_warps = 6
+    dispatch_send_blocks = 0
+    combine_send_blocks = 0
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -248,7 +250,7 @@ class NVLinkTransport(Transport):
             x_elem_bytes=x.element_size(), num_topk=k, num_local_experts=num_local, list_stride=send_list.shape[1],
             num_recv_rows=rows, wire_fp8=int(args.wire_fp8), fp8_in=int(fp8_in), recv_bf16=int(dequant),
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self.dispatch_send_warps)
+            num_send_warps=self.dispatch_send_warps, num_send_blocks=self.dispatch_send_blocks)
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
@@ -275,7 +277,7 @@ class NVLinkTransport(Transport):
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
             out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps)
+            num_send_warps=self.combine_send_warps, num_send_blocks=self.combine_send_blocks)
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights
