@@ -28,7 +28,7 @@ p.add_argument("--hidden", type=int, default=7168)
 p.add_argument("--experts", type=int, default=256)
 p.add_argument("--topk", type=int, default=8)
 p.add_argument("--iters", type=int, default=30)
-p.add_argument("--num-sms", type=int, default=24, help="SMs for the plugin's nvlink kernels")
+p.add_argument("--num-sms", type=int, default=24, help="SMs for the communication kernels (plugin and DeepEP)")
 p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
 a = p.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -62,6 +62,9 @@ def cfg(kind):
               moe_token_dispatcher_type=kind.split(":")[0].replace("flex_plugin", "flex"))
     if kw["moe_token_dispatcher_type"] == "flex":
         kw["moe_flex_dispatcher_backend"] = "deepep"
+        sms_field = "moe_flex_dispatcher_num_sms" if hasattr(TransformerConfig, "moe_flex_dispatcher_num_sms") \
+            else "moe_deepep_num_sms"  # 0.19 name, 0.16 name
+        kw[sms_field] = a.num_sms
     return TransformerConfig(**kw)
 
 
@@ -72,7 +75,7 @@ def make_dispatcher(kind):
     if kind == "flex":
         return MoEFlexTokenDispatcher(L, local_idx, cfg(kind), pg_collection=pg), False
     if kind == "flex_plugin":
-        ep_megatron.install(ep_megatron.PluginOptions(transport="auto", num_sms=a.num_sms))
+        ep_megatron.install(ep_megatron.PluginOptions(transport="auto"))
         return MoEFlexTokenDispatcher(L, local_idx, cfg(kind), pg_collection=pg), False
     name, transport, *flags = kind.split(":") + ["auto"] * (kind.count(":") == 0)
     if name != "ep_plugin" or any(f != "fp8" for f in flags):

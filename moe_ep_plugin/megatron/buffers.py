@@ -5,7 +5,7 @@ mixing both paths on one group shares one set of communication buffers (as Megat
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -21,9 +21,9 @@ def _nvl_bytes(group: dist.ProcessGroup, hidden_bytes: int) -> int:
                for cfg in (Buffer.get_dispatch_config(size), Buffer.get_combine_config(size)))
 
 
-def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, options: PluginOptions,
-               num_sms: Optional[int] = None) -> Any:
-    """The cached Buffer for ``group``, re-created when rows of ``hidden_bytes`` no longer fit."""
+def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, options: PluginOptions) -> Any:
+    """The cached Buffer for ``group`` and ``options.transport``, re-created when rows of ``hidden_bytes`` no
+    longer fit at the current SM count (``Buffer.num_sms``, which the callers set)."""
     if group is None:
         raise ValueError("group: a torch.distributed process group is required")
     if hidden_bytes <= 0:
@@ -31,13 +31,10 @@ def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, options: PluginOptio
     key = (group, options.transport)
     need = _nvl_bytes(group, hidden_bytes)
     buffer = _buffers.get(key)
-    if buffer is None or getattr(buffer, "num_nvl_bytes", need) < need:
+    if buffer is None or buffer.num_nvl_bytes < need:
         buffer = Buffer(group, num_nvl_bytes=need, num_rdma_bytes=0, transport=options.transport,
                         timeout_s=options.timeout_s)
         _buffers[key] = buffer
-    sms = num_sms if num_sms is not None else options.num_sms
-    if sms is not None:
-        Buffer.set_num_sms(sms)
     return buffer
 
 

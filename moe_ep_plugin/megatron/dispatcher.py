@@ -22,6 +22,7 @@ from typing import Any, List, Optional
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from .. import Buffer
 from .. import autograd as ep_autograd
 from .. import permute as ep_permute
 from . import buffers
@@ -124,6 +125,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         travel with the rows. → ``(recv [R, H], recv_weights [R, K] float32)``."""
         if self._topk_idx is None or self._topk_idx.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
+        if self.options.num_sms is not None:  # before sizing: the buffer size hint grows with the SM count
+            Buffer.set_num_sms(self.options.num_sms)
         self._buffer = buffers.get_buffer(self.ep_group, hidden_states.shape[1] * max(hidden_states.element_size(), 2),
                                           self.options)
         recv_x, recv_idx, recv_weights, counts, handle = ep_autograd.dispatch(

@@ -22,7 +22,8 @@ class PluginOptions:
     - ``fp8_dispatch``: quantize BF16 tokens to FP8 (1x128 blocks) in the send path and dequantize to BF16 on
       receive, so BF16 experts see half the dispatch bytes; combine and all gradients stay BF16. Needs
       ``hidden_size % 128 == 0``.
-    - ``num_sms``: SMs the communication kernels may use (None: the Buffer's default).
+    - ``num_sms``: SMs the communication kernels may use (None: the Buffer's default). On the ``flex`` +
+      ``deepep`` path Megatron's own SM setting is used instead.
     - ``timeout_s``: how long a rank waits for its peers before raising.
     """
 
