@@ -34,6 +34,7 @@ timeout 90 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | 
     || status=1
 timeout 120 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 4096,128 2>&1 \
     | grep -v -i warn | tee "$LOGS/mcore_dispatchers.log" || status=1
+rm -rf /tmp/megatron_dsv3_ep2  # a fresh run, not a resume of an earlier one on a warm machine
 timeout 150 python3 -m moe_ep_plugin.megatron.pretrain configs/megatron_dsv3_ep2.yaml --save-dir /tmp/megatron_dsv3_ep2 \
     2>&1 | grep -v -i warn | tee "$LOGS/pretrain_ep2.log" || status=1
 cp /tmp/megatron_dsv3_ep2/metrics.jsonl "$LOGS/pretrain_ep2_metrics.jsonl" 2>/dev/null || status=1
