@@ -168,16 +168,18 @@ def _worker(args) -> None:
     if not args.quick:
         _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
     transport, defaults = nvlink.transport, type(nvlink.transport)
-    for sms, split in args.split_sweep:
+    for sms, split, copies in args.split_sweep:
+        sms = int(sms)
         Buffer.set_num_sms(sms)
         blocks = int(split[1:]) if split.startswith("b") else 0
         warps = defaults.dispatch_send_warps if blocks else int(split)
         transport.dispatch_send_warps = transport.combine_send_warps = warps
         transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
+        transport.use_tma = copies != "r"
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        what = f"{blocks} send blocks" if blocks else f"{warps} send warps"
+        what = (f"{blocks} send blocks" if blocks else f"{warps} send warps") + (", reg copies" if copies == "r" else "")
         _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
-    for name in ("dispatch_send_warps", "combine_send_warps", "dispatch_send_blocks", "combine_send_blocks"):
+    for name in ("dispatch_send_warps", "combine_send_warps", "dispatch_send_blocks", "combine_send_blocks", "use_tma"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
@@ -211,10 +213,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--split-sweep", type=lambda s: [(int(v.split(":")[0]), v.split(":")[1]) for v in s.split(",") if v],
-                   default=[(24, "4"), (24, "8"), (24, "b6"), (24, "b8"), (24, "b12"), (24, "b16")],
-                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send) pairs to time "
-                        "the kernels with on the standard shape")
+    p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":") + [""])[:3] for v in s.split(",") if v],
+                   default="24:6:r,24:b8:r,24:4,24:8,24:b6,24:b8,24:b10,24:b12,16:b6,20:b7",
+                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send), with :r for "
+                        "copies through registers instead of TMA, to time the kernels with on the standard shape")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

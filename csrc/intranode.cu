@@ -10,7 +10,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <mutex>
+#include <set>
 #include <type_traits>
+#include <utility>
 
 #include "common.cuh"
 #include "context.h"
@@ -61,6 +64,112 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
 template <bool kPeerWritten>
 __device__ __forceinline__ void warp_copy_floats(float* dst, const float* src, int n, int lane) {
     for (int i = lane; i < n; i += 32) dst[i] = kPeerWritten ? *reinterpret_cast<const volatile float*>(src + i) : __ldg(src + i);
+}
+
+// ---- bulk copies through shared memory (TMA, cp.async.bulk): one lane keeps whole row pieces in flight ----
+constexpr int kTmaStages = 2;  // shared-memory stages per warp
+constexpr int kMaxStageBytes = 16384;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// A bulk copy never completing is a kernel bug, not a peer's fault: trap (a CUDA error) rather than hang.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done = 0;
+    const uint64_t start = now_ns();
+    while (!done) {
+        if (now_ns() - start > 20000000000ull) __trap();
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    }
+}
+__device__ __forceinline__ void tma_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(smem_dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void tma_store(void* dst, const void* smem_src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem_src)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void tma_wait_stage_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void tma_wait_written() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Orders generic-proxy accesses (flags, plain stores) with the bulk copies' async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
+// A warp's bulk-copy stages; stage_bytes == 0 means copies go through registers instead.
+struct WarpTma {
+    char* stages;
+    uint64_t* bars;
+    int stage_bytes;
+    uint32_t parity;  // lane 0: parity each stage's barrier completes next, one bit per stage
+};
+
+// Dynamic shared memory: [hist_bytes][kWarps * kTmaStages mbarriers][kWarps * kTmaStages * stage_bytes].
+__device__ __forceinline__ WarpTma make_warp_tma(char* smem, int hist_bytes, int stage_bytes, int warp, int lane) {
+    WarpTma w;
+    w.stage_bytes = stage_bytes;
+    w.parity = 0;
+    w.bars = reinterpret_cast<uint64_t*>(smem + hist_bytes) + warp * kTmaStages;
+    w.stages = smem + hist_bytes + kWarps * kTmaStages * 8 + int64_t(warp) * kTmaStages * stage_bytes;
+    if (stage_bytes > 0 && lane == 0) {
+        for (int i = 0; i < kTmaStages; ++i) mbar_init(w.bars + i);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_proxy_async();
+    }
+    __syncwarp();
+    return w;
+}
+
+// Copies `rows` rows of row_bytes: row i from src_of(i) to dst_of(i). With stages, lane 0 streams the rows in
+// stage-sized pieces (bulk load into a stage, bulk store out of it, kTmaStages loads in flight) and waits until
+// every store is written, so a flag published afterwards covers them; without, all lanes copy via registers.
+// kPeerWritten: the source was written by another GPU and acquired through a flag.
+template <bool kPeerWritten, typename SrcF, typename DstF>
+__device__ __forceinline__ void copy_rows(WarpTma& w, int rows, int row_bytes, SrcF src_of, DstF dst_of, int lane) {
+    if (w.stage_bytes == 0) {
+        for (int i = 0; i < rows; ++i)
+            warp_copy<kPeerWritten>(reinterpret_cast<int4*>(dst_of(i)), reinterpret_cast<const int4*>(src_of(i)),
+                                    row_bytes / 16, lane);
+        return;
+    }
+    if (lane == 0) {
+        if (kPeerWritten) fence_proxy_async();
+        const int per_row = (row_bytes + w.stage_bytes - 1) / w.stage_bytes;
+        const int total = rows * per_row;
+        auto piece = [&](int j, int& r, int& off) {
+            r = j / per_row;
+            off = (j - r * per_row) * w.stage_bytes;
+            return uint32_t(min(w.stage_bytes, row_bytes - off));
+        };
+        auto issue = [&](int j) {
+            int r, off;
+            const uint32_t bytes = piece(j, r, off);
+            uint64_t* bar = w.bars + j % kTmaStages;
+            mbar_expect_tx(bar, bytes);
+            tma_load(w.stages + (j % kTmaStages) * w.stage_bytes, static_cast<const char*>(src_of(r)) + off, bytes, bar);
+        };
+        for (int j = 0; j < min(kTmaStages, total); ++j) issue(j);
+        for (int j = 0; j < total; ++j) {
+            const int st = j % kTmaStages;
+            mbar_wait(w.bars + st, (w.parity >> st) & 1u);
+            w.parity ^= 1u << st;
+            int r, off;
+            const uint32_t bytes = piece(j, r, off);
+            tma_store(static_cast<char*>(dst_of(r)) + off, w.stages + st * w.stage_bytes, bytes);
+            if (j + kTmaStages < total) {
+                tma_wait_stage_read();
+                issue(j + kTmaStages);
+            }
+        }
+        tma_wait_written();
+        fence_proxy_async();
+    }
+    __syncwarp();
 }
 
 // Input rows of the quantizing send path, read 16 channels per lane: BF16 = 2 vectors, FP32 = 4 vectors.
@@ -191,6 +300,7 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
 __device__ __forceinline__ void publish(int* flag, int seq, int lane) {
     __syncwarp();
     if (lane == 0) {
+        fence_proxy_async();
         __threadfence_system();
         st_release_sys(flag, seq);
     }
@@ -317,10 +427,12 @@ __device__ __forceinline__ void for_each_entry(int rows, int K, int tok, int lan
 }
 
 template <int kQuant>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl,
+                                                               int hist_bytes, int stage_bytes) {
     using T = typename InputType<kQuant>::type;
     using OutT = typename std::conditional<kQuant == 2, float, __nv_bfloat16>::type;  // dequantized rows
-    extern __shared__ int s_hist[];
+    extern __shared__ __align__(128) char smem[];
+    int* s_hist = reinterpret_cast<int*>(smem);
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
@@ -337,6 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
     for (int i = threadIdx.x; i < L; i += blockDim.x) s_hist[i] = 0;
+    WarpTma tma = make_warp_tma(smem, hist_bytes, stage_bytes, warp, lane);
     __syncthreads();
 
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
@@ -347,22 +460,27 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
-    // One row of x (token t) transformed for the wire or for the output: a plain copy, or FP8 quantization
-    // (with its dequantization when BF16/FP32 rows are wanted back).
-    auto write_row = [&](int t, char* dst, float* dst_scales, bool to_output) {
-        const char* xrow = x + t * in_row_bytes;
+    // Rows i < rows of x (token tok_of(i)) transformed for the wire or for the output: a plain copy (bulk, through
+    // shared memory), or FP8 quantization (with its dequantization when BF16/FP32 rows are wanted back).
+    auto write_rows = [&](int rows, auto tok_of, auto dst_of, auto scales_of, bool to_output) {
         if constexpr (kQuant == 0) {
             if (to_output && dequant) {
-                dequant_row<false>(reinterpret_cast<const uint8_t*>(xrow), p.x_scales + int64_t(t) * S,
-                                   reinterpret_cast<OutT*>(dst), H, lane);
-            } else {
-                warp_copy<false>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(xrow), sl.payload_bytes / 16, lane);
-                if (p.fp8_in) warp_copy_floats<false>(dst_scales, p.x_scales + int64_t(t) * S, S, lane);
+                for (int i = 0; i < rows; ++i)
+                    dequant_row<false>(reinterpret_cast<const uint8_t*>(x + tok_of(i) * in_row_bytes),
+                                       p.x_scales + int64_t(tok_of(i)) * S, reinterpret_cast<OutT*>(dst_of(i)), H, lane);
+                return;
             }
+            copy_rows<false>(tma, rows, sl.payload_bytes, [&](int i) { return x + tok_of(i) * in_row_bytes; }, dst_of, lane);
+            if (p.fp8_in)
+                for (int i = 0; i < rows; ++i) warp_copy_floats<false>(scales_of(i), p.x_scales + int64_t(tok_of(i)) * S, S, lane);
         } else {
             const bool deq = to_output && dequant;
-            quantize_row<T>(reinterpret_cast<const T*>(xrow), H, deq ? nullptr : reinterpret_cast<uint8_t*>(dst),
-                            deq ? nullptr : dst_scales, deq ? reinterpret_cast<T*>(dst) : nullptr, p.round_scale != 0, lane);
+            for (int i = 0; i < rows; ++i) {
+                char* dst = dst_of(i);
+                quantize_row<T>(reinterpret_cast<const T*>(x + tok_of(i) * in_row_bytes), H,
+                                deq ? nullptr : reinterpret_cast<uint8_t*>(dst), deq ? nullptr : scales_of(i),
+                                deq ? reinterpret_cast<T*>(dst) : nullptr, p.round_scale != 0, lane);
+            }
         }
     };
 
@@ -393,10 +511,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     reinterpret_cast<float*>(slot + sl.w_off)[k] = weight;
                 });
             if (lane < rows) *reinterpret_cast<int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off) = tok;
-            for (int i = 0; i < rows; ++i) {
-                char* slot = first + int64_t(i) * sl.slot_bytes;
-                write_row(__shfl_sync(0xffffffffu, tok, i), slot, reinterpret_cast<float*>(slot + sl.scales_off), false);
-            }
+            const int32_t* list = p.send_list + int64_t(d) * p.list_stride + begin;
+            write_rows(rows, [&](int i) { return __ldg(list + i); }, [&](int i) { return first + int64_t(i) * sl.slot_bytes; },
+                       [&](int i) { return reinterpret_cast<float*>(first + int64_t(i) * sl.slot_bytes + sl.scales_off); }, false);
             publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
@@ -426,11 +543,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                         emit_entry(p, out_first + i, k, idx, weight, s_hist);
                     });
                 if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
-                for (int i = 0; i < rows; ++i) {
-                    const int64_t row = out_first + i;
-                    write_row(__shfl_sync(0xffffffffu, tok, i), recv_x + row * out_row_bytes,
-                              wire_fp8 ? p.recv_scales + row * S : nullptr, true);
-                }
+                const int32_t* list = p.send_list + int64_t(me) * p.list_stride + begin;
+                write_rows(rows, [&](int i) { return __ldg(list + i); }, [&](int i) { return recv_x + (out_first + i) * out_row_bytes; },
+                           [&](int i) { return p.recv_scales + (out_first + i) * S; }, true);
                 continue;
             }
             int ok = 1;
@@ -446,19 +561,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (lane < rows)
                 p.recv_src_idx[out_first + lane] =
                     *reinterpret_cast<const volatile int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off);
-            for (int i = 0; i < rows; ++i) {
-                const char* slot = first + int64_t(i) * sl.slot_bytes;
-                const int64_t row = out_first + i;
-                char* out = recv_x + row * out_row_bytes;
-                if (dequant) {
+            if (dequant) {
+                for (int i = 0; i < rows; ++i) {
+                    const char* slot = first + int64_t(i) * sl.slot_bytes;
                     dequant_row<true>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
-                                      reinterpret_cast<OutT*>(out), H, lane);
-                } else {
-                    warp_copy<true>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot), sl.payload_bytes / 16, lane);
-                    if (wire_fp8) warp_copy_floats<true>(p.recv_scales + row * S,
-                                                         reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
+                                      reinterpret_cast<OutT*>(recv_x + (out_first + i) * out_row_bytes), H, lane);
                 }
+                continue;
             }
+            copy_rows<true>(tma, rows, sl.payload_bytes, [&](int i) { return first + int64_t(i) * sl.slot_bytes; },
+                            [&](int i) { return recv_x + (out_first + i) * out_row_bytes; }, lane);
+            if (wire_fp8)
+                for (int i = 0; i < rows; ++i)
+                    warp_copy_floats<true>(p.recv_scales + (out_first + i) * S,
+                                           reinterpret_cast<const float*>(first + int64_t(i) * sl.slot_bytes + sl.scales_off), S, lane);
         }
     }
     __syncthreads();
@@ -525,7 +641,8 @@ struct Vec<float> {
 // for kCopyBatch / kRanks vectors before adding any of them.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p, int slot_bytes,
-                                                              int w_off) {
+                                                              int w_off, int stage_bytes) {
+    extern __shared__ __align__(128) char smem[];
     constexpr int kN = Vec<T>::kN;
     constexpr int kUnroll = kCopyBatch / kRanks;
     const int R = c.num_ranks, me = c.rank;
@@ -539,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
     const int cap_rows = int(min(c.region_bytes / slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
+    WarpTma tma = make_warp_tma(smem, 0, role.send ? stage_bytes : 0, warp, lane);
 
     if (role.send) {
         const int gw = role.gw, nw = role.nw;
@@ -556,13 +674,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             }
             const int64_t base = offset_from(rpm, R, d, me);
             char* dst_region = region(c, d, me);
-            for (int pos = begin; pos < end; ++pos) {
-                char* slot = dst_region + int64_t(pos) * slot_bytes;
-                warp_copy<false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(x + (base + pos) * row_bytes),
-                                 n16, lane);
-                if (p.topk_weights != nullptr && lane < K)
-                    reinterpret_cast<float*>(slot + w_off)[lane] = __ldg(p.topk_weights + (base + pos) * K + lane);
-            }
+            copy_rows<false>(tma, end - begin, int(row_bytes), [&](int i) { return x + (base + begin + i) * row_bytes; },
+                             [&](int i) { return dst_region + int64_t(begin + i) * slot_bytes; }, lane);
+            if (p.topk_weights != nullptr)
+                for (int e = lane; e < (end - begin) * K; e += 32) {
+                    const int i = e / K, k = e - i * K;
+                    reinterpret_cast<float*>(dst_region + int64_t(begin + i) * slot_bytes + w_off)[k] =
+                        __ldg(p.topk_weights + (base + begin + i) * K + k);
+                }
             publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
         return;
@@ -670,6 +789,48 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
     return 0;
 }
 
+// Dynamic shared memory of the dispatch/combine kernels: the expert histogram, then (with TMA) each warp's
+// barriers and stages, as large as the SM allows (at most kMaxStageBytes per stage).
+int shared_memory_plan(const Context* ctx, int hist_bytes, bool use_tma, int& stage_bytes, size_t& smem) {
+    stage_bytes = 0;
+    smem = size_t(hist_bytes);
+    if (!use_tma) return 0;
+    int optin = 0;
+    if (int err = check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device),
+                             "cudaDeviceGetAttribute")) return err;
+    const int fixed = hist_bytes + kWarps * kTmaStages * 8;
+    stage_bytes = min(kMaxStageBytes, (optin - fixed) / (kWarps * kTmaStages) / 128 * 128);
+    if (stage_bytes < 1024) {
+        stage_bytes = 0;
+        return 0;
+    }
+    smem = size_t(fixed) + size_t(kWarps) * kTmaStages * stage_bytes;
+    return 0;
+}
+
+// Launch with `smem` bytes of dynamic shared memory. Above 48 KiB the kernel's limit is raised once per kernel
+// and device (before any CUDA-graph capture, which the first eager call precedes).
+template <typename... KArgs, typename... Args>
+int launch(void (*kernel)(KArgs...), const Context* ctx, int grid, size_t smem, cudaStream_t stream, Args&&... args) {
+    static std::mutex mutex;
+    static std::set<std::pair<const void*, int>> raised;
+    if (smem > 48 * 1024) {
+        std::lock_guard<std::mutex> lock(mutex);
+        const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), ctx->device);
+        if (!raised.count(key)) {
+            int optin = 0;
+            int err = check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device),
+                                 "cudaDeviceGetAttribute");
+            if (!err) err = check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin),
+                                       "cudaFuncSetAttribute");
+            if (err) return err;
+            raised.insert(key);
+        }
+    }
+    kernel<<<grid, kThreads, smem, stream>>>(std::forward<Args>(args)...);
+    return 0;
+}
+
 }  // namespace moe_ep
 
 using namespace moe_ep;
@@ -710,18 +871,22 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     sl.w_off = sl.idx_off + 4 * int(p.num_topk);
     sl.src_off = sl.w_off + 4 * int(p.num_topk);
     sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
-    const size_t smem = size_t(p.num_local_experts) * sizeof(int);
-    if (smem > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
+    const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
+    if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
+    int stage_bytes = 0;
+    size_t smem = 0;
+    if (int err = shared_memory_plan(ctx, hist_bytes, p.use_tma != 0, stage_bytes, smem)) return err;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
+    int err = 0;
     if (!quantize) {
-        dispatch_kernel<0><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl);
+        err = launch(dispatch_kernel<0>, ctx, grid, smem, s, ctx->dev, p, sl, hist_bytes, stage_bytes);
     } else if (p.x_elem_bytes == 2) {
-        dispatch_kernel<1><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl);
+        err = launch(dispatch_kernel<1>, ctx, grid, smem, s, ctx->dev, p, sl, hist_bytes, stage_bytes);
     } else {
-        dispatch_kernel<2><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl);
+        err = launch(dispatch_kernel<2>, ctx, grid, smem, s, ctx->dev, p, sl, hist_bytes, stage_bytes);
     }
-    return check_launch("dispatch_kernel");
+    return err ? err : check_launch("dispatch_kernel");
 }
 
 extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
@@ -736,15 +901,19 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     const int R = ctx->dev.num_ranks;
-#define MOE_EP_LAUNCH_COMBINE(T)                                                                          \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);           \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);      \
-    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
+    int stage_bytes = 0;
+    size_t smem = 0;
+    if (int err = shared_memory_plan(ctx, 0, p.use_tma != 0, stage_bytes, smem)) return err;
+    int err = 0;
+#define MOE_EP_LAUNCH_COMBINE(T)                                                                                   \
+    if (R <= 2) err = launch(combine_kernel<T, 2>, ctx, grid, smem, s, ctx->dev, p, slot_bytes, w_off, stage_bytes);      \
+    else if (R <= 4) err = launch(combine_kernel<T, 4>, ctx, grid, smem, s, ctx->dev, p, slot_bytes, w_off, stage_bytes); \
+    else err = launch(combine_kernel<T, 8>, ctx, grid, smem, s, ctx->dev, p, slot_bytes, w_off, stage_bytes);
     if (p.elem_bytes == 2) {
         MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {
         MOE_EP_LAUNCH_COMBINE(float)
     }
 #undef MOE_EP_LAUNCH_COMBINE
-    return check_launch("combine_kernel");
+    return err ? err : check_launch("combine_kernel");
 }

@@ -45,6 +45,7 @@ typedef struct {
     int64_t wire_fp8, fp8_in, recv_bf16, round_scale, num_sms;
     int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) ... */
     int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
+    int64_t use_tma;         /* row copies by bulk async copies through shared memory (else through registers) */
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
@@ -58,7 +59,7 @@ typedef struct {
     const void* bias1;
     void* out;                         /* [num_tokens, hidden] */
     float* out_weights;                /* [num_tokens, K] or NULL */
-    int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
+    int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks, use_tma;
 } moe_ep_combine_params;
 
 int moe_ep_abi_version(void);

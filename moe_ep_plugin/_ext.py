@@ -32,7 +32,7 @@ class DispatchParams(ctypes.Structure):
         "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
-            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")]
+            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks", "use_tma")]
 
 
 class CombineParams(ctypes.Structure):
@@ -41,7 +41,7 @@ class CombineParams(ctypes.Structure):
     _fields_ = [(name, _p) for name in (
         "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
-                                  "num_send_warps", "num_send_blocks")]
+                                  "num_send_warps", "num_send_blocks", "use_tma")]
 
 
 _lib: Optional[ctypes.CDLL] = None

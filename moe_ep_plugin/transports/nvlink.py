@@ -73,6 +73,7 @@ class NVLinkTransport(Transport):
     combine_send_warps = 6
     dispatch_send_blocks = 0
     combine_send_blocks = 0
+    use_tma = True  # row copies as bulk async copies through shared memory (TMA) rather than through registers
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -250,7 +251,7 @@ class NVLinkTransport(Transport):
             x_elem_bytes=x.element_size(), num_topk=k, num_local_experts=num_local, list_stride=send_list.shape[1],
             num_recv_rows=rows, wire_fp8=int(args.wire_fp8), fp8_in=int(fp8_in), recv_bf16=int(dequant),
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self.dispatch_send_warps, num_send_blocks=self.dispatch_send_blocks)
+            num_send_warps=self.dispatch_send_warps, num_send_blocks=self.dispatch_send_blocks, use_tma=int(self.use_tma))
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
@@ -277,7 +278,7 @@ class NVLinkTransport(Transport):
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
             out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps, num_send_blocks=self.combine_send_blocks)
+            num_send_warps=self.combine_send_warps, num_send_blocks=self.combine_send_blocks, use_tma=int(self.use_tma))
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights

@@ -219,11 +219,19 @@ def _suite() -> None:
     for case in CASES:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # fewer SMs than channels of work, and a non-default split of warps
-    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 1
+    # the other kernel variants: copies through registers, whole sender blocks, 2 SMs with one sending warp each
+    transport, defaults = nv.transport, type(nv.transport)
+    transport.use_tma = False
+    for mode in (MODES[0], MODES[3], MODES[6]):
+        _check_case(nv, ref, CASES[0], mode)
+    transport.use_tma = defaults.use_tma
+    transport.dispatch_send_blocks = transport.combine_send_blocks = 8
+    _check_case(nv, ref, CASES[2], MODES[0])
+    transport.dispatch_send_blocks = transport.combine_send_blocks = 0
+    transport.dispatch_send_warps = transport.combine_send_warps = 1
     Buffer.set_num_sms(2)
     _check_case(nv, ref, CASES[0], MODES[2])
-    nv.transport.dispatch_send_warps = nv.transport.combine_send_warps = 6
+    transport.dispatch_send_warps, transport.combine_send_warps = defaults.dispatch_send_warps, defaults.combine_send_warps
     Buffer.set_num_sms(24)
     _graph_replay(nv)
     torch.cuda.synchronize()
