@@ -22,6 +22,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS="${OUT:-runs/gpu_megatron}"
 mkdir -p "$LOGS"
+LOG="$LOGS/megatron_gpu.log"  # one file: the device tool returns at most 8 files for all scripts together
 status=0
 if ! python3 -c "import megatron.core" 2>/dev/null; then
     wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -n 1)
@@ -29,13 +30,12 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mcore "$wheel" || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/mcore"
 fi
-python3 -W ignore -c "import megatron.core, moe_ep_plugin.megatron; print('megatron-core', megatron.core.__version__)" || exit 1
-timeout 90 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | tee "$LOGS/megatron_gpu_tests.log" \
-    || status=1
+python3 -W ignore -c "import megatron.core, moe_ep_plugin.megatron; print('megatron-core', megatron.core.__version__)" \
+    2>&1 | tee "$LOG" || exit 1
+timeout 90 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | tail -n 30 | tee -a "$LOG" || status=1
 timeout 120 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 4096,128 2>&1 \
-    | grep -v -i warn | tee "$LOGS/mcore_dispatchers.log" || status=1
+    | grep -v -i warn | tee -a "$LOG" || status=1
 rm -rf /tmp/megatron_dsv3_ep2  # a fresh run, not a resume of an earlier one on a warm machine
 timeout 150 python3 -m moe_ep_plugin.megatron.pretrain configs/megatron_dsv3_ep2.yaml --save-dir /tmp/megatron_dsv3_ep2 \
-    2>&1 | grep -v -i warn | tee "$LOGS/pretrain_ep2.log" || status=1
-cp /tmp/megatron_dsv3_ep2/metrics.jsonl "$LOGS/pretrain_ep2_metrics.jsonl" 2>/dev/null || status=1
+    2>&1 | grep -v -i warn | tee -a "$LOG" || status=1
 exit $status

@@ -23,6 +23,7 @@ CONFIGS = [os.path.join(ROOT, "configs", name) for name in ("megatron_dsv3_cpu.y
 
 @pytest.fixture(autouse=True)
 def _restore_megatron():
+    ep_megatron.uninstall()  # reading a YAML elsewhere in this process installs the plugin
     yield
     ep_megatron.uninstall()
 

@@ -48,7 +48,8 @@ def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed:
                                          get_default_pg_collection(), options=PluginOptions(fp8_dispatch=fp8_dispatch))
     all_tokens = [0 if (case == "zero_rank" and r == 0) else 4 + 3 * r for r in range(world)]
     gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(world)]
-    inputs = [(torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g)) for n, g in zip(all_tokens, gens)]
+    inputs = [(torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g))
+              for n, g in zip(all_tokens, gens)]
     x_all = [x.view(-1, hidden) for x, _, _ in inputs]
     sent = [fp8.dequantize(*fp8.quantize(x), dtype) if fp8_dispatch else x for x in x_all]  # what the experts see
     x, probs, routing_map = (t.clone() for t in inputs[rank])

@@ -14,6 +14,13 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _restore_megatron():
+    yield
+    import moe_ep_plugin.megatron as ep_megatron
+    ep_megatron.uninstall()  # main() validates the YAML in this process, which installs the plugin
+
+
 def _losses(path: str) -> list[tuple[int, float]]:
     with open(path, encoding="utf-8") as f:
         return [(r["step"], r["loss"]) for r in map(json.loads, f)]

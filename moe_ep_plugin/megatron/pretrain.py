@@ -201,7 +201,7 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
         is_logger and train.save_dir) else None
     model.train()
     tokens_per_step = train.global_batch_size * train.seq_length
-    t_last, first_loss = time.perf_counter(), None
+    t_last, logged, first_loss = time.perf_counter(), start, None
     for step in range(start, train.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, train)
@@ -229,10 +229,10 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
         done = step + 1
         if is_logger and (done % train.log_interval == 0 or done == train.steps or done == start + 1):
             now = time.perf_counter()
-            steps_timed = train.log_interval if done % train.log_interval == 0 else 1
+            rate = tokens_per_step * (done - logged) / (now - t_last)
             print(f"step {done:5d}/{train.steps} | loss {step_loss:.4f} | lr {_lr(step, train):.2e} | grad norm "
-                  f"{float(grad_norm):.3f} | {tokens_per_step * steps_timed / (now - t_last):.0f} tok/s", flush=True)
-            t_last = now
+                  f"{float(grad_norm):.3f} | {rate:.0f} tok/s", flush=True)
+            t_last, logged = now, done
         if metrics is not None:
             metrics.write(json.dumps({"step": done, "loss": step_loss, "lr": _lr(step, train),
                                       "grad_norm": float(grad_norm)}) + "\n")
@@ -250,6 +250,8 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
         if is_logger:
             print(f"done: first loss {first_loss:.4f}, last loss {step_loss:.4f}, eval loss "
                   f"{float(eval_loss) / dp:.4f}", flush=True)
+    if is_logger and start >= train.steps:
+        print(f"nothing to train: the checkpoint is at step {start} of {train.steps}", flush=True)
     if metrics is not None:
         metrics.close()
     ps.destroy_model_parallel()

@@ -17,7 +17,7 @@ names it:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -88,7 +88,6 @@ class PretrainConfig:
     plugin: Optional[PluginOptions]
     train: TrainOptions
     data: DataOptions
-    source: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -235,5 +234,4 @@ def load_pretrain_config(source: Union[str, dict[str, Any]]) -> PretrainConfig:
         raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size={train.micro_batch_size}")
     transformer = build_transformer_config(_section(raw, "model"), parallel, plugin)
-    return PretrainConfig(parallel=parallel, transformer=transformer, gpt=gpt, plugin=plugin, train=train,
-                          data=data, source=raw)
+    return PretrainConfig(parallel=parallel, transformer=transformer, gpt=gpt, plugin=plugin, train=train, data=data)
