@@ -47,8 +47,9 @@ __device__ __forceinline__ int4 load16B(const int4* p) {
 // row tails cost one memory latency per batch, not per vector): copies are latency-bound, not issue-bound.
 // kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
 constexpr int kCopyBatch = 16;
+// dst2 (may be null): a second destination written from the same loads.
 template <bool kPeerWritten>
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+__device__ __forceinline__ void warp_copy(int4* dst, int4* dst2, const int4* src, int n, int lane) {
 #pragma unroll 1
     for (int base = lane; base < n; base += 32 * kCopyBatch) {
         int4 v[kCopyBatch];
@@ -58,6 +59,11 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u)
             if (base + 32 * u < n) dst[base + 32 * u] = v[u];
+        if (dst2 != nullptr) {
+#pragma unroll
+            for (int u = 0; u < kCopyBatch; ++u)
+                if (base + 32 * u < n) dst2[base + 32 * u] = v[u];
+        }
     }
 }
 
@@ -125,16 +131,18 @@ __device__ __forceinline__ WarpTma make_warp_tma(char* smem, int hist_bytes, int
     return w;
 }
 
-// Copies `rows` rows of row_bytes: row i from src_of(i) to dst_of(i). With stages, lane 0 streams the rows in
-// stage-sized pieces (bulk load into a stage, bulk store out of it, kTmaStages loads in flight) and waits until
-// every store is written, so a flag published afterwards covers them; without, all lanes copy via registers.
-// kPeerWritten: the source was written by another GPU and acquired through a flag.
-template <bool kPeerWritten, typename SrcF, typename DstF>
-__device__ __forceinline__ void copy_rows(WarpTma& w, int rows, int row_bytes, SrcF src_of, DstF dst_of, int lane) {
+// Copies `rows` rows of row_bytes: row i from src_of(i) to dst_of(i), and also to dst2_of(i) unless that is null.
+// With stages, lane 0 streams the rows in stage-sized pieces (bulk load into a stage, bulk stores out of it,
+// kTmaStages loads in flight) and waits until every store is written, so a flag published afterwards covers
+// them; without, all lanes copy via registers. kPeerWritten: the source was written by another GPU and acquired
+// through a flag.
+template <bool kPeerWritten, typename SrcF, typename DstF, typename Dst2F>
+__device__ __forceinline__ void copy_rows(WarpTma& w, int rows, int row_bytes, SrcF src_of, DstF dst_of, Dst2F dst2_of,
+                                          int lane) {
     if (w.stage_bytes == 0) {
         for (int i = 0; i < rows; ++i)
-            warp_copy<kPeerWritten>(reinterpret_cast<int4*>(dst_of(i)), reinterpret_cast<const int4*>(src_of(i)),
-                                    row_bytes / 16, lane);
+            warp_copy<kPeerWritten>(reinterpret_cast<int4*>(dst_of(i)), reinterpret_cast<int4*>(dst2_of(i)),
+                                    reinterpret_cast<const int4*>(src_of(i)), row_bytes / 16, lane);
         return;
     }
     if (lane == 0) {
@@ -161,6 +169,7 @@ __device__ __forceinline__ void copy_rows(WarpTma& w, int rows, int row_bytes, S
             int r, off;
             const uint32_t bytes = piece(j, r, off);
             tma_store(static_cast<char*>(dst_of(r)) + off, w.stages + st * w.stage_bytes, bytes);
+            if (char* dst2 = dst2_of(r)) tma_store(dst2 + off, w.stages + st * w.stage_bytes, bytes);
             if (j + kTmaStages < total) {
                 tma_wait_stage_read();
                 issue(j + kTmaStages);
@@ -219,10 +228,11 @@ __device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float 
 // scale = amax / 448, q = fp8(x * (448 / amax)) with IEEE fp32 divisions; with round_scale
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
 // Each lane handles 16 channels of a 512-channel group (8 lanes = one 128-channel block); the loads of
-// kGroups groups are issued together. Any of q_out / s_out / deq_out (dequantized, type T) may be null.
+// kGroups groups are issued together. Any of the outputs (q_out/s_out, a second copy q_out2/s_out2, deq_out: the
+// dequantized row in type T) may be null.
 template <typename T>
-__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_out, float* s_out, T* deq_out,
-                                             bool round_scale, int lane) {
+__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_out, float* s_out, uint8_t* q_out2,
+                                             float* s_out2, T* deq_out, bool round_scale, int lane) {
     constexpr int kVecs = In16<T>::kVecs;
     constexpr int kGroups = 8 / kVecs;  // 8 vectors in flight per lane (more spills registers)
 #pragma unroll 1
@@ -271,6 +281,8 @@ __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_
             const int4 q = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
             if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
             if (s_out != nullptr && (lane & 7) == 0) s_out[c0 / 128] = scale;
+            if (q_out2 != nullptr) *reinterpret_cast<int4*>(q_out2 + c0) = q;
+            if (s_out2 != nullptr && (lane & 7) == 0) s_out2[c0 / 128] = scale;
             if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
         }
     }
@@ -460,28 +472,56 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
-    // Rows i < rows of x (token tok_of(i)) transformed for the wire or for the output: a plain copy (bulk, through
-    // shared memory), or FP8 quantization (with its dequantization when BF16/FP32 rows are wanted back).
-    auto write_rows = [&](int rows, auto tok_of, auto dst_of, auto scales_of, bool to_output) {
+    // Rows i < rows of x (token tok_of(i)), read (and quantized) once: to the peer's staging slot slot_of(i) when
+    // to_wire, and to this rank's output row out_row_of(i) when that is >= 0. A plain copy goes in bulk through
+    // shared memory; FP8 rows come from the quantizer, dequantized again for outputs that want BF16/FP32.
+    auto null_of = [](int) -> char* { return nullptr; };
+    auto write_rows = [&](int rows, auto tok_of, bool to_wire, auto slot_of, auto out_row_of) {
+        auto src_of = [&](int i) { return x + int64_t(tok_of(i)) * in_row_bytes; };
+        auto out_of = [&](int i) -> char* {
+            const int64_t r = out_row_of(i);
+            return r < 0 ? nullptr : recv_x + r * out_row_bytes;
+        };
         if constexpr (kQuant == 0) {
-            if (to_output && dequant) {
-                for (int i = 0; i < rows; ++i)
-                    dequant_row<false>(reinterpret_cast<const uint8_t*>(x + tok_of(i) * in_row_bytes),
-                                       p.x_scales + int64_t(tok_of(i)) * S, reinterpret_cast<OutT*>(dst_of(i)), H, lane);
-                return;
+            if (to_wire) {
+                copy_rows<false>(tma, rows, sl.payload_bytes, src_of, slot_of,
+                                 [&](int i) -> char* { return dequant ? nullptr : out_of(i); }, lane);
+            } else if (!dequant) {
+                copy_rows<false>(tma, rows, sl.payload_bytes, src_of, out_of, null_of, lane);
             }
-            copy_rows<false>(tma, rows, sl.payload_bytes, [&](int i) { return x + tok_of(i) * in_row_bytes; }, dst_of, lane);
-            if (p.fp8_in)
-                for (int i = 0; i < rows; ++i) warp_copy_floats<false>(scales_of(i), p.x_scales + int64_t(tok_of(i)) * S, S, lane);
-        } else {
-            const bool deq = to_output && dequant;
+            if (!p.fp8_in) return;
             for (int i = 0; i < rows; ++i) {
-                char* dst = dst_of(i);
-                quantize_row<T>(reinterpret_cast<const T*>(x + tok_of(i) * in_row_bytes), H,
-                                deq ? nullptr : reinterpret_cast<uint8_t*>(dst), deq ? nullptr : scales_of(i),
-                                deq ? reinterpret_cast<T*>(dst) : nullptr, p.round_scale != 0, lane);
+                const float* xs = p.x_scales + int64_t(tok_of(i)) * S;
+                if (to_wire) warp_copy_floats<false>(reinterpret_cast<float*>(slot_of(i) + sl.scales_off), xs, S, lane);
+                const int64_t r = out_row_of(i);
+                if (r < 0) continue;
+                if (dequant) {
+                    dequant_row<false>(reinterpret_cast<const uint8_t*>(src_of(i)), xs,
+                                       reinterpret_cast<OutT*>(recv_x + r * out_row_bytes), H, lane);
+                } else {
+                    warp_copy_floats<false>(p.recv_scales + r * S, xs, S, lane);
+                }
+            }
+        } else {
+            for (int i = 0; i < rows; ++i) {
+                char* slot = to_wire ? slot_of(i) : nullptr;
+                const int64_t r = out_row_of(i);
+                char* out = r < 0 ? nullptr : recv_x + r * out_row_bytes;
+                const bool out_q = out != nullptr && !dequant;
+                quantize_row<T>(reinterpret_cast<const T*>(src_of(i)), H, reinterpret_cast<uint8_t*>(slot),
+                                slot ? reinterpret_cast<float*>(slot + sl.scales_off) : nullptr,
+                                out_q ? reinterpret_cast<uint8_t*>(out) : nullptr, out_q ? p.recv_scales + r * S : nullptr,
+                                out != nullptr && dequant ? reinterpret_cast<T*>(out) : nullptr, p.round_scale != 0, lane);
             }
         }
+    };
+    // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the
+    // order me+1, me+2, ...: that sender also writes this rank's own output row; the receivers write the rest.
+    const int64_t self_base = offset_from(rpm, R, me, me);
+    auto first_peer = [&](int t) {
+        for (int k = 1; k < R; ++k)
+            if (__ldg(p.send_pos + int64_t(t) * R + (me + k) % R) >= 0) return (me + k) % R;
+        return -1;
     };
 
     if (role.send) {
@@ -512,8 +552,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 });
             if (lane < rows) *reinterpret_cast<int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off) = tok;
             const int32_t* list = p.send_list + int64_t(d) * p.list_stride + begin;
-            write_rows(rows, [&](int i) { return __ldg(list + i); }, [&](int i) { return first + int64_t(i) * sl.slot_bytes; },
-                       [&](int i) { return reinterpret_cast<float*>(first + int64_t(i) * sl.slot_bytes + sl.scales_off); }, false);
+            auto tok_of = [&](int i) { return __ldg(list + i); };
+            write_rows(rows, tok_of, true, [&](int i) { return first + int64_t(i) * sl.slot_bytes; }, [&](int i) -> int64_t {
+                const int t = tok_of(i);
+                const int pos = __ldg(p.send_pos + int64_t(t) * R + me);
+                return (fits && pos >= 0 && first_peer(t) == d) ? self_base + pos : -1;
+            });
             publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
@@ -544,8 +588,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     });
                 if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
                 const int32_t* list = p.send_list + int64_t(me) * p.list_stride + begin;
-                write_rows(rows, [&](int i) { return __ldg(list + i); }, [&](int i) { return recv_x + (out_first + i) * out_row_bytes; },
-                           [&](int i) { return p.recv_scales + (out_first + i) * S; }, true);
+                auto tok_of = [&](int i) { return __ldg(list + i); };
+                write_rows(rows, tok_of, false, null_of,
+                           [&](int i) -> int64_t { return first_peer(tok_of(i)) < 0 ? out_first + i : -1; });
                 continue;
             }
             int ok = 1;
@@ -570,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 continue;
             }
             copy_rows<true>(tma, rows, sl.payload_bytes, [&](int i) { return first + int64_t(i) * sl.slot_bytes; },
-                            [&](int i) { return recv_x + (out_first + i) * out_row_bytes; }, lane);
+                            [&](int i) { return recv_x + (out_first + i) * out_row_bytes; }, null_of, lane);
             if (wire_fp8)
                 for (int i = 0; i < rows; ++i)
                     warp_copy_floats<true>(p.recv_scales + (out_first + i) * S,
@@ -675,7 +720,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             const int64_t base = offset_from(rpm, R, d, me);
             char* dst_region = region(c, d, me);
             copy_rows<false>(tma, end - begin, int(row_bytes), [&](int i) { return x + (base + begin + i) * row_bytes; },
-                             [&](int i) { return dst_region + int64_t(begin + i) * slot_bytes; }, lane);
+                             [&](int i) { return dst_region + int64_t(begin + i) * slot_bytes; },
+                             [](int) -> char* { return nullptr; }, lane);
             if (p.topk_weights != nullptr)
                 for (int e = lane; e < (end - begin) * K; e += 32) {
                     const int i = e / K, k = e - i * K;

@@ -46,6 +46,7 @@ typedef struct {
     int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) ... */
     int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
     int64_t use_tma;         /* row copies by bulk async copies through shared memory (else through registers) */
+    const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are

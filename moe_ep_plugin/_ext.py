@@ -32,7 +32,7 @@ class DispatchParams(ctypes.Structure):
         "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
-            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks", "use_tma")]
+            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks", "use_tma")] + [("send_pos", _p)]
 
 
 class CombineParams(ctypes.Structure):

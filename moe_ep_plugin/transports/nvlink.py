@@ -223,9 +223,10 @@ class NVLinkTransport(Transport):
             rpm = handle.rank_prefix_matrix.to(device=self.device, dtype=torch.int32).contiguous()
             if isinstance(handle.transport_state, _NVLinkState):
                 send_list = handle.transport_state.send_list
+                send_pos = handle.send_pos
                 _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
             else:
-                _, send_list = self._notify(None, handle.is_token_in_rank.contiguous(), None)
+                send_pos, send_list = self._notify(None, handle.is_token_in_rank.contiguous(), None)
             rows = handle.num_recv_rows
 
         if dequant:  # back to the input's dtype (BF16 for FP8 input)
@@ -251,7 +252,8 @@ class NVLinkTransport(Transport):
             x_elem_bytes=x.element_size(), num_topk=k, num_local_experts=num_local, list_stride=send_list.shape[1],
             num_recv_rows=rows, wire_fp8=int(args.wire_fp8), fp8_in=int(fp8_in), recv_bf16=int(dequant),
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self.dispatch_send_warps, num_send_blocks=self.dispatch_send_blocks, use_tma=int(self.use_tma))
+            num_send_warps=self.dispatch_send_warps, num_send_blocks=self.dispatch_send_blocks, use_tma=int(self.use_tma),
+            send_pos=_ptr(send_pos))
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
