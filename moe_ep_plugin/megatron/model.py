@@ -38,6 +38,10 @@ def build_gpt_model(cfg: PretrainConfig, device: torch.device) -> GPTModel:
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=cfg.gpt.share_embeddings_and_output_weights,
             position_embedding_type=cfg.gpt.position_embedding_type, rotary_base=cfg.gpt.rotary_base)
+    with torch.no_grad():  # local norms keep fp32 weights; give every parameter the model dtype (buffers such
+        for param in model.parameters():  # as the fp32 expert bias and token counts stay as they are)
+            if param.is_floating_point() and param.dtype != config.params_dtype:
+                param.data = param.data.to(config.params_dtype)
     return model.to(device)
 
 
