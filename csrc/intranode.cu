@@ -131,7 +131,8 @@ __device__ __forceinline__ WarpTma make_warp_tma(char* smem, int hist_bytes, int
     return w;
 }
 
-// Copies `rows` rows of row_bytes: row i from src_of(i) to dst_of(i), and also to dst2_of(i) unless that is null.
+// Copies `rows` (<= 32) rows of row_bytes: row i from src_of(i) to dst_of(i) (skipped when null), and also to
+// dst2_of(i) unless that is null.
 // With stages, lane 0 streams the rows in stage-sized pieces (bulk load into a stage, bulk stores out of it,
 // kTmaStages loads in flight) and waits until every store is written, so a flag published afterwards covers
 // them; without, all lanes copy via registers. kPeerWritten: the source was written by another GPU and acquired
@@ -141,17 +142,24 @@ __device__ __forceinline__ void copy_rows(WarpTma& w, int rows, int row_bytes, S
                                           int lane) {
     if (w.stage_bytes == 0) {
         for (int i = 0; i < rows; ++i)
-            warp_copy<kPeerWritten>(reinterpret_cast<int4*>(dst_of(i)), reinterpret_cast<int4*>(dst2_of(i)),
-                                    reinterpret_cast<const int4*>(src_of(i)), row_bytes / 16, lane);
+            if (char* dst = dst_of(i))
+                warp_copy<kPeerWritten>(reinterpret_cast<int4*>(dst), reinterpret_cast<int4*>(dst2_of(i)),
+                                        reinterpret_cast<const int4*>(src_of(i)), row_bytes / 16, lane);
         return;
     }
     if (lane == 0) {
         if (kPeerWritten) fence_proxy_async();
+        uint32_t active = 0;
+        for (int i = 0; i < rows; ++i)
+            if (dst_of(i) != nullptr) active |= 1u << i;
         const int per_row = (row_bytes + w.stage_bytes - 1) / w.stage_bytes;
-        const int total = rows * per_row;
+        const int total = __popc(active) * per_row;
         auto piece = [&](int j, int& r, int& off) {
-            r = j / per_row;
-            off = (j - r * per_row) * w.stage_bytes;
+            const int k = j / per_row;  // the k-th active row
+            uint32_t m = active;
+            for (int q = 0; q < k; ++q) m &= m - 1;
+            r = __ffs(int(m)) - 1;
+            off = (j - k * per_row) * w.stage_bytes;
             return uint32_t(min(w.stage_bytes, row_bytes - off));
         };
         auto issue = [&](int j) {
@@ -507,6 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 char* slot = to_wire ? slot_of(i) : nullptr;
                 const int64_t r = out_row_of(i);
                 char* out = r < 0 ? nullptr : recv_x + r * out_row_bytes;
+                if (slot == nullptr && out == nullptr) continue;
                 const bool out_q = out != nullptr && !dequant;
                 quantize_row<T>(reinterpret_cast<const T*>(src_of(i)), H, reinterpret_cast<uint8_t*>(slot),
                                 slot ? reinterpret_cast<float*>(slot + sl.scales_off) : nullptr,
