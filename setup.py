@@ -32,7 +32,7 @@ setup(
     version="0.1.0",
     description="Expert-parallel dispatch/combine for MoE training (DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
     packages=find_packages(include=["moe_ep_plugin", "moe_ep_plugin.*"]),
-    package_data={"moe_ep_plugin": ["lib/*.so", "data/*", "configs/*.yaml"]},
+    package_data={"moe_ep_plugin": ["lib/*.so", "data/*"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "pyyaml", "tqdm"],
     extras_require={
