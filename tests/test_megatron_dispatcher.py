@@ -1,7 +1,8 @@
 """``EPPluginTokenDispatcher``'s six methods driven directly (as Megatron's own dispatcher tests do), on gloo.
 
 Covers what Megatron's ``MoELayer`` cannot reach on CPU: a rank with zero tokens, routing maps with fewer
-than top-k experts (-1 slots), every token on one expert, and FP8 dispatch (BF16 in, FP8 on the wire, BF16 out).
+than top-k experts (-1 slots), every token on one expert, FP8 dispatch (BF16 in, FP8 on the wire, BF16 out),
+and per-expert padding to the FP8 GEMM alignment.
 The expert-major layout is checked row by row against a plain loop over every rank's tokens; with identity
 experts the output is ``sum_k p_k x`` (``x`` FP8-rounded when dispatched in FP8) and the gradients are exact.
 """
@@ -34,7 +35,7 @@ def _routing(case: str, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor
     return probs, routing_map
 
 
-def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed: int) -> None:
+def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed: int, alignment: int = 1) -> None:
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -46,6 +47,8 @@ def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed:
                                moe_token_dispatcher_type="ep_plugin")
     dispatcher = EPPluginTokenDispatcher(num_local, list(range(rank * num_local, (rank + 1) * num_local)), config,
                                          get_default_pg_collection(), options=PluginOptions(fp8_dispatch=fp8_dispatch))
+    # What moe_router_padding_for_quantization sets (its config needs TransformerEngine for FP8).
+    dispatcher.alignment = alignment
     all_tokens = [0 if (case == "zero_rank" and r == 0) else 4 + 3 * r for r in range(world)]
     gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(world)]
     inputs = [(torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g))
@@ -71,7 +74,10 @@ def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed:
                     expected_rows.append(sent[src][t])
                     expected_probs.append(inputs[src][1][t, e])
                     count += 1
-        expected_counts.append(count)
+        padding = -count % alignment  # zero rows with zero probs complete each expert's block
+        expected_rows += [torch.zeros(hidden, dtype=dtype)] * padding
+        expected_probs += [torch.zeros(())] * padding
+        expected_counts.append(count + padding)
     assert tokens_per_expert.tolist() == expected_counts and tokens_per_expert.dtype == torch.int64
     assert permuted.dtype == dtype
     if expected_rows:
@@ -112,6 +118,7 @@ def _suite(seed: int) -> None:
             _check(case, 32, torch.float32, False, seed + i)
         _check("random", 256, torch.bfloat16, True, seed + 7)
         _check("dropped", 128, torch.bfloat16, False, seed + 8)
+        _check("random", 32, torch.float32, False, seed + 9, alignment=16)
     finally:
         ps.destroy_model_parallel()
 
