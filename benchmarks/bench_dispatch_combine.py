@@ -172,15 +172,17 @@ def _worker(args) -> None:
         sms = int(sms)
         Buffer.set_num_sms(sms)
         blocks = int(split[1:]) if split.startswith("b") else 0
-        warps = defaults.dispatch_send_warps if blocks else int(split)
-        transport.dispatch_send_warps = transport.combine_send_warps = warps
+        if not blocks:
+            transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = int(split)
+            transport.combine_send_warps = int(split)
         transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
-        transport.use_tma = copies != "r"
+        transport.use_tma = {"r": False, "t": True}.get(copies, defaults.use_tma)
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        what = (f"{blocks} send blocks" if blocks else f"{warps} send warps") + (", reg copies" if copies == "r" else "")
+        what = (f"{blocks} send blocks" if blocks else f"{split} send warps") + (", TMA" if transport.use_tma else "")
         _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
-    for name in ("dispatch_send_warps", "combine_send_warps", "dispatch_send_blocks", "combine_send_blocks", "use_tma"):
-        setattr(transport, name, getattr(defaults, name))
+        for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "combine_send_warps",
+                     "dispatch_send_blocks", "combine_send_blocks", "use_tma"):
+            setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
     for n in args.sweep:
@@ -214,9 +216,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
     p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":") + [""])[:3] for v in s.split(",") if v],
-                   default="24:6:r,24:8:r,24:10:r,24:b8:r,24:b12:r,24:8,24:10,24:b8,24:b12,24:b14",
-                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send), with :r for "
-                        "copies through registers instead of TMA, to time the kernels with on the standard shape")
+                   default="24:6,24:8,24:b8,24:8:t,24:b8:t,16:6,32:8",
+                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send), with :t / :r "
+                        "for TMA / register copies, to time the kernels with on the standard shape")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

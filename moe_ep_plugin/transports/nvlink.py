@@ -65,15 +65,19 @@ class NVLinkTransport(Transport):
     """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
-    when ``*_send_blocks`` > 0, that many whole blocks send and the other blocks receive; tuned on 2 x H200.
+    when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
+    quantizes in the send path moves work to the senders, so it has its own warp count. ``use_tma``: row copies as
+    bulk asynchronous copies through shared memory instead of through registers. Defaults: the fastest settings
+    measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md).
     """
 
     name = "nvlink"
     dispatch_send_warps = 6
-    combine_send_warps = 6
+    quantizing_dispatch_send_warps = 8
     dispatch_send_blocks = 0
-    combine_send_blocks = 0
-    use_tma = True  # row copies as bulk async copies through shared memory (TMA) rather than through registers
+    combine_send_warps = 6
+    combine_send_blocks = 8
+    use_tma = False
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -148,6 +152,10 @@ class NVLinkTransport(Transport):
 
     def _num_sms(self, config: Config) -> int:
         return min(config.num_sms, self._device_sms)
+
+    def _send_blocks(self, blocks: int, config: Config) -> int:
+        """Whole sender blocks when the grid has room for receivers too, else 0 (warp roles)."""
+        return blocks if 0 < blocks < self._num_sms(config) else 0
 
     def _check_capacity(self, rows: int, slot_bytes: int, what: str) -> None:
         capacity = min(self.region_bytes // slot_bytes, _MAX_REGION_ROWS)
@@ -252,7 +260,8 @@ class NVLinkTransport(Transport):
             x_elem_bytes=x.element_size(), num_topk=k, num_local_experts=num_local, list_stride=send_list.shape[1],
             num_recv_rows=rows, wire_fp8=int(args.wire_fp8), fp8_in=int(fp8_in), recv_bf16=int(dequant),
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self.dispatch_send_warps, num_send_blocks=self.dispatch_send_blocks, use_tma=int(self.use_tma),
+            num_send_warps=self.quantizing_dispatch_send_warps if args.wire_fp8 else self.dispatch_send_warps,
+            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config), use_tma=int(self.use_tma),
             send_pos=_ptr(send_pos))
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
         if args.handle is None or has_topk:
@@ -280,7 +289,8 @@ class NVLinkTransport(Transport):
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
             out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps, num_send_blocks=self.combine_send_blocks, use_tma=int(self.use_tma))
+            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config),
+            use_tma=int(self.use_tma))
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights

@@ -219,19 +219,23 @@ def _suite() -> None:
     for case in CASES:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # the other kernel variants: copies through registers, whole sender blocks, 2 SMs with one sending warp each
+    # the other kernel variants: the other copy path (TMA / registers), whole sender blocks in dispatch, warp roles
+    # in combine, and 2 SMs with one sending warp each
     transport, defaults = nv.transport, type(nv.transport)
-    transport.use_tma = False
+    transport.use_tma = not defaults.use_tma
     for mode in (MODES[0], MODES[3], MODES[6]):
         _check_case(nv, ref, CASES[0], mode)
     transport.use_tma = defaults.use_tma
-    transport.dispatch_send_blocks = transport.combine_send_blocks = 8
+    transport.dispatch_send_blocks, transport.combine_send_blocks = 8, 0
     _check_case(nv, ref, CASES[2], MODES[0])
-    transport.dispatch_send_blocks = transport.combine_send_blocks = 0
-    transport.dispatch_send_warps = transport.combine_send_warps = 1
+    _check_case(nv, ref, CASES[2], MODES[2])
+    transport.dispatch_send_blocks = 0
+    transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = transport.combine_send_warps = 1
     Buffer.set_num_sms(2)
     _check_case(nv, ref, CASES[0], MODES[2])
-    transport.dispatch_send_warps, transport.combine_send_warps = defaults.dispatch_send_warps, defaults.combine_send_warps
+    for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
+                 "combine_send_blocks"):
+        setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv)
     torch.cuda.synchronize()
