@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 
 import pytest
@@ -34,6 +35,17 @@ def ds_init() -> None:
     """
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def ds_finish(*engines) -> None:
+    """Free engines and the plugin's buffers while the process group is alive (a C++ thread outliving it can
+    abort the process at exit: 'terminate called without an active exception')."""
+    from moe_ep_plugin.deepspeed import destroy_buffers
+    for engine in engines:
+        engine.destroy()
+    destroy_buffers()
+    gc.collect()
+    dist.barrier()
 
 
 class Expert(torch.nn.Module):
@@ -138,6 +150,7 @@ def _worker_matches_stock(cases: list[dict]) -> None:
                 assert_same(expected, run_step(plugin, x, grad_out, 7 + step, used), f"rank {rank} {case} step {step}")
             assert rows["received"] == rows["expected"], f"rank {rank} {case}: {rows}"
             assert_same(expected, run_step(converted, x, grad_out, 7 + step, used), f"rank {rank} {case} converted")
+    ds_finish()
 
 
 DROPLESS_CASES = [
@@ -294,6 +307,7 @@ def _worker_edge_cases() -> None:
     assert update_expert_biases(moe) == 1
     bias = moe.deepspeed_moe.gate.expert_bias
     assert torch.equal(bias, 0.01 * torch.sign(total.mean() - total))
+    ds_finish()
 
 
 def test_edge_cases_against_loop_reference():

@@ -28,7 +28,7 @@ def _worker_training(ckpt_dir: str) -> None:
 
     from moe_ep_plugin.deepspeed import PluginMOELayer
     from moe_ep_plugin.deepspeed.train import build_engine, train_steps
-    from test_deepspeed_moe import ds_init
+    from test_deepspeed_moe import ds_finish, ds_init
     ds_init()
     for stage in (2, 1):
         cfg = parse_config({**SMALL, "deepspeed": {"zero_optimization": {"stage": stage}}}, dist.get_world_size())
@@ -69,6 +69,7 @@ def _worker_training(ckpt_dir: str) -> None:
     other.load_checkpoint(ckpt_dir, tag="stock")
     torch.manual_seed(5)
     assert train_steps(other, cfg, 6, 2).losses == pytest.approx(stock_after, rel=1e-5, abs=0)
+    ds_finish(engine, stock_engine, other)
 
 
 def test_zero1_zero2_training_matches_stock_and_checkpoints(tmp_path):
@@ -143,3 +144,5 @@ def test_layer_needs_its_expert_group():
         MoE(8, _expert(), num_experts=2)(torch.randn(3, 8))
     with pytest.raises(TypeError, match="^hidden_states: the plugin dispatches BF16 or FP32"):
         MoE(8, _expert(), num_experts=2)(torch.randn(3, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="^hidden_states: fp8_dispatch quantizes BF16 activations"):
+        MoE(128, torch.nn.Linear(128, 128), num_experts=2, fp8_dispatch=True)(torch.randn(3, 128))

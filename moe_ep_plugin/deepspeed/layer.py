@@ -89,9 +89,13 @@ class PluginMOELayer(MOELayer):
         return plugin
 
     def _time(self, name: str, start: bool) -> None:
-        if self.wall_clock_breakdown:
-            timer = self.timers(name)
-            timer.start() if start else timer.stop()
+        """DeepSpeed's per-layer timers, when the engine turned on ``wall_clock_breakdown``."""
+        if not self.wall_clock_breakdown:
+            return
+        if start:
+            self.timers(name).start()
+        else:
+            self.timers(name).stop()
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states [..., H]`` (BF16/FP32) → same shape; ``used_token`` as DeepSpeed's (k=1 only)."""
@@ -99,6 +103,8 @@ class PluginMOELayer(MOELayer):
             raise TypeError(f"hidden_states: expected a tensor, got {type(hidden_states).__name__}")
         if hidden_states.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"hidden_states: the plugin dispatches BF16 or FP32, got {hidden_states.dtype}")
+        if self.options.fp8_dispatch and hidden_states.dtype != torch.bfloat16:
+            raise TypeError(f"hidden_states: fp8_dispatch quantizes BF16 activations, got {hidden_states.dtype}")
         if self.ep_group is None:
             raise ValueError("ep_group: not set; run deepspeed.initialize (or MoE.set_deepspeed_parallelism) first")
         tp = bwc_tensor_model_parallel_world_size(groups.mpu)

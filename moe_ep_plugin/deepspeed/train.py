@@ -195,6 +195,7 @@ def train(cfg: RunConfig) -> TrainResult:
                         "+".join(buffer_transports()) + (" fp8" if cfg.moe.fp8_dispatch else ""))
     if cfg.train.checkpoint_dir:
         engine.save_checkpoint(cfg.train.checkpoint_dir)
+    engine.destroy()  # release the optimizer's state before the next engine or the end of the process group
     return result
 
 
