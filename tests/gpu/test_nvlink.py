@@ -243,6 +243,22 @@ def _suite() -> None:
     nv.destroy()
 
 
+def _single_rank() -> None:
+    """EP1: no peers, every row stays local."""
+    nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=20.0)
+    ref = Buffer(dist.group.WORLD, transport="torch", timeout_s=20.0)
+    Buffer.set_num_sms(24)
+    for case in (CASES[0], CASES[4]):
+        for mode in (MODES[0], MODES[3], MODES[6]):
+            _check_case(nv, ref, case, mode)
+    torch.cuda.synchronize()
+    nv.destroy()
+
+
+def _single_rank_entry() -> None:
+    _fail_fast(_single_rank)
+
+
 def _absent_peer(timeout_s: float) -> None:
     """Rank 1 never dispatches: rank 0 must raise TimeoutError naming rank 1 within a few timeouts."""
     nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=timeout_s)
@@ -262,6 +278,10 @@ def _absent_peer(timeout_s: float) -> None:
 
 def test_nvlink_matches_torch_transport() -> None:
     spawn(_suite_entry, min(_GPUS, 8), backend="nccl", timeout_s=60.0)
+
+
+def test_nvlink_single_rank_matches_torch_transport() -> None:
+    spawn(_single_rank_entry, 1, backend="nccl", timeout_s=60.0)
 
 
 def test_nvlink_peer_that_never_arrives_raises() -> None:
