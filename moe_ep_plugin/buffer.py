@@ -223,9 +223,10 @@ class Buffer:
             if num_experts is None:
                 raise ValueError("num_experts: pass num_experts or num_tokens_per_expert so expert ids can be localised")
             self._check_num_experts(num_experts)
-            _check_expert_range(topk_idx, num_experts)
             if (num_tokens_per_rank is None) != (is_token_in_rank is None):
                 raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
+            # Expert ids are range-checked once, in get_dispatch_layout (here or by the caller who made the
+            # layout): each check costs a host sync, and out-of-range ids can only crash the layout step.
             if num_tokens_per_rank is None:
                 num_tokens_per_rank, _, _, is_token_in_rank, _ = self.get_dispatch_layout(topk_idx, num_experts)
             num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),

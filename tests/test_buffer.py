@@ -158,6 +158,7 @@ def _errors() -> None:
         (lambda: buffer.get_dispatch_layout(idx.float(), world), TypeError, "topk_idx"),
         (lambda: buffer.get_dispatch_layout(idx, world + 1), ValueError, "num_experts") if world > 1 else None,
         (lambda: buffer.get_dispatch_layout(idx + 2 * world, 2 * world), ValueError, "topk_idx"),
+        (lambda: buffer.dispatch(x, topk_idx=idx - 2, num_experts=2 * world), ValueError, "topk_idx"),
         (lambda: buffer.dispatch(x.half(), topk_idx=idx, num_experts=world), TypeError, "x"),
         (lambda: buffer.dispatch(x[0], topk_idx=idx, num_experts=world), ValueError, "x"),
         (lambda: buffer.dispatch(x, topk_idx=idx[:3], num_experts=world), ValueError, "topk_idx"),
