@@ -33,8 +33,9 @@ def cli() -> None:
                         help="train with stock DeepSpeed MoE, then with the plugin, and print a step-time table")
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     args = parser.parse_args()
-    cfg = load_config(args.config, tuple(args.overrides))  # fail on a bad config before starting any rank
-    nprocs = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else cfg.train.nprocs
+    world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else None
+    cfg = load_config(args.config, tuple(args.overrides), world)  # a bad config fails before any rank starts
+    nprocs = world if world is not None else cfg.train.nprocs
     launch.launch(_rank_main, nprocs, (args.config, tuple(args.overrides), args.compare), timeout_s=600)
 
 

@@ -92,6 +92,7 @@ def test_zero1_zero2_training_matches_stock_and_checkpoints(tmp_path):
     ({"deepspeed": {"bf16": {"enabled": True}}}, "deepspeed.bf16: set by the example from train.dtype"),
     ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed.zero_optimization.stage"),
     ({"train": {"dtype": "float16"}}, "train.dtype"),
+    ({"train": {"dtype": "float32"}, "moe": {"fp8_dispatch": True}}, "train.dtype: moe.fp8_dispatch"),
 ])
 def test_config_rejects_impossible_settings(data, key):
     with pytest.raises(ValueError) as info:

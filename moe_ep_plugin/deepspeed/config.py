@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import yaml
 
 from .. import fp8
@@ -77,6 +78,12 @@ class TrainConfig:
     warmup_steps: int = 5              # steps left out of the step-time median
     nprocs: int = 2                    # ranks to spawn when not started by torchrun
     checkpoint_dir: Optional[str] = None  # save a DeepSpeed checkpoint here at the end
+
+    def torch_dtype(self) -> torch.dtype:
+        """The activation dtype: ``auto`` is BF16 when CUDA is available, else FP32."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return getattr(torch, self.dtype)
 
 
 @dataclass
@@ -162,6 +169,9 @@ def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
         raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
     if cfg.train.dtype not in DTYPES:
         raise ValueError(f"train.dtype: expected one of {DTYPES}, got {cfg.train.dtype!r}")
+    if m.fp8_dispatch and cfg.train.torch_dtype() != torch.bfloat16:
+        raise ValueError(f"train.dtype: moe.fp8_dispatch quantizes BF16 activations; '{cfg.train.dtype}' gives "
+                         f"{cfg.train.torch_dtype()} here (use bfloat16)")
     if not isinstance(cfg.deepspeed, dict):
         raise ValueError(f"deepspeed: expected a mapping (DeepSpeed's JSON config), got {type(cfg.deepspeed).__name__}")
     for key, owner in _OWNED_DS_KEYS.items():

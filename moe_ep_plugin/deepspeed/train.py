@@ -97,18 +97,12 @@ def _init_experts(model: torch.nn.Module, cfg: RunConfig) -> None:
                     p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
 
 
-def resolve_dtype(cfg: RunConfig) -> torch.dtype:
-    if cfg.train.dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, cfg.train.dtype)
-
-
 def deepspeed_config(cfg: RunConfig) -> dict:
     """The user's ``deepspeed`` section plus what the ``train`` section decides."""
     ds = dict(cfg.deepspeed)
     ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
     ds["gradient_accumulation_steps"] = 1
-    ds["bf16"] = {"enabled": resolve_dtype(cfg) == torch.bfloat16}
+    ds["bf16"] = {"enabled": cfg.train.torch_dtype() == torch.bfloat16}
     ds.setdefault("zero_allow_untested_optimizer", True)  # ZeRO wrapping torch's AdamW
     return ds
 
@@ -216,7 +210,7 @@ def format_table(cfg: RunConfig, results: dict[str, TrainResult]) -> str:
     base = next(iter(results.values())).median_step_s(w)
     lines = [f"world {dist.get_world_size()}, EP {cfg.moe.ep_size}, E {cfg.moe.num_experts}, k {cfg.moe.k}, "
              f"H {cfg.model.hidden_size}, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
-             f"{resolve_dtype(cfg)}, median over steps {w}..{cfg.train.steps - 1}",
+             f"{cfg.train.torch_dtype()}, median over steps {w}..{cfg.train.steps - 1}",
              f"{'dispatcher':<12}{'transport':<20}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
              f"{'last loss':>11}"]
     for name, r in results.items():
