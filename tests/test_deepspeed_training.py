@@ -26,8 +26,8 @@ def _worker_training(ckpt_dir: str) -> None:
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.utils import groups
 
-    from moe_ep_plugin.deepspeed import PluginMOELayer
-    from moe_ep_plugin.deepspeed.train import build_engine, train_steps
+    from moe_ep_plugin.deepspeed import PluginMOELayer, convert_moe
+    from moe_ep_plugin.deepspeed.train import build_engine, build_model, initialize, train_steps
     from test_deepspeed_moe import ds_finish, ds_init
     ds_init()
     for stage in (2, 1):
@@ -40,6 +40,12 @@ def _worker_training(ckpt_dir: str) -> None:
         # same weights, data and gate noise: only fp32 summation order differs, compounded over the steps
         assert plugin == pytest.approx(stock, rel=2e-4, abs=0), f"ZeRO-{stage}: {plugin} vs {stock}"
         assert plugin[-1] < 0.8 * plugin[0], f"ZeRO-{stage}: loss did not fall: {plugin}"
+        if stage == 2:  # a stock model converted before deepspeed.initialize trains exactly like the plugin's
+            model = build_model(stock_cfg)
+            assert convert_moe(model) == ["blocks.0.moe", "blocks.1.moe"]
+            converted = initialize(model, cfg)
+            assert train_steps(converted, cfg, 0, 6).losses == plugin
+            ds_finish(converted)
 
     # DeepSpeed's MoE machinery sees the plugin layers as its own
     assert engine.has_moe_layers and engine.num_experts == [4, 4]

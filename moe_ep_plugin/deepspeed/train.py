@@ -107,16 +107,26 @@ def deepspeed_config(cfg: RunConfig) -> dict:
     return ds
 
 
-def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
-    """Model (seeded by ``train.seed``), AdamW over DeepSpeed's MoE param groups, ``deepspeed.initialize``."""
+def build_model(cfg: RunConfig) -> TinyMoELM:
+    """The model of ``cfg``, seeded by ``train.seed`` (the same weights for either dispatcher)."""
     torch.manual_seed(cfg.train.seed)
     model = TinyMoELM(cfg)
     _init_experts(model, cfg)
+    return model
+
+
+def initialize(model: torch.nn.Module, cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
+    """``deepspeed.initialize`` with AdamW over DeepSpeed's MoE parameter groups."""
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "parameters"})
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
     return engine
+
+
+def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
+    """:func:`build_model` + :func:`initialize`."""
+    return initialize(build_model(cfg), cfg)
 
 
 def batch(cfg: RunConfig, step: int, device: torch.device) -> torch.Tensor:
