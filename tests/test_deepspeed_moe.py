@@ -24,7 +24,7 @@ deepspeed = pytest.importorskip("deepspeed")
 from moe_ep_plugin import launch  # noqa: E402
 
 H = 16
-ATOL, RTOL = 1e-6, 2e-6  # fp32, only the summation order differs
+TOL = 1e-6  # fp32, only the summation order differs: relative to each tensor's largest entry
 
 
 def ds_init() -> None:
@@ -96,16 +96,22 @@ def run_step(moe: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor, seed
     return out.detach(), l_aux.detach(), exp_counts, x.grad, grads
 
 
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal up to fp32 summation order: ``|a - e| <= TOL * max|e|`` (sums of many terms cancel in places)."""
+    scale = max(float(expected.abs().max()), 1.0) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, atol=TOL * scale, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
 def assert_same(stock_res, plugin_res, what: str) -> None:
     out_s, laux_s, cnt_s, dx_s, g_s = stock_res
     out_p, laux_p, cnt_p, dx_p, g_p = plugin_res
-    torch.testing.assert_close(out_p, out_s, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} output: {m}")
-    torch.testing.assert_close(dx_p, dx_s, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} x.grad: {m}")
+    assert_close(out_p, out_s, f"{what} output")
+    assert_close(dx_p, dx_s, f"{what} x.grad")
     assert torch.equal(laux_p, laux_s), f"{what}: l_aux {laux_p} != {laux_s}"
     assert torch.equal(cnt_p, cnt_s), f"{what}: exp_counts {cnt_p} != {cnt_s}"
     assert g_p.keys() == g_s.keys()
     for name in g_s:
-        torch.testing.assert_close(g_p[name], g_s[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} {name}: {m}")
+        assert_close(g_p[name], g_s[name], f"{what} {name}")
 
 
 @contextlib.contextmanager
@@ -154,12 +160,12 @@ def _worker_matches_stock(cases: list[dict]) -> None:
 
 
 DROPLESS_CASES = [
-    # k=1: top1gating, random token selection on (it cannot drop without a capacity limit)
-    dict(num_experts=8, ep_size=2, k=1, drop_tokens=False, min_capacity=0, tokens=24),
+    # k=1: top1gating, random token selection on (it cannot drop without a capacity limit), Gumbel-noisy argmax
+    dict(num_experts=8, ep_size=2, k=1, drop_tokens=False, min_capacity=0, noisy_gate_policy="RSample", tokens=24),
     # used_token masks tokens out (k=1 only). DeepSpeed 0.19.8's top1gating fails on it without a capacity
     # limit (the float mask makes the capacity a float tensor: 'topk(): argument k must be int'), so with drops
     dict(num_experts=8, ep_size=2, k=1, drop_tokens=True, capacity_factor=1.0, min_capacity=0, tokens=24,
-         used_token=True),
+         noisy_gate_policy="Jitter", used_token=True),
     # k=2: top2gating with its Gumbel-sampled second expert (DeepSpeed's default)
     dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=24),
     # k=8: topkgating (DeepSpeed uses it for every k > 2)
@@ -174,7 +180,7 @@ def test_matches_stock_deepspeed_ep2():
 
 
 def test_matches_stock_deepspeed_ep1_ep2_ep4_on_4_ranks():
-    cases = [dict(num_experts=4, ep_size=1, k=2, drop_tokens=False, tokens=12),
+    cases = [dict(num_experts=4, ep_size=1, k=2, drop_tokens=False, use_residual=True, tokens=12),  # PR-MoE
              dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=12),  # 2 EP groups x 2 data-parallel
              dict(num_experts=8, ep_size=4, k=3, drop_tokens=False, tokens=12)]
     launch.spawn(_worker_matches_stock, 4, (cases,))
