@@ -90,7 +90,8 @@ def _init_experts(model: torch.nn.Module, cfg: RunConfig) -> None:
     local = cfg.moe.num_experts // cfg.moe.ep_size
     for layer_idx, block in enumerate(model.blocks):
         for i, expert in enumerate(block.moe.deepspeed_moe.experts.deepspeed_experts):
-            gen = torch.Generator().manual_seed(cfg.train.seed + 1000 * layer_idx + ep_rank * local + i)
+            global_id = layer_idx * cfg.moe.num_experts + ep_rank * local + i
+            gen = torch.Generator().manual_seed(cfg.train.seed + 1 + global_id)
             with torch.no_grad():
                 for p in expert.parameters():
                     bound = 1.0 / p.shape[-1] ** 0.5
@@ -150,6 +151,8 @@ def _sync(device: torch.device) -> None:
 
 @dataclass
 class TrainResult:
+    """What one training run measured."""
+
     losses: list[float]          # per step, averaged over all ranks
     step_times_s: list[float]    # per step, slowest rank
     tokens_per_step: int         # over all ranks
