@@ -46,7 +46,8 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
     local = case["experts_per_rank"]
     x = torch.randn(n, h, generator=gen).to(dtype)
     idx = _routing(case["routing"], n, k, num_experts, gen)
-    w = torch.rand(n, k, generator=gen)
+    # K = 1 weights made by a transpose: contiguous by torch's rules, yet with a last stride that is not 1
+    w = torch.rand(k, n, generator=gen).t() if k == 1 else torch.rand(n, k, generator=gen)
     xs, idxs, ws = zip(*gather_all((x, idx, w)))
 
     # layout

@@ -46,7 +46,8 @@ def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     cols = _row_bytes(t) // torch.empty(0, dtype=word).element_size()
     if t.numel() == 0:  # empty tensors keep odd strides through .contiguous(), which .view() rejects
         return torch.empty(t.shape[0], cols, dtype=word, device=t.device)
-    return t.contiguous().view(torch.uint8).view(word).reshape(t.shape[0], cols)
+    # Flatten first: a tensor like x.t() of shape [N, 1] counts as contiguous while its last stride is not 1.
+    return t.contiguous().reshape(-1).view(torch.uint8).view(word).reshape(t.shape[0], cols)
 
 
 def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
