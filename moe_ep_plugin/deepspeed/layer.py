@@ -21,40 +21,9 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import autograd as ep_autograd
 from .. import permute as ep_permute
-from ..buffer import Buffer
+from ..buffer_cache import destroy_buffers, get_buffer
 from .options import PluginOptions, check_moe_args, check_world
 from .routing import GroupLimitedGate, route
-
-_BUFFERS: dict[tuple[int, str], Buffer] = {}
-
-
-def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str) -> Buffer:
-    """One ``Buffer`` per (EP group, transport), shared by all layers, grown when a wider layer needs more
-    (DeepEP's usage pattern: the NVLink transport pre-allocates peer-visible memory). Collective on first use."""
-    num_ranks = dist.get_world_size(group)
-    need = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-    key = (id(group), transport)
-    buffer = _BUFFERS.get(key)
-    if buffer is None or buffer.group is not group or buffer.num_nvl_bytes < need:
-        if buffer is not None:
-            buffer.destroy()
-        buffer = Buffer(group, num_nvl_bytes=need, transport=transport)
-        _BUFFERS[key] = buffer
-    return buffer
-
-
-def buffer_transports() -> list[str]:
-    """Names of the transports the shared buffers resolved to (``auto`` → ``nvlink`` or ``torch``)."""
-    return sorted({buffer.transport_name for buffer in _BUFFERS.values()})
-
-
-def destroy_buffers() -> None:
-    """Release every shared ``Buffer`` (collective: call on all ranks before ``destroy_process_group``)."""
-    for buffer in _BUFFERS.values():
-        buffer.destroy()
-    _BUFFERS.clear()
-
 
 def _first(out: object) -> torch.Tensor:
     # DeepSpeed's Experts drop an expert's bias output the same way

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from .config import RunConfig, validate
-from .layer import MoE, buffer_transports, destroy_buffers, update_expert_biases
+from ..buffer_cache import cached_transports, destroy_buffers
+from .layer import MoE, update_expert_biases
 
 SUCCESSOR_PROB = 0.9
 
@@ -199,7 +200,7 @@ def train(cfg: RunConfig) -> TrainResult:
     engine = build_engine(cfg)
     result = train_steps(engine, cfg, 0, cfg.train.steps, log=True)
     result.transport = ("padded all_to_all" if cfg.dispatcher == "deepspeed" else
-                        "+".join(buffer_transports()) + (" fp8" if cfg.moe.fp8_dispatch else ""))
+                        "+".join(cached_transports()) + (" fp8" if cfg.moe.fp8_dispatch else ""))
     if cfg.train.checkpoint_dir:
         engine.save_checkpoint(cfg.train.checkpoint_dir)
     engine.destroy()  # release the optimizer's state before the next engine or the end of the process group

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .. import gating
 from ..buffer import Buffer
+from ..buffer_cache import nvl_bytes_hint
 from . import checkpoint, metrics
 from .config import TrainerConfig, validate
 from .data import TokenWindows, load_tokens
@@ -88,10 +89,8 @@ class Trainer:
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         hidden_bytes = cfg.model.hidden_size * max(self.dtype.itemsize, 2)
-        nvl_bytes = max(Buffer.get_dispatch_config(self.world).get_nvl_buffer_size_hint(hidden_bytes, self.world),
-                        Buffer.get_combine_config(self.world).get_nvl_buffer_size_hint(hidden_bytes, self.world))
-        self.buffer = Buffer(self.group, num_nvl_bytes=nvl_bytes, transport=cfg.parallel.transport,
-                             timeout_s=cfg.parallel.timeout_s)
+        self.buffer = Buffer(self.group, num_nvl_bytes=nvl_bytes_hint(self.world, hidden_bytes),
+                             transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s)
         self.model = MoETransformer(cfg, self.rank, self.world)
         self.model.initialize(cfg.train.seed)
         self.model.to(self.device)

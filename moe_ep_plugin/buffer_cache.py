@@ -1,0 +1,52 @@
+"""One shared ``Buffer`` per (process group, transport), grown when wider rows need more peer memory.
+
+This is DeepEP's usage pattern (Megatron-Core keeps one global DeepEP buffer): the ``nvlink`` transport
+pre-allocates peer-visible memory, so all MoE layers on a group share one buffer instead of one each.
+The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all take their buffer from here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from .buffer import Buffer
+
+_BUFFERS: dict[tuple[dist.ProcessGroup, str], Buffer] = {}
+
+
+def nvl_bytes_hint(num_ranks: int, hidden_bytes: int) -> int:
+    """Peer-buffer bytes for rows of ``hidden_bytes`` (FP8 rows sized as BF16), over dispatch and combine configs."""
+    if hidden_bytes <= 0:
+        raise ValueError(f"hidden_bytes: expected a positive byte count, got {hidden_bytes}")
+    return max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+
+
+def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
+               timeout_s: Optional[float] = None) -> Buffer:
+    """The shared Buffer of ``group`` and ``transport``; re-created (collectively) when rows of ``hidden_bytes``
+    no longer fit at the current SM count (``Buffer.num_sms``). Collective on first use."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes)
+    key = (group, transport)
+    buffer = _BUFFERS.get(key)
+    if buffer is None or buffer.num_nvl_bytes < need:
+        if buffer is not None:
+            buffer.destroy()
+        buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s)
+        _BUFFERS[key] = buffer
+    return buffer
+
+
+def cached_transports() -> list[str]:
+    """Transports the shared buffers resolved to (``auto`` becomes ``nvlink`` or ``torch``)."""
+    return sorted({buffer.transport_name for buffer in _BUFFERS.values()})
+
+
+def destroy_buffers() -> None:
+    """Release every shared Buffer (collective: every rank, before ``destroy_process_group``)."""
+    for buffer in _BUFFERS.values():
+        buffer.destroy()
+    _BUFFERS.clear()
