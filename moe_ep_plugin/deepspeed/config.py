@@ -14,14 +14,13 @@ Missing keys take their defaults; an unknown section or key, a wrong type or an 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import yaml
 
 from .. import fp8
+from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml
 from .options import PluginOptions, check_moe_args
 
 DISPATCHERS = ("plugin", "deepspeed")
@@ -101,41 +100,6 @@ _OWNED_DS_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "t
                   "bf16": "train.dtype", "fp16": "train.dtype", "optimizer": "train.lr (a torch AdamW is used)"}
 
 
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """``value`` checked against the field type ``hint`` (int, float, bool, str, Optional[...])."""
-    if typing.get_origin(hint) is typing.Union:
-        if value is None:
-            return None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads '3e-3' as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ValueError(f"{key}: expected {hint.__name__}, got {value!r}")
-    return value
-
-
-def _section(name: str, cls: type, values: Any) -> Any:
-    if values is None:
-        return cls()
-    if not isinstance(values, dict):
-        raise ValueError(f"{name}: expected a mapping, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in known:
-            raise ValueError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
-    coerced = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
-    try:
-        return cls(**coerced)
-    except (TypeError, ValueError) as exc:  # PluginOptions' own checks name the key without its section
-        raise ValueError(f"{name}.{exc}") from exc
-
-
 def _positive(key: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"{key}: must be >= 1, got {value}")
@@ -190,28 +154,13 @@ def parse_config(data: Any, world_size: Optional[int] = None) -> RunConfig:
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
     sections = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}
-    for key in data:
-        if key not in ("dispatcher", "deepspeed", *sections):
-            raise ValueError(f"{key}: unknown section (known: dispatcher, model, moe, train, deepspeed)")
+    check_sections(data, ("dispatcher", *sections, "deepspeed"))
     cfg = RunConfig(dispatcher=data.get("dispatcher", "plugin"),
                     deepspeed=data.get("deepspeed", RunConfig().deepspeed),
-                    **{name: _section(name, cls, data.get(name)) for name, cls in sections.items()})
+                    **{name: build_section(name, cls, data.get(name)) for name, cls in sections.items()})
     return validate(cfg, world_size)
 
 
 def load_config(path: str, overrides: tuple[str, ...] = (), world_size: Optional[int] = None) -> RunConfig:
     """Read a YAML file; ``overrides`` are ``section.key=value`` strings (values parsed as YAML)."""
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r}: expected section.key=value")
-        *parents, name = key.split(".")
-        node = data
-        for i, part in enumerate(parents):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"{'.'.join(parents[:i + 1])}: expected a mapping, got {type(node).__name__}")
-        node[name] = yaml.safe_load(raw)
-    return parse_config(data, world_size)
+    return parse_config(apply_overrides(read_yaml(path), overrides), world_size)

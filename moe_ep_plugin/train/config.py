@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import yaml
 
 from ..transports import TRANSPORTS
+from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
 
 FP8_BLOCK = 128  # FP8 dispatch quantizes per token in blocks of this many channels (moe_ep_plugin.fp8.BLOCK)
 
@@ -141,34 +140,8 @@ def schema() -> list[tuple[str, str, Any, str]]:
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            rows.append((f"{section}.{f.name}", _type_name(hints[f.name]), f.default, f.metadata["doc"]))
+            rows.append((f"{section}.{f.name}", type_name(hints[f.name]), f.default, f.metadata["doc"]))
     return rows
-
-
-def _type_name(tp: Any) -> str:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return f"{args[0].__name__} or null" if args else tp.__name__
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotated type; ints are accepted where floats are expected."""
-    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
-    if optional:
-        if value is None:
-            return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp in (bool, str) and type(value) is tp:
-        return value
-    raise ValueError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def from_dict(raw: Optional[dict[str, Any]]) -> TrainerConfig:
@@ -176,45 +149,16 @@ def from_dict(raw: Optional[dict[str, Any]]) -> TrainerConfig:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config: expected a mapping of sections, got {type(raw).__name__}")
-    sections = {}
-    for section, cls in SECTIONS.items():
-        values = raw.get(section) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{section}: expected a mapping of keys, got {values!r}")
-        hints = typing.get_type_hints(cls)
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in values:
-            if key not in known:
-                raise ValueError(f"{section}.{key}: unknown key (known: {', '.join(sorted(known))})")
-        sections[section] = cls(**{k: _coerce(f"{section}.{k}", v, hints[k]) for k, v in values.items()})
-    for section in raw:
-        if section not in SECTIONS:
-            raise ValueError(f"{section}: unknown section (known: {', '.join(SECTIONS)})")
-    cfg = TrainerConfig(**sections)
+    check_sections(raw, SECTIONS)
+    cfg = TrainerConfig(**{section: build_section(section, cls, raw.get(section) or {})
+                           for section, cls in SECTIONS.items()})
     validate(cfg)
     return cfg
 
 
 def load(path: Optional[str] = None, overrides: tuple[str, ...] = ()) -> TrainerConfig:
     """Read a YAML file (None = all defaults) and apply ``section.key=value`` overrides (values parsed as YAML)."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ValueError(f"config: no such file {path!r}")
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"config: {path} must hold a mapping of sections, got {type(raw).__name__}")
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not name:
-            raise ValueError(f"override {item!r}: expected section.key=value")
-        target = raw.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise ValueError(f"{section}: expected a mapping of keys, got {target!r}")
-        target[name] = yaml.safe_load(text)
-    return from_dict(raw)
+    return from_dict(apply_overrides(read_yaml(path), overrides))
 
 
 def _require(ok: bool, key: str, message: str) -> None:
