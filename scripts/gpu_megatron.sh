@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-Core integration on the 2 x H200 device machine (issue 5), about 2-3 minutes:
-#   0. tests/test_megatron_layer.py on the GPUs: Megatron's MoELayer with ep_plugin (torch and auto transports, with
-#      and without shared-expert overlap) and flex+deepep served by the plugin, against a plain-loop reference.
+#   0. tests/test_megatron_layer.py on the GPUs: Megatron's MoELayer with ep_plugin (transport auto, with and without
+#      shared-expert overlap) and flex+deepep served by the plugin, against a plain-loop reference.
 #   1. benchmarks/mcore_dispatchers.py at EP2, hidden 7168, top-8 of 256, 4096 and 128 tokens per rank, forward and
 #      forward+backward: Megatron's alltoall vs ep_plugin on the torch (NCCL) and nvlink transports (BF16 and FP8
 #      dispatch) and flex+deepep served by the plugin; prints a table (benchmarks/RESULTS.md takes it).
@@ -32,7 +32,7 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
 fi
 python3 -W ignore -c "import megatron.core, moe_ep_plugin.megatron; print('megatron-core', megatron.core.__version__)" \
     2>&1 | tee "$LOG" || exit 1
-timeout 90 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | tail -n 30 | tee -a "$LOG" || status=1
+timeout 100 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | tail -n 30 | tee -a "$LOG" || status=1
 timeout 120 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 4096,128 2>&1 \
     | grep -v -i warn | tee -a "$LOG" || status=1
 rm -rf /tmp/megatron_dsv3_ep2  # a fresh run, not a resume of an earlier one on a warm machine

@@ -178,9 +178,8 @@ def test_moe_layer_matches_local_reference(world: int, kinds: tuple[str, ...]) -
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("transport", ["torch", "auto"])
-def test_moe_layer_on_gpus(transport: str) -> None:
-    """The same checks on 2 GPUs (NCCL; ``auto`` = the nvlink kernels when built), plus the shared expert
-    overlapped with dispatch on Megatron's side stream (``moe_shared_expert_overlap``)."""
-    spawn(_suite, 2, args=(("ep_plugin", "flex"), ("random", "one_expert", "capacity", "shared_overlap"),
-                           int(time.time()) % 1000, transport), backend="nccl", timeout_s=300)
+def test_moe_layer_on_gpus() -> None:
+    """The same checks on 2 GPUs (transport ``auto``: the nvlink kernels when built, else NCCL), plus the shared
+    expert overlapped with dispatch on Megatron's side stream (``moe_shared_expert_overlap``)."""
+    spawn(_suite, 2, args=(("ep_plugin", "flex"), ("random", "capacity", "shared_overlap"),
+                           int(time.time()) % 1000, "auto"), backend="nccl", timeout_s=300)
