@@ -17,7 +17,7 @@ except ImportError as exc:  # name the missing piece: megatron.core itself impor
                       ) from exc
 
 from .dispatcher import EPPluginTokenDispatcher, routing_map_to_topk
-from .install import install, is_installed, uninstall
+from .registration import install, is_installed, uninstall
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 from .router import PortableTopKRouter
 

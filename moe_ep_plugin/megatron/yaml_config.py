@@ -193,7 +193,7 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     if plugin is not None and plugin.num_sms is not None and any(v != plugin.num_sms for v in sms.values()):
         raise ValueError(f"ep_plugin.num_sms={plugin.num_sms} conflicts with model {sms}")
     if serves_plugin:
-        from .install import install
+        from .registration import install
         install(plugin)  # idempotent; makes this config's options the defaults of the DeepEP shim
     config = cls(**kwargs)
     if dispatcher == PLUGIN_DISPATCHER_TYPE:
