@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .. import Buffer
 from .. import autograd as ep_autograd
 from .. import permute as ep_permute
-from . import buffers
+from ..buffer_cache import get_buffer
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
 
@@ -127,8 +127,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
         if self.options.num_sms is not None:  # before sizing: the buffer size hint grows with the SM count
             Buffer.set_num_sms(self.options.num_sms)
-        self._buffer = buffers.get_buffer(self.ep_group, hidden_states.shape[1] * max(hidden_states.element_size(), 2),
-                                          self.options)
+        self._buffer = get_buffer(self.ep_group, hidden_states.shape[1] * max(hidden_states.element_size(), 2),
+                                  self.options.transport, self.options.timeout_s)
         recv_x, recv_idx, recv_weights, counts, handle = ep_autograd.dispatch(
             self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
             fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment)

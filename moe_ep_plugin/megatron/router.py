@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 
