@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU proof in one device call (2 x H200): Megatron-Core integration, example trainer, DeepSpeed integration,
+# then the kernel tests and benchmark. Each part runs under its own time limit, so one stuck part cannot take the
+# others with it; each part's files are packed into $OUT/<part>.tar.gz as soon as it ends (the device tool returns
+# at most 8 files), and its console output is echoed here.
+# Carry: moe_ep_plugin/lib (kernel library built here) and .whl (megatron-core, deepspeed and their missing deps).
+#   usage: bash scripts/gpu_all.sh 2>&1 | tee $OUT/all.log
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RESULTS="${OUT:-runs/gpu_all}"
+WORK="$(mktemp -d)"
+mkdir -p "$RESULTS"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    mkdir -p "$WORK/$name"
+    echo "=== $name: start $(date -u +%T), limit ${limit}s: $*"
+    OUT="$WORK/$name" timeout -k 5 "$limit" "$@" > "$WORK/$name/console.log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc at $(date -u +%T)"
+    grep -v -i -E "warn|^\s*$" "$WORK/$name/console.log" | tail -n 60
+    tar czf "$RESULTS/$name.tar.gz" -C "$WORK" "$name"
+}
+
+part megatron 210 bash scripts/gpu_megatron.sh
+part train 110 bash scripts/gpu_train.sh --set train.steps=60
+part deepspeed 100 bash scripts/gpu_deepspeed.sh
+part kernels 130 bash scripts/gpu_kernels.sh
