@@ -30,6 +30,7 @@ p.add_argument("--topk", type=int, default=8)
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--num-sms", type=int, default=24, help="SMs for the communication kernels (plugin and DeepEP)")
 p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
+p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
 a = p.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 use_cuda = torch.cuda.is_available()
@@ -97,6 +98,36 @@ def step(d, x, rmap, probs, backward):
     return out
 
 
+PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts", "combine_preprocess",
+          "token_combine", "combine_postprocess")
+
+
+def phase_us(d, x, rmap, probs, iters):
+    """Median microseconds of each forward method (CUDA events between the calls; host syncs inside a method
+    count towards it, as they stall the stream that follows)."""
+    samples = []
+    for _ in range(iters):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+        events[0].record()
+        h, pr = d.dispatch_preprocess(x, rmap, probs)
+        events[1].record()
+        h, pr = d.token_dispatch(h, pr)
+        events[2].record()
+        h, tpe, pp = d.dispatch_postprocess(h, pr)
+        events[3].record()
+        h = h * pp.unsqueeze(-1).to(h.dtype)
+        events[4].record()
+        h = d.combine_preprocess(h)
+        events[5].record()
+        h = d.token_combine(h)
+        events[6].record()
+        d.combine_postprocess(h)
+        events[7].record()
+        torch.cuda.synchronize()
+        samples.append([events[i].elapsed_time(events[i + 1]) * 1000 for i in range(len(PHASES))])
+    return [sorted(col)[len(col) // 2] for col in zip(*samples)]
+
+
 def run_us(fn):
     """Microseconds of one call: CUDA events on GPU, the host clock on CPU."""
     if not use_cuda:
@@ -145,6 +176,11 @@ for tokens in (int(t) for t in a.tokens.split(",")):
             xg = x0.clone().requires_grad_(True)
             fb = bench(lambda: step(disp, xg, rmap, probs, True), a.iters)
             rows.append((kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", str(bool(ok_all.item()))))
+            if a.breakdown and use_cuda:
+                parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
+                if rank == 0:
+                        print(f"PHASES mcore-{kind} tokens={tokens} " + " ".join(
+                        f"{name}={us:.0f}us" for name, us in zip(PHASES, parts)), flush=True)
             if rank == 0:
                 print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
                       f"fwd_bwd_us={fb:.1f} correct={bool(ok_all.item())}", flush=True)

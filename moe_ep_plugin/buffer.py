@@ -46,7 +46,7 @@ def _check_expert_range(topk_idx: torch.Tensor, num_experts: int) -> None:
     """Every id in [-1, E). Skipped while a CUDA graph is being captured (it would need a host sync)."""
     if topk_idx.numel() == 0 or (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    lo, hi = (int(v) for v in torch.aminmax(topk_idx))
+    lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host read for both bounds
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"topk_idx: expert ids must lie in [-1, {num_experts}), found values in [{lo}, {hi}]")
 
@@ -127,12 +127,15 @@ class Buffer:
     # ---- streams ----
     def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,
                         allocate_on_comm_stream: bool, inputs: Sequence[Optional[torch.Tensor]]) -> tuple:
-        """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream's work)."""
+        """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream's work);
+        with ``async_finish`` the returned event marks its end, else the current stream waits for it."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the point the comm stream waits for)")
-        if self._comm_stream is None:
+        if self._comm_stream is None or (previous_event is None and not async_finish):
+            # CPU, or nothing to overlap with while the caller waits anyway: the current stream gives the same
+            # ordering without the stream switch, events and record_stream bookkeeping.
             return fn() + (EventOverlap(),)
         compute = torch.cuda.current_stream()
         comm = self._comm_stream

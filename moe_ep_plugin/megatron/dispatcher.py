@@ -175,7 +175,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         """``[T, H]`` → the input's original shape, plus the overlapped shared expert's output."""
-        if self.shared_experts is not None:
-            hidden_states = hidden_states + self.shared_experts.get_output()
+        hidden_states = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:  # its output has the input's [S, B, H] shape: add after the reshape
+            hidden_states = hidden_states + self.shared_experts.get_output().view(self.hidden_shape)
         self._buffer = None
-        return hidden_states.view(self.hidden_shape)
+        return hidden_states
