@@ -179,7 +179,7 @@ for tokens in (int(t) for t in a.tokens.split(",")):
             if a.breakdown and use_cuda:
                 parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
                 if rank == 0:
-                        print(f"PHASES mcore-{kind} tokens={tokens} " + " ".join(
+                    print(f"PHASES mcore-{kind} tokens={tokens} " + " ".join(
                         f"{name}={us:.0f}us" for name, us in zip(PHASES, parts)), flush=True)
             if rank == 0:
                 print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
