@@ -2,7 +2,7 @@
 
 After dispatch each received row carries up to K local expert ids. ``permute`` makes one row per (row, local
 expert) pair, grouped by expert (stable: row order within an expert), each expert's block padded with zero rows
-to ``alignment``; ``unpermute`` sums the expert outputs of every received row back (fp32 accumulation).
+to ``alignment``; ``unpermute`` sums the expert outputs of every received row back (fp32 accumulation by default).
 The only host data used is the count list dispatch already returned: no extra syncs.
 """
 from __future__ import annotations
@@ -78,12 +78,17 @@ def permute(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights
     return permuted_x, probs, tokens_per_expert, RowMap(rows, n, has_padding)
 
 
-def unpermute(expert_out: torch.Tensor, row_map: RowMap) -> torch.Tensor:
-    """``expert_out`` ``[M, H]`` → ``[N_recv, H]``: each received row's local-expert outputs summed in fp32."""
+def unpermute(expert_out: torch.Tensor, row_map: RowMap, fp32_accumulation: bool = True) -> torch.Tensor:
+    """``expert_out`` ``[M, H]`` → ``[N_recv, H]``: each received row's local-expert outputs summed.
+
+    ``fp32_accumulation=False`` sums in ``expert_out.dtype`` instead (what Megatron-Core's own unpermute does):
+    for BF16 it skips an fp32 copy of all M rows, which dominates this step at large shapes.
+    """
     if not isinstance(row_map, RowMap):
         raise TypeError(f"row_map: expected the RowMap from permute, got {type(row_map).__name__}")
     if expert_out.dim() != 2 or expert_out.shape[0] != row_map.rows.shape[0]:
         raise ValueError(f"expert_out: expected [{row_map.rows.shape[0]}, H], got {list(expert_out.shape)}")
-    acc = torch.zeros(row_map.num_rows + 1, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-    acc = acc.index_add(0, row_map.rows, expert_out.float())
+    acc_dtype = torch.float32 if fp32_accumulation else expert_out.dtype
+    acc = torch.zeros(row_map.num_rows + 1, expert_out.shape[1], dtype=acc_dtype, device=expert_out.device)
+    acc = acc.index_add(0, row_map.rows, expert_out.to(acc_dtype))
     return acc[:row_map.num_rows].to(expert_out.dtype)

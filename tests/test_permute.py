@@ -52,6 +52,10 @@ def test_permute_matches_loop(n: int, k: int, experts: int, alignment: int) -> N
                     pos += 1
         pos += aligned[e] - counts[e]
     torch.testing.assert_close(back, expected, rtol=0, atol=1e-6)
+    # summing in the input dtype: BF16 rows give the loop's sums up to BF16 rounding
+    back16 = unpermute(out.bfloat16(), row_map, fp32_accumulation=False)
+    assert back16.dtype == torch.bfloat16
+    torch.testing.assert_close(back16.float(), expected, rtol=2e-2, atol=2e-2)
 
     # gradient of sum(unpermute(permute(x) * 2)) wrt x = 2 · (number of local experts of each row)
     unpermute(px * 2, row_map).sum().backward()
