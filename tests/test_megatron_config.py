@@ -122,10 +122,10 @@ def _edit(section: str, **values) -> dict:
 
 
 @pytest.mark.parametrize("raw,error,match", [
-    ({**_raw(), "optimizer": {}}, ValueError, r"unknown section\(s\) \['optimizer'\]"),
+    ({**_raw(), "optimizer": {}}, ValueError, r"optimizer: unknown section"),
     (_edit("model", moe_router_topk_typo=3), ValueError, r"model: unknown key\(s\) \['moe_router_topk_typo'\]"),
     (_edit("ep_plugin", sms=3), ValueError, r"ep_plugin: unknown option\(s\) \['sms'\]"),
-    (_edit("train", step=3), ValueError, r"train: unknown key\(s\) \['step'\]"),
+    (_edit("train", step=3), ValueError, r"train.step: unknown key"),
     (_edit("parallel", data_parallel_size=2), ValueError, r"parallel: unknown key"),
     (_edit("model", expert_model_parallel_size=2), ValueError, "belong in the parallel: section"),
     (_edit("model", moe_token_dispatcher_type="alltoall"), ValueError, "ep_plugin: options given"),
@@ -136,8 +136,8 @@ def _edit(section: str, **values) -> dict:
     (_edit("model", bf16=True), ValueError, "dtype or bf16"),
     (_edit("model", activation="relu2"), ValueError, "model.activation"),
     (_edit("model", dtype="fp8"), ValueError, "model.dtype"),
-    (_edit("model", num_layers="3"), TypeError, "model.num_layers: expected int"),
-    (_edit("model", add_bias_linear="no"), TypeError, "model.add_bias_linear: expected bool"),
+    (_edit("model", num_layers="3"), ValueError, "model.num_layers: expected int"),
+    (_edit("model", add_bias_linear="no"), ValueError, "model.add_bias_linear: expected bool"),
     (_edit("model", hidden_size=96) | {"ep_plugin": {"fp8_dispatch": True}}, ValueError, "multiple of 128"),
     (_edit("ep_plugin", transport="ib"), ValueError, "ep_plugin.transport"),
     (_edit("train", global_batch_size=6), ValueError, "global_batch_size"),

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-import yaml
 
+from ..yaml_sections import build_section, check_sections, coerce, read_yaml
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -97,51 +97,20 @@ def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _typed(section: str, cls: type, values: dict[str, Any]) -> Any:
-    """Build dataclass ``cls`` from ``values``: unknown keys and values of the wrong plain type are errors."""
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"{section}: unknown key(s) {unknown}; known: {sorted(known)}")
-    for key, value in values.items():
-        _check_type(f"{section}.{key}", known[key], value)
-    return cls(**values)
-
-
 _PLAIN = {"bool": bool, "int": int, "float": float, "str": str}
 
 
-def _check_type(name: str, spec: dataclasses.Field, value: Any) -> None:
-    """Check ``value`` against a field annotated with a plain ``bool``/``int``/``float``/``str`` (others pass)."""
+def _model_value(key: str, spec: dataclasses.Field, value: Any) -> Any:
+    """A ``TransformerConfig`` field's YAML value, type-checked when the field is a plain bool/int/float/str
+    (Megatron's other annotations — Optional, Literal, callables — are left to its own ``__post_init__``)."""
     annotation = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", "")
-    expected = _PLAIN.get(annotation)
-    if value is None or expected is None:
-        return
-    if expected is bool:
-        ok = isinstance(value, bool)
-    elif expected is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif expected is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        raise TypeError(f"{name}: expected {annotation}, got {value!r}")
+    plain = _PLAIN.get(annotation)
+    return value if plain is None or value is None else coerce(key, value, plain)
 
 
 def _config_class(model: dict[str, Any]) -> type:
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     return MLATransformerConfig if model.get("multi_latent_attention") else TransformerConfig
-
-
-def _float_like(value: Any) -> Any:
-    # PyYAML reads "3e-4" (no dot) as a string; accept the numeric spellings Megatron's YAMLs use.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
@@ -179,9 +148,7 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     if unknown:
         raise ValueError(f"model: unknown key(s) {unknown} for {cls.__name__}")
     for key, value in model.items():
-        value = _float_like(value) if known[key].type in (float, "float") else value
-        _check_type(f"model.{key}", known[key], value)
-        kwargs[key] = value
+        kwargs[key] = _model_value(f"model.{key}", known[key], value)
 
     dispatcher = model.get("moe_token_dispatcher_type", "allgather")
     serves_plugin = dispatcher == PLUGIN_DISPATCHER_TYPE or (
@@ -204,24 +171,17 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
 def load_pretrain_config(source: Union[str, dict[str, Any]]) -> PretrainConfig:
     """Read a YAML file path (or an already parsed mapping) into a :class:`PretrainConfig`."""
     if isinstance(source, str):
-        with open(source, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
+        raw = read_yaml(source)
     elif isinstance(source, dict):
         raw = source
     else:
         raise TypeError(f"source: expected a YAML path or a mapping, got {type(source).__name__}")
-    if not isinstance(raw, dict):
-        raise TypeError(f"top level: expected a mapping of sections, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    check_sections(raw, SECTIONS)
     plugin = PluginOptions.from_dict(_section(raw, "ep_plugin")) if "ep_plugin" in raw else None
     parallel = _section(raw, "parallel")
-    train_values = {k: _float_like(v) if k in ("lr", "min_lr", "weight_decay", "clip_grad") else v
-                    for k, v in _section(raw, "train").items()}
-    train = _typed("train", TrainOptions, train_values)
-    data = _typed("data", DataOptions, _section(raw, "data"))
-    gpt = _typed("gpt", GPTOptions, _section(raw, "gpt"))
+    train = build_section("train", TrainOptions, raw.get("train"))
+    data = build_section("data", DataOptions, raw.get("data"))
+    gpt = build_section("gpt", GPTOptions, raw.get("gpt"))
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if train.seq_length > gpt.max_sequence_length:
