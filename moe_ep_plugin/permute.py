@@ -45,25 +45,15 @@ def permute(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights
         raise ValueError(f"num_tokens_per_expert: counts must be multiples of alignment={alignment}")
     n, k = recv_topk_idx.shape
     num_out = sum(num_tokens_per_expert)
-    device = recv_x.device
     flat = recv_topk_idx.reshape(-1)
     key = torch.where(flat >= 0, flat, num_local_experts)
     order = torch.sort(key, stable=True).indices  # slot = row * K + k, grouped by expert, rows ascending
-    sorted_key = key[order]
-    exact = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    exact.scatter_add_(0, key, torch.ones_like(key))
-    exact = exact[:num_local_experts]
-    aligned = (exact + alignment - 1) // alignment * alignment
-    exact_start = torch.cumsum(exact, 0) - exact
-    aligned_start = torch.cumsum(aligned, 0) - aligned
-    expert = sorted_key.clamp_max(num_local_experts - 1)
-    rank_in_expert = torch.arange(n * k, device=device) - exact_start[expert]
-    # Slots without a local expert land on an extra dump position M that is sliced off.
-    dest = torch.where(sorted_key < num_local_experts, aligned_start[expert] + rank_in_expert, num_out)
-    slot_of = torch.full((num_out + 1,), n * k, dtype=torch.int64, device=device)
-    slot_of.scatter_(0, dest, order)
-    slot_of = slot_of[:num_out]
-    is_pad = slot_of == n * k
+    if alignment == 1:
+        # Without padding the first M sorted slots are exactly the permuted rows, in order.
+        slot_of = order[:num_out]
+    else:
+        slot_of = _padded_slots(key, order, num_local_experts, alignment, num_out, n * k)
+    is_pad = slot_of == n * k  # padding rows hold the past-the-end slot n * k
     rows = torch.where(is_pad, n, slot_of // k)
     has_padding = alignment > 1
     # Padding rows point at row n (past the end): clamp them to a real row for the gather, then zero them.
@@ -92,3 +82,23 @@ def unpermute(expert_out: torch.Tensor, row_map: RowMap, fp32_accumulation: bool
     acc = torch.zeros(row_map.num_rows + 1, expert_out.shape[1], dtype=acc_dtype, device=expert_out.device)
     acc = acc.index_add(0, row_map.rows, expert_out.to(acc_dtype))
     return acc[:row_map.num_rows].to(expert_out.dtype)
+
+
+def _padded_slots(key: torch.Tensor, order: torch.Tensor, num_local_experts: int, alignment: int, num_out: int,
+                  pad_slot: int) -> torch.Tensor:
+    """``[M]`` source slot of each permuted row when every expert's block is padded to ``alignment``
+    (``pad_slot`` for padding rows); each sorted slot moves down by the padding of the experts before it."""
+    device = key.device
+    exact = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
+    exact.scatter_add_(0, key, torch.ones_like(key))
+    exact = exact[:num_local_experts]
+    aligned = (exact + alignment - 1) // alignment * alignment
+    shift = torch.cumsum(aligned - exact, 0) - (aligned - exact)  # padding rows before each expert's block
+    sorted_key = key[order]
+    expert = sorted_key.clamp_max(num_local_experts - 1)
+    # Slots without a local expert land on an extra dump position M that is sliced off.
+    dest = torch.where(sorted_key < num_local_experts, torch.arange(key.numel(), device=device) + shift[expert],
+                       num_out)
+    slot_of = torch.full((num_out + 1,), pad_slot, dtype=torch.int64, device=device)
+    slot_of.scatter_(0, dest, order)
+    return slot_of[:num_out]
