@@ -1,6 +1,7 @@
 """Buffer on the torch transport (gloo, 1–4 ranks) against the plain-loop reference in tests/reference.py."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -185,6 +186,16 @@ def _errors() -> None:
         call, exc, needle = entry
         with pytest.raises(exc, match=needle):
             call()
+    # transport selection: $MOE_EP_TRANSPORT overrides "auto"; nvlink needs CUDA, so on CPU it is a clear error
+    os.environ["MOE_EP_TRANSPORT"] = "torch"
+    assert Buffer(transport="auto").transport_name == "torch"
+    os.environ["MOE_EP_TRANSPORT"] = "nvlink"
+    with pytest.raises(ValueError, match="transport='nvlink' is not usable"):
+        Buffer(transport="auto")
+    os.environ["MOE_EP_TRANSPORT"] = "smoke-signals"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        Buffer()
+    del os.environ["MOE_EP_TRANSPORT"]
     # a combine with rows that do not match the handle is refused before communicating
     _, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=world)
     with pytest.raises(ValueError, match="x"):
