@@ -1,7 +1,6 @@
 """Plain-loop references for dispatch and combine, computed from every rank's inputs (gathered)."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 

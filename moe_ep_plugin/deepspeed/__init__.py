@@ -3,7 +3,8 @@
 >>> from moe_ep_plugin.deepspeed import MoE              # same constructor as deepspeed.moe.layer.MoE
 >>> from moe_ep_plugin.deepspeed import convert_moe      # or swap the dispatcher of an existing model
 """
-from .layer import MoE, PluginMOELayer, convert_moe, destroy_buffers, get_buffer, update_expert_biases
+from ..buffer_cache import destroy_buffers, get_buffer
+from .layer import MoE, PluginMOELayer, convert_moe, update_expert_biases
 from .options import PluginOptions
 from .routing import GroupLimitedGate, Routes
 

@@ -21,7 +21,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import autograd as ep_autograd
 from .. import permute as ep_permute
-from ..buffer_cache import destroy_buffers, get_buffer
+from ..buffer_cache import get_buffer
 from .options import PluginOptions, check_moe_args, check_world
 from .routing import GroupLimitedGate, route
 

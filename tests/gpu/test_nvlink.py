@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, Config, fp8
+from moe_ep_plugin import Buffer, fp8
 from moe_ep_plugin import _ext
 from moe_ep_plugin.launch import spawn
 
