@@ -6,9 +6,8 @@
 # Carry: moe_ep_plugin/lib (kernel library built here) and .whl (megatron-core, deepspeed and their missing deps).
 #   usage: bash scripts/gpu_all.sh 2>&1 | tee $OUT/all.log
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RESULTS="${OUT:-runs/gpu_all}"
+source "$(dirname "$0")/gpu_env.sh" gpu_all
+RESULTS="$LOGS"
 WORK="$(mktemp -d)"
 mkdir -p "$RESULTS"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(date -u +%FT%TZ)"

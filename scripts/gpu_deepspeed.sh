@@ -6,23 +6,22 @@
 # 2. trains the example at EP 2 with stock DeepSpeed MoE, then with the plugin (same weights and data), and prints
 #    the step-time table; 3. the plugin again with FP8 dispatch. About a minute in all.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_env.sh" gpu_deepspeed
 python3 -m pip install -q --no-index --no-deps --target /tmp/site \
   .whl/deepspeed-0.19.8-py3-none-any.whl .whl/pydantic-2.13.4-py3-none-any.whl \
   .whl/pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl \
   .whl/annotated_types-0.7.0-py3-none-any.whl .whl/typing_inspection-0.4.2-py3-none-any.whl \
   .whl/hjson-3.1.0-py3-none-any.whl .whl/typing_extensions-4.15.0-py3-none-any.whl
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/site:$PYTHONPATH"
 export DS_BUILD_OPS=0  # DeepSpeed builds nothing ahead of time; the example uses torch's AdamW, so no JIT op either
 python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__, \
 'accelerator', deepspeed.get_accelerator().device_name())"
-OUT_DIR="${OUT:-/tmp}"
 # $1: output file, then the example's arguments; returns the example's exit status (the script goes on)
 run() {
   local out="$1"; shift
   set +e
   timeout 150 python3 examples/deepspeed_moe.py "$@" 2>&1 | grep -E -v "\[(INFO|WARNING)\]|Warning|warnings.warn" \
-    | tee "$OUT_DIR/$out"
+    | tee "$LOGS/$out"
   local rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" -eq 0 ] || echo "FAILED (exit $rc): examples/deepspeed_moe.py $*"

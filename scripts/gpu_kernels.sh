@@ -4,11 +4,7 @@
 # Needs moe_ep_plugin/lib/libmoe_ep_kernels.so (built here with `python3 -m moe_ep_plugin._build --required`;
 # carry it, or it is built on the spot when nvcc exists). Takes about 3 minutes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-LOGS="${OUT:-runs/gpu_kernels}"
-mkdir -p "$LOGS"
+source "$(dirname "$0")/gpu_env.sh" gpu_kernels
 status=0
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv | tee "$LOGS/gpu.txt"
 if ! python3 -c "from moe_ep_plugin import _ext; assert _ext.unavailable_reason() is None, _ext.unavailable_reason()"; then

@@ -17,11 +17,7 @@
 #   -> .whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
 # and name .whl in the run's carry. This script installs that wheel into /tmp/mcore when megatron.core is missing.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-LOGS="${OUT:-runs/gpu_megatron}"
-mkdir -p "$LOGS"
+source "$(dirname "$0")/gpu_env.sh" gpu_megatron
 LOG="$LOGS/megatron_gpu.log"  # one file: the device tool returns at most 8 files for all scripts together
 status=0
 if ! python3 -c "import megatron.core" 2>/dev/null; then

@@ -7,12 +7,8 @@
 # Extra arguments are passed to the trainer, e.g. `--set parallel.transport=torch` to use the reference transport.
 # Needs PyYAML and tqdm: installed from .whl/ (carry it) when the machine lacks them.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-LOGS="${OUT:-runs/gpu_train}"
+source "$(dirname "$0")/gpu_env.sh" gpu_train
 RUN="$(mktemp -d)/ep2_h200"
-mkdir -p "$LOGS"
 python3 -c "import yaml, tqdm" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pyyaml tqdm || exit 1
 status=0
 timeout 170 python3 -m moe_ep_plugin.train.cli configs/ep2_h200.yaml --set output.dir="$RUN" \
