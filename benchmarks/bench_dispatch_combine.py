@@ -222,6 +222,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()
+    if torch.cuda.device_count() == 0:
+        raise SystemExit("bench_dispatch_combine.py times the CUDA kernels: it needs at least one CUDA GPU")
     launch(_worker, args=(args,), nprocs=torch.cuda.device_count(), backend="nccl")
 
 
