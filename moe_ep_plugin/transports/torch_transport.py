@@ -1,15 +1,19 @@
 """The reference transport: variable-split ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU).
 
-Every row a rank sends is one packed byte record (top-k ids, weights, source index, FP8 scales, hidden bytes),
-so a dispatch is one count exchange (all_gather, the only host sync) plus one all-to-all of bytes; combine is one
-all-to-all back plus an fp32 ``index_add`` in source-rank order.
+A dispatch is one ``all_gather`` of per-rank and per-expert counts (the only host read), then the rows in one
+``all_to_all_single`` straight from an ``index_select`` of ``x`` in send order (FP8 rows as bytes), and the
+small per-row metadata (top-k ids, weights, source index, FP8 scales) in a second one. A cached-handle dispatch
+sends the rows (and FP8 scales) only. Combine sends rows back in one ``all_to_all_single`` and sums each
+token's copies with one gather per source rank, in ascending rank order, in fp32 (no atomics), then the biases.
+Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the stream.
+Design notes: docs/torch_transport.md.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,76 +21,40 @@ import torch.distributed as dist
 from .. import fp8
 from ..config import Config
 from ..handle import DispatchHandle
-from ..layout import localize_topk, send_positions
+from ..layout import send_positions
 from .base import DispatchArgs, DispatchResult, Transport
-
-
-@dataclass
-class _TorchState:
-    """Host-side split sizes and the send order of one dispatch layout."""
-
-    send_idx: torch.Tensor  # [S] int64: local token of each sent row, grouped by destination rank
-    send_counts: list[int]
-    recv_counts: list[int]
-
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _row_bytes(t: torch.Tensor) -> int:
-    cols = t.element_size()
-    for d in t.shape[1:]:
-        cols *= d
-    return cols
+@dataclass
+class _TorchState:
+    """The replay data of one dispatch layout (S = rows this rank sends, N = its tokens).
 
-
-def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
-    """``[N, ...]`` tensor → ``[N, words_per_row]`` view in ``word`` elements (int32, or uint8 for odd sizes)."""
-    cols = _row_bytes(t) // torch.empty(0, dtype=word).element_size()
-    if t.numel() == 0:  # empty tensors keep odd strides through .contiguous(), which .view() rejects
-        return torch.empty(t.shape[0], cols, dtype=word, device=t.device)
-    # Flatten first: a tensor like x.t() of shape [N, 1] counts as contiguous while its last stride is not 1.
-    return t.contiguous().reshape(-1).view(torch.uint8).view(word).reshape(t.shape[0], cols)
-
-
-def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Concatenate ``parts`` per row into one record; returns it and each part's column span.
-
-    Records are int32 words whenever every part has a whole number of words per row: copy kernels move
-    4-byte elements several times faster than single bytes (a BF16 row with odd hidden falls back to bytes).
+    ``send_idx`` ``[S]`` int64: local token of each sent row, grouped by destination rank, tokens ascending.
+    ``gather_idx`` ``[R, N]`` int64: 1 + row of token ``t``'s copy from rank ``r`` in the rows combine gets back
+    (which are laid out exactly like the sent rows), 0 where ``t`` was not sent to ``r`` (row 0 is kept zero).
     """
-    word = torch.int32 if all(_row_bytes(p) % 4 == 0 for p in parts) else torch.uint8
-    views = [_as_words(p, word) for p in parts]
-    spans, start = [], 0
-    for v in views:
-        spans.append((start, start + v.shape[1]))
-        start += v.shape[1]
-    return (views[0] if len(views) == 1 else torch.cat(views, dim=1)), spans
+
+    send_idx: torch.Tensor
+    gather_idx: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
 
 
-def _unpack(records: torch.Tensor, span: tuple[int, int], dtype: torch.dtype, cols: int) -> torch.Tensor:
-    if records.shape[0] == 0:  # an empty slice counts as contiguous, so .view(dtype) would see the row stride
-        return torch.empty(0, cols, dtype=dtype, device=records.device)
-    part = records[:, span[0]:span[1]].contiguous()
-    return part.view(torch.uint8).view(dtype).reshape(records.shape[0], cols)
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A 4-byte-per-element ``[N, C]`` tensor (int32/float32) as int32 (a view, no copy)."""
+    return t.view(torch.int32) if t.dtype != torch.int32 else t
 
 
-def _send_order(is_token_in_rank: torch.Tensor, send_pos: torch.Tensor, send_counts: list[int]) -> torch.Tensor:
-    """``[S]`` int64: local token of each sent row, grouped by destination rank, tokens ascending.
-
-    Built by scattering with the (host-known) per-rank offsets, so no ``nonzero`` host sync is needed.
-    """
-    total = sum(send_counts)
-    n, num_ranks = is_token_in_rank.shape
-    starts = torch.tensor([sum(send_counts[:r]) for r in range(num_ranks)], dtype=torch.int64)
-    starts = starts.to(is_token_in_rank.device)
-    pos = send_pos.to(torch.int64) + starts
-    pos = torch.where(is_token_in_rank, pos, total)  # unsent pairs land on a dump slot that is sliced off
-    order = torch.empty(total + 1, dtype=torch.int64, device=is_token_in_rank.device)
-    tokens = torch.arange(n, dtype=torch.int64, device=is_token_in_rank.device).unsqueeze(1).expand(n, num_ranks)
-    order.scatter_(0, pos.reshape(-1), tokens.reshape(-1))
-    return order[:total]
+def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """``t`` ``[n, ...]`` extended to ``rows`` rows of ``fill`` (``num_worst_tokens`` outputs)."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
+    out[:t.shape[0]] = t
+    return out
 
 
 class TorchTransport(Transport):
@@ -94,132 +62,181 @@ class TorchTransport(Transport):
 
     name = "torch"
 
+    def _timeout_error(self, what: str, exc: Optional[Exception]) -> TimeoutError:
+        return TimeoutError(f"moe_ep_plugin[{self.name}] rank {self.rank}/{self.num_ranks}: {what} did not complete "
+                            f"within {self.timeout_s:g} s (a peer rank never joined or failed)"
+                            + (f": {exc}" if exc is not None else ""))
+
     def _wait(self, work: dist.Work, what: str) -> None:
-        """Wait for ``work``; a peer that never joins becomes a ``TimeoutError`` after ``timeout_s``, not a hang."""
-        try:
-            if self.device.type == "cuda":
-                work.wait()
-                event = torch.cuda.Event()
-                event.record()
-                deadline = time.monotonic() + self.timeout_s
-                while not event.query():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("CUDA event not reached")
-                    time.sleep(1e-5)
-            else:
-                work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # gloo reports a timeout as RuntimeError/DistBackendError
-            raise TimeoutError(f"moe_ep_plugin[{self.name}] rank {self.rank}/{self.num_ranks}: {what} did not complete "
-                               f"within {self.timeout_s:g} s (a peer rank never joined or failed): {exc}") from exc
-
-    def _exchange_counts(self, num_tokens_per_rank: torch.Tensor) -> torch.Tensor:
-        """All-gather every rank's per-destination counts → ``[R, R]`` int64 matrix ``C[src, dst]`` (on host)."""
-        gathered = torch.empty(self.num_ranks * self.num_ranks, dtype=torch.int64, device=self.device)
-        work = _all_gather_single(gathered, num_tokens_per_rank.to(torch.int64).contiguous(),
-                                           group=self.group, async_op=True)
-        self._wait(work, "dispatch count exchange")
-        return gathered.view(self.num_ranks, self.num_ranks).cpu()
-
-    def _all_to_all(self, records: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int],
-                    what: str) -> torch.Tensor:
-        out = records.new_empty(out_rows, records.shape[1])
-        if self.num_ranks == 1:
-            out.copy_(records)
-            return out
-        work = dist.all_to_all_single(out, records, out_splits, in_splits, group=self.group, async_op=True)
-        self._wait(work, what)
-        return out
-
-    def _new_handle(self, args: DispatchArgs) -> DispatchHandle:
-        counts = self._exchange_counts(args.num_tokens_per_rank)
+        """Order ``work`` before what follows. On CPU (gloo) the host waits at most ``timeout_s``; on CUDA the
+        current stream waits for NCCL's stream and the host goes on (NCCL's own timeout covers a lost peer)."""
         if self.device.type == "cuda":
-            counts_dev = counts.to(self.device)
-        else:
-            counts_dev = counts
-        is_token_in_rank = args.is_token_in_rank
-        send_counts = counts[self.rank].tolist()
-        send_pos = send_positions(is_token_in_rank)
-        send_idx = _send_order(is_token_in_rank, send_pos, send_counts)
-        recv_counts = counts[:, self.rank].tolist()
-        num_recv = sum(recv_counts)
-        return DispatchHandle(
-            rank_prefix_matrix=counts_dev.cumsum(0).to(torch.int32), is_token_in_rank=is_token_in_rank,
-            send_pos=send_pos, recv_src_idx=torch.empty(0, dtype=torch.int32),
-            num_tokens=args.x.shape[0], num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
-            num_ranks=self.num_ranks, num_recv_rows=max(num_recv, args.num_worst_tokens),
-            transport_state=_TorchState(send_idx, send_counts, recv_counts))
+            work.wait()
+            return
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # gloo reports a timeout as RuntimeError/DistBackendError
+            raise self._timeout_error(what, exc) from exc
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    what: str) -> None:
+        """Rows of ``inp`` (grouped by destination) → ``out`` (grouped by source); both contiguous."""
+        if self.num_ranks == 1:
+            out.copy_(inp)
+            return
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        self._wait(work, what)
+
+    def _start_count_exchange(self, local: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """All-gather every rank's ``local`` ``[C]`` int64 counts → ``([R, C]`` on the device, valid in stream
+        order; a function that waits at most ``timeout_s`` and returns the matrix on the host``)``. Work queued
+        between the two overlaps the exchange."""
+        gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64, device=self.device)
+        work = _all_gather_single(gathered.view(-1), local, group=self.group, async_op=True)
+        what = "dispatch count exchange"
+        if self.device.type != "cuda":
+            def finish_cpu() -> torch.Tensor:
+                self._wait(work, what)
+                return gathered
+            return gathered, finish_cpu
+        work.wait()
+        host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(gathered, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+
+        def finish_cuda() -> torch.Tensor:
+            # Polled rather than synchronized so that a peer that never joins becomes an error, not a hang.
+            deadline = time.monotonic() + self.timeout_s
+            while not ready.query():
+                if time.monotonic() > deadline:
+                    raise self._timeout_error(what, None)
+                time.sleep(1e-5)
+            return host
+        return gathered, finish_cuda
+
+    def _start_layout(self, args: DispatchArgs) -> Callable[[], tuple[DispatchHandle, torch.Tensor]]:
+        """Launch the count exchange and the send order; the returned function reads the counts (the one host
+        sync of a dispatch) and returns the handle and the ``[L]`` int32 received (row, local expert) pairs."""
+        in_rank, topk = args.is_token_in_rank, args.topk_idx
+        n, num_ranks = in_rank.shape
+        num_experts, me = args.num_experts, self.rank
+        per_rank = args.num_tokens_per_rank.to(torch.int64)
+        # (token, expert) pairs per expert ride along, so the receiver's per-expert counts need no second read.
+        valid = topk >= 0
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk.device)
+        per_expert.scatter_add_(0, torch.where(valid, topk, num_experts).reshape(-1), valid.reshape(-1).to(torch.int64))
+        gathered, read_counts = self._start_count_exchange(torch.cat([per_rank, per_expert[:num_experts]]))
+
+        # Send order and combine gather map from device data only, overlapping the exchange.
+        send_pos = send_positions(in_rank)
+        starts = per_rank.cumsum(0) - per_rank
+        gather_idx = torch.where(in_rank, send_pos.to(torch.int64) + starts + 1, 0)  # [N, R]; 0 = not sent
+        order = torch.empty(n * num_ranks + 1, dtype=torch.int64, device=in_rank.device)
+        tokens = torch.arange(n, dtype=torch.int64, device=in_rank.device).unsqueeze(1).expand(n, num_ranks)
+        order.scatter_(0, gather_idx.reshape(-1), tokens.reshape(-1))  # slot 0 collects the unsent pairs
+        num_local = num_experts // num_ranks
+
+        def finish() -> tuple[DispatchHandle, torch.Tensor]:
+            counts = read_counts()
+            # From the device copy: on CUDA no host→device copy is needed (and none could run without a sync).
+            rank_prefix_matrix = gathered[:, :num_ranks].cumsum(0).to(torch.int32)
+            expert_counts = gathered[:, num_ranks + me * num_local:num_ranks + (me + 1) * num_local].sum(0)
+            send_counts, recv_counts = counts[me, :num_ranks].tolist(), counts[:num_ranks, me].tolist()
+            num_recv = sum(recv_counts)
+            state = _TorchState(order[1:1 + sum(send_counts)], gather_idx.t().contiguous(), send_counts, recv_counts)
+            handle = DispatchHandle(
+                rank_prefix_matrix=rank_prefix_matrix, is_token_in_rank=in_rank, send_pos=send_pos,
+                recv_src_idx=torch.empty(0, dtype=torch.int32, device=in_rank.device), num_tokens=n,
+                num_recv_tokens=num_recv, num_experts=num_experts, rank=me, num_ranks=num_ranks,
+                num_recv_rows=max(num_recv, args.num_worst_tokens), transport_state=state)
+            return handle, expert_counts.to(torch.int32)
+        return finish
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        handle = args.handle if args.handle is not None else self._new_handle(args)
+        finish_layout = self._start_layout(args) if args.handle is None else None
+        # Everything up to finish_layout() is queued while the count exchange is in flight.
+        x, x_scales = args.x, args.x_scales
+        if args.wire_fp8:
+            x, x_scales = fp8.quantize(x, round_scale=args.round_scale)
+        # Per-token metadata as int32 words: global top-k ids, source index, weights' bits, scales' bits.
+        parts = []
+        if args.topk_idx is not None:
+            parts += [args.topk_idx.to(torch.int32), torch.arange(x.shape[0], dtype=torch.int32,
+                                                                   device=x.device).unsqueeze(1)]
+            if args.topk_weights is not None:
+                parts.append(args.topk_weights.view(torch.int32))
+        if x_scales is not None:
+            parts.append(x_scales.view(torch.int32))
+        meta = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if finish_layout is not None:
+            handle, expert_counts = finish_layout()
+        else:
+            handle, expert_counts = args.handle, None
         state: _TorchState = handle.transport_state
         num_recv, rows = handle.num_recv_tokens, handle.num_recv_rows
         if rows < num_recv:
             raise ValueError(f"num_worst_tokens={args.num_worst_tokens} is smaller than the {num_recv} rows rank "
                              f"{self.rank} receives")
-        x, hidden = args.x, args.x.shape[1]
-        x_scales = args.x_scales
-        if args.wire_fp8:
-            x, x_scales = fp8.quantize(x, round_scale=args.round_scale)
-        parts, names = [], []
+
+        # Rows go out as they are (FP8 as bytes: not every backend reduces or moves float8 types).
+        wire = x.view(torch.uint8) if x.dtype == fp8.FP8_DTYPE else x
+        received = wire.new_empty(rows, wire.shape[1])
+        received[num_recv:].zero_()
+        self._all_to_all(received[:num_recv], wire.index_select(0, state.send_idx), state.recv_counts,
+                         state.send_counts, "dispatch")
+        recv_x = received.view(x.dtype)
+        recv_meta = None
+        if meta is not None:
+            recv_meta = meta.new_empty(num_recv, meta.shape[1])
+            self._all_to_all(recv_meta, meta.index_select(0, state.send_idx), state.recv_counts, state.send_counts,
+                             "dispatch metadata")
+
+        recv_topk_idx = recv_topk_weights = None
+        col = 0
         if args.topk_idx is not None:
-            parts += [args.topk_idx, torch.arange(x.shape[0], dtype=torch.int32, device=x.device).unsqueeze(1)]
-            names += ["topk_idx", "src_idx"]
+            k, num_local = args.topk_idx.shape[1], handle.num_local_experts
+            local = recv_meta[:, :k] - self.rank * num_local  # -1 (no expert) stays negative
+            is_local = (local >= 0) & (local < num_local)
+            recv_topk_idx = _padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
+            handle.recv_src_idx = recv_meta[:, k].contiguous()
+            col = k + 1
             if args.topk_weights is not None:
-                parts.append(args.topk_weights)
-                names.append("topk_weights")
-        if x_scales is not None:
-            parts.append(x_scales)
-            names.append("scales")
-        parts.append(x)
-        names.append("x")
-        records, spans = _pack(parts)
-        records = records.index_select(0, state.send_idx)
-        received = self._all_to_all(records, num_recv, state.recv_counts, state.send_counts, "dispatch")
-        span = dict(zip(names, spans))
-
-        def padded(t: torch.Tensor, fill: float) -> torch.Tensor:
-            if rows == num_recv:
-                return t
-            out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
-            out[:num_recv] = t
-            return out
-
-        recv_x = padded(_unpack(received, span["x"], x.dtype, hidden), 0)
+                weights = torch.where(is_local, recv_meta[:, col:col + k].view(torch.float32), 0.0)
+                recv_topk_weights = _padded(weights, rows, 0)
+                col += k
         recv_scales = None
         if x_scales is not None:
-            recv_scales = padded(_unpack(received, span["scales"], torch.float32, x_scales.shape[1]), 0)
+            recv_scales = _padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
             if args.recv_bf16:
                 recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
-        recv_topk_idx = recv_topk_weights = counts = None
-        recv_src_idx = handle.recv_src_idx
-        if args.topk_idx is not None:
-            k = args.topk_idx.shape[1]
-            recv_global = _unpack(received, span["topk_idx"], torch.int64, k)
-            weights = _unpack(received, span["topk_weights"], torch.float32, k) if args.topk_weights is not None else None
-            recv_topk_idx, recv_topk_weights, counts = localize_topk(recv_global, weights, self.rank,
-                                                                   handle.num_local_experts)
-            recv_topk_idx = padded(recv_topk_idx, -1)
-            recv_topk_weights = padded(recv_topk_weights, 0) if recv_topk_weights is not None else None
-            recv_src_idx = _unpack(received, span["src_idx"], torch.int32, 1).reshape(-1)
-            handle.recv_src_idx = recv_src_idx
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
+
+    def _return_rows(self, rows: torch.Tensor, state: _TorchState, what: str) -> torch.Tensor:
+        """Send received rows ``[N_recv, C]`` back to their sources → ``[1 + S, C]``: a zero row, then the rows
+        in send order (where ``state.gather_idx`` points)."""
+        back = rows.new_empty(1 + state.send_idx.shape[0], rows.shape[1])
+        back[0].zero_()
+        self._all_to_all(back[1:], rows, state.send_counts, state.recv_counts, what)
+        return back
+
+    def _sum_over_ranks(self, back: torch.Tensor, state: _TorchState) -> torch.Tensor:
+        """``[N, C]`` float32: each token's returned copies summed from 0.0 in ascending source-rank order
+        (one gather per rank, so the order is fixed: no atomics; an absent copy adds the zero row, exactly)."""
+        acc = torch.zeros(state.gather_idx.shape[1], back.shape[1], dtype=torch.float32, device=back.device)
+        for idx in state.gather_idx:
+            acc += back.index_select(0, idx)
+        return acc
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         state: _TorchState = handle.transport_state
         num_recv = handle.num_recv_tokens
-        parts = [x[:num_recv]] + ([topk_weights[:num_recv]] if topk_weights is not None else [])
-        records, spans = _pack(parts)
-        returned = self._all_to_all(records, len(state.send_idx), state.send_counts, state.recv_counts, "combine")
-        # Rows come back grouped by rank in rank order, so index_add sums each token's copies in rank order in fp32.
-        hidden = x.shape[1]
-        acc = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32, device=x.device)
-        acc.index_add_(0, state.send_idx, _unpack(returned, spans[0], x.dtype, hidden).float())
+        acc = self._sum_over_ranks(self._return_rows(x[:num_recv], state, "combine"), state)
         for b in bias:
-            acc += b.float()
+            acc += b
         combined_weights = None
         if topk_weights is not None:
-            k = topk_weights.shape[1]
-            combined_weights = torch.zeros(handle.num_tokens, k, dtype=torch.float32, device=x.device)
-            combined_weights.index_add_(0, state.send_idx, _unpack(returned, spans[1], torch.float32, k))
+            back = self._return_rows(topk_weights[:num_recv], state, "combine weights")
+            combined_weights = self._sum_over_ranks(back, state)
         return acc.to(x.dtype), combined_weights
