@@ -1,104 +1,249 @@
-"""Received rows ↔ expert-major layout for a grouped GEMM (the "prepare"/"finalize" steps around the experts).
+"""Received rows ↔ the expert-major layout a grouped GEMM wants, for transports without fused kernels.
 
-After dispatch each received row carries up to K local expert ids. ``permute`` makes one row per (row, local
-expert) pair, grouped by expert (stable: row order within an expert), each expert's block padded with zero rows
-to ``alignment``; ``unpermute`` sums the expert outputs of every received row back (fp32 accumulation by default).
-The only host data used is the count list dispatch already returned: no extra syncs.
+Layout on a receiving rank: local expert ``l`` owns rows ``[base[l], base[l] + tokens_per_expert[l])`` (base =
+exclusive cumsum); ``tokens_per_expert[l]`` = received (row, ``l``) pairs rounded up to ``alignment``. Inside a
+block rows follow received-row order (then top-k column); padding rows (zeros, prob 0) end the block.
+``recv_slot [N, K] int32`` is the expert-major row of every (received row, top-k column), -1 where the column
+names no local expert.
+
+CUDA tensors go through the kernels of ``csrc/permute.cu`` when the kernel library loads, everything else
+through torch ops; both give the same bits. No host syncs. Not differentiable by themselves (``autograd.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import functools
 from typing import Optional
 
 import torch
 
+from . import _ext
 
-@dataclass
-class RowMap:
-    """``rows`` ``[M]`` int64: received row feeding each permuted row (``num_rows`` for padding rows)."""
-
-    rows: torch.Tensor
-    num_rows: int
-    has_padding: bool
+# csrc/permute.h
+_MAX_KERNEL_LOCAL_EXPERTS = 1024
+_MAX_KERNEL_TOPK = 32
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_INT32_MAX = 2**31 - 1
 
 
-def permute(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: Optional[torch.Tensor],
-            num_local_experts: int, num_tokens_per_expert: list[int], alignment: int = 1
-            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, RowMap]:
-    """``recv_x`` ``[N_recv, H]``, ``recv_topk_idx`` ``[N_recv, K]`` local ids (-1 = none), weights float32 →
-    ``(permuted_x [M, H], permuted_probs [M] float32 or None, tokens_per_expert [L] int64 (CPU), row_map)``.
+def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alignment: int) -> torch.Tensor:
+    """``recv_topk_idx`` ``[N, K]`` int64 local expert ids (-1 = none; ids outside ``[0, L)`` count as none),
+    ``tokens_per_expert`` the aligned counts dispatch returned (``L`` of them), ``alignment`` ≥ 1 →
+    ``recv_slot`` ``[N, K]`` int32.
 
-    ``num_tokens_per_expert``: the list from dispatch, already rounded up to ``alignment`` (M = its sum).
+    The layout is computed from ``recv_topk_idx`` on its device, so the counts must be the ones it implies: checked
+    on CPU (free there), trusted on CUDA (checking would wait for the device).
+    """
+    if not isinstance(recv_topk_idx, torch.Tensor) or recv_topk_idx.dim() != 2 or recv_topk_idx.shape[1] < 1:
+        raise ValueError(f"recv_topk_idx: expected an [N, K] tensor with K >= 1, got {_describe(recv_topk_idx)}")
+    if recv_topk_idx.dtype != torch.int64:
+        raise TypeError(f"recv_topk_idx: expected int64, got {recv_topk_idx.dtype}")
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
+    if (not isinstance(tokens_per_expert, (list, tuple)) or not tokens_per_expert
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in tokens_per_expert)):
+        raise ValueError(f"tokens_per_expert: expected a non-empty list of counts >= 0, got {tokens_per_expert!r}")
+    if any(c % alignment for c in tokens_per_expert):
+        raise ValueError(f"tokens_per_expert: counts must be multiples of alignment={alignment}, got {tokens_per_expert}")
+    n, k = recv_topk_idx.shape
+    if n * k > _INT32_MAX or sum(tokens_per_expert) > _INT32_MAX:
+        raise ValueError(f"recv_topk_idx: {n} x {k} entries into {sum(tokens_per_expert)} rows exceed int32 slots")
+    num_local = len(tokens_per_expert)
+    idx = recv_topk_idx.contiguous()
+    if _kernels_for(idx) and num_local <= _MAX_KERNEL_LOCAL_EXPERTS:
+        slot = torch.empty(n, k, dtype=torch.int32, device=idx.device)
+        if n:
+            blocks = torch.cuda.get_device_properties(idx.device).multi_processor_count
+            workspace = torch.empty(blocks * num_local, dtype=torch.int32, device=idx.device)
+            _launch(idx, "moe_ep_expert_slots", idx.data_ptr(), n, k, num_local, alignment, slot.data_ptr(),
+                    workspace.data_ptr(), blocks)
+        return slot
+    slot, aligned = _torch_expert_slots(idx, num_local, alignment)
+    if idx.device.type == "cpu" and aligned.tolist() != list(tokens_per_expert):
+        raise ValueError(f"tokens_per_expert: recv_topk_idx implies {aligned.tolist()} (pairs per local expert rounded "
+                         f"up to alignment={alignment}), got {list(tokens_per_expert)}")
+    return slot
+
+
+def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: Optional[torch.Tensor] = None,
+            recv_scales: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``recv_x`` ``[N, H]`` (any dtype; FP8 moves as bytes), ``recv_slot`` ``[N, K]`` int32, ``num_rows`` M,
+    ``recv_weights`` ``[N, K]`` float32, ``recv_scales`` ``[N, S]`` float32 → ``(x [M, H] recv_x.dtype,
+    probs [M] float32 or None, scales [M, S] float32 or None)``.
+
+    Row ``recv_slot[r, k]`` of the outputs gets row ``r`` (and weight ``[r, k]``); rows no slot names (padding)
+    are zero. Slots outside ``[0, M)`` are ignored.
     """
     if not isinstance(recv_x, torch.Tensor) or recv_x.dim() != 2:
-        raise ValueError("recv_x: expected a 2-D [rows, hidden] tensor")
-    if not isinstance(recv_topk_idx, torch.Tensor) or recv_topk_idx.dim() != 2 or recv_topk_idx.shape[0] != recv_x.shape[0]:
-        raise ValueError(f"recv_topk_idx: expected [{recv_x.shape[0]}, K], got "
-                         f"{list(recv_topk_idx.shape) if isinstance(recv_topk_idx, torch.Tensor) else recv_topk_idx}")
-    if recv_topk_weights is not None and recv_topk_weights.shape != recv_topk_idx.shape:
-        raise ValueError(f"recv_topk_weights: expected shape {list(recv_topk_idx.shape)}, got {list(recv_topk_weights.shape)}")
-    if len(num_tokens_per_expert) != num_local_experts:
-        raise ValueError(f"num_tokens_per_expert: expected {num_local_experts} counts, got {len(num_tokens_per_expert)}")
-    if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
-    if any(c % alignment for c in num_tokens_per_expert):
-        raise ValueError(f"num_tokens_per_expert: counts must be multiples of alignment={alignment}")
-    n, k = recv_topk_idx.shape
-    num_out = sum(num_tokens_per_expert)
-    flat = recv_topk_idx.reshape(-1)
-    key = torch.where(flat >= 0, flat, num_local_experts)
-    order = torch.sort(key, stable=True).indices  # slot = row * K + k, grouped by expert, rows ascending
-    if alignment == 1:
-        # Without padding the first M sorted slots are exactly the permuted rows, in order.
-        slot_of = order[:num_out]
-    else:
-        slot_of = _padded_slots(key, order, num_local_experts, alignment, num_out, n * k)
-    is_pad = slot_of == n * k  # padding rows hold the past-the-end slot n * k
-    rows = torch.where(is_pad, n, slot_of // k)
-    has_padding = alignment > 1
-    # Padding rows point at row n (past the end): clamp them to a real row for the gather, then zero them.
-    permuted_x = recv_x.index_select(0, rows.clamp_max(max(n - 1, 0)))
-    if has_padding:
-        permuted_x = permuted_x.masked_fill(is_pad.unsqueeze(1), 0)
-    probs = None
-    if recv_topk_weights is not None:
-        flat_w = torch.cat([recv_topk_weights.reshape(-1).float(), recv_topk_weights.new_zeros(1, dtype=torch.float32)])
-        probs = flat_w.index_select(0, slot_of)
-    tokens_per_expert = torch.tensor(num_tokens_per_expert, dtype=torch.int64)
-    return permuted_x, probs, tokens_per_expert, RowMap(rows, n, has_padding)
+        raise ValueError(f"recv_x: expected a 2-D [rows, hidden] tensor, got {_describe(recv_x)}")
+    _check_slots(recv_slot, recv_x)
+    if not isinstance(num_rows, int) or isinstance(num_rows, bool) or not 0 <= num_rows <= _INT32_MAX:
+        raise ValueError(f"num_rows: expected an int in [0, 2**31), got {num_rows!r}")
+    n, k = recv_slot.shape
+    _check_float32("recv_weights", recv_weights, recv_x, (n, k))
+    _check_float32("recv_scales", recv_scales, recv_x, None)
+    x = recv_x.contiguous()
+    slot = recv_slot.contiguous()
+    weights = None if recv_weights is None else recv_weights.contiguous()
+    scales = None if recv_scales is None else recv_scales.contiguous()
+    row_bytes = x.shape[1] * x.element_size()
+    if not (_kernels_for(x) and k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0 and x.data_ptr() % 16 == 0):
+        return _torch_permute(x, slot, num_rows, weights, scales)
+    out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
+    out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    num_scales = 0 if scales is None else scales.shape[1]
+    out_scales = None if scales is None else torch.empty(num_rows, num_scales, dtype=torch.float32, device=x.device)
+    covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
+    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k, row_bytes,
+            num_scales, num_rows, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales), covered.data_ptr())
+    return out_x, out_probs, out_scales
 
 
-def unpermute(expert_out: torch.Tensor, row_map: RowMap, fp32_accumulation: bool = True) -> torch.Tensor:
-    """``expert_out`` ``[M, H]`` → ``[N_recv, H]``: each received row's local-expert outputs summed.
+def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
+    """``y`` ``[M, H]`` BF16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``.
 
-    ``fp32_accumulation=False`` sums in ``expert_out.dtype`` instead (what Megatron-Core's own unpermute does):
-    for BF16 it skips an fp32 copy of all M rows, which dominates this step at large shapes.
+    ``out[r]`` = sum over k ascending of ``y[recv_slot[r, k]]`` (slots in ``[0, M)`` only), accumulated in fp32
+    from 0.0 and rounded once (rows without slots are 0): the order the nvlink combine kernel uses too.
     """
-    if not isinstance(row_map, RowMap):
-        raise TypeError(f"row_map: expected the RowMap from permute, got {type(row_map).__name__}")
-    if expert_out.dim() != 2 or expert_out.shape[0] != row_map.rows.shape[0]:
-        raise ValueError(f"expert_out: expected [{row_map.rows.shape[0]}, H], got {list(expert_out.shape)}")
-    acc_dtype = torch.float32 if fp32_accumulation else expert_out.dtype
-    acc = torch.zeros(row_map.num_rows + 1, expert_out.shape[1], dtype=acc_dtype, device=expert_out.device)
-    acc = acc.index_add(0, row_map.rows, expert_out.to(acc_dtype))
-    return acc[:row_map.num_rows].to(expert_out.dtype)
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y: expected a 2-D [rows, hidden] tensor, got {_describe(y)}")
+    if y.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"y: expected BF16 or FP32, got {y.dtype}")
+    _check_slots(recv_slot, None)
+    if recv_slot.device != y.device:
+        raise ValueError(f"recv_slot: expected a tensor on {y.device}, got {recv_slot.device}")
+    y = y.contiguous()
+    slot = recv_slot.contiguous()
+    n, k = slot.shape
+    row_bytes = y.shape[1] * y.element_size()
+    if not (_kernels_for(y) and k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0 and y.data_ptr() % 16 == 0):
+        return _torch_unpermute(y, slot)
+    out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
+    _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), n, k, y.shape[1], y.shape[0], _KERNEL_DTYPES[y.dtype],
+            out.data_ptr())
+    return out
 
 
-def _padded_slots(key: torch.Tensor, order: torch.Tensor, num_local_experts: int, alignment: int, num_out: int,
-                  pad_slot: int) -> torch.Tensor:
-    """``[M]`` source slot of each permuted row when every expert's block is padded to ``alignment``
-    (``pad_slot`` for padding rows); each sorted slot moves down by the padding of the experts before it."""
-    device = key.device
-    exact = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    exact.scatter_add_(0, key, torch.ones_like(key))
-    exact = exact[:num_local_experts]
-    aligned = (exact + alignment - 1) // alignment * alignment
-    shift = torch.cumsum(aligned - exact, 0) - (aligned - exact)  # padding rows before each expert's block
+# --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---
+
+def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(recv_slot [N, K] int32, aligned counts [L] int64)``: a stable sort by expert puts the pairs in layout
+    order; each pair's row is its expert's base plus its rank among that expert's pairs."""
+    flat = idx.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # num_local = no local expert: sorts last
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    aligned = (counts[:num_local] + alignment - 1) // alignment * alignment
+    base = torch.cumsum(aligned, 0) - aligned
+    first = torch.cumsum(counts, 0) - counts  # first sorted position of each key
+    order = torch.sort(key, stable=True).indices
     sorted_key = key[order]
-    expert = sorted_key.clamp_max(num_local_experts - 1)
-    # Slots without a local expert land on an extra dump position M that is sliced off.
-    dest = torch.where(sorted_key < num_local_experts, torch.arange(key.numel(), device=device) + shift[expert],
-                       num_out)
-    slot_of = torch.full((num_out + 1,), pad_slot, dtype=torch.int64, device=device)
-    slot_of.scatter_(0, dest, order)
-    return slot_of[:num_out]
+    rank = torch.arange(flat.numel(), device=idx.device) - first[sorted_key]
+    sorted_slot = torch.where(sorted_key < num_local, base[sorted_key.clamp_max(num_local - 1)] + rank, -1)
+    slot = torch.empty_like(flat, dtype=torch.int32).index_copy_(0, order, sorted_slot.to(torch.int32))
+    return slot.view(idx.shape), aligned
+
+
+def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: Optional[torch.Tensor],
+                   scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """One copy of ``x`` per top-k column into a zeroed output with an extra dump row for invalid slots."""
+    dest = _dump_invalid(slot, num_rows)
+    # Rows move as bytes: FP8 (and any other dtype) then needs no index kernels of its own.
+    out_x = torch.zeros(num_rows + 1, x.shape[1] * x.element_size(), dtype=torch.uint8, device=x.device)
+    for j in range(slot.shape[1]):
+        out_x.index_copy_(0, dest[:, j], x.view(torch.uint8))
+    out_probs = out_scales = None
+    if weights is not None:
+        out_probs = torch.zeros(num_rows + 1, dtype=torch.float32, device=x.device)
+        out_probs = out_probs.index_copy_(0, dest.reshape(-1), weights.reshape(-1))[:num_rows]
+    if scales is not None:
+        out_scales = torch.zeros(num_rows + 1, scales.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(slot.shape[1]):
+            out_scales.index_copy_(0, dest[:, j], scales)
+        out_scales = out_scales[:num_rows]
+    return out_x[:num_rows].view(x.dtype), out_probs, out_scales
+
+
+def _torch_unpermute(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Top-k columns in ascending order, each adding its gathered rows (0 where invalid) to an fp32 sum from 0.0.
+    Adding +0.0 for an invalid column equals skipping it: a sum started at +0.0 never becomes -0.0."""
+    m = y.shape[0]
+    acc = torch.zeros(slot.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    if m:
+        s = slot.long()
+        valid = (s >= 0) & (s < m)
+        s = torch.where(valid, s, 0)
+        for j in range(slot.shape[1]):
+            acc += torch.where(valid[:, j, None], y.index_select(0, s[:, j]).float(), 0.0)
+    return acc.to(y.dtype)
+
+
+def _dump_invalid(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``slot`` as int64 with every slot outside ``[0, num_rows)`` replaced by the dump row ``num_rows``."""
+    s = slot.long()
+    return torch.where((s >= 0) & (s < num_rows), s, num_rows)
+
+
+# --- kernels and validation helpers ---
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Optional[ctypes.CDLL]:
+    """The kernel library with this module's functions declared, or None when it is missing, stale or was built
+    without ``csrc/permute.cu``."""
+    try:
+        lib = _ext.load()
+        functions = (lib.moe_ep_expert_slots, lib.moe_ep_permute, lib.moe_ep_unpermute)
+    except (OSError, AttributeError):
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moe_ep_expert_slots.argtypes = [p, i64, i64, i64, i64, p, p, i64, p]
+    lib.moe_ep_permute.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, p]
+    lib.moe_ep_unpermute.argtypes = [p, p, i64, i64, i64, i64, i64, p, p]
+    for function in functions:
+        function.restype = ctypes.c_int
+    return lib
+
+
+def _kernels_for(t: torch.Tensor) -> bool:
+    return t.is_cuda and _kernels() is not None
+
+
+def _launch(t: torch.Tensor, function: str, *args: int) -> None:
+    """Calls C ``function`` with ``args`` and ``t``'s current stream, on ``t``'s device."""
+    with torch.cuda.device(t.device):
+        stream = torch.cuda.current_stream(t.device).cuda_stream
+        _ext.check(getattr(_kernels(), function)(*args, stream), function)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _describe(t: object) -> str:
+    return f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_slots(recv_slot: torch.Tensor, recv_x: Optional[torch.Tensor]) -> None:
+    rows = "N" if recv_x is None else recv_x.shape[0]
+    if (not isinstance(recv_slot, torch.Tensor) or recv_slot.dim() != 2 or recv_slot.shape[1] < 1
+            or (recv_x is not None and recv_slot.shape[0] != recv_x.shape[0])):
+        raise ValueError(f"recv_slot: expected [{rows}, K] with K >= 1, got {_describe(recv_slot)}")
+    if recv_slot.dtype != torch.int32:
+        raise TypeError(f"recv_slot: expected int32 (from expert_slots), got {recv_slot.dtype}")
+    if recv_x is not None and recv_slot.device != recv_x.device:
+        raise ValueError(f"recv_slot: expected a tensor on {recv_x.device}, got {recv_slot.device}")
+
+
+def _check_float32(name: str, t: Optional[torch.Tensor], recv_x: torch.Tensor, shape: Optional[tuple[int, int]]) -> None:
+    """``t`` is None or a float32 ``[N, ...]`` tensor (exactly ``shape`` when given) on ``recv_x``'s device."""
+    if t is None:
+        return
+    if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != recv_x.shape[0]
+            or (shape is not None and tuple(t.shape) != shape)):
+        expected = list(shape) if shape is not None else [recv_x.shape[0], "S"]
+        raise ValueError(f"{name}: expected shape {expected}, got {_describe(t)}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}: expected float32, got {t.dtype}")
+    if t.device != recv_x.device:
+        raise ValueError(f"{name}: expected a tensor on {recv_x.device}, got {t.device}")

@@ -1,79 +1,157 @@
-"""Expert-major permutation against a plain loop over rows and experts."""
+"""Expert-major slots, permute and unpermute (torch path) against plain loops over rows, columns and experts."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from moe_ep_plugin.permute import RowMap, permute, unpermute
+from moe_ep_plugin import fp8
+from moe_ep_plugin.permute import expert_slots, permute, unpermute
 
 
-def _random_routing(n: int, k: int, experts: int, gen: torch.Generator) -> torch.Tensor:
-    idx = torch.full((n, k), -1, dtype=torch.int64)
-    for r in range(n):
-        picked = torch.randperm(experts, generator=gen)[:k]
-        keep = torch.rand(picked.numel(), generator=gen) > 0.3
-        idx[r, :int(keep.sum())] = picked[keep]
+def routing(kind: str, n: int, k: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
+    """``[n, k]`` int64 local ids as dispatch leaves them: distinct per row, -1 for experts on other ranks."""
+    if kind == "one_expert":
+        idx = torch.full((n, k), -1, dtype=torch.int64)
+        idx[:, torch.randint(k, (), generator=gen)] = 0
+        return idx
+    if kind == "none":
+        return torch.full((n, k), -1, dtype=torch.int64)
+    # "random": top-k over twice the local experts (the other half lives on another rank), some columns empty
+    idx = torch.rand(n, 2 * num_local, generator=gen).topk(min(k, 2 * num_local), dim=1).indices
+    idx = torch.cat([idx, torch.full((n, k - idx.shape[1]), -1, dtype=torch.int64)], dim=1)
+    idx[(idx >= num_local) | (torch.rand(n, k, generator=gen) < 0.1)] = -1
     return idx
 
 
-@pytest.mark.parametrize("n,k,experts,alignment", [(0, 2, 3, 1), (13, 1, 4, 1), (17, 3, 4, 4), (9, 8, 8, 3), (5, 2, 1, 2)])
-def test_permute_matches_loop(n: int, k: int, experts: int, alignment: int) -> None:
-    gen = torch.Generator().manual_seed(n * 7 + k)
-    x = torch.randn(n, 16, generator=gen, requires_grad=True)
-    idx = _random_routing(n, k, experts, gen)
+def reference_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, list[int]]:
+    """The contract's layout by loops: experts in order, rows then columns in order, blocks padded to alignment."""
+    n, k = idx.shape
+    slot = torch.full((n, k), -1, dtype=torch.int32)
+    counts, row = [], 0
+    for e in range(num_local):
+        start = row
+        for r in range(n):
+            for j in range(k):
+                if idx[r, j] == e:
+                    slot[r, j] = row
+                    row += 1
+        row = start + -(-(row - start) // alignment) * alignment
+        counts.append(row - start)
+    return slot, counts
+
+
+def reference_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, w: torch.Tensor, s: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out_x = torch.zeros(num_rows, x.shape[1], dtype=torch.uint8)
+    out_w = torch.zeros(num_rows)
+    out_s = torch.zeros(num_rows, s.shape[1])
+    for r in range(slot.shape[0]):
+        for j in range(slot.shape[1]):
+            if 0 <= slot[r, j] < num_rows:
+                out_x[slot[r, j]] = x[r]
+                out_w[slot[r, j]] = w[r, j]
+                out_s[slot[r, j]] = s[r]
+    return out_x, out_w, out_s
+
+
+def reference_unpermute(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(slot.shape[0], y.shape[1], dtype=y.dtype)
+    for r in range(slot.shape[0]):
+        acc = torch.zeros(y.shape[1], dtype=torch.float32)
+        for j in range(slot.shape[1]):
+            if 0 <= slot[r, j] < y.shape[0]:
+                acc = acc + y[slot[r, j]].float()
+        out[r] = acc.to(y.dtype)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("n,k,num_local,alignment,kind,dtype", [
+    (0, 2, 3, 1, "random", torch.float32),
+    (13, 1, 4, 1, "random", torch.bfloat16),
+    (17, 3, 4, 4, "random", torch.float32),
+    (9, 8, 8, 3, "random", torch.bfloat16),
+    (21, 4, 5, 16, "one_expert", torch.bfloat16),
+    (6, 2, 3, 2, "none", torch.float32),
+    (25, 6, 16, 1, "random", fp8.FP8_DTYPE),
+    (11, 8, 2, 128, "random", fp8.FP8_DTYPE),
+])
+def test_layout_matches_loops(n: int, k: int, num_local: int, alignment: int, kind: str, dtype: torch.dtype) -> None:
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    idx = routing(kind, n, k, num_local, gen)
+    ref_slot, counts = reference_slots(idx, num_local, alignment)
+    num_rows = sum(counts)
+    hidden, num_scales = 256, 2
+    x = (torch.randn(n, hidden, generator=gen) * 100).to(dtype)
     w = torch.rand(n, k, generator=gen)
-    counts = [int((idx == e).sum()) for e in range(experts)]
-    aligned = [(c + alignment - 1) // alignment * alignment for c in counts]
+    s = torch.rand(n, num_scales, generator=gen)
 
-    px, probs, tokens_per_expert, row_map = permute(x, idx, w, experts, aligned, alignment)
+    slot = expert_slots(idx, counts, alignment)
+    assert slot.dtype == torch.int32 and torch.equal(slot, ref_slot), f"seed {seed}"
 
-    ref_rows, ref_probs = [], []
-    for e in range(experts):
-        for r in range(n):
-            for j in range(k):
-                if idx[r, j] == e:
-                    ref_rows.append(x[r].detach())
-                    ref_probs.append(float(w[r, j]))
-        ref_rows += [torch.zeros(16)] * (aligned[e] - counts[e])
-        ref_probs += [0.0] * (aligned[e] - counts[e])
-    assert tokens_per_expert.tolist() == aligned and tokens_per_expert.device.type == "cpu"
-    assert torch.equal(px.detach(), torch.stack(ref_rows) if ref_rows else torch.zeros(0, 16))
-    assert probs.tolist() == pytest.approx(ref_probs, abs=0)
+    px, probs, scales = permute(x, slot, num_rows, w, s)
+    ref_x, ref_w, ref_s = reference_permute(bits(x), slot, num_rows, w, s)
+    assert px.dtype == dtype and px.shape == (num_rows, hidden)
+    assert torch.equal(bits(px), ref_x) and torch.equal(probs, ref_w) and torch.equal(scales, ref_s), f"seed {seed}"
+    assert permute(x, slot, num_rows)[1:] == (None, None)
 
-    out = torch.randn(px.shape, generator=gen)
-    back = unpermute(out, row_map)
-    expected = torch.zeros(n, 16)
-    pos = 0
-    for e in range(experts):
-        for r in range(n):
-            for j in range(k):
-                if idx[r, j] == e:
-                    expected[r] += out[pos]
-                    pos += 1
-        pos += aligned[e] - counts[e]
-    torch.testing.assert_close(back, expected, rtol=0, atol=1e-6)
-    # summing in the input dtype: BF16 rows give the loop's sums up to BF16 rounding
-    back16 = unpermute(out.bfloat16(), row_map, fp32_accumulation=False)
-    assert back16.dtype == torch.bfloat16
-    torch.testing.assert_close(back16.float(), expected, rtol=2e-2, atol=2e-2)
-
-    # gradient of sum(unpermute(permute(x) * 2)) wrt x = 2 · (number of local experts of each row)
-    unpermute(px * 2, row_map).sum().backward()
-    per_row = (idx >= 0).sum(1, keepdim=True).float() * 2
-    torch.testing.assert_close(x.grad, per_row.expand(n, 16))
+    out_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    y = torch.randn(num_rows, hidden, generator=gen).to(out_dtype)
+    back = unpermute(y, slot)
+    assert back.dtype == out_dtype and torch.equal(bits(back), bits(reference_unpermute(y, slot))), f"seed {seed}"
 
 
-def test_permute_validates_arguments() -> None:
-    x, idx = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="num_tokens_per_expert"):
-        permute(x, idx, None, 2, [6], 1)
+def test_out_of_range_ids_and_slots_are_ignored() -> None:
+    idx = torch.tensor([[0, 5], [-3, 1], [2, 0]])  # 5 is past the 3 local experts, -3 is no expert
+    slot = expert_slots(idx, [2, 1, 1], 1)
+    assert slot.tolist() == [[0, -1], [-1, 2], [3, 1]]
+    x = torch.arange(12.0).view(3, 4)
+    bad = torch.tensor([[0, 7], [-2, 2], [1, 3]], dtype=torch.int32)  # 7 and 3 >= num_rows: dropped like -2
+    px, probs, _ = permute(x, bad, 3, torch.arange(6.0).view(3, 2))
+    assert torch.equal(px, x[[0, 2, 1]]) and probs.tolist() == [0.0, 4.0, 3.0]
+    y = torch.arange(9.0).view(3, 3)
+    assert torch.equal(unpermute(y, bad), y[[0, 2, 1]])
+    assert unpermute(y[:0], bad).tolist() == [[0.0] * 3] * 3  # no rows at all: every slot is out of range
+
+
+def test_arguments_are_validated() -> None:
+    idx = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(TypeError, match="recv_topk_idx"):
+        expert_slots(idx.int(), [3], 1)
     with pytest.raises(ValueError, match="recv_topk_idx"):
-        permute(x, idx[:2], None, 1, [6], 1)
+        expert_slots(idx[0], [3], 1)
     with pytest.raises(ValueError, match="alignment"):
-        permute(x, idx, None, 1, [6], 0)
+        expert_slots(idx, [3], 0)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        expert_slots(idx, [], 1)
     with pytest.raises(ValueError, match="multiples of alignment"):
-        permute(x, idx, None, 1, [6], 4)
-    with pytest.raises(TypeError, match="row_map"):
-        unpermute(x, "not a map")
-    with pytest.raises(ValueError, match="expert_out"):
-        unpermute(x, RowMap(torch.zeros(5, dtype=torch.int64), 3, False))
+        expert_slots(idx, [6], 4)
+    with pytest.raises(ValueError, match=r"implies \[6, 0\]"):
+        expert_slots(idx, [3, 3], 1)
+    x, slot = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="recv_x"):
+        permute(x[0], slot, 1)
+    with pytest.raises(ValueError, match="recv_slot"):
+        permute(x, slot[:2], 1)
+    with pytest.raises(TypeError, match="recv_slot"):
+        permute(x, slot.long(), 1)
+    with pytest.raises(ValueError, match="num_rows"):
+        permute(x, slot, -1)
+    with pytest.raises(ValueError, match="num_rows"):
+        permute(x, slot, True)
+    with pytest.raises(ValueError, match="recv_weights"):
+        permute(x, slot, 1, torch.zeros(3, 3))
+    with pytest.raises(TypeError, match="recv_weights"):
+        permute(x, slot, 1, torch.zeros(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="recv_scales"):
+        permute(x, slot, 1, None, torch.zeros(2, 1))
+    with pytest.raises(TypeError, match="y"):
+        unpermute(x.to(fp8.FP8_DTYPE), slot)
+    with pytest.raises(ValueError, match="recv_slot"):
+        unpermute(x, slot[:, :0])

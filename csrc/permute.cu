@@ -1,0 +1,437 @@
+// Local expert-major permutation (csrc/permute.h): slot assignment, the row scatter into expert blocks and the
+// fixed-order gather-sum back. Every transport without fused dispatch/combine kernels composes its dispatch and
+// combine with these.
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <string>
+
+#include "context.h"
+#include "permute.h"
+
+namespace moe_ep {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kBlockThreads = kWarpsPerBlock * 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxDevices = 64;
+constexpr int kPermuteUnroll = 4;    // 16-byte vectors of a row each lane holds before storing them K times
+constexpr int kUnpermuteBatch = 8;   // slot rows whose vectors are loaded together, then summed in order
+constexpr int kSlotsStepsPerWarp = 4;  // expert_slots adds a block only when each warp gets >= 4 x 32 entries
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+    unsigned mask;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+    return mask;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// expert_slots: one cooperative kernel. Phase 1: every warp counts the pairs per local expert in its contiguous
+// range of the flat [N * K] entries (row-major = the contract's order); blocks publish their totals. Grid sync.
+// Phase 2: every block derives the same aligned totals and bases from all blocks' counts (integer sums: exact and
+// deterministic) and the first row of each expert for each of its warps. Phase 3: warps walk their range again
+// and hand out rows in order. Ranks inside a 32-entry step come from __match_any_sync, never from atomics.
+
+// Local expert of flat entry i of a warp range ending at `end`, or -1 (past the end, -1, or not local).
+__device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, int64_t end, int num_local_experts) {
+    if (i >= end) return -1;
+    const int64_t e = __ldg(topk_idx + i);
+    return (e >= 0 && e < num_local_experts) ? int(e) : -1;
+}
+
+// In-place exclusive prefix sum of s[0, n) by the whole block; warp_sums holds kWarpsPerBlock ints.
+__device__ void block_exclusive_scan(int* s, int n, int* warp_sums) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per_thread = (n + kBlockThreads - 1) / kBlockThreads;
+    const int first = threadIdx.x * per_thread;
+    int local = 0;
+    for (int q = 0; q < per_thread; ++q)
+        if (first + q < n) local += s[first + q];
+    int inclusive = local;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, offset);
+        if (lane >= offset) inclusive += v;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int mine = lane < kWarpsPerBlock ? warp_sums[lane] : 0;
+        int prefix = mine;
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int v = __shfl_up_sync(kFullMask, prefix, offset);
+            if (lane >= offset) prefix += v;
+        }
+        if (lane < kWarpsPerBlock) warp_sums[lane] = prefix - mine;
+    }
+    __syncthreads();
+    int running = warp_sums[warp] + inclusive - local;
+    for (int q = 0; q < per_thread; ++q) {
+        if (first + q < n) {
+            const int c = s[first + q];
+            s[first + q] = running;
+            running += c;
+        }
+    }
+    __syncthreads();
+}
+
+size_t expert_slots_smem(int num_local_experts) {
+    // counters [kWarpsPerBlock][L], aligned totals [L], counts of earlier blocks [L], warp sums [kWarpsPerBlock]
+    return sizeof(int) * (size_t(kWarpsPerBlock + 2) * num_local_experts + kWarpsPerBlock);
+}
+
+__global__ void __launch_bounds__(kBlockThreads)
+    expert_slots_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts,
+                        int alignment, int64_t per_warp, int32_t* __restrict__ recv_slot, int32_t* block_counts) {
+    extern __shared__ int smem[];
+    const int L = num_local_experts;
+    int* counters = smem;                          // [warp][l]: the warp's pairs of l, then its next row of l
+    int* totals = counters + kWarpsPerBlock * L;   // [l]: aligned totals, then their exclusive prefix (bases)
+    int* before = totals + L;                      // [l]: pairs of l in the blocks before this one
+    int* warp_sums = before + L;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t begin = min((int64_t(blockIdx.x) * kWarpsPerBlock + warp) * per_warp, num_entries);
+    const int64_t end = min(begin + per_warp, num_entries);
+    int* mine = counters + warp * L;
+
+    for (int i = threadIdx.x; i < kWarpsPerBlock * L; i += kBlockThreads) counters[i] = 0;
+    __syncthreads();
+    // Lanes naming the same expert elect their lowest lane, which adds the group's size: one writer per address.
+    for (int64_t i = begin; i < end; i += 32) {
+        const int e = local_expert(topk_idx, i + lane, end, L);
+        const unsigned peers = __match_any_sync(kFullMask, e);
+        if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int l = threadIdx.x; l < L; l += kBlockThreads) {
+        int sum = 0;
+        for (int w = 0; w < kWarpsPerBlock; ++w) sum += counters[w * L + l];
+        block_counts[int64_t(blockIdx.x) * L + l] = sum;
+    }
+    cg::this_grid().sync();  // also makes every block's counts visible (plain loads below: written in this kernel)
+
+    for (int l = threadIdx.x; l < L; l += kBlockThreads) {
+        int total = 0, prior = 0;
+        for (int b = 0; b < int(gridDim.x); ++b) {
+            const int c = block_counts[int64_t(b) * L + l];
+            total += c;
+            if (b < int(blockIdx.x)) prior += c;
+        }
+        totals[l] = (total + alignment - 1) / alignment * alignment;
+        before[l] = prior;
+    }
+    __syncthreads();
+    block_exclusive_scan(totals, L, warp_sums);
+    for (int l = threadIdx.x; l < L; l += kBlockThreads) {
+        int next = totals[l] + before[l];
+        for (int w = 0; w < kWarpsPerBlock; ++w) {
+            const int c = counters[w * L + l];
+            counters[w * L + l] = next;
+            next += c;
+        }
+    }
+    __syncthreads();
+
+    for (int64_t i = begin; i < end; i += 32) {
+        const int e = local_expert(topk_idx, i + lane, end, L);
+        const unsigned peers = __match_any_sync(kFullMask, e);
+        const int slot = e >= 0 ? mine[e] + __popc(peers & lanemask_lt()) : -1;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
+        __syncwarp();
+        if (i + lane < end) recv_slot[i + lane] = slot;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// permute / unpermute: one warp per received row, grid-stride over rows, grids of one full wave.
+
+struct RowSlots {
+    int count;  // valid slots of the row, compacted into the warp's list in top-k column order
+    int own;    // lane k's slot (-1 when invalid or k >= num_topk)
+};
+
+// Slots outside [0, num_rows) count as invalid.
+__device__ __forceinline__ RowSlots row_slots(const int32_t* recv_slot, int64_t r, int num_topk, int64_t num_rows,
+                                              int* list) {
+    const int lane = threadIdx.x & 31;
+    int s = lane < num_topk ? __ldg(recv_slot + r * num_topk + lane) : -1;
+    if (s < 0 || s >= num_rows) s = -1;
+    const unsigned valid = __ballot_sync(kFullMask, s >= 0);
+    if (s >= 0) list[__popc(valid & lanemask_lt())] = s;
+    __syncwarp();
+    return {__popc(valid), s};
+}
+
+__global__ void __launch_bounds__(kBlockThreads)
+    permute_kernel(const int4* __restrict__ x, const int32_t* __restrict__ recv_slot, const float* __restrict__ weights,
+                   const float* __restrict__ scales, int64_t num_recv_rows, int num_topk, int64_t row_vecs,
+                   int64_t num_scales, int64_t num_rows, int4* __restrict__ out_x, float* __restrict__ out_probs,
+                   float* __restrict__ out_scales, uint8_t* __restrict__ covered) {
+    __shared__ int lists[kWarpsPerBlock][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int* list = lists[warp];
+    for (int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + warp; r < num_recv_rows;
+         r += int64_t(gridDim.x) * kWarpsPerBlock) {
+        const RowSlots row = row_slots(recv_slot, r, num_topk, num_rows, list);
+        const int n = row.count;
+        if (row.own >= 0) {
+            covered[row.own] = 1;
+            if (out_probs != nullptr) out_probs[row.own] = __ldg(weights + r * num_topk + lane);
+        }
+        if (n > 0) {
+            const int4* src = x + r * row_vecs;
+            for (int64_t v = lane; v < row_vecs; v += 32 * kPermuteUnroll) {
+                int4 buf[kPermuteUnroll];
+#pragma unroll
+                for (int u = 0; u < kPermuteUnroll; ++u)
+                    if (v + 32 * u < row_vecs) buf[u] = __ldg(src + v + 32 * u);
+                for (int j = 0; j < n; ++j) {
+                    int4* dst = out_x + int64_t(list[j]) * row_vecs + v;
+#pragma unroll
+                    for (int u = 0; u < kPermuteUnroll; ++u)
+                        if (v + 32 * u < row_vecs) dst[32 * u] = buf[u];
+                }
+            }
+            if (out_scales != nullptr) {
+                for (int64_t c = lane; c < num_scales; c += 32) {
+                    const float s = __ldg(scales + r * num_scales + c);
+                    for (int j = 0; j < n; ++j) out_scales[int64_t(list[j]) * num_scales + c] = s;
+                }
+            }
+        }
+        __syncwarp();  // the list is rewritten for the next row
+    }
+}
+
+// Rows no slot named are the padding at the end of each expert block: only they are written here.
+__global__ void __launch_bounds__(kBlockThreads)
+    zero_padding_kernel(const uint8_t* __restrict__ covered, int64_t num_rows, int64_t row_vecs, int64_t num_scales,
+                        int4* __restrict__ out_x, float* __restrict__ out_probs, float* __restrict__ out_scales) {
+    const int lane = threadIdx.x & 31;
+    const int4 zero = make_int4(0, 0, 0, 0);
+    for (int64_t row = (int64_t(blockIdx.x) * kBlockThreads + threadIdx.x) / 32; row < num_rows;
+         row += int64_t(gridDim.x) * kWarpsPerBlock) {
+        if (__ldg(covered + row)) continue;
+        int4* dst = out_x + row * row_vecs;
+        for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = zero;
+        if (out_probs != nullptr && lane == 0) out_probs[row] = 0.0f;
+        if (out_scales != nullptr)
+            for (int64_t c = lane; c < num_scales; c += 32) out_scales[row * num_scales + c] = 0.0f;
+    }
+}
+
+// 16 bytes of T added into / rounded from fp32 accumulators.
+template <typename T>
+struct Vec16;
+
+template <>
+struct Vec16<float> {
+    static constexpr int kElems = 4;
+    __device__ __forceinline__ static void add(const int4& v, float* acc) {
+        acc[0] += __int_as_float(v.x);
+        acc[1] += __int_as_float(v.y);
+        acc[2] += __int_as_float(v.z);
+        acc[3] += __int_as_float(v.w);
+    }
+    __device__ __forceinline__ static int4 round(const float* acc) {
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                         __float_as_int(acc[3]));
+    }
+};
+
+template <>
+struct Vec16<__nv_bfloat16> {
+    static constexpr int kElems = 8;
+    __device__ __forceinline__ static void add(const int4& v, float* acc) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
+    __device__ __forceinline__ static int4 round(const float* acc) {
+        int4 out;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        return out;
+    }
+};
+
+// out[r] = sum over the row's valid slots, top-k column ascending, in fp32 from 0.0f, rounded once. Every output
+// row is written (rows without slots get zeros), so out needs no memset.
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads)
+    unpermute_kernel(const int4* __restrict__ y, const int32_t* __restrict__ recv_slot, int64_t num_recv_rows,
+                     int num_topk, int64_t row_vecs, int64_t num_rows, int4* __restrict__ out) {
+    __shared__ int lists[kWarpsPerBlock][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int* list = lists[warp];
+    for (int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + warp; r < num_recv_rows;
+         r += int64_t(gridDim.x) * kWarpsPerBlock) {
+        const int n = row_slots(recv_slot, r, num_topk, num_rows, list).count;
+        int4* dst = out + r * row_vecs;
+        for (int64_t v = lane; v < row_vecs; v += 32) {
+            float acc[Vec16<T>::kElems];
+#pragma unroll
+            for (int i = 0; i < Vec16<T>::kElems; ++i) acc[i] = 0.0f;
+            for (int j0 = 0; j0 < n; j0 += kUnpermuteBatch) {
+                int4 buf[kUnpermuteBatch];
+#pragma unroll
+                for (int u = 0; u < kUnpermuteBatch; ++u)
+                    if (j0 + u < n) buf[u] = __ldg(y + int64_t(list[j0 + u]) * row_vecs + v);
+#pragma unroll
+                for (int u = 0; u < kUnpermuteBatch; ++u)
+                    if (j0 + u < n) Vec16<T>::add(buf[u], acc);
+            }
+            dst[v] = Vec16<T>::round(acc);
+        }
+        __syncwarp();  // the list is rewritten for the next row
+    }
+}
+
+// Blocks of `kernel` (kBlockThreads threads, smem bytes) resident on the current device at once, cached per device
+// in `cache` (one per kernel and launch site): grid-stride grids are one full wave, cooperative grids must fit.
+int resident_blocks(const void* kernel, size_t smem, std::atomic<int>* cache, int* blocks) {
+    int device = 0;
+    if (int err = check_cuda(cudaGetDevice(&device), "cudaGetDevice")) return err;
+    if (device < kMaxDevices) {
+        if (const int cached = cache[device].load(std::memory_order_relaxed)) {
+            *blocks = cached;
+            return 0;
+        }
+    }
+    int sms = 0, per_sm = 0;
+    if (int err = check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                             "cudaDeviceGetAttribute(multiProcessorCount)"))
+        return err;
+    if (int err = check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, smem),
+                             "cudaOccupancyMaxActiveBlocksPerMultiprocessor"))
+        return err;
+    if (per_sm < 1) return set_error(-1, "permute kernels: a block does not fit on one SM");
+    *blocks = sms * per_sm;
+    if (device < kMaxDevices) cache[device].store(*blocks, std::memory_order_relaxed);
+    return 0;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+}  // namespace moe_ep
+
+using namespace moe_ep;
+
+extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk,
+                                   int64_t num_local_experts, int64_t alignment, int32_t* recv_slot,
+                                   int32_t* workspace, int64_t workspace_blocks, void* stream) {
+    if (num_recv_rows < 0 || num_topk < 1 || num_local_experts < 1 ||
+        num_local_experts > MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS || alignment < 1 || alignment > INT_MAX ||
+        workspace_blocks < 1)
+        return set_error(-1, "moe_ep_expert_slots: need num_recv_rows >= 0, num_topk >= 1, 1 <= num_local_experts <= " +
+                                 std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
+                                 ", alignment >= 1 and workspace_blocks >= 1");
+    const int64_t entries = num_recv_rows * num_topk;
+    if (entries == 0) return 0;
+    if (entries > INT_MAX) return set_error(-1, "moe_ep_expert_slots: more than INT_MAX (row, top-k) entries");
+    static std::atomic<int> cache[kMaxDevices];
+    int resident = 0;
+    if (int err = resident_blocks(reinterpret_cast<const void*>(expert_slots_kernel),
+                                  expert_slots_smem(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS), cache, &resident))
+        return err;
+    const int64_t blocks = std::min<int64_t>(
+        std::min<int64_t>(ceil_div(entries, int64_t(kBlockThreads) * kSlotsStepsPerWarp), workspace_blocks), resident);
+    const int64_t per_warp = ceil_div(ceil_div(entries, blocks * kWarpsPerBlock), 32) * 32;
+
+    cudaLaunchAttribute cooperative;
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(blocks));
+    config.blockDim = dim3(kBlockThreads);
+    config.dynamicSmemBytes = expert_slots_smem(int(num_local_experts));
+    config.stream = static_cast<cudaStream_t>(stream);
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    return check_cuda(cudaLaunchKernelEx(&config, expert_slots_kernel, topk_idx, entries, int(num_local_experts),
+                                         int(alignment), per_warp, recv_slot, workspace),
+                      "expert_slots_kernel");
+}
+
+extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,
+                              int64_t num_recv_rows, int64_t num_topk, int64_t row_bytes, int64_t num_scales,
+                              int64_t num_rows, void* out_x, float* out_probs, float* out_scales, uint8_t* covered,
+                              void* stream) {
+    if (num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK || row_bytes < 16 ||
+        row_bytes % 16 != 0 || num_scales < 0 || num_rows < 0 || !aligned16(x) || !aligned16(out_x) ||
+        (weights == nullptr) != (out_probs == nullptr) || (scales == nullptr) != (out_scales == nullptr))
+        return set_error(-1, "moe_ep_permute: need 1 <= num_topk <= " + std::to_string(MOE_EP_PERMUTE_MAX_TOPK) +
+                                 ", row_bytes a positive multiple of 16, 16-byte aligned rows, and weights/scales "
+                                 "given together with their outputs");
+    if (num_rows == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int64_t row_vecs = row_bytes / 16;
+    if (int err = check_cuda(cudaMemsetAsync(covered, 0, size_t(num_rows), s), "cudaMemsetAsync(covered)"))
+        return err;
+    if (num_recv_rows > 0) {
+        static std::atomic<int> cache[kMaxDevices];
+        int resident = 0;
+        if (int err = resident_blocks(reinterpret_cast<const void*>(permute_kernel), 0, cache, &resident)) return err;
+        const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows, kWarpsPerBlock), resident);
+        permute_kernel<<<unsigned(blocks), kBlockThreads, 0, s>>>(
+            static_cast<const int4*>(x), recv_slot, weights, scales, num_recv_rows, int(num_topk), row_vecs, num_scales,
+            num_rows, static_cast<int4*>(out_x), out_probs, out_scales, covered);
+        if (int err = check_launch("permute_kernel")) return err;
+    }
+    static std::atomic<int> cache[kMaxDevices];
+    int resident = 0;
+    if (int err = resident_blocks(reinterpret_cast<const void*>(zero_padding_kernel), 0, cache, &resident)) return err;
+    const int64_t blocks = std::min<int64_t>(ceil_div(num_rows, kWarpsPerBlock), resident);
+    zero_padding_kernel<<<unsigned(blocks), kBlockThreads, 0, s>>>(covered, num_rows, row_vecs, num_scales,
+                                                                   static_cast<int4*>(out_x), out_probs, out_scales);
+    return check_launch("zero_padding_kernel");
+}
+
+namespace {
+
+template <typename T>
+int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk,
+                     int64_t row_vecs, int64_t num_rows, void* out, cudaStream_t stream) {
+    static std::atomic<int> cache[kMaxDevices];
+    int resident = 0;
+    if (int err = resident_blocks(reinterpret_cast<const void*>(unpermute_kernel<T>), 0, cache, &resident)) return err;
+    const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows, kWarpsPerBlock), resident);
+    unpermute_kernel<T><<<unsigned(blocks), kBlockThreads, 0, stream>>>(
+        static_cast<const int4*>(y), recv_slot, num_recv_rows, int(num_topk), row_vecs, num_rows,
+        static_cast<int4*>(out));
+    return check_launch("unpermute_kernel");
+}
+
+}  // namespace
+
+extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk,
+                                int64_t hidden, int64_t num_rows, int64_t dtype, void* out, void* stream) {
+    const int64_t elem_bytes = dtype == MOE_EP_PERMUTE_FP32 ? 4 : dtype == MOE_EP_PERMUTE_BF16 ? 2 : 0;
+    const int64_t row_bytes = hidden * elem_bytes;
+    if (elem_bytes == 0 || num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK ||
+        row_bytes < 16 || row_bytes % 16 != 0 || num_rows < 0 || !aligned16(y) || !aligned16(out))
+        return set_error(-1, "moe_ep_unpermute: need an FP32/BF16 dtype code, 1 <= num_topk <= " +
+                                 std::to_string(MOE_EP_PERMUTE_MAX_TOPK) +
+                                 ", rows a positive multiple of 16 bytes and 16-byte aligned pointers");
+    if (num_recv_rows == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return dtype == MOE_EP_PERMUTE_FP32
+               ? launch_unpermute<float>(y, recv_slot, num_recv_rows, num_topk, row_bytes / 16, num_rows, out, s)
+               : launch_unpermute<__nv_bfloat16>(y, recv_slot, num_recv_rows, num_topk, row_bytes / 16, num_rows, out, s);
+}
