@@ -2,8 +2,9 @@
 
 One process per local GPU (spawned; or under torchrun). Standard shape (../shared/BENCHMARKS.md): 4096 tokens
 per rank, hidden 7168, 256 experts, top-8 with group-limited sigmoid routing (8 groups, top-4 groups); FP8
-dispatch, BF16 dispatch, BF16 combine. Before timing, the nvlink results are checked against the torch
-transport on the same inputs. Method: CUDA events around each call, warm-up, median of ``--iters`` runs over
+dispatch, BF16 dispatch, BF16 combine, and the expert-major pair (``dispatch_experts`` straight into the
+grouped-GEMM layout, ``combine_experts`` from expert outputs). Before timing, the nvlink results are checked
+against the torch transport on the same inputs. Method: CUDA events around each call, warm-up, median of ``--iters`` runs over
 4 rotating input sets, a barrier before every timed series; the slowest rank's median is reported.
 Bandwidth: *logical* = all rows a rank receives (its own included, DeepEP's way); *physical* = rows that
 cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] [--json out.json]``.
@@ -104,6 +105,10 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
 
+    def edisp(i: int, **kw):
+        x, idx, w = inputs[i % 4]
+        return buffer.dispatch_experts(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
+
     if check is not None:
         ok = True
         for kw in (dict(), dict(fp8_dispatch=True, fp8_out=True), dict(fp8_dispatch=True)):
@@ -113,12 +118,19 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3])) and got[3] == want[3]
             y = got[0] if not isinstance(got[0], tuple) else torch.randn(got[4].num_recv_rows, h, device=device).to(torch.bfloat16)
             ok &= _same(buffer.combine(y, got[4])[0], check.combine(y, want[4])[0])
+            got, want = edisp(0, **kw), check.dispatch_experts(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
+            ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3]) if a is not None) and got[3] == want[3]
+            if not kw.get("fp8_out"):
+                y = torch.randn(got[4].expert_layout.num_rows, h, device=device).to(torch.bfloat16)
+                ok &= _same(buffer.combine_experts(y, got[4])[0], check.combine_experts(y, want[4])[0])
         flag = torch.tensor([0 if ok else 1], device=device)
         dist.all_reduce(flag)
         results.append(dict(tag=tag, tokens=n, op="check vs torch", ok=int(flag.item()) == 0))
 
     handles = [disp(j)[4] for j in range(4)]
     ys = [torch.randn(hd.num_recv_rows, h, device=device).to(torch.bfloat16) for hd in handles]
+    ehandles = [edisp(j)[4] for j in range(4)]
+    eys = [torch.randn(hd.expert_layout.num_rows, h, device=device).to(torch.bfloat16) for hd in ehandles]
     bf16_row, fp8_row = h * 2, h + h // 128 * 4
     worst = n * dist.get_world_size()
     ops = [
@@ -129,22 +141,34 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         ("dispatch bf16 cached", lambda i: buffer.dispatch(inputs[i % 4][0], handle=handles[i % 4]), bf16_row),
         ("dispatch fp8 worst", lambda i: disp(i, fp8_dispatch=True, fp8_out=True, num_worst_tokens=worst), fp8_row),
         ("combine bf16", lambda i: buffer.combine(ys[i % 4], handles[i % 4]), bf16_row),
+        ("experts dispatch bf16", lambda i: edisp(i), bf16_row),
+        ("experts dispatch fp8->bf16", lambda i: edisp(i, fp8_dispatch=True), fp8_row),
+        ("experts combine bf16", lambda i: buffer.combine_experts(eys[i % 4], ehandles[i % 4]), bf16_row),
     ]
     if buffer.transport_name == "nvlink":
         # The kernels alone: straight to the transport, no Buffer validation, streams or host syncs.
         transport, config = buffer.transport, Buffer.get_dispatch_config(dist.get_world_size())
 
+        def cached_args(i: int, fp8: bool, handle, recv_bf16: bool = False) -> DispatchArgs:
+            return DispatchArgs(x=inputs[i % 4][0], x_scales=None, topk_idx=None, topk_weights=None,
+                                num_tokens_per_rank=None, is_token_in_rank=None, num_experts=e, handle=handle,
+                                num_worst_tokens=0, wire_fp8=fp8, recv_bf16=recv_bf16, round_scale=False,
+                                config=config)
+
         def kernel_dispatch(i: int, fp8: bool):
-            return transport.dispatch(DispatchArgs(
-                x=inputs[i % 4][0], x_scales=None, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
-                is_token_in_rank=None, num_experts=e, handle=handles[i % 4], num_worst_tokens=0, wire_fp8=fp8,
-                recv_bf16=False, round_scale=False, config=config))
+            return transport.dispatch(cached_args(i, fp8, handles[i % 4]))
 
         ops += [
             ("kernel layout", lambda i: transport.get_dispatch_layout(inputs[i % 4][1], e), 0),
             ("kernel dispatch fp8", lambda i: kernel_dispatch(i, True), fp8_row),
             ("kernel dispatch bf16", lambda i: kernel_dispatch(i, False), bf16_row),
             ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), config), bf16_row),
+            ("kernel experts dispatch bf16", lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1),
+             bf16_row),
+            ("kernel experts dispatch fp8->bf16",
+             lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], True), 1), fp8_row),
+            ("kernel experts combine bf16", lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, config),
+             bf16_row),
         ]
     if args.quick:
         ops = [op for op in ops if op[0].startswith("kernel ")]
@@ -168,20 +192,19 @@ def _worker(args) -> None:
     if not args.quick:
         _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
     transport, defaults = nvlink.transport, type(nvlink.transport)
-    for sms, split, copies in args.split_sweep:
+    for sms, split in args.split_sweep:
         sms = int(sms)
         Buffer.set_num_sms(sms)
         blocks = int(split[1:]) if split.startswith("b") else 0
         if not blocks:
             transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = int(split)
             transport.combine_send_warps = int(split)
-        transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
-        transport.use_tma = {"r": False, "t": True}.get(copies, defaults.use_tma)
+        transport.dispatch_send_blocks = transport.combine_send_blocks = transport.expert_combine_send_blocks = blocks
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        what = (f"{blocks} send blocks" if blocks else f"{split} send warps") + (", TMA" if transport.use_tma else "")
+        what = f"{blocks} send blocks" if blocks else f"{split} send warps"
         _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "combine_send_warps",
-                     "dispatch_send_blocks", "combine_send_blocks", "use_tma"):
+                     "dispatch_send_blocks", "combine_send_blocks", "expert_combine_send_blocks"):
             setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
@@ -215,10 +238,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":") + [""])[:3] for v in s.split(",") if v],
-                   default="24:6,24:8,24:b8,24:8:t,24:b8:t,16:6,32:8",
-                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send), with :t / :r "
-                        "for TMA / register copies, to time the kernels with on the standard shape")
+    p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":"))[:2] for v in s.split(",") if v],
+                   default="24:6,24:8,24:10,24:b8,24:b12,16:6,32:8,32:b12",
+                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send) to time the "
+                        "kernels with on the standard shape")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

@@ -13,8 +13,10 @@ constexpr int kMaxRanks = MOE_EP_MAX_RANKS;
 constexpr int kChunkRows = 8;                    // rows published by one flag
 constexpr int kMaxRegionRows = 65536;            // rows one source may place in a peer region
 constexpr int kMaxChunks = kMaxRegionRows / kChunkRows;
+constexpr int kMaxExperts = MOE_EP_MAX_EXPERTS;
 
-// Every rank's buffer: [header | flags[R][kMaxChunks] | staging: one region per source rank].
+// Every rank's buffer: [header | expert counts[R][kMaxExperts] | flags[R][kMaxChunks] | staging: one region per
+// source rank].
 struct Header {
     int signals[kMaxRanks];            // barrier arrivals, slot r incremented by rank r
     int counts[kMaxRanks][kMaxRanks];  // counts[i][j]: tokens rank i sends to rank j (written by rank i)
@@ -22,7 +24,8 @@ struct Header {
     int abort;                         // first error code seen on this rank (sticky)
 };
 constexpr int64_t kHeaderBytes = 4096;
-constexpr int64_t kFlagsOffset = kHeaderBytes;
+constexpr int64_t kExpertCountsOffset = kHeaderBytes;  // [src][e]: tokens rank src sends to expert e
+constexpr int64_t kFlagsOffset = kExpertCountsOffset + int64_t(kMaxRanks) * kMaxExperts * 4;
 constexpr int64_t kStagingOffset = kFlagsOffset + int64_t(kMaxRanks) * kMaxChunks * 4;
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 static_assert(kStagingOffset % 4096 == 0, "staging must stay page aligned");
@@ -37,6 +40,9 @@ struct DevCtx {
 };
 
 __device__ __forceinline__ Header* header(char* buf) { return reinterpret_cast<Header*>(buf); }
+__device__ __forceinline__ int* expert_counts(char* buf, int src) {
+    return reinterpret_cast<int*>(buf + kExpertCountsOffset) + int64_t(src) * kMaxExperts;
+}
 __device__ __forceinline__ int* flags(char* buf, int src) {
     return reinterpret_cast<int*>(buf + kFlagsOffset) + int64_t(src) * kMaxChunks;
 }
@@ -98,6 +104,37 @@ __device__ __noinline__ bool wait_flag(const DevCtx& c, const int* flag, int tar
             }
         }
     }
+}
+
+// Exclusive sum of `value` over the threads before this one (in thread order) of the whole block; `total` receives
+// the block's sum. Every thread of the block calls it; blockDim.x is a multiple of 32. `scratch`: 33 ints of
+// shared memory, reusable once the call returns.
+__device__ __forceinline__ int block_exclusive_sum(int value, int* scratch, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int inclusive = value;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += up;
+    }
+    if (lane == 31) scratch[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int count = lane < int(blockDim.x >> 5) ? scratch[lane] : 0;
+        int warp_inclusive = count;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int up = __shfl_up_sync(0xffffffffu, warp_inclusive, d);
+            if (lane >= d) warp_inclusive += up;
+        }
+        scratch[lane] = warp_inclusive - count;
+        if (lane == 31) scratch[32] = warp_inclusive;
+    }
+    __syncthreads();
+    const int prefix = scratch[warp] + inclusive - value;
+    total = scratch[32];
+    __syncthreads();
+    return prefix;
 }
 
 // Counting barrier over all ranks, run by one whole block. Every rank increments its slot in every peer's

@@ -5,15 +5,17 @@
 // stores), then publishes the chunk by storing the operation's sequence id into a per-(source, chunk) flag
 // with release semantics. Receiver warps of the destination acquire the flag and copy the rows into the
 // output tensors. Sender and receiver warps share each block, so sending and receiving overlap. Rows a rank
-// keeps for itself never touch the staging area. Regions are sized for the worst case, so senders never wait;
-// a barrier at the start of every operation guarantees the previous operation's readers are done.
+// keeps for itself never touch the staging area (except in an expert-major combine, where senders reduce them
+// into this rank's own region). Regions are sized for the worst case, so senders never wait; a barrier at the
+// start of every operation guarantees the previous operation's readers are done.
+// Expert-major mode lands every received row in the rows of the local experts it selected (the grouped-GEMM
+// layout, positions fixed by notify's per-expert count exchange) and, in combine, sums a row's expert outputs in
+// registers before it travels back: no separate permute/unpermute pass.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <mutex>
-#include <set>
+#include <string>
 #include <type_traits>
-#include <utility>
 
 #include "common.cuh"
 #include "context.h"
@@ -43,150 +45,51 @@ __device__ __forceinline__ int4 load16B(const int4* p) {
     return kPeerWritten ? ld_coherent(p) : __ldg(p);
 }
 
-// Warp-wide copy of n 16-byte vectors. Each lane keeps kCopyBatch loads in flight (guarded, so short rows and
-// row tails cost one memory latency per batch, not per vector): copies are latency-bound, not issue-bound.
+// Output rows of one source row on this rank: for every set bit j of `mask`, rows[j] (warp scratch in shared
+// memory) is an output row index. A normal dispatch has at most one output row per source row; an expert-major one
+// has one per local expert the token selected.
+struct OutRows {
+    uint32_t mask;
+    const int* rows;
+};
+constexpr OutRows kNoRows{0u, nullptr};
+
+// Warp-wide copy of n 16-byte vectors from src to `wire` (unless null) and to every output row r of `o` (at
+// out + r * out_row_bytes). Each lane keeps kCopyBatch loads in flight (guarded, so short rows and row tails cost
+// one memory latency per batch, not per vector): copies are latency-bound, not issue-bound.
 // kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
 constexpr int kCopyBatch = 16;
-// dst2 (may be null): a second destination written from the same loads.
 template <bool kPeerWritten>
-__device__ __forceinline__ void warp_copy(int4* dst, int4* dst2, const int4* src, int n, int lane) {
+__device__ __forceinline__ void copy_row(int4* wire, OutRows o, char* out, int64_t out_row_bytes, const int4* src,
+                                         int n, int lane) {
 #pragma unroll 1
     for (int base = lane; base < n; base += 32 * kCopyBatch) {
         int4 v[kCopyBatch];
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u)
             if (base + 32 * u < n) v[u] = load16B<kPeerWritten>(src + base + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kCopyBatch; ++u)
-            if (base + 32 * u < n) dst[base + 32 * u] = v[u];
-        if (dst2 != nullptr) {
+        if (wire != nullptr) {
 #pragma unroll
             for (int u = 0; u < kCopyBatch; ++u)
-                if (base + 32 * u < n) dst2[base + 32 * u] = v[u];
+                if (base + 32 * u < n) wire[base + 32 * u] = v[u];
+        }
+        for (uint32_t m = o.mask; m != 0; m &= m - 1) {
+            int4* dst = reinterpret_cast<int4*>(out + int64_t(o.rows[__ffs(int(m)) - 1]) * out_row_bytes);
+#pragma unroll
+            for (int u = 0; u < kCopyBatch; ++u)
+                if (base + 32 * u < n) dst[base + 32 * u] = v[u];
         }
     }
 }
 
+// The same for the n floats of a row's FP8 scales; output row r's scales start at out + r * n.
 template <bool kPeerWritten>
-__device__ __forceinline__ void warp_copy_floats(float* dst, const float* src, int n, int lane) {
-    for (int i = lane; i < n; i += 32) dst[i] = kPeerWritten ? *reinterpret_cast<const volatile float*>(src + i) : __ldg(src + i);
-}
-
-// ---- bulk copies through shared memory (TMA, cp.async.bulk): one lane keeps whole row pieces in flight ----
-constexpr int kTmaStages = 2;  // shared-memory stages per warp
-constexpr int kMaxStageBytes = 16384;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-// A bulk copy never completing is a kernel bug, not a peer's fault: trap (a CUDA error) rather than hang.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    uint32_t done = 0;
-    const uint64_t start = now_ns();
-    while (!done) {
-        if (now_ns() - start > 20000000000ull) __trap();
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+__device__ __forceinline__ void copy_floats(float* wire, OutRows o, float* out, const float* src, int n, int lane) {
+    for (int i = lane; i < n; i += 32) {
+        const float v = kPeerWritten ? *reinterpret_cast<const volatile float*>(src + i) : __ldg(src + i);
+        if (wire != nullptr) wire[i] = v;
+        for (uint32_t m = o.mask; m != 0; m &= m - 1) out[int64_t(o.rows[__ffs(int(m)) - 1]) * n + i] = v;
     }
-}
-__device__ __forceinline__ void tma_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_u32(smem_dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void tma_store(void* dst, const void* smem_src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem_src)), "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void tma_wait_stage_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void tma_wait_written() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Orders generic-proxy accesses (flags, plain stores) with the bulk copies' async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
-
-// A warp's bulk-copy stages; stage_bytes == 0 means copies go through registers instead.
-struct WarpTma {
-    char* stages;
-    uint64_t* bars;
-    int stage_bytes;
-    uint32_t parity;  // lane 0: parity each stage's barrier completes next, one bit per stage
-};
-
-// Dynamic shared memory: [hist_bytes][kWarps * kTmaStages mbarriers][kWarps * kTmaStages * stage_bytes].
-__device__ __forceinline__ WarpTma make_warp_tma(char* smem, int hist_bytes, int stage_bytes, int warp, int lane) {
-    WarpTma w;
-    w.stage_bytes = stage_bytes;
-    w.parity = 0;
-    w.bars = reinterpret_cast<uint64_t*>(smem + hist_bytes) + warp * kTmaStages;
-    w.stages = smem + hist_bytes + kWarps * kTmaStages * 8 + int64_t(warp) * kTmaStages * stage_bytes;
-    if (stage_bytes > 0 && lane == 0) {
-        for (int i = 0; i < kTmaStages; ++i) mbar_init(w.bars + i);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        fence_proxy_async();
-    }
-    __syncwarp();
-    return w;
-}
-
-// Copies `rows` (<= 32) rows of row_bytes: row i from src_of(i) to dst_of(i) (skipped when null), and also to
-// dst2_of(i) unless that is null.
-// With stages, lane 0 streams the rows in stage-sized pieces (bulk load into a stage, bulk stores out of it,
-// kTmaStages loads in flight) and waits until every store is written, so a flag published afterwards covers
-// them; without, all lanes copy via registers. kPeerWritten: the source was written by another GPU and acquired
-// through a flag.
-template <bool kPeerWritten, typename SrcF, typename DstF, typename Dst2F>
-__device__ __forceinline__ void copy_rows(WarpTma& w, int rows, int row_bytes, SrcF src_of, DstF dst_of, Dst2F dst2_of,
-                                          int lane) {
-    if (w.stage_bytes == 0) {
-        for (int i = 0; i < rows; ++i)
-            if (char* dst = dst_of(i))
-                warp_copy<kPeerWritten>(reinterpret_cast<int4*>(dst), reinterpret_cast<int4*>(dst2_of(i)),
-                                        reinterpret_cast<const int4*>(src_of(i)), row_bytes / 16, lane);
-        return;
-    }
-    if (lane == 0) {
-        if (kPeerWritten) fence_proxy_async();
-        uint32_t active = 0;
-        for (int i = 0; i < rows; ++i)
-            if (dst_of(i) != nullptr) active |= 1u << i;
-        const int per_row = (row_bytes + w.stage_bytes - 1) / w.stage_bytes;
-        const int total = __popc(active) * per_row;
-        auto piece = [&](int j, int& r, int& off) {
-            const int k = j / per_row;  // the k-th active row
-            uint32_t m = active;
-            for (int q = 0; q < k; ++q) m &= m - 1;
-            r = __ffs(int(m)) - 1;
-            off = (j - k * per_row) * w.stage_bytes;
-            return uint32_t(min(w.stage_bytes, row_bytes - off));
-        };
-        auto issue = [&](int j) {
-            int r, off;
-            const uint32_t bytes = piece(j, r, off);
-            uint64_t* bar = w.bars + j % kTmaStages;
-            mbar_expect_tx(bar, bytes);
-            tma_load(w.stages + (j % kTmaStages) * w.stage_bytes, static_cast<const char*>(src_of(r)) + off, bytes, bar);
-        };
-        for (int j = 0; j < min(kTmaStages, total); ++j) issue(j);
-        for (int j = 0; j < total; ++j) {
-            const int st = j % kTmaStages;
-            mbar_wait(w.bars + st, (w.parity >> st) & 1u);
-            w.parity ^= 1u << st;
-            int r, off;
-            const uint32_t bytes = piece(j, r, off);
-            tma_store(static_cast<char*>(dst_of(r)) + off, w.stages + st * w.stage_bytes, bytes);
-            if (char* dst2 = dst2_of(r)) tma_store(dst2 + off, w.stages + st * w.stage_bytes, bytes);
-            if (j + kTmaStages < total) {
-                tma_wait_stage_read();
-                issue(j + kTmaStages);
-            }
-        }
-        tma_wait_written();
-        fence_proxy_async();
-    }
-    __syncwarp();
 }
 
 // Input rows of the quantizing send path, read 16 channels per lane: BF16 = 2 vectors, FP32 = 4 vectors.
@@ -236,13 +139,16 @@ __device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float 
 // scale = amax / 448, q = fp8(x * (448 / amax)) with IEEE fp32 divisions; with round_scale
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
 // Each lane handles 16 channels of a 512-channel group (8 lanes = one 128-channel block); the loads of
-// kGroups groups are issued together. Any of the outputs (q_out/s_out, a second copy q_out2/s_out2, deq_out: the
-// dequantized row in type T) may be null.
+// kGroups groups are issued together. Outputs: q_wire/s_wire (unless null) and every output row r of `o`: at
+// out + r * out_row_bytes the FP8 bytes with their scales at out_scales + r * hidden / 128, or, when out_scales is
+// null, the dequantized row in type T.
 template <typename T>
-__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_out, float* s_out, uint8_t* q_out2,
-                                             float* s_out2, T* deq_out, bool round_scale, int lane) {
+__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_wire, float* s_wire, OutRows o,
+                                             char* out, int64_t out_row_bytes, float* out_scales, bool round_scale,
+                                             int lane) {
     constexpr int kVecs = In16<T>::kVecs;
     constexpr int kGroups = 8 / kVecs;  // 8 vectors in flight per lane (more spills registers)
+    const int num_scales = hidden / 128;
 #pragma unroll 1
     for (int base = 0; base < hidden; base += 512 * kGroups) {
         int4 raw[kGroups][kVecs];
@@ -287,18 +193,28 @@ __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_
                 words[w] = uint32_t(lo) | (uint32_t(hi) << 16);
             }
             const int4 q = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
-            if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
-            if (s_out != nullptr && (lane & 7) == 0) s_out[c0 / 128] = scale;
-            if (q_out2 != nullptr) *reinterpret_cast<int4*>(q_out2 + c0) = q;
-            if (s_out2 != nullptr && (lane & 7) == 0) s_out2[c0 / 128] = scale;
-            if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
+            const bool scale_lane = (lane & 7) == 0;
+            if (q_wire != nullptr) *reinterpret_cast<int4*>(q_wire + c0) = q;
+            if (s_wire != nullptr && scale_lane) s_wire[c0 / 128] = scale;
+            for (uint32_t m = o.mask; m != 0; m &= m - 1) {
+                const int64_t r = o.rows[__ffs(int(m)) - 1];
+                char* row = out + r * out_row_bytes;
+                if (out_scales != nullptr) {
+                    *reinterpret_cast<int4*>(row + c0) = q;
+                    if (scale_lane) out_scales[r * num_scales + c0 / 128] = scale;
+                } else {
+                    store_dequant16(reinterpret_cast<T*>(row) + c0, q, scale);
+                }
+            }
         }
     }
 }
 
-// Warp-wide dequantization of one FP8 row into OutT (16 bytes per lane per step, kCopyBatch steps in flight).
+// Warp-wide dequantization of one FP8 row into every output row of `o` (type OutT; 16 bytes per lane per step,
+// kCopyBatch steps in flight).
 template <bool kPeerWritten, typename OutT>
-__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, OutT* out, int hidden, int lane) {
+__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, OutRows o, char* out,
+                                            int64_t out_row_bytes, int hidden, int lane) {
 #pragma unroll 1
     for (int base = lane * 16; base < hidden; base += 512 * kCopyBatch) {
         int4 v[kCopyBatch];
@@ -310,7 +226,8 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
             const int c0 = base + 512 * u;
             if (c0 >= hidden) continue;
             const float s = kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
-            store_dequant16(out + c0, v[u], s);
+            for (uint32_t m = o.mask; m != 0; m &= m - 1)
+                store_dequant16(reinterpret_cast<OutT*>(out + int64_t(o.rows[__ffs(int(m)) - 1]) * out_row_bytes) + c0, v[u], s);
         }
     }
 }
@@ -320,7 +237,6 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
 __device__ __forceinline__ void publish(int* flag, int seq, int lane) {
     __syncwarp();
     if (lane == 0) {
-        fence_proxy_async();
         __threadfence_system();
         st_release_sys(flag, seq);
     }
@@ -346,61 +262,79 @@ __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blo
 // ---------------------------------------------------------------------------------------------------------
 // notify: barrier, count exchange (every rank receives the whole [R, R] count matrix), rank prefix matrix;
 // blocks 1..R compute send_pos[:, dst] and the inverse list send_list[dst] by a block-wide scan.
+// Expert-major mode (per_expert != null) also exchanges every rank's [E] per-expert counts and derives the
+// expert-major layout of every rank: each local expert's block is padded to `alignment` rows, blocks follow in
+// expert order, and inside a block the rows of source 0 come first, then source 1, ...
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const int32_t* num_tokens_per_rank,
                                                                 const uint8_t* __restrict__ in_rank, int num_tokens,
                                                                 int list_stride, int32_t* rpm, int32_t* send_pos,
-                                                                int32_t* send_list) {
+                                                                int32_t* send_list, const int32_t* per_expert,
+                                                                int num_experts, int alignment, int32_t* send_offset,
+                                                                int32_t* info) {
     const int R = c.num_ranks, me = c.rank;
+    __shared__ int scratch[33];
     if (blockIdx.x == 0) {
+        __shared__ int s_counts[kMaxRanks * kMaxExperts];  // [src][e] in expert-major mode
         if (!block_barrier(c)) return;
         if (num_tokens_per_rank == nullptr) return;
         for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
             const int dst = i / R, j = i % R;
             *reinterpret_cast<volatile int*>(&header(c.bufs[dst])->counts[me][j]) = num_tokens_per_rank[j];
         }
+        const int E = per_expert != nullptr ? num_experts : 0;
+        for (int i = threadIdx.x; i < R * E; i += blockDim.x)
+            reinterpret_cast<volatile int*>(expert_counts(c.bufs[i / E], me))[i % E] = per_expert[i % E];
         if (!block_barrier(c)) return;
+        const Header* mine = header(c.bufs[me]);
         if (threadIdx.x < R) {
             const int j = threadIdx.x;
-            const Header* mine = header(c.bufs[me]);
             int sum = 0;
             for (int i = 0; i < R; ++i) {
                 sum += ld_volatile(&mine->counts[i][j]);
                 rpm[i * R + j] = sum;
             }
+            if (j == me && info != nullptr) info[0] = sum;
+        }
+        if (E == 0) return;
+        for (int i = threadIdx.x; i < R * E; i += blockDim.x) s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
+        __syncthreads();
+        // One thread per destination rank walks its experts in order (shared-memory reads only).
+        const int L = E / R;
+        if (threadIdx.x < R) {
+            const int d = threadIdx.x;
+            int base = 0;
+            for (int l = 0; l < L; ++l) {
+                const int e = d * L + l;
+                int before = 0, total = 0;
+                for (int src = 0; src < R; ++src) {
+                    const int n = s_counts[src * E + e];
+                    before += src < me ? n : 0;
+                    total += n;
+                }
+                send_offset[e] = base + before;
+                const int aligned = (total + alignment - 1) / alignment * alignment;
+                if (d == me) {
+                    info[2 + l] = aligned;
+                    info[2 + L + l] = total;
+                }
+                base += aligned;
+            }
+            if (d == me) info[1] = base;
         }
         return;
     }
     const int dst = blockIdx.x - 1;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __shared__ int warp_offsets[kNotifyThreads / 32];
-    __shared__ int tile_total;
     int running = 0;
     for (int base = 0; base < num_tokens; base += kNotifyThreads) {
         const int t = base + threadIdx.x;
         const bool sent = t < num_tokens && in_rank[int64_t(t) * R + dst] != 0;
-        const uint32_t ballot = __ballot_sync(0xffffffffu, sent);
-        const int prefix = __popc(ballot & ((1u << lane) - 1u));
-        if (lane == 0) warp_offsets[warp] = __popc(ballot);
-        __syncthreads();
-        if (warp == 0) {
-            const int count = warp_offsets[lane];
-            int inclusive = count;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
-                if (lane >= d) inclusive += up;
-            }
-            warp_offsets[lane] = inclusive - count;
-            if (lane == 31) tile_total = inclusive;
-        }
-        __syncthreads();
+        int total;
+        const int pos = running + block_exclusive_sum(sent ? 1 : 0, scratch, total);
         if (t < num_tokens) {
-            const int pos = running + warp_offsets[warp] + prefix;
             send_pos[int64_t(t) * R + dst] = sent ? pos : -1;
             if (sent) send_list[int64_t(dst) * list_stride + pos] = t;
         }
-        running += tile_total;
-        __syncthreads();
+        running += total;
     }
 }
 
@@ -416,8 +350,11 @@ struct InputType<1> { using type = __nv_bfloat16; };
 template <>
 struct InputType<2> { using type = float; };
 
-// Token k-th expert of token t as seen by rank `owner`: local id (-1 when the expert lives elsewhere) and weight
-// (0 there), as the torch transport's localize_topk computes them.
+constexpr int kScratchInts = kChunkRows * MOE_EP_MAX_TOPK;  // per warp: output rows of one chunk's rows
+constexpr int kScratchBytes = kWarps * kScratchInts * 4;
+
+// Token t's k-th expert as seen by rank `owner`: local id (-1 when the expert lives elsewhere) and weight (0
+// there), as the torch transport's localize_topk computes them.
 __device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t, int owner, int k, int& idx,
                                          float& weight) {
     const int L = int(p.num_local_experts);
@@ -427,11 +364,28 @@ __device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t,
     weight = (p.topk_weights != nullptr && idx >= 0) ? __ldg(p.topk_weights + int64_t(t) * p.num_topk + k) : 0.0f;
 }
 
+// Expert-major mode: the row token t's k-th entry takes in `owner`'s expert-major layout (-1 when the expert
+// lives elsewhere or the entry is -1) and its weight (0 there).
+__device__ __forceinline__ void expert_entry(const moe_ep_dispatch_params& p, int t, int owner, int k, int& row,
+                                             float& weight) {
+    const int64_t i = int64_t(t) * p.num_topk + k;
+    const int64_t e = __ldg(p.topk_idx + i);
+    const bool here = e >= 0 && e / p.num_local_experts == owner;
+    row = here ? __ldg(p.send_offset + e) + __ldg(p.expert_pos + i) : -1;
+    weight = (p.topk_weights != nullptr && here) ? __ldg(p.topk_weights + i) : 0.0f;
+}
+
 __device__ __forceinline__ void emit_entry(const moe_ep_dispatch_params& p, int64_t row, int k, int idx, float weight,
                                            int* s_hist) {
     p.recv_topk_idx[row * p.num_topk + k] = idx;
     if (p.recv_topk_weights != nullptr) p.recv_topk_weights[row * p.num_topk + k] = weight;
     if (idx >= 0 && p.recv_expert_count != nullptr) atomicAdd(&s_hist[idx], 1);
+}
+
+__device__ __forceinline__ void record_slot(const moe_ep_dispatch_params& p, int64_t recv_row, int k, int row,
+                                            float weight) {
+    p.recv_slot[recv_row * p.num_topk + k] = row;
+    if (row >= 0 && p.expert_probs != nullptr) p.expert_probs[row] = weight;
 }
 
 // Calls f(i, k, t_i) for every (row, top-k entry) of a chunk of `rows` rows, spread over the lanes so all their
@@ -448,18 +402,21 @@ __device__ __forceinline__ void for_each_entry(int rows, int K, int tok, int lan
 
 template <int kQuant>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl,
-                                                               int hist_bytes, int stage_bytes) {
+                                                               int hist_bytes) {
     using T = typename InputType<kQuant>::type;
     using OutT = typename std::conditional<kQuant == 2, float, __nv_bfloat16>::type;  // dequantized rows
-    extern __shared__ __align__(128) char smem[];
+    extern __shared__ __align__(16) char smem[];
     int* s_hist = reinterpret_cast<int*>(smem);
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
+    const bool expert = p.expert_pos != nullptr;                // expert-major outputs
+    const int out_cols = expert ? K : 1;                         // output rows per source row, at most
+    int* scratch = reinterpret_cast<int*>(smem + hist_bytes) + warp * kScratchInts;  // row i: scratch[i * MAX_TOPK + j]
     const bool send_topk = p.topk_idx != nullptr && K > 0;       // this rank's rows carry top-k
-    const bool recv_topk = p.recv_topk_idx != nullptr && K > 0;  // received rows carry top-k
+    const bool recv_topk = !expert && p.recv_topk_idx != nullptr && K > 0;  // received rows carry local top-k
     const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
     const bool dequant = wire_fp8 && p.recv_bf16 != 0;
     const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
@@ -468,8 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     char* recv_x = static_cast<char*>(p.recv_x);
     // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
-    for (int i = threadIdx.x; i < L; i += blockDim.x) s_hist[i] = 0;
-    WarpTma tma = make_warp_tma(smem, hist_bytes, stage_bytes, warp, lane);
+    for (int i = threadIdx.x; i < L && !expert; i += blockDim.x) s_hist[i] = 0;
     __syncthreads();
 
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
@@ -480,52 +436,36 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
-    // Rows i < rows of x (token tok_of(i)), read (and quantized) once: to the peer's staging slot slot_of(i) when
-    // to_wire, and to this rank's output row out_row_of(i) when that is >= 0. A plain copy goes in bulk through
-    // shared memory; FP8 rows come from the quantizer, dequantized again for outputs that want BF16/FP32.
-    auto null_of = [](int) -> char* { return nullptr; };
-    auto write_rows = [&](int rows, auto tok_of, bool to_wire, auto slot_of, auto out_row_of) {
-        auto src_of = [&](int i) { return x + int64_t(tok_of(i)) * in_row_bytes; };
-        auto out_of = [&](int i) -> char* {
-            const int64_t r = out_row_of(i);
-            return r < 0 ? nullptr : recv_x + r * out_row_bytes;
-        };
+    // Output rows of row i of the warp's current chunk, when `active` (warp-uniform): the scratch entries >= 0.
+    auto outs = [&](int i, bool active) -> OutRows {
+        const int* rows = scratch + i * MOE_EP_MAX_TOPK;
+        return {__ballot_sync(0xffffffffu, active && lane < out_cols && rows[lane] >= 0), rows};
+    };
+    // Row t of x, read (and quantized) once: to the peer's staging slot `wire` (unless null) and to this rank's
+    // output rows `o`. FP8 rows come from the quantizer, dequantized again for outputs that want BF16/FP32.
+    auto write_row = [&](int t, char* wire, OutRows o) {
+        if (wire == nullptr && o.mask == 0) return;
+        const char* src = x + int64_t(t) * in_row_bytes;
         if constexpr (kQuant == 0) {
-            if (to_wire) {
-                copy_rows<false>(tma, rows, sl.payload_bytes, src_of, slot_of,
-                                 [&](int i) -> char* { return dequant ? nullptr : out_of(i); }, lane);
-            } else if (!dequant) {
-                copy_rows<false>(tma, rows, sl.payload_bytes, src_of, out_of, null_of, lane);
-            }
+            const OutRows as_is = dequant ? kNoRows : o;
+            const bool copies = wire != nullptr || as_is.mask != 0;
+            if (copies)
+                copy_row<false>(reinterpret_cast<int4*>(wire), as_is, recv_x, out_row_bytes,
+                                reinterpret_cast<const int4*>(src), sl.payload_bytes / 16, lane);
             if (!p.fp8_in) return;
-            for (int i = 0; i < rows; ++i) {
-                const float* xs = p.x_scales + int64_t(tok_of(i)) * S;
-                if (to_wire) warp_copy_floats<false>(reinterpret_cast<float*>(slot_of(i) + sl.scales_off), xs, S, lane);
-                const int64_t r = out_row_of(i);
-                if (r < 0) continue;
-                if (dequant) {
-                    dequant_row<false>(reinterpret_cast<const uint8_t*>(src_of(i)), xs,
-                                       reinterpret_cast<OutT*>(recv_x + r * out_row_bytes), H, lane);
-                } else {
-                    warp_copy_floats<false>(p.recv_scales + r * S, xs, S, lane);
-                }
-            }
+            const float* xs = p.x_scales + int64_t(t) * S;
+            if (copies)
+                copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, as_is, p.recv_scales,
+                                   xs, S, lane);
+            if (dequant) dequant_row<false, OutT>(reinterpret_cast<const uint8_t*>(src), xs, o, recv_x, out_row_bytes, H, lane);
         } else {
-            for (int i = 0; i < rows; ++i) {
-                char* slot = to_wire ? slot_of(i) : nullptr;
-                const int64_t r = out_row_of(i);
-                char* out = r < 0 ? nullptr : recv_x + r * out_row_bytes;
-                if (slot == nullptr && out == nullptr) continue;
-                const bool out_q = out != nullptr && !dequant;
-                quantize_row<T>(reinterpret_cast<const T*>(src_of(i)), H, reinterpret_cast<uint8_t*>(slot),
-                                slot ? reinterpret_cast<float*>(slot + sl.scales_off) : nullptr,
-                                out_q ? reinterpret_cast<uint8_t*>(out) : nullptr, out_q ? p.recv_scales + r * S : nullptr,
-                                out != nullptr && dequant ? reinterpret_cast<T*>(out) : nullptr, p.round_scale != 0, lane);
-            }
+            quantize_row<T>(reinterpret_cast<const T*>(src), H, reinterpret_cast<uint8_t*>(wire),
+                            wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, o, recv_x, out_row_bytes,
+                            dequant ? nullptr : p.recv_scales, p.round_scale != 0, lane);
         }
     };
     // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the
-    // order me+1, me+2, ...: that sender also writes this rank's own output row; the receivers write the rest.
+    // order me+1, me+2, ...: that sender also writes this rank's own output rows; the receivers write the rest.
     const int64_t self_base = offset_from(rpm, R, me, me);
     auto first_peer = [&](int t) {
         for (int k = 1; k < R; ++k)
@@ -548,25 +488,33 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
                 break;
             }
+            __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
             char* first = region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
+            const int my_pos = lane < rows ? __ldg(p.send_pos + int64_t(tok) * R + me) : -1;
+            const uint32_t self_rows = __ballot_sync(0xffffffffu, fits && my_pos >= 0 && first_peer(tok) == d);
+            if (!expert && lane < rows) scratch[lane * MOE_EP_MAX_TOPK] = int(self_base + my_pos);
             if (send_topk)
                 for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
                     int idx;
                     float weight;
-                    localize(p, t, d, k, idx, weight);
+                    if (expert) {
+                        int own;
+                        float unused;
+                        expert_entry(p, t, me, k, own, unused);
+                        scratch[i * MOE_EP_MAX_TOPK + k] = own;
+                        expert_entry(p, t, d, k, idx, weight);
+                    } else {
+                        localize(p, t, d, k, idx, weight);
+                    }
                     char* slot = first + int64_t(i) * sl.slot_bytes;
                     reinterpret_cast<int*>(slot + sl.idx_off)[k] = idx;
                     reinterpret_cast<float*>(slot + sl.w_off)[k] = weight;
                 });
             if (lane < rows) *reinterpret_cast<int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off) = tok;
-            const int32_t* list = p.send_list + int64_t(d) * p.list_stride + begin;
-            auto tok_of = [&](int i) { return __ldg(list + i); };
-            write_rows(rows, tok_of, true, [&](int i) { return first + int64_t(i) * sl.slot_bytes; }, [&](int i) -> int64_t {
-                const int t = tok_of(i);
-                const int pos = __ldg(p.send_pos + int64_t(t) * R + me);
-                return (fits && pos >= 0 && first_peer(t) == d) ? self_base + pos : -1;
-            });
+            __syncwarp();
+            for (int i = 0; i < rows; ++i)
+                write_row(__shfl_sync(0xffffffffu, tok, i), first + int64_t(i) * sl.slot_bytes, outs(i, (self_rows >> i) & 1u));
             publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
@@ -585,7 +533,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             const int count = rows_from(rpm, R, s, me);
             const int begin = chunk * kChunkRows, rows = min(kChunkRows, count - begin);
             if (rows <= 0) continue;
+            __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
             const int64_t out_first = offset_from(rpm, R, s, me) + begin;
+            if (!expert && lane < rows) scratch[lane * MOE_EP_MAX_TOPK] = int(out_first + lane);
             if (s == me) {
                 const int tok = lane < rows ? __ldg(p.send_list + int64_t(me) * p.list_stride + begin + lane) : -1;
                 if (recv_topk)
@@ -595,40 +545,53 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                         localize(p, t, me, k, idx, weight);
                         emit_entry(p, out_first + i, k, idx, weight, s_hist);
                     });
+                if (expert)
+                    for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
+                        int row;
+                        float weight;
+                        expert_entry(p, t, me, k, row, weight);
+                        record_slot(p, out_first + i, k, row, weight);
+                        scratch[i * MOE_EP_MAX_TOPK + k] = row;
+                    });
                 if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
-                const int32_t* list = p.send_list + int64_t(me) * p.list_stride + begin;
-                auto tok_of = [&](int i) { return __ldg(list + i); };
-                write_rows(rows, tok_of, false, null_of,
-                           [&](int i) -> int64_t { return first_peer(tok_of(i)) < 0 ? out_first + i : -1; });
+                const uint32_t own_rows = __ballot_sync(0xffffffffu, lane < rows && first_peer(tok) < 0);
+                __syncwarp();
+                for (int i = 0; i < rows; ++i)
+                    write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, outs(i, (own_rows >> i) & 1u));
                 continue;
             }
             int ok = 1;
             if (lane == 0) ok = wait_flag<false>(c, flags(c.bufs[me], s) + chunk, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, s, chunk);
             if (!__shfl_sync(0xffffffffu, ok, 0)) break;
             const char* first = region(c, me, s) + int64_t(begin) * sl.slot_bytes;
-            if (recv_topk)
+            if (recv_topk || expert)
                 for_each_entry(rows, K, 0, lane, [&](int i, int k, int) {
                     const char* slot = first + int64_t(i) * sl.slot_bytes;
-                    emit_entry(p, out_first + i, k, reinterpret_cast<const volatile int*>(slot + sl.idx_off)[k],
-                               reinterpret_cast<const volatile float*>(slot + sl.w_off)[k], s_hist);
+                    const int idx = reinterpret_cast<const volatile int*>(slot + sl.idx_off)[k];
+                    const float weight = reinterpret_cast<const volatile float*>(slot + sl.w_off)[k];
+                    if (expert) {
+                        record_slot(p, out_first + i, k, idx, weight);
+                        scratch[i * MOE_EP_MAX_TOPK + k] = idx;
+                    } else {
+                        emit_entry(p, out_first + i, k, idx, weight, s_hist);
+                    }
                 });
             if (lane < rows)
                 p.recv_src_idx[out_first + lane] =
                     *reinterpret_cast<const volatile int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off);
-            if (dequant) {
-                for (int i = 0; i < rows; ++i) {
-                    const char* slot = first + int64_t(i) * sl.slot_bytes;
-                    dequant_row<true>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
-                                      reinterpret_cast<OutT*>(recv_x + (out_first + i) * out_row_bytes), H, lane);
+            __syncwarp();
+            for (int i = 0; i < rows; ++i) {
+                const char* slot = first + int64_t(i) * sl.slot_bytes;
+                const OutRows o = outs(i, true);
+                if (dequant) {
+                    dequant_row<true, OutT>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
+                                            o, recv_x, out_row_bytes, H, lane);
+                    continue;
                 }
-                continue;
+                copy_row<true>(nullptr, o, recv_x, out_row_bytes, reinterpret_cast<const int4*>(slot), sl.payload_bytes / 16, lane);
+                if (wire_fp8)
+                    copy_floats<true>(nullptr, o, p.recv_scales, reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
             }
-            copy_rows<true>(tma, rows, sl.payload_bytes, [&](int i) { return first + int64_t(i) * sl.slot_bytes; },
-                            [&](int i) { return recv_x + (out_first + i) * out_row_bytes; }, null_of, lane);
-            if (wire_fp8)
-                for (int i = 0; i < rows; ++i)
-                    warp_copy_floats<true>(p.recv_scales + (out_first + i) * S,
-                                           reinterpret_cast<const float*>(first + int64_t(i) * sl.slot_bytes + sl.scales_off), S, lane);
         }
     }
     __syncthreads();
@@ -636,8 +599,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         for (int i = threadIdx.x; i < L; i += blockDim.x)
             if (s_hist[i]) atomicAdd(&p.recv_expert_count[i], s_hist[i]);
     if (!fits) return;
-    // num_worst_tokens: rows past the received ones hold zeros, top-k ids -1, weights 0, source index -1.
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, nthreads = int64_t(gridDim.x) * blockDim.x;
+    if (expert) {
+        // Padding rows at the end of each local expert's block: zeros, probability 0, scales 0.
+        if (p.alignment <= 1) return;
+        int64_t base = 0;
+        for (int l = 0; l < L; ++l) {
+            const int aligned = p.expert_info[2 + l], exact = p.expert_info[2 + L + l];
+            const int64_t pad_first = base + exact, pad_rows = aligned - exact;
+            base += aligned;
+            if (pad_rows == 0) continue;
+            int4* pad_x = reinterpret_cast<int4*>(recv_x + pad_first * out_row_bytes);
+            for (int64_t i = tid; i < pad_rows * out_row_bytes / 16; i += nthreads) pad_x[i] = make_int4(0, 0, 0, 0);
+            if (wire_fp8 && !dequant)
+                for (int64_t i = tid; i < pad_rows * S; i += nthreads) p.recv_scales[pad_first * S + i] = 0.0f;
+            if (p.expert_probs != nullptr)
+                for (int64_t i = tid; i < pad_rows; i += nthreads) p.expert_probs[pad_first + i] = 0.0f;
+        }
+        return;
+    }
+    // num_worst_tokens: rows past the received ones hold zeros, top-k ids -1, weights 0, source index -1.
     const int64_t tail_rows = p.num_recv_rows - total_recv;
     if (tail_rows <= 0) return;
     int4* tail_x = reinterpret_cast<int4*>(recv_x + total_recv * out_row_bytes);
@@ -691,17 +672,64 @@ struct Vec<float> {
     }
 };
 
+// Warp-wide: the n16 16-byte vectors of `out` = the sum of the rows o.rows[j] of x (row_bytes each) over the set
+// bits j of o.mask in ascending order, in fp32 starting from 0, rounded once to T (what unpermute computes).
+// The loads of kSlots rows x kU vectors are in flight together.
+template <typename T>
+__device__ __forceinline__ void reduce_rows(const char* x, int64_t row_bytes, OutRows o, int4* out, int n16, int lane) {
+    constexpr int kN = Vec<T>::kN, kU = 2, kSlots = 4;
+#pragma unroll 1
+    for (int j0 = lane; j0 < n16; j0 += 32 * kU) {
+        float acc[kU][kN];
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int i = 0; i < kN; ++i) acc[u][i] = 0.0f;
+        for (uint32_t m = o.mask; m != 0;) {
+            const int4* src[kSlots];
+#pragma unroll
+            for (int q = 0; q < kSlots; ++q) {
+                src[q] = nullptr;
+                if (m != 0) {
+                    src[q] = reinterpret_cast<const int4*>(x + int64_t(o.rows[__ffs(int(m)) - 1]) * row_bytes);
+                    m &= m - 1;
+                }
+            }
+            int4 v[kSlots][kU];
+#pragma unroll
+            for (int q = 0; q < kSlots; ++q)
+#pragma unroll
+                for (int u = 0; u < kU; ++u)
+                    if (src[q] != nullptr && j0 + 32 * u < n16) v[q][u] = __ldg(src[q] + j0 + 32 * u);
+#pragma unroll
+            for (int q = 0; q < kSlots; ++q)
+#pragma unroll
+                for (int u = 0; u < kU; ++u)
+                    if (src[q] != nullptr && j0 + 32 * u < n16) Vec<T>::add(acc[u], v[q][u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+            if (j0 + 32 * u < n16) out[j0 + 32 * u] = Vec<T>::pack(acc[u]);
+    }
+}
+
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
+// Expert-major mode (recv_slot set): senders first sum each received row from its expert outputs (reduce_rows)
+// and also send the rows that came from this rank, into this rank's own region, so receivers treat every source
+// alike.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p, int slot_bytes,
-                                                              int w_off, int stage_bytes) {
-    extern __shared__ __align__(128) char smem[];
+                                                              int w_off) {
+    extern __shared__ __align__(16) char smem[];
     constexpr int kN = Vec<T>::kN;
     constexpr int kUnroll = kCopyBatch / kRanks;
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = int(p.num_topk);
+    const bool expert = p.recv_slot != nullptr;
+    const int KS = int(p.slot_topk);
+    int* scratch = reinterpret_cast<int*>(smem) + warp * kScratchInts;
     const int64_t row_bytes = p.hidden * int64_t(sizeof(T));
     const int n16 = int(row_bytes / 16);
     const int32_t* rpm = p.rank_prefix_matrix;
@@ -710,15 +738,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
     const int cap_rows = int(min(c.region_bytes / slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
-    WarpTma tma = make_warp_tma(smem, 0, role.send ? stage_bytes : 0, warp, lane);
 
     if (role.send) {
         const int gw = role.gw, nw = role.nw;
+        const int num_dst = expert ? R : R - 1;  // destinations me+1, me+2, ... (and me last in expert-major mode)
         int max_chunks = 0;
         for (int d = 0; d < R; ++d)
-            if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
-        for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
-            const int chunk = u / (R - 1), d = (me + 1 + u % (R - 1)) % R;
+            if (d != me || expert) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
+        for (int u = gw; num_dst > 0 && u < max_chunks * num_dst; u += nw) {
+            const int chunk = u / num_dst, d = (me + 1 + u % num_dst) % R;
             const int count = rows_from(rpm, R, d, me);
             const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
             if (begin >= count) continue;
@@ -728,9 +756,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             }
             const int64_t base = offset_from(rpm, R, d, me);
             char* dst_region = region(c, d, me);
-            copy_rows<false>(tma, end - begin, int(row_bytes), [&](int i) { return x + (base + begin + i) * row_bytes; },
-                             [&](int i) { return dst_region + int64_t(begin + i) * slot_bytes; },
-                             [](int) -> char* { return nullptr; }, lane);
+            if (expert) {
+                __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
+                for (int e = lane; e < (end - begin) * KS; e += 32) {
+                    const int i = e / KS, k = e - i * KS;
+                    scratch[i * MOE_EP_MAX_TOPK + k] = __ldg(p.recv_slot + (base + begin + i) * KS + k);
+                }
+                __syncwarp();
+                for (int i = 0; i < end - begin; ++i) {
+                    const int* rows = scratch + i * MOE_EP_MAX_TOPK;
+                    const OutRows o{__ballot_sync(0xffffffffu, lane < KS && rows[lane] >= 0), rows};
+                    reduce_rows<T>(x, row_bytes, o, reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), n16, lane);
+                }
+            } else {
+                for (int i = 0; i < end - begin; ++i)
+                    copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), kNoRows, nullptr, 0,
+                                    reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
+            }
             if (p.topk_weights != nullptr)
                 for (int e = lane; e < (end - begin) * K; e += 32) {
                     const int i = e / K, k = e - i * K;
@@ -766,7 +808,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             src[r] = nullptr;
             const int pos = cur_pos[r];
             if (pos < 0) continue;
-            if (r == me) {
+            if (r == me && !expert) {
                 src[r] = x + (self_base + pos) * row_bytes;
                 continue;
             }
@@ -792,7 +834,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                     const int j = j0 + 32 * u;
                     if (src[r] != nullptr && j < n16) {
                         const int4* a = reinterpret_cast<const int4*>(src[r]) + j;
-                        v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
+                        v[r][u] = (r == me && !expert) ? __ldg(a) : ld_coherent(a);
                     }
                 }
 #pragma unroll
@@ -815,7 +857,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
 #pragma unroll
             for (int r = 0; r < kRanks; ++r) {
                 if (src[r] == nullptr) continue;
-                if (r == me) {
+                if (r == me && !expert) {
                     w += __ldg(p.topk_weights + (self_base + cur_pos[r]) * K + lane);
                 } else {
                     w += reinterpret_cast<const volatile float*>(src[r] + w_off)[lane];
@@ -844,60 +886,29 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
     return 0;
 }
 
-// Dynamic shared memory of the dispatch/combine kernels: the expert histogram, then (with TMA) each warp's
-// barriers and stages, as large as the SM allows (at most kMaxStageBytes per stage).
-int shared_memory_plan(const Context* ctx, int hist_bytes, bool use_tma, int& stage_bytes, size_t& smem) {
-    stage_bytes = 0;
-    smem = size_t(hist_bytes);
-    if (!use_tma) return 0;
-    int optin = 0;
-    if (int err = check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device),
-                             "cudaDeviceGetAttribute")) return err;
-    const int fixed = hist_bytes + kWarps * kTmaStages * 8;
-    stage_bytes = min(kMaxStageBytes, (optin - fixed) / (kWarps * kTmaStages) / 128 * 128);
-    if (stage_bytes < 1024) {
-        stage_bytes = 0;
-        return 0;
-    }
-    smem = size_t(fixed) + size_t(kWarps) * kTmaStages * stage_bytes;
-    return 0;
-}
-
-// Launch with `smem` bytes of dynamic shared memory. Above 48 KiB the kernel's limit is raised once per kernel
-// and device (before any CUDA-graph capture, which the first eager call precedes).
-template <typename... KArgs, typename... Args>
-int launch(void (*kernel)(KArgs...), const Context* ctx, int grid, size_t smem, cudaStream_t stream, Args&&... args) {
-    static std::mutex mutex;
-    static std::set<std::pair<const void*, int>> raised;
-    if (smem > 48 * 1024) {
-        std::lock_guard<std::mutex> lock(mutex);
-        const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), ctx->device);
-        if (!raised.count(key)) {
-            int optin = 0;
-            int err = check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device),
-                                 "cudaDeviceGetAttribute");
-            if (!err) err = check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin),
-                                       "cudaFuncSetAttribute");
-            if (err) return err;
-            raised.insert(key);
-        }
-    }
-    kernel<<<grid, kThreads, smem, stream>>>(std::forward<Args>(args)...);
-    return 0;
-}
-
 }  // namespace moe_ep
 
 using namespace moe_ep;
 
 extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const uint8_t* is_token_in_rank,
                                       int64_t num_tokens, int64_t list_stride, int32_t* rank_prefix_matrix,
-                                      int32_t* send_pos, int32_t* send_list, void* stream) {
+                                      int32_t* send_pos, int32_t* send_list, const int32_t* num_tokens_per_expert,
+                                      int64_t num_experts, int64_t alignment, int32_t* send_offset, int32_t* info,
+                                      void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
+    const int R = ctx->dev.num_ranks;
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
-    notify_kernel<<<1 + ctx->dev.num_ranks, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    if (num_tokens_per_expert != nullptr) {
+        if (num_tokens_per_rank == nullptr || send_offset == nullptr || info == nullptr)
+            return set_error(-1, "moe_ep_notify_dispatch: expert-major mode needs the rank counts, send_offset and info");
+        if (num_experts < 1 || num_experts > kMaxExperts || num_experts % R != 0)
+            return set_error(-1, "moe_ep_notify_dispatch: num_experts=" + std::to_string(num_experts) + " must be a multiple of " +
+                                     std::to_string(R) + " in [1, " + std::to_string(kMaxExperts) + "]");
+        if (alignment < 1) return set_error(-1, "moe_ep_notify_dispatch: alignment must be >= 1");
+    }
+    notify_kernel<<<1 + R, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         ctx->dev, num_tokens_per_rank, is_token_in_rank, int(num_tokens), int(list_stride), rank_prefix_matrix,
-        send_pos, send_list);
+        send_pos, send_list, num_tokens_per_expert, int(num_experts), int(alignment), send_offset, info);
     return check_launch("notify_kernel");
 }
 
@@ -912,6 +923,10 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const moe_ep_dispatch_params& p = *params;
     if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
+    if (p.expert_pos != nullptr &&
+        (p.topk_idx == nullptr || p.send_offset == nullptr || p.expert_info == nullptr || p.recv_slot == nullptr ||
+         p.num_topk < 1))
+        return set_error(-1, "expert-major dispatch needs topk_idx, send_offset, expert_info and recv_slot");
     const bool quantize = p.wire_fp8 != 0;
     if (quantize && p.x_elem_bytes != 2 && p.x_elem_bytes != 4)
         return set_error(-1, "FP8 quantization in the send path needs BF16 or FP32 input");
@@ -927,28 +942,27 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     sl.src_off = sl.w_off + 4 * int(p.num_topk);
     sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
     const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
-    if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
-    int stage_bytes = 0;
-    size_t smem = 0;
-    if (int err = shared_memory_plan(ctx, hist_bytes, p.use_tma != 0, stage_bytes, smem)) return err;
+    if (hist_bytes + kScratchBytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 8192)");
+    const size_t smem = size_t(hist_bytes + kScratchBytes);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
-    int err = 0;
     if (!quantize) {
-        err = launch(dispatch_kernel<0>, ctx, grid, smem, s, ctx->dev, p, sl, hist_bytes, stage_bytes);
+        dispatch_kernel<0><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
     } else if (p.x_elem_bytes == 2) {
-        err = launch(dispatch_kernel<1>, ctx, grid, smem, s, ctx->dev, p, sl, hist_bytes, stage_bytes);
+        dispatch_kernel<1><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
     } else {
-        err = launch(dispatch_kernel<2>, ctx, grid, smem, s, ctx->dev, p, sl, hist_bytes, stage_bytes);
+        dispatch_kernel<2><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
     }
-    return err ? err : check_launch("dispatch_kernel");
+    return check_launch("dispatch_kernel");
 }
 
 extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_combine_params& p = *params;
     if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
-    if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
+    if (p.num_topk > MOE_EP_MAX_TOPK || p.slot_topk > MOE_EP_MAX_TOPK)
+        return set_error(-1, "num_topk and slot_topk must be <= " + std::to_string(MOE_EP_MAX_TOPK));
+    if (p.recv_slot != nullptr && p.slot_topk < 1) return set_error(-1, "expert-major combine needs slot_topk >= 1");
     if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
     if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
     const int w_off = int(p.hidden * p.elem_bytes);
@@ -956,19 +970,16 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     const int R = ctx->dev.num_ranks;
-    int stage_bytes = 0;
-    size_t smem = 0;
-    if (int err = shared_memory_plan(ctx, 0, p.use_tma != 0, stage_bytes, smem)) return err;
-    int err = 0;
-#define MOE_EP_LAUNCH_COMBINE(T)                                                                                   \
-    if (R <= 2) err = launch(combine_kernel<T, 2>, ctx, grid, smem, s, ctx->dev, p, slot_bytes, w_off, stage_bytes);      \
-    else if (R <= 4) err = launch(combine_kernel<T, 4>, ctx, grid, smem, s, ctx->dev, p, slot_bytes, w_off, stage_bytes); \
-    else err = launch(combine_kernel<T, 8>, ctx, grid, smem, s, ctx->dev, p, slot_bytes, w_off, stage_bytes);
+    const size_t smem = p.recv_slot != nullptr ? size_t(kScratchBytes) : 0;
+#define MOE_EP_LAUNCH_COMBINE(T)                                                                           \
+    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, smem, s>>>(ctx->dev, p, slot_bytes, w_off);      \
+    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, smem, s>>>(ctx->dev, p, slot_bytes, w_off); \
+    else combine_kernel<T, 8><<<grid, kThreads, smem, s>>>(ctx->dev, p, slot_bytes, w_off);
     if (p.elem_bytes == 2) {
         MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {
         MOE_EP_LAUNCH_COMBINE(float)
     }
 #undef MOE_EP_LAUNCH_COMBINE
-    return err ? err : check_launch("combine_kernel");
+    return check_launch("combine_kernel");
 }

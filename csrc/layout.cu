@@ -38,9 +38,44 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const int64_t* _
         if (s_rank[r]) atomicAdd(&per_rank[r], s_rank[r]);
 }
 
+// One block per expert scans the N x K entries in (t, k) order, kPositionsPerThread consecutive entries per thread:
+// entry i's position is the number of earlier entries with the same expert. Deterministic (no atomics), so every
+// rank lays out expert blocks exactly as the reference permutation does.
+constexpr int kPositionThreads = 512;
+constexpr int kPositionsPerThread = 8;
+__global__ void __launch_bounds__(kPositionThreads) expert_positions_kernel(const int64_t* __restrict__ topk_idx,
+                                                                           int64_t num_entries, int32_t* expert_pos) {
+    __shared__ int scratch[33];
+    const int64_t e = blockIdx.x;
+    int running = 0;
+    for (int64_t base = 0; base < num_entries; base += int64_t(kPositionThreads) * kPositionsPerThread) {
+        const int64_t i0 = base + int64_t(threadIdx.x) * kPositionsPerThread;
+        uint32_t match = 0;
+#pragma unroll
+        for (int j = 0; j < kPositionsPerThread; ++j)
+            if (i0 + j < num_entries && __ldg(topk_idx + i0 + j) == e) match |= 1u << j;
+        int total;
+        int pos = running + block_exclusive_sum(__popc(match), scratch, total);
+        for (; match != 0; match &= match - 1) expert_pos[i0 + __ffs(int(match)) - 1] = pos++;
+        running += total;
+    }
+}
+
 }  // namespace moe_ep
 
 using namespace moe_ep;
+
+extern "C" int moe_ep_expert_positions(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
+                                       int64_t num_experts, int32_t* expert_pos, void* stream) {
+    if (num_experts < 1 || num_experts > 65535) return set_error(-1, "moe_ep_expert_positions: need 1 <= num_experts <= 65535");
+    const int64_t n = num_tokens * num_topk;
+    if (n == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    // -1 entries get -1; every other entry is written by its expert's block.
+    if (int err = check_cuda(cudaMemsetAsync(expert_pos, 0xff, size_t(n) * sizeof(int32_t), s), "cudaMemsetAsync")) return err;
+    expert_positions_kernel<<<int(num_experts), kPositionThreads, 0, s>>>(topk_idx, n, expert_pos);
+    return check_launch("expert_positions_kernel");
+}
 
 extern "C" int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                                           int64_t num_experts, int64_t num_ranks, int32_t* per_rank,

@@ -14,9 +14,10 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 1
+#define MOE_EP_ABI_VERSION 2
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
+#define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
 
 /* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
 #define MOE_EP_ERR_BARRIER_TIMEOUT 1   /* [1] = peer rank that never arrived */
@@ -27,7 +28,11 @@ extern "C" {
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
  * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
- * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1). recv_bf16 dequantizes FP8 rows on receive. */
+ * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1). recv_bf16 dequantizes FP8 rows on receive.
+ * Expert-major mode (expert_pos != NULL): every received row is written once per local expert it selected, to
+ * row send_offset[e] + expert_pos[t, k] of recv_x (which then has num_expert_rows rows, each local expert's block
+ * padded with zero rows to `alignment`); recv_slot records those rows, expert_probs the weights; recv_topk_idx,
+ * recv_topk_weights and recv_expert_count are unused. */
 typedef struct {
     const void* x;
     const float* x_scales;             /* [N, hidden/128] with fp8_in, else NULL */
@@ -45,12 +50,20 @@ typedef struct {
     int64_t wire_fp8, fp8_in, recv_bf16, round_scale, num_sms;
     int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) ... */
     int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
-    int64_t use_tma;         /* row copies by bulk async copies through shared memory (else through registers) */
     const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
+    /* expert-major mode */
+    const int32_t* expert_pos;         /* [N, K]: index of (t, k) among this rank's entries for expert topk_idx[t, k] */
+    const int32_t* send_offset;        /* [E]: first row of this rank's entries in expert e's block on its owner */
+    const int32_t* expert_info;        /* notify's info: [2 + 2L] = {rows received, M, aligned counts, exact counts} */
+    int32_t* recv_slot;                /* [num_recv_rows, K]: expert-major row of each (received row, k), -1 if none */
+    float* expert_probs;               /* [num_expert_rows] or NULL */
+    int64_t num_expert_rows, alignment;
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
- * summed per token in fp32 (source-rank order), then bias0 and bias1 are added; out is [num_tokens, hidden]. */
+ * summed per token in fp32 (source-rank order), then bias0 and bias1 are added; out is [num_tokens, hidden].
+ * Expert-major mode (recv_slot != NULL): x holds expert outputs and received row r is first summed from the
+ * rows recv_slot[r, 0..slot_topk) of x (fp32, k ascending, rounded to x's dtype). */
 typedef struct {
     const void* x;
     const float* topk_weights;         /* [num_recv_rows, K] or NULL */
@@ -60,7 +73,9 @@ typedef struct {
     const void* bias1;
     void* out;                         /* [num_tokens, hidden] */
     float* out_weights;                /* [num_tokens, K] or NULL */
-    int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks, use_tma;
+    int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
+    const int32_t* recv_slot;          /* [num_recv_rows, slot_topk] or NULL */
+    int64_t slot_topk;
 } moe_ep_combine_params;
 
 int moe_ep_abi_version(void);
@@ -80,11 +95,20 @@ int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int6
                                int64_t num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* is_token_in_rank,
                                void* stream);
 
+/* (t, k) -> index of that entry among the entries of N x K topk_idx choosing the same expert, in (t, k) order
+ * (-1 for -1 entries). */
+int moe_ep_expert_positions(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                            int32_t* expert_pos, void* stream);
+
 /* Barrier with every peer; with num_tokens_per_rank given, also exchanges counts into rank_prefix_matrix [R, R].
- * Always writes send_pos [N, R] and send_list [R, list_stride] from is_token_in_rank. */
+ * Always writes send_pos [N, R] and send_list [R, list_stride] from is_token_in_rank.
+ * With num_tokens_per_expert [E] given as well (expert-major mode), every rank's per-expert counts are exchanged
+ * and notify writes send_offset [E] (see moe_ep_dispatch_params) and info [2 + 2L] = {rows this rank receives,
+ * M = its expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count}. */
 int moe_ep_notify_dispatch(void* ctx, const int32_t* num_tokens_per_rank, const uint8_t* is_token_in_rank,
                            int64_t num_tokens, int64_t list_stride, int32_t* rank_prefix_matrix, int32_t* send_pos,
-                           int32_t* send_list, void* stream);
+                           int32_t* send_list, const int32_t* num_tokens_per_expert, int64_t num_experts,
+                           int64_t alignment, int32_t* send_offset, int32_t* info, void* stream);
 int moe_ep_barrier(void* ctx, void* stream);
 int moe_ep_dispatch(void* ctx, const moe_ep_dispatch_params* params, void* stream);
 int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream);

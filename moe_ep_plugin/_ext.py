@@ -10,9 +10,10 @@ from typing import Optional
 
 from ._build import LIB_PATH
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_RANKS = 8
 MAX_TOPK = 32
+MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
 
 # Error record codes (csrc/moe_ep.h).
 ERR_BARRIER_TIMEOUT = 1
@@ -32,7 +33,9 @@ class DispatchParams(ctypes.Structure):
         "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
-            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks", "use_tma")] + [("send_pos", _p)]
+            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
+        (name, _p) for name in ("send_pos", "expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
+        (name, _i64) for name in ("num_expert_rows", "alignment")]
 
 
 class CombineParams(ctypes.Structure):
@@ -41,7 +44,7 @@ class CombineParams(ctypes.Structure):
     _fields_ = [(name, _p) for name in (
         "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
-                                  "num_send_warps", "num_send_blocks", "use_tma")]
+                                  "num_send_warps", "num_send_blocks")] + [("recv_slot", _p), ("slot_topk", _i64)]
 
 
 _lib: Optional[ctypes.CDLL] = None
@@ -83,12 +86,13 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_region_bytes.restype = _i64
     lib.moe_ep_region_bytes.argtypes = [_p]
     lib.moe_ep_get_dispatch_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
-    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _i64, _i64, _p, _p, _p, _p]
+    lib.moe_ep_expert_positions.argtypes = [_p, _i64, _i64, _i64, _p, _p]
+    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p]
     lib.moe_ep_barrier.argtypes = [_p, _p]
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
-                 "moe_ep_notify_dispatch", "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_combine"):
+                 "moe_ep_expert_positions", "moe_ep_notify_dispatch", "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_combine"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

@@ -25,13 +25,14 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..config import Config
-from ..handle import DispatchHandle
-from .base import DispatchArgs, DispatchResult, Transport
+from ..handle import DispatchHandle, ExpertLayout
+from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
 _DEFAULT_ROWS = 8192
 _DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * _ext.MAX_TOPK * 4 + 16
-_STAGING_OFFSET = 4096 + _ext.MAX_RANKS * (65536 // 8) * 4  # header + flags (csrc/common.cuh)
+# header + expert counts + flags (csrc/common.cuh)
+_STAGING_OFFSET = 4096 + _ext.MAX_RANKS * _ext.MAX_EXPERTS * 4 + _ext.MAX_RANKS * (65536 // 8) * 4
 _MAX_REGION_ROWS = 65536
 
 
@@ -55,10 +56,24 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 
 @dataclass
+class _ExpertState:
+    """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64, each entry's position
+    among this rank's entries for its expert ``[N, K]`` int32, ``send_offset`` ``[E]`` int32 and notify's
+    ``info`` ``[2 + 2L]`` int32 (csrc/moe_ep.h)."""
+
+    topk_idx: torch.Tensor
+    expert_pos: torch.Tensor
+    send_offset: torch.Tensor
+    info: torch.Tensor
+
+
+@dataclass
 class _NVLinkState:
-    """Kept in ``DispatchHandle.transport_state``: the tokens sent to each rank, in order ([R, max(N, 1)] int32)."""
+    """Kept in ``DispatchHandle.transport_state``: the tokens sent to each rank, in order ([R, max(N, 1)] int32),
+    and, for an expert-major handle, its layout state."""
 
     send_list: torch.Tensor
+    expert: Optional[_ExpertState] = None
 
 
 class NVLinkTransport(Transport):
@@ -66,9 +81,9 @@ class NVLinkTransport(Transport):
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
-    quantizes in the send path moves work to the senders, so it has its own warp count. ``use_tma``: row copies as
-    bulk asynchronous copies through shared memory instead of through registers. Defaults: the fastest settings
-    measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md).
+    quantizes in the send path moves work to the senders, so it has its own warp count; so does an expert-major
+    combine, whose senders sum each row from its expert outputs. Defaults: the fastest settings measured on
+    2 x H200 at 24 SMs (benchmarks/RESULTS.md).
     """
 
     name = "nvlink"
@@ -77,7 +92,7 @@ class NVLinkTransport(Transport):
     dispatch_send_blocks = 0
     combine_send_warps = 6
     combine_send_blocks = 8
-    use_tma = False
+    expert_combine_send_blocks = 12
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -186,23 +201,27 @@ class NVLinkTransport(Transport):
 
     # ---- dispatch ----
     def _notify(self, num_tokens_per_rank: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
-                rank_prefix_matrix: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Barrier (+ count exchange into ``rank_prefix_matrix``); returns ``(send_pos [N, R], send_list)``."""
+                rank_prefix_matrix: Optional[torch.Tensor], expert: Optional[tuple] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Barrier (+ count exchange into ``rank_prefix_matrix``); returns ``(send_pos [N, R], send_list)``.
+        ``expert``: ``(num_tokens_per_expert [E] int32, alignment, send_offset [E], info [2 + 2L])`` for the
+        expert-major count exchange."""
         n = is_token_in_rank.shape[0]
         send_pos = torch.empty(n, self.num_ranks, dtype=torch.int32, device=self.device)
         send_list = torch.empty(self.num_ranks, max(n, 1), dtype=torch.int32, device=self.device)
+        per_expert, alignment, send_offset, info = expert if expert is not None else (None, 1, None, None)
+        num_experts = per_expert.shape[0] if per_expert is not None else 0
         _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(num_tokens_per_rank), _ptr(is_token_in_rank), n,
                                                     send_list.shape[1], _ptr(rank_prefix_matrix), _ptr(send_pos),
-                                                    _ptr(send_list), self._stream()), "notify_dispatch")
+                                                    _ptr(send_list), _ptr(per_expert), num_experts, alignment,
+                                                    _ptr(send_offset), _ptr(info), self._stream()), "notify_dispatch")
         return send_pos, send_list
 
-    def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        self.check_error()
+    def _check_rows(self, args: DispatchArgs) -> int:
+        """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
         x = args.x
         n, hidden = x.shape
-        fp8_in = args.x_scales is not None
-        fp8_rows = fp8_in or args.wire_fp8
-        dequant = fp8_rows and args.recv_bf16
+        fp8_rows = args.x_scales is not None or args.wire_fp8
         k = args.topk_idx.shape[1] if args.topk_idx is not None else 0
         if k > _ext.MAX_TOPK:
             raise ValueError(f"topk_idx: the nvlink kernels take at most {_ext.MAX_TOPK} experts per token, got {k}")
@@ -210,6 +229,57 @@ class NVLinkTransport(Transport):
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
         slot = dispatch_slot_bytes(hidden, x.element_size(), fp8_rows, k)
         self._check_capacity(n, slot, "x")
+        return slot
+
+    def _recv_tensors(self, args: DispatchArgs, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(recv_x [rows, H], recv_scales [rows, H/128] or None)`` in the dtype the mode receives."""
+        x = args.x
+        hidden = x.shape[1]
+        fp8_rows = args.x_scales is not None or args.wire_fp8
+        dequant = fp8_rows and args.recv_bf16
+        if dequant:  # back to the input's dtype (BF16 for FP8 input)
+            dtype = x.dtype if args.wire_fp8 else torch.bfloat16
+        else:
+            dtype = torch.float8_e4m3fn if fp8_rows else x.dtype
+        recv_x = torch.empty(rows, hidden, dtype=dtype, device=self.device)
+        recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=self.device)
+                       if fp8_rows and not dequant else None)
+        return recv_x, recv_scales
+
+    def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: Optional[torch.Tensor],
+                         recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], **outputs) -> None:
+        """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` pointers/fields."""
+        x = args.x
+        n, hidden = x.shape
+        state: _NVLinkState = handle.transport_state
+        params = _ext.DispatchParams(
+            x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(args.topk_weights),
+            rank_prefix_matrix=_ptr(handle.rank_prefix_matrix), send_list=_ptr(state.send_list), recv_x=_ptr(recv_x),
+            recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden, x_elem_bytes=x.element_size(),
+            num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
+            num_local_experts=args.num_experts // self.num_ranks, list_stride=state.send_list.shape[1],
+            num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
+            recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
+            round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
+            num_send_warps=self.quantizing_dispatch_send_warps if args.wire_fp8 else self.dispatch_send_warps,
+            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config), send_pos=_ptr(handle.send_pos),
+            alignment=1)
+        for name, value in outputs.items():
+            setattr(params, name, _ptr(value) if isinstance(value, torch.Tensor) or value is None else value)
+        _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
+
+    def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
+        """Start of a cached dispatch: the barrier that orders it after every rank's previous operation."""
+        state = handle.transport_state
+        if not isinstance(state, _NVLinkState):
+            raise ValueError("handle: it was not made by the nvlink transport")
+        _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+        return state
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self.check_error()
+        self._check_rows(args)
+        n = args.x.shape[0]
         handle = args.handle
         if handle is None:
             rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
@@ -228,49 +298,86 @@ class NVLinkTransport(Transport):
                                     num_ranks=self.num_ranks, num_recv_rows=rows,
                                     transport_state=_NVLinkState(send_list))
         else:
-            rpm = handle.rank_prefix_matrix.to(device=self.device, dtype=torch.int32).contiguous()
-            if isinstance(handle.transport_state, _NVLinkState):
-                send_list = handle.transport_state.send_list
-                send_pos = handle.send_pos
-                _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
-            else:
-                send_pos, send_list = self._notify(None, handle.is_token_in_rank.contiguous(), None)
-            rows = handle.num_recv_rows
-
-        if dequant:  # back to the input's dtype (BF16 for FP8 input)
-            recv_x = torch.empty(rows, hidden, dtype=x.dtype if args.wire_fp8 else torch.bfloat16, device=self.device)
-        elif fp8_rows:
-            recv_x = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=self.device)
-        else:
-            recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=self.device)
-        recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=self.device)
-                       if fp8_rows and not dequant else None)
+            self._replay_barrier(handle)
+        recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
         has_topk = args.topk_idx is not None
-        num_local = args.num_experts // self.num_ranks
+        k = args.topk_idx.shape[1] if has_topk else 0
+        rows = handle.num_recv_rows
         recv_topk_idx = torch.empty(rows, k, dtype=torch.int64, device=self.device) if has_topk else None
         recv_topk_weights = (torch.empty(rows, k, dtype=torch.float32, device=self.device)
                              if has_topk and args.topk_weights is not None else None)
-        expert_counts = torch.zeros(num_local, dtype=torch.int32, device=self.device) if has_topk else None
+        expert_counts = (torch.zeros(args.num_experts // self.num_ranks, dtype=torch.int32, device=self.device)
+                         if has_topk else None)
         recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
-        params = _ext.DispatchParams(
-            x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(args.topk_idx), topk_weights=_ptr(args.topk_weights),
-            rank_prefix_matrix=_ptr(rpm), send_list=_ptr(send_list), recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
-            recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-            recv_src_idx=_ptr(recv_src_idx), recv_expert_count=_ptr(expert_counts), num_tokens=n, hidden=hidden,
-            x_elem_bytes=x.element_size(), num_topk=k, num_local_experts=num_local, list_stride=send_list.shape[1],
-            num_recv_rows=rows, wire_fp8=int(args.wire_fp8), fp8_in=int(fp8_in), recv_bf16=int(dequant),
-            round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self.quantizing_dispatch_send_warps if args.wire_fp8 else self.dispatch_send_warps,
-            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config), use_tma=int(self.use_tma),
-            send_pos=_ptr(send_pos))
-        _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
+        self._launch_dispatch(args, handle, args.topk_idx, recv_x, recv_scales, recv_topk_idx=recv_topk_idx,
+                              recv_topk_weights=recv_topk_weights, recv_src_idx=recv_src_idx,
+                              recv_expert_count=expert_counts)
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
+    def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
+        """Fused: notify also exchanges per-expert counts, so every sender knows where each of its rows lands in
+        the destination's expert-major layout, and the kernel writes each received row straight into the rows of
+        its local experts. One host read (the received row count and per-expert counts together)."""
+        self.check_error()
+        self._check_rows(args)
+        n = args.x.shape[0]
+        handle = args.handle
+        if handle is None:
+            num_experts = args.num_experts
+            if num_experts > _ext.MAX_EXPERTS:
+                raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {_ext.MAX_EXPERTS} "
+                                 f"experts, got {num_experts}")
+            topk_idx = args.topk_idx
+            k = topk_idx.shape[1]
+            num_local = num_experts // self.num_ranks
+            per_expert = args.num_tokens_per_expert
+            if per_expert is None:
+                _, per_expert, _ = self.get_dispatch_layout(topk_idx, num_experts)
+            per_expert = per_expert.to(device=self.device, dtype=torch.int32).contiguous()
+            expert_pos = torch.empty(n, k, dtype=torch.int32, device=self.device)
+            _ext.check(self._lib.moe_ep_expert_positions(_ptr(topk_idx), n, k, num_experts, _ptr(expert_pos),
+                                                         self._stream()), "expert_positions")
+            rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
+            send_offset = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+            info = torch.empty(2 + 2 * num_local, dtype=torch.int32, device=self.device)
+            counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
+            in_rank = args.is_token_in_rank.contiguous()
+            send_pos, send_list = self._notify(counts, in_rank, rpm, (per_expert, alignment, send_offset, info))
+            host = info[:2 + num_local].cpu().tolist()  # the one host sync of an expert-major dispatch
+            self.check_error()
+            num_recv, num_rows, tokens_per_expert = host[0], host[1], host[2:]
+            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
+                                    recv_src_idx=torch.empty(num_recv, dtype=torch.int32, device=self.device),
+                                    num_tokens=n, num_recv_tokens=num_recv, num_experts=num_experts, rank=self.rank,
+                                    num_ranks=self.num_ranks, num_recv_rows=num_recv,
+                                    transport_state=_NVLinkState(send_list,
+                                                                 _ExpertState(topk_idx, expert_pos, send_offset, info)))
+            handle.expert_layout = ExpertLayout(torch.empty(num_recv, k, dtype=torch.int32, device=self.device),
+                                                tokens_per_expert, num_rows, alignment)
+            weights = args.topk_weights
+        else:
+            state = self._replay_barrier(handle)
+            if state.expert is None:
+                raise ValueError("handle: it has no nvlink expert-major state (it came from Buffer.dispatch)")
+            weights = None
+        state: _NVLinkState = handle.transport_state
+        layout: ExpertLayout = handle.expert_layout
+        recv_x, recv_scales = self._recv_tensors(args, layout.num_rows)
+        probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
+        # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
+        self._launch_dispatch(args, handle, state.expert.topk_idx, recv_x, recv_scales, recv_src_idx=handle.recv_src_idx,
+                              expert_pos=state.expert.expert_pos, send_offset=state.expert.send_offset,
+                              expert_info=state.expert.info, recv_slot=layout.recv_slot, expert_probs=probs,
+                              num_expert_rows=layout.num_rows, alignment=layout.alignment,
+                              topk_weights=weights)
+        return ExpertDispatchResult(recv_x, recv_scales, probs, handle)
+
     # ---- combine ----
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _launch_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                        bias: tuple[torch.Tensor, ...], config: Config, recv_slot: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         self.check_error()
         hidden = x.shape[1]
         k = topk_weights.shape[1] if topk_weights is not None else 0
@@ -284,13 +391,25 @@ class NVLinkTransport(Transport):
         out = torch.empty(handle.num_tokens, hidden, dtype=x.dtype, device=self.device)
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
+        send_blocks = self.expert_combine_send_blocks if recv_slot is not None else self.combine_send_blocks
         params = _ext.CombineParams(
             x=_ptr(x), topk_weights=_ptr(topk_weights), rank_prefix_matrix=_ptr(rpm), send_pos=_ptr(send_pos),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
             out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config),
-            use_tma=int(self.use_tma))
+            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(send_blocks, config),
+            recv_slot=_ptr(recv_slot), slot_topk=recv_slot.shape[1] if recv_slot is not None else 0)
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self._launch_combine(x, handle, topk_weights, bias, config, None)
+
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
+                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Fused: senders sum each received row from its expert outputs in registers (fp32, top-k columns
+        ascending, rounded to ``y.dtype`` — ``permute.unpermute``'s result) as they send it back."""
+        layout: ExpertLayout = handle.expert_layout
+        return self._launch_combine(y, handle, slot_weights(expert_weights, layout), (), config, layout.recv_slot)

@@ -2,6 +2,7 @@
 
 BF16/FP32 rows and FP8 bytes must match bit for bit, metadata exactly, combine bit for bit at two ranks (both
 sum in source-rank order in fp32) and within rounding beyond. Also: ``num_worst_tokens``, cached dispatch,
+the fused expert-major dispatch/combine against the torch transport's dispatch + permute / unpermute + combine,
 a CUDA-graph captured dispatch+combine replayed on new inputs, and a peer that never arrives. Skips without
 two GPUs or without the built kernel library.
 """
@@ -87,17 +88,25 @@ def _make_x(mode: tuple, n: int, h: int, device: torch.device):
     return fp8.quantize(x) if fp8_input else x
 
 
+def _case_inputs(case: dict, mode: tuple, device: torch.device):
+    """``(n, h, k, num_experts, x, topk_idx, topk_weights)`` for this rank, or None when the mode needs hidden % 128."""
+    _, _, fp8_dispatch, _, _, fp8_input = mode
+    n, h, k = case["tokens"](dist.get_rank()), case["hidden"], case["topk"]
+    if (fp8_dispatch or fp8_input) and h % 128:
+        return None
+    num_experts = case["experts_per_rank"] * dist.get_world_size()
+    return (n, h, k, num_experts, _make_x(mode, n, h, device), _routing(case["routing"], n, k, num_experts, device),
+            torch.rand(n, k, device=device))
+
+
 def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = nv.device
     name, _, fp8_dispatch, fp8_out, round_scale, fp8_input = mode
-    n, h, k = case["tokens"](rank), case["hidden"], case["topk"]
-    if (fp8_dispatch or fp8_input) and h % 128:
+    inputs = _case_inputs(case, mode, device)
+    if inputs is None:
         return
-    num_experts = case["experts_per_rank"] * world
-    x = _make_x(mode, n, h, device)
-    idx = _routing(case["routing"], n, k, num_experts, device)
-    w = torch.rand(n, k, device=device)
+    n, h, k, num_experts, x, idx, w = inputs
     tag = f"{name} n={n} h={h} k={k} E={num_experts}"
 
     layout = nv.get_dispatch_layout(idx, num_experts)
@@ -146,6 +155,43 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
     num_recv = handle.num_recv_tokens
     _same(f"{tag} worst recv_src_idx", got_src[:num_recv], ref_handle.recv_src_idx)
     assert bool((got_src[num_recv:] == -1).all())
+    if rank == 0:
+        print(f"ok {tag}", flush=True)
+
+
+def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignment: int) -> None:
+    """dispatch_experts / combine_experts (fused kernels) equal the torch transport's composed path bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = nv.device
+    name, _, fp8_dispatch, fp8_out, round_scale, fp8_input = mode
+    inputs = _case_inputs(case, mode, device)
+    if inputs is None:
+        return
+    n, h, k, num_experts, x, idx, w = inputs
+    tag = f"experts {name} n={n} h={h} k={k} E={num_experts} align={alignment}"
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=alignment,
+              fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    out = nv.dispatch_experts(x, **kw)
+    expect = ref.dispatch_experts(x, **kw)
+    for i, part in enumerate(("expert_x", "expert_scales", "expert_probs")):
+        _same(f"{tag} {part}", out[i], expect[i])
+    assert out[3] == expect[3], f"{tag} tokens_per_expert {out[3]} vs {expect[3]}"
+    handle, ref_handle = out[4], expect[4]
+    _same(f"{tag} recv_slot", handle.expert_layout.recv_slot, ref_handle.expert_layout.recv_slot)
+    _same(f"{tag} recv_src_idx", handle.recv_src_idx, ref_handle.recv_src_idx)
+    if not fp8_input and not (fp8_dispatch and fp8_out):
+        y = torch.randn(handle.expert_layout.num_rows, h, device=device).to(out[0].dtype)
+        ew = torch.rand(handle.expert_layout.num_rows, device=device)
+        got = nv.combine_experts(y, handle, expert_weights=ew)
+        want = ref.combine_experts(y, ref_handle, expert_weights=ew)
+        if world <= 2:
+            _same(f"{tag} combine_experts", got[0], want[0])
+            _same(f"{tag} combine_experts weights", got[1], want[1])
+        else:
+            torch.testing.assert_close(got[0].float(), want[0].float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got[1], want[1])
+    cached = nv.dispatch_experts(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    _same(f"{tag} cached expert_x", cached[0], out[0])
     if rank == 0:
         print(f"ok {tag}", flush=True)
 
@@ -218,23 +264,27 @@ def _suite() -> None:
     Buffer.set_num_sms(24)
     for case in CASES:
         for mode in MODES:
+            _check_expert_case(nv, ref, case, mode, 1)
+    for i, case in enumerate(CASES):
+        for mode in (MODES[0], MODES[2], MODES[4]):
+            _check_expert_case(nv, ref, case, mode, (16, 128)[i % 2])
+    for case in CASES:
+        for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # the other kernel variants: the other copy path (TMA / registers), whole sender blocks in dispatch, warp roles
-    # in combine, and 2 SMs with one sending warp each
+    # the other kernel variants: whole sender blocks in dispatch, warp roles in combine, and 2 SMs with one
+    # sending warp each
     transport, defaults = nv.transport, type(nv.transport)
-    transport.use_tma = not defaults.use_tma
-    for mode in (MODES[0], MODES[3], MODES[6]):
-        _check_case(nv, ref, CASES[0], mode)
-    transport.use_tma = defaults.use_tma
-    transport.dispatch_send_blocks, transport.combine_send_blocks = 8, 0
+    transport.dispatch_send_blocks, transport.combine_send_blocks, transport.expert_combine_send_blocks = 8, 0, 0
+    _check_expert_case(nv, ref, CASES[2], MODES[0], 16)
     _check_case(nv, ref, CASES[2], MODES[0])
     _check_case(nv, ref, CASES[2], MODES[2])
     transport.dispatch_send_blocks = 0
     transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = transport.combine_send_warps = 1
     Buffer.set_num_sms(2)
     _check_case(nv, ref, CASES[0], MODES[2])
+    _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
-                 "combine_send_blocks"):
+                 "combine_send_blocks", "expert_combine_send_blocks"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv)
@@ -251,6 +301,8 @@ def _single_rank() -> None:
     for case in (CASES[0], CASES[4]):
         for mode in (MODES[0], MODES[3], MODES[6]):
             _check_case(nv, ref, case, mode)
+            _check_expert_case(nv, ref, case, mode, 1)
+        _check_expert_case(nv, ref, case, MODES[2], 16)
     torch.cuda.synchronize()
     nv.destroy()
 
