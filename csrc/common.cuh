@@ -10,7 +10,12 @@
 namespace moe_ep {
 
 constexpr int kMaxRanks = MOE_EP_MAX_RANKS;
-constexpr int kChunkRows = 8;                    // rows published by one flag
+#ifndef MOE_EP_CHUNK_ROWS
+#define MOE_EP_CHUNK_ROWS 8  // a build-time tuning knob (moe_ep_plugin/_build.py: MOE_EP_NVCC_FLAGS)
+#endif
+constexpr int kChunkRows = MOE_EP_CHUNK_ROWS;    // rows published by one flag
+static_assert(kChunkRows >= 1 && kChunkRows <= 16, "a chunk's rows are held by the lanes of one warp, and its "
+              "output-row scratch must fit shared memory");
 constexpr int kMaxRegionRows = 65536;            // rows one source may place in a peer region
 constexpr int kMaxChunks = kMaxRegionRows / kChunkRows;
 constexpr int kMaxExperts = MOE_EP_MAX_EXPERTS;

@@ -4,7 +4,9 @@
 # others with it; each part's files are packed into $OUT/<part>.tar.gz as soon as it ends (the device tool returns
 # at most 8 files), and its console output is echoed here.
 # Carry: moe_ep_plugin/lib (kernel library built here) and .whl (megatron-core, deepspeed and their missing deps).
-#   usage: bash scripts/gpu_all.sh 2>&1 | tee $OUT/all.log
+#   usage: bash scripts/gpu_all.sh [PART ...] 2>&1 | tee $OUT/all.log
+# PART: kernels, megatron_bench (the dispatcher benchmark alone), megatron (layer test, benchmark, pretraining),
+# megatron_rest (layer test and pretraining), train, deepspeed; default: megatron train deepspeed kernels.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_all
 RESULTS="$LOGS"
@@ -26,7 +28,16 @@ part() {  # part NAME SECONDS COMMAND...
     tar czf "$RESULTS/$name.tar.gz" -C "$WORK" "$name"
 }
 
-part megatron 210 bash scripts/gpu_megatron.sh
-part train 110 bash scripts/gpu_train.sh --set train.steps=60
-part deepspeed 100 bash scripts/gpu_deepspeed.sh
-part kernels 130 bash scripts/gpu_kernels.sh
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(megatron train deepspeed kernels)
+for name in "${parts[@]}"; do
+    case "$name" in
+        kernels) part kernels 330 bash scripts/gpu_kernels.sh ;;
+        megatron) part megatron 420 bash scripts/gpu_megatron.sh ;;
+        megatron_bench) MEGATRON_STEPS=bench part megatron_bench 200 bash scripts/gpu_megatron.sh ;;
+        megatron_rest) MEGATRON_STEPS="test pretrain" part megatron_rest 260 bash scripts/gpu_megatron.sh ;;
+        train) part train 110 bash scripts/gpu_train.sh --set train.steps=60 ;;
+        deepspeed) part deepspeed 120 bash scripts/gpu_deepspeed.sh ;;
+        *) echo "unknown part $name" ;;
+    esac
+done

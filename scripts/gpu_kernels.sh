@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# GPU proof of the nvlink kernels (issue 4), for the 2 x H200 device machine: library check, GPU tests against the
-# torch transport, then the dispatch/combine benchmark. Logs go to $OUT (device tool) or runs/gpu_kernels/.
-# Needs moe_ep_plugin/lib/libmoe_ep_kernels.so (built here with `python3 -m moe_ep_plugin._build --required`;
-# carry it, or it is built on the spot when nvcc exists). Takes about 3 minutes.
+# GPU proof of the kernels (issue 4), for the 2 x H200 device machine: library check, GPU tests against the torch
+# transport and the torch permute fallback, then the dispatch/combine and permute benchmarks, and a quick kernel
+# timing of every variant library in moe_ep_plugin/lib/variants/*.so (built here with MOE_EP_NVCC_FLAGS, e.g.
+# -DMOE_EP_CHUNK_ROWS=16, and `python3 -m moe_ep_plugin._build --required --output moe_ep_plugin/lib/variants/X.so`).
+# Logs go to $OUT (device tool) or runs/gpu_kernels/. Needs moe_ep_plugin/lib/libmoe_ep_kernels.so (built here
+# with `python3 -m moe_ep_plugin._build --required`; carry it, or it is built on the spot when nvcc exists).
+# Takes about 5 minutes.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_kernels
 status=0
@@ -13,4 +16,11 @@ fi
 python3 -c "from moe_ep_plugin import _ext; r = _ext.unavailable_reason(); print('kernel library:', r or 'loads'); assert r is None" || exit 1
 timeout 150 python3 -m pytest -q -s -rs tests/gpu 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
 timeout 200 python3 benchmarks/bench_dispatch_combine.py --json "$LOGS/bench.json" "$@" 2>&1 | tee "$LOGS/bench.log" || status=1
+timeout 60 python3 benchmarks/bench_permute.py 2>&1 | tee "$LOGS/bench_permute.log" || status=1
+for lib in moe_ep_plugin/lib/variants/*.so; do
+    [ -e "$lib" ] || continue
+    echo "=== variant $(basename "$lib" .so)" | tee -a "$LOGS/variants.log"
+    MOE_EP_KERNEL_LIB="$lib" timeout 90 python3 benchmarks/bench_dispatch_combine.py --quick --sweep "" \
+        --split-sweep 24:6,24:8,24:10,24:12 2>&1 | tail -n 40 | tee -a "$LOGS/variants.log" || status=1
+done
 exit $status
