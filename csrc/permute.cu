@@ -22,6 +22,7 @@ constexpr int kBlockThreads = kWarpsPerBlock * 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxDevices = 64;
 constexpr int kPermuteUnroll = 4;    // 16-byte vectors of a row each lane holds before storing them K times
+constexpr int kChunkVecs = 32 * kPermuteUnroll;  // 16-byte vectors of a row per work item (one warp)
 constexpr int kUnpermuteBatch = 8;   // slot rows whose vectors are loaded together, then summed in order
 constexpr int kSlotsStepsPerWarp = 4;  // expert_slots adds a block only when each warp gets >= 4 x 32 entries
 
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kBlockThreads)
             total += c;
             if (b < int(blockIdx.x)) prior += c;
         }
-        totals[l] = (total + alignment - 1) / alignment * alignment;
+        totals[l] = int((int64_t(total) + alignment - 1) / alignment * alignment);
         before[l] = prior;
     }
     __syncthreads();
@@ -151,7 +152,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// permute / unpermute: one warp per received row, grid-stride over rows, grids of one full wave.
+// permute / unpermute: a work item is one chunk of kChunkVecs 16-byte vectors of one received row, done by one
+// warp; warps stride over items, grids are one full wave. Chunks (not whole rows) keep the tail balanced and
+// give small batches enough warps.
 
 struct RowSlots {
     int count;  // valid slots of the row, compacted into the warp's list in top-k column order
@@ -173,41 +176,43 @@ __device__ __forceinline__ RowSlots row_slots(const int32_t* recv_slot, int64_t 
 __global__ void __launch_bounds__(kBlockThreads)
     permute_kernel(const int4* __restrict__ x, const int32_t* __restrict__ recv_slot, const float* __restrict__ weights,
                    const float* __restrict__ scales, int64_t num_recv_rows, int num_topk, int64_t row_vecs,
-                   int64_t num_scales, int64_t num_rows, int4* __restrict__ out_x, float* __restrict__ out_probs,
-                   float* __restrict__ out_scales, uint8_t* __restrict__ covered) {
+                   int64_t chunks_per_row, int64_t num_scales, int64_t num_rows, int4* __restrict__ out_x,
+                   float* __restrict__ out_probs, float* __restrict__ out_scales, uint8_t* __restrict__ covered) {
     __shared__ int lists[kWarpsPerBlock][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* list = lists[warp];
-    for (int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + warp; r < num_recv_rows;
-         r += int64_t(gridDim.x) * kWarpsPerBlock) {
+    const int64_t num_items = num_recv_rows * chunks_per_row;
+    for (int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + warp; item < num_items;
+         item += int64_t(gridDim.x) * kWarpsPerBlock) {
+        const int64_t r = item / chunks_per_row;
+        const int64_t first = (item - r * chunks_per_row) * kChunkVecs;
         const RowSlots row = row_slots(recv_slot, r, num_topk, num_rows, list);
         const int n = row.count;
-        if (row.own >= 0) {
+        if (first == 0 && row.own >= 0) {  // per-row metadata: the row's first chunk
             covered[row.own] = 1;
             if (out_probs != nullptr) out_probs[row.own] = __ldg(weights + r * num_topk + lane);
         }
-        if (n > 0) {
-            const int4* src = x + r * row_vecs;
-            for (int64_t v = lane; v < row_vecs; v += 32 * kPermuteUnroll) {
-                int4 buf[kPermuteUnroll];
-#pragma unroll
-                for (int u = 0; u < kPermuteUnroll; ++u)
-                    if (v + 32 * u < row_vecs) buf[u] = __ldg(src + v + 32 * u);
-                for (int j = 0; j < n; ++j) {
-                    int4* dst = out_x + int64_t(list[j]) * row_vecs + v;
-#pragma unroll
-                    for (int u = 0; u < kPermuteUnroll; ++u)
-                        if (v + 32 * u < row_vecs) dst[32 * u] = buf[u];
-                }
-            }
-            if (out_scales != nullptr) {
-                for (int64_t c = lane; c < num_scales; c += 32) {
-                    const float s = __ldg(scales + r * num_scales + c);
-                    for (int j = 0; j < n; ++j) out_scales[int64_t(list[j]) * num_scales + c] = s;
-                }
+        if (first == 0 && n > 0 && out_scales != nullptr) {
+            for (int64_t c = lane; c < num_scales; c += 32) {
+                const float s = __ldg(scales + r * num_scales + c);
+                for (int j = 0; j < n; ++j) out_scales[int64_t(list[j]) * num_scales + c] = s;
             }
         }
-        __syncwarp();  // the list is rewritten for the next row
+        if (n > 0) {
+            const int64_t v = first + lane;
+            const int4* src = x + r * row_vecs + v;
+            int4 buf[kPermuteUnroll];
+#pragma unroll
+            for (int u = 0; u < kPermuteUnroll; ++u)
+                if (v + 32 * u < row_vecs) buf[u] = __ldg(src + 32 * u);
+            for (int j = 0; j < n; ++j) {
+                int4* dst = out_x + int64_t(list[j]) * row_vecs + v;
+#pragma unroll
+                for (int u = 0; u < kPermuteUnroll; ++u)
+                    if (v + 32 * u < row_vecs) dst[32 * u] = buf[u];
+            }
+        }
+        __syncwarp();  // the list is rewritten for the next item
     }
 }
 
@@ -273,15 +278,20 @@ struct Vec16<__nv_bfloat16> {
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads)
     unpermute_kernel(const int4* __restrict__ y, const int32_t* __restrict__ recv_slot, int64_t num_recv_rows,
-                     int num_topk, int64_t row_vecs, int64_t num_rows, int4* __restrict__ out) {
+                     int num_topk, int64_t row_vecs, int64_t chunks_per_row, int64_t num_rows,
+                     int4* __restrict__ out) {
     __shared__ int lists[kWarpsPerBlock][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* list = lists[warp];
-    for (int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + warp; r < num_recv_rows;
-         r += int64_t(gridDim.x) * kWarpsPerBlock) {
+    const int64_t num_items = num_recv_rows * chunks_per_row;
+    for (int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + warp; item < num_items;
+         item += int64_t(gridDim.x) * kWarpsPerBlock) {
+        const int64_t r = item / chunks_per_row;
+        const int64_t first = (item - r * chunks_per_row) * kChunkVecs;
+        const int64_t last = min(first + kChunkVecs, row_vecs);
         const int n = row_slots(recv_slot, r, num_topk, num_rows, list).count;
         int4* dst = out + r * row_vecs;
-        for (int64_t v = lane; v < row_vecs; v += 32) {
+        for (int64_t v = first + lane; v < last; v += 32) {
             float acc[Vec16<T>::kElems];
 #pragma unroll
             for (int i = 0; i < Vec16<T>::kElems; ++i) acc[i] = 0.0f;
@@ -296,7 +306,7 @@ __global__ void __launch_bounds__(kBlockThreads)
             }
             dst[v] = Vec16<T>::round(acc);
         }
-        __syncwarp();  // the list is rewritten for the next row
+        __syncwarp();  // the list is rewritten for the next item
     }
 }
 
@@ -354,7 +364,7 @@ extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_row
         std::min<int64_t>(ceil_div(entries, int64_t(kBlockThreads) * kSlotsStepsPerWarp), workspace_blocks), resident);
     const int64_t per_warp = ceil_div(ceil_div(entries, blocks * kWarpsPerBlock), 32) * 32;
 
-    cudaLaunchAttribute cooperative;
+    cudaLaunchAttribute cooperative = {};
     cooperative.id = cudaLaunchAttributeCooperative;
     cooperative.val.cooperative = 1;
     cudaLaunchConfig_t config = {};
@@ -388,10 +398,11 @@ extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const flo
         static std::atomic<int> cache[kMaxDevices];
         int resident = 0;
         if (int err = resident_blocks(reinterpret_cast<const void*>(permute_kernel), 0, cache, &resident)) return err;
-        const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows, kWarpsPerBlock), resident);
+        const int64_t chunks_per_row = ceil_div(row_vecs, kChunkVecs);
+        const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows * chunks_per_row, kWarpsPerBlock), resident);
         permute_kernel<<<unsigned(blocks), kBlockThreads, 0, s>>>(
-            static_cast<const int4*>(x), recv_slot, weights, scales, num_recv_rows, int(num_topk), row_vecs, num_scales,
-            num_rows, static_cast<int4*>(out_x), out_probs, out_scales, covered);
+            static_cast<const int4*>(x), recv_slot, weights, scales, num_recv_rows, int(num_topk), row_vecs,
+            chunks_per_row, num_scales, num_rows, static_cast<int4*>(out_x), out_probs, out_scales, covered);
         if (int err = check_launch("permute_kernel")) return err;
     }
     static std::atomic<int> cache[kMaxDevices];
@@ -411,9 +422,10 @@ int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_r
     static std::atomic<int> cache[kMaxDevices];
     int resident = 0;
     if (int err = resident_blocks(reinterpret_cast<const void*>(unpermute_kernel<T>), 0, cache, &resident)) return err;
-    const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows, kWarpsPerBlock), resident);
+    const int64_t chunks_per_row = ceil_div(row_vecs, kChunkVecs);
+    const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows * chunks_per_row, kWarpsPerBlock), resident);
     unpermute_kernel<T><<<unsigned(blocks), kBlockThreads, 0, stream>>>(
-        static_cast<const int4*>(y), recv_slot, num_recv_rows, int(num_topk), row_vecs, num_rows,
+        static_cast<const int4*>(y), recv_slot, num_recv_rows, int(num_topk), row_vecs, chunks_per_row, num_rows,
         static_cast<int4*>(out));
     return check_launch("unpermute_kernel");
 }
@@ -431,7 +443,8 @@ extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t
                                  ", rows a positive multiple of 16 bytes and 16-byte aligned pointers");
     if (num_recv_rows == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int64_t row_vecs = row_bytes / 16;
     return dtype == MOE_EP_PERMUTE_FP32
-               ? launch_unpermute<float>(y, recv_slot, num_recv_rows, num_topk, row_bytes / 16, num_rows, out, s)
-               : launch_unpermute<__nv_bfloat16>(y, recv_slot, num_recv_rows, num_topk, row_bytes / 16, num_rows, out, s);
+               ? launch_unpermute<float>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s)
+               : launch_unpermute<__nv_bfloat16>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s);
 }

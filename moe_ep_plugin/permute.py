@@ -17,8 +17,6 @@ from typing import Optional
 
 import torch
 
-from . import _ext
-
 # csrc/permute.h
 _MAX_KERNEL_LOCAL_EXPERTS = 1024
 _MAX_KERNEL_TOPK = 32
@@ -44,7 +42,8 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
             or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in tokens_per_expert)):
         raise ValueError(f"tokens_per_expert: expected a non-empty list of counts >= 0, got {tokens_per_expert!r}")
     if any(c % alignment for c in tokens_per_expert):
-        raise ValueError(f"tokens_per_expert: counts must be multiples of alignment={alignment}, got {tokens_per_expert}")
+        raise ValueError(f"tokens_per_expert: counts must be multiples of alignment={alignment}, "
+                         f"got {tokens_per_expert}")
     n, k = recv_topk_idx.shape
     if n * k > _INT32_MAX or sum(tokens_per_expert) > _INT32_MAX:
         raise ValueError(f"recv_topk_idx: {n} x {k} entries into {sum(tokens_per_expert)} rows exceed int32 slots")
@@ -146,7 +145,8 @@ def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tu
 
 
 def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: Optional[torch.Tensor],
-                   scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                   scales: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """One copy of ``x`` per top-k column into a zeroed output with an extra dump row for invalid slots."""
     dest = _dump_invalid(slot, num_rows)
     # Rows move as bytes: FP8 (and any other dtype) then needs no index kernels of its own.
@@ -191,6 +191,9 @@ def _dump_invalid(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
 def _kernels() -> Optional[ctypes.CDLL]:
     """The kernel library with this module's functions declared, or None when it is missing, stale or was built
     without ``csrc/permute.cu``."""
+    # Imported here, not at the top: the package imports this module, and `python -m moe_ep_plugin._build` warns
+    # when the package has already imported _build (through _ext).
+    from . import _ext
     try:
         lib = _ext.load()
         functions = (lib.moe_ep_expert_slots, lib.moe_ep_permute, lib.moe_ep_unpermute)
@@ -211,6 +214,7 @@ def _kernels_for(t: torch.Tensor) -> bool:
 
 def _launch(t: torch.Tensor, function: str, *args: int) -> None:
     """Calls C ``function`` with ``args`` and ``t``'s current stream, on ``t``'s device."""
+    from . import _ext
     with torch.cuda.device(t.device):
         stream = torch.cuda.current_stream(t.device).cuda_stream
         _ext.check(getattr(_kernels(), function)(*args, stream), function)
@@ -235,7 +239,8 @@ def _check_slots(recv_slot: torch.Tensor, recv_x: Optional[torch.Tensor]) -> Non
         raise ValueError(f"recv_slot: expected a tensor on {recv_x.device}, got {recv_slot.device}")
 
 
-def _check_float32(name: str, t: Optional[torch.Tensor], recv_x: torch.Tensor, shape: Optional[tuple[int, int]]) -> None:
+def _check_float32(name: str, t: Optional[torch.Tensor], recv_x: torch.Tensor,
+                   shape: Optional[tuple[int, int]]) -> None:
     """``t`` is None or a float32 ``[N, ...]`` tensor (exactly ``shape`` when given) on ``recv_x``'s device."""
     if t is None:
         return
