@@ -1,10 +1,10 @@
 """The permute kernels (csrc/permute.cu) against the torch path on the same CUDA tensors, bit for bit.
 
 Also against the CPU results (which tests/test_permute.py checks against plain loops), on fresh random inputs:
-N = 0, K = 1..8, alignment 1/16/128, BF16/FP32/FP8 rows, scales and weights, all rows to one expert, and the
-shapes the kernels refuse (rows not a multiple of 16 bytes, unaligned pointers, > 1024 local experts), which
-must fall back to torch with the same bits. Outputs land in freshly poisoned memory, so padding rows that the
-kernel forgot to zero show up. Skips without a GPU or without the built kernel library.
+N = 0, K = 1..8, alignment 1/16/128, BF16/FP32/FP8 rows, scales and weights, all rows to one expert, ids past
+the local experts, and the shapes the kernels refuse (rows not a multiple of 16 bytes, unaligned pointers,
+> 1024 local experts), which must fall back to torch with the same bits. Outputs land in freshly poisoned
+memory, so padding rows that the kernel forgot to zero show up. Skips without a GPU or the built kernel library.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ CASES = [
     (513, 8, 32, 128, 7168, torch.bfloat16, "random", 0),
     (300, 6, 16, 16, 4096, fp8.FP8_DTYPE, "random", 0),
     (1000, 8, 8, 128, 512, fp8.FP8_DTYPE, "one_expert", 0),
-    (257, 3, 5, 1, 1028, torch.float32, "random", 0),
+    (257, 3, 5, 1, 1028, torch.float32, "foreign", 0),
     (64, 5, 7, 16, 96, torch.float32, "none", 0),
     (4096, 8, 128, 1, 7168, torch.bfloat16, "random", 0),
     (50, 4, 4, 16, 100, torch.bfloat16, "random", 0),       # 200-byte rows: torch path
@@ -81,8 +81,8 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     idx_cpu = routing(kind, n, k, num_local, gen)
-    counts = [int(c) for c in ((torch.bincount(idx_cpu[idx_cpu >= 0], minlength=num_local) + alignment - 1)
-                               // alignment * alignment)]
+    local = idx_cpu[(idx_cpu >= 0) & (idx_cpu < num_local)]
+    counts = [int(c) for c in (torch.bincount(local, minlength=num_local) + alignment - 1) // alignment * alignment]
     num_rows = sum(counts)
     x_cpu = (torch.randn(n, hidden, generator=gen) * 100).to(dtype)
     w_cpu = torch.rand(n, k, generator=gen)
