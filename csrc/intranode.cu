@@ -82,6 +82,21 @@ __device__ __forceinline__ void copy_row(int4* wire, OutRows o, char* out, int64
     }
 }
 
+#ifndef MOE_EP_PREFETCH
+#define MOE_EP_PREFETCH 1  // a build-time tuning knob (moe_ep_plugin/_build.py: MOE_EP_NVCC_FLAGS)
+#endif
+constexpr bool kPrefetch = MOE_EP_PREFETCH != 0;
+
+// Pulls rows x[t] (row_bytes each) into L2 for every set bit i of `rows` (lane i holds token t), so the per-row
+// copies or quantization that follow wait on L2 rather than on HBM latency; costs no registers.
+__device__ __forceinline__ void prefetch_rows(const char* x, int64_t row_bytes, int tok, uint32_t rows, int lane) {
+    const int lines = int((row_bytes + 127) / 128);
+    for (uint32_t m = rows; m != 0; m &= m - 1) {
+        const char* row = x + int64_t(__shfl_sync(0xffffffffu, tok, __ffs(int(m)) - 1)) * row_bytes;
+        for (int l = lane; l < lines; l += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + int64_t(l) * 128));
+    }
+}
+
 // The same for the n floats of a row's FP8 scales; output row r's scales start at out + r * n.
 template <bool kPeerWritten>
 __device__ __forceinline__ void copy_floats(float* wire, OutRows o, float* out, const float* src, int n, int lane) {
@@ -491,6 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
             char* first = region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
+            if (kPrefetch) prefetch_rows(x, in_row_bytes, tok, __ballot_sync(0xffffffffu, lane < rows), lane);
             const int my_pos = lane < rows ? __ldg(p.send_pos + int64_t(tok) * R + me) : -1;
             const uint32_t self_rows = __ballot_sync(0xffffffffu, fits && my_pos >= 0 && first_peer(tok) == d);
             if (!expert && lane < rows) scratch[lane * MOE_EP_MAX_TOPK] = int(self_base + my_pos);
@@ -555,6 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     });
                 if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
                 const uint32_t own_rows = __ballot_sync(0xffffffffu, lane < rows && first_peer(tok) < 0);
+                if (kPrefetch) prefetch_rows(x, in_row_bytes, tok, own_rows, lane);
                 __syncwarp();
                 for (int i = 0; i < rows; ++i)
                     write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, outs(i, (own_rows >> i) & 1u));
@@ -763,10 +780,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                     scratch[i * MOE_EP_MAX_TOPK + k] = __ldg(p.recv_slot + (base + begin + i) * KS + k);
                 }
                 __syncwarp();
-                for (int i = 0; i < end - begin; ++i) {
+                auto slots_of = [&](int i) -> OutRows {
                     const int* rows = scratch + i * MOE_EP_MAX_TOPK;
-                    const OutRows o{__ballot_sync(0xffffffffu, lane < KS && rows[lane] >= 0), rows};
+                    return {__ballot_sync(0xffffffffu, i < end - begin && lane < KS && rows[lane] >= 0), rows};
+                };
+                OutRows o = slots_of(0);
+                for (int i = 0; i < end - begin; ++i) {
+                    const OutRows next = slots_of(i + 1);  // its rows travel to L2 while this row is summed
+                    if (kPrefetch) prefetch_rows(x, row_bytes, next.mask >> lane & 1u ? next.rows[lane] : 0, next.mask, lane);
                     reduce_rows<T>(x, row_bytes, o, reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), n16, lane);
+                    o = next;
                 }
             } else {
                 for (int i = 0; i < end - begin; ++i)
