@@ -64,6 +64,7 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
     return slot
 
 
+@torch.no_grad()  # like the kernels, the torch path records no graph: autograd.py owns the gradients
 def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: Optional[torch.Tensor] = None,
             recv_scales: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -99,6 +100,7 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     return out_x, out_probs, out_scales
 
 
+@torch.no_grad()
 def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     """``y`` ``[M, H]`` BF16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``.
 

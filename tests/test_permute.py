@@ -156,3 +156,10 @@ def test_arguments_are_validated() -> None:
         unpermute(x.to(fp8.FP8_DTYPE), slot)
     with pytest.raises(ValueError, match="recv_slot"):
         unpermute(x, slot[:, :0])
+
+
+def test_not_differentiable_on_any_path() -> None:
+    x = torch.randn(4, 16, requires_grad=True)
+    slot = expert_slots(torch.tensor([[0], [1], [0], [-1]]), [2, 1], 1)
+    px, _, _ = permute(x, slot, 3)
+    assert not px.requires_grad and not unpermute(px.detach().requires_grad_(), slot).requires_grad
