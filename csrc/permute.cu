@@ -24,7 +24,8 @@ constexpr int kMaxDevices = 64;
 constexpr int kPermuteUnroll = 4;    // 16-byte vectors of a row each lane holds before storing them K times
 constexpr int kChunkVecs = 32 * kPermuteUnroll;  // 16-byte vectors of a row per work item (one warp)
 constexpr int kUnpermuteBatch = 8;   // slot rows whose vectors are loaded together, then summed in order
-constexpr int kSlotsStepsPerWarp = 4;  // expert_slots adds a block only when each warp gets >= 4 x 32 entries
+constexpr int kSlotsBatch = 4;       // expert_slots: 32-entry steps whose ids a warp loads together
+constexpr int kCountsBatch = 8;      // expert_slots: block counts each thread loads together
 
 __device__ __forceinline__ unsigned lanemask_lt() {
     unsigned mask;
@@ -36,14 +37,33 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 // expert_slots: one cooperative kernel. Phase 1: every warp counts the pairs per local expert in its contiguous
 // range of the flat [N * K] entries (row-major = the contract's order); blocks publish their totals. Grid sync.
 // Phase 2: every block derives the same aligned totals and bases from all blocks' counts (integer sums: exact and
-// deterministic) and the first row of each expert for each of its warps. Phase 3: warps walk their range again
-// and hand out rows in order. Ranks inside a 32-entry step come from __match_any_sync, never from atomics.
+// deterministic; shared-memory atomics only add counts) and the first row of each expert for each of its warps.
+// Phase 3: warps walk their range again and hand out rows in order. Ranks inside a 32-entry step come from
+// __match_any_sync, never from atomics.
 
 // Local expert of flat entry i of a warp range ending at `end`, or -1 (past the end, -1, or not local).
 __device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, int64_t end, int num_local_experts) {
     if (i >= end) return -1;
     const int64_t e = __ldg(topk_idx + i);
     return (e >= 0 && e < num_local_experts) ? int(e) : -1;
+}
+
+// Walks the warp's entries [begin, end) in order, 32 at a time (ids of kSlotsBatch steps loaded together), calling
+// step(i, e, peers) with the lane's entry i, its local expert e (-1: none) and the lanes sharing e.
+template <typename Step>
+__device__ __forceinline__ void walk_entries(const int64_t* topk_idx, int64_t begin, int64_t end,
+                                             int num_local_experts, Step step) {
+    const int lane = threadIdx.x & 31;
+    for (int64_t i = begin; i < end; i += 32 * kSlotsBatch) {
+        int e[kSlotsBatch];
+#pragma unroll
+        for (int u = 0; u < kSlotsBatch; ++u) e[u] = local_expert(topk_idx, i + 32 * u + lane, end, num_local_experts);
+#pragma unroll
+        for (int u = 0; u < kSlotsBatch; ++u) {
+            if (i + 32 * u >= end) break;  // warp-uniform
+            step(i + 32 * u + lane, e[u], __match_any_sync(kFullMask, e[u]));
+        }
+    }
 }
 
 // In-place exclusive prefix sum of s[0, n) by the whole block; warp_sums holds kWarpsPerBlock ints.
@@ -104,30 +124,40 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int i = threadIdx.x; i < kWarpsPerBlock * L; i += kBlockThreads) counters[i] = 0;
     __syncthreads();
     // Lanes naming the same expert elect their lowest lane, which adds the group's size: one writer per address.
-    for (int64_t i = begin; i < end; i += 32) {
-        const int e = local_expert(topk_idx, i + lane, end, L);
-        const unsigned peers = __match_any_sync(kFullMask, e);
+    walk_entries(topk_idx, begin, end, L, [&](int64_t, int e, unsigned peers) {
         if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
         __syncwarp();
-    }
+    });
     __syncthreads();
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int sum = 0;
         for (int w = 0; w < kWarpsPerBlock; ++w) sum += counters[w * L + l];
         block_counts[int64_t(blockIdx.x) * L + l] = sum;
+        totals[l] = 0;
+        before[l] = 0;
     }
     cg::this_grid().sync();  // also makes every block's counts visible (plain loads below: written in this kernel)
 
-    for (int l = threadIdx.x; l < L; l += kBlockThreads) {
-        int total = 0, prior = 0;
-        for (int b = 0; b < int(gridDim.x); ++b) {
-            const int c = block_counts[int64_t(b) * L + l];
-            total += c;
-            if (b < int(blockIdx.x)) prior += c;
+    // All threads sweep the [blocks][L] counts, kCountsBatch loads in flight each.
+    const int num_counts = int(gridDim.x) * L, earlier = int(blockIdx.x) * L;
+    for (int first = threadIdx.x; first < num_counts; first += kBlockThreads * kCountsBatch) {
+        int c[kCountsBatch];
+#pragma unroll
+        for (int u = 0; u < kCountsBatch; ++u) {
+            const int i = first + u * kBlockThreads;
+            c[u] = i < num_counts ? block_counts[i] : 0;
         }
-        totals[l] = int((int64_t(total) + alignment - 1) / alignment * alignment);
-        before[l] = prior;
+#pragma unroll
+        for (int u = 0; u < kCountsBatch; ++u) {
+            const int i = first + u * kBlockThreads;
+            if (c[u] == 0) continue;
+            atomicAdd(&totals[i % L], c[u]);
+            if (i < earlier) atomicAdd(&before[i % L], c[u]);
+        }
     }
+    __syncthreads();
+    for (int l = threadIdx.x; l < L; l += kBlockThreads)
+        totals[l] = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
     __syncthreads();
     block_exclusive_scan(totals, L, warp_sums);
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
@@ -140,15 +170,13 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     __syncthreads();
 
-    for (int64_t i = begin; i < end; i += 32) {
-        const int e = local_expert(topk_idx, i + lane, end, L);
-        const unsigned peers = __match_any_sync(kFullMask, e);
+    walk_entries(topk_idx, begin, end, L, [&](int64_t i, int e, unsigned peers) {
         const int slot = e >= 0 ? mine[e] + __popc(peers & lanemask_lt()) : -1;
         __syncwarp();
         if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
         __syncwarp();
-        if (i + lane < end) recv_slot[i + lane] = slot;
-    }
+        if (i < end) recv_slot[i] = slot;
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -361,7 +389,7 @@ extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_row
                                   expert_slots_smem(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS), cache, &resident))
         return err;
     const int64_t blocks = std::min<int64_t>(
-        std::min<int64_t>(ceil_div(entries, int64_t(kBlockThreads) * kSlotsStepsPerWarp), workspace_blocks), resident);
+        std::min<int64_t>(ceil_div(entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks), resident);
     const int64_t per_warp = ceil_div(ceil_div(entries, blocks * kWarpsPerBlock), 32) * 32;
 
     cudaLaunchAttribute cooperative = {};
