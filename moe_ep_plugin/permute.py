@@ -36,8 +36,8 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
         raise ValueError(f"recv_topk_idx: expected an [N, K] tensor with K >= 1, got {_describe(recv_topk_idx)}")
     if recv_topk_idx.dtype != torch.int64:
         raise TypeError(f"recv_topk_idx: expected int64, got {recv_topk_idx.dtype}")
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
-        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= _INT32_MAX:
+        raise ValueError(f"alignment: expected an int in [1, 2**31), got {alignment!r}")
     if (not isinstance(tokens_per_expert, (list, tuple)) or not tokens_per_expert
             or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in tokens_per_expert)):
         raise ValueError(f"tokens_per_expert: expected a non-empty list of counts >= 0, got {tokens_per_expert!r}")
