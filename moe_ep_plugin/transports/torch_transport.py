@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import fp8
+from .. import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
 from ..layout import send_positions
@@ -33,12 +33,13 @@ class _TorchState:
     """The replay data of one dispatch layout (S = rows this rank sends, N = its tokens).
 
     ``send_idx`` ``[S]`` int64: local token of each sent row, grouped by destination rank, tokens ascending.
-    ``gather_idx`` ``[R, N]`` int64: 1 + row of token ``t``'s copy from rank ``r`` in the rows combine gets back
-    (which are laid out exactly like the sent rows), 0 where ``t`` was not sent to ``r`` (row 0 is kept zero).
+    ``combine_slot`` ``[N, R]`` int32: row of token ``t``'s copy from rank ``r`` among the rows combine gets back
+    (laid out exactly like the sent rows), -1 where ``t`` was not sent to ``r``; ``permute.unpermute`` sums
+    through it in ascending rank order.
     """
 
     send_idx: torch.Tensor
-    gather_idx: torch.Tensor
+    combine_slot: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
 
@@ -130,11 +131,11 @@ class TorchTransport(Transport):
 
         # Send order and combine gather map from device data only, overlapping the exchange.
         send_pos = send_positions(in_rank)
-        starts = per_rank.cumsum(0) - per_rank
-        gather_idx = torch.where(in_rank, send_pos.to(torch.int64) + starts + 1, 0)  # [N, R]; 0 = not sent
+        row = send_pos.to(torch.int64) + (per_rank.cumsum(0) - per_rank)  # [N, R]: place in send order if sent
+        combine_slot = torch.where(in_rank, row, -1).to(torch.int32)
         order = torch.empty(n * num_ranks + 1, dtype=torch.int64, device=in_rank.device)
         tokens = torch.arange(n, dtype=torch.int64, device=in_rank.device).unsqueeze(1).expand(n, num_ranks)
-        order.scatter_(0, gather_idx.reshape(-1), tokens.reshape(-1))  # slot 0 collects the unsent pairs
+        order.scatter_(0, torch.where(in_rank, row, n * num_ranks).reshape(-1), tokens.reshape(-1))  # unsent: last
         num_local = num_experts // num_ranks
 
         def finish() -> tuple[DispatchHandle, torch.Tensor]:
@@ -144,7 +145,7 @@ class TorchTransport(Transport):
             expert_counts = gathered[:, num_ranks + me * num_local:num_ranks + (me + 1) * num_local].sum(0)
             send_counts, recv_counts = counts[me, :num_ranks].tolist(), counts[:num_ranks, me].tolist()
             num_recv = sum(recv_counts)
-            state = _TorchState(order[1:1 + sum(send_counts)], gather_idx.t().contiguous(), send_counts, recv_counts)
+            state = _TorchState(order[:sum(send_counts)], combine_slot, send_counts, recv_counts)
             handle = DispatchHandle(
                 rank_prefix_matrix=rank_prefix_matrix, is_token_in_rank=in_rank, send_pos=send_pos,
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=in_rank.device), num_tokens=n,
@@ -213,30 +214,27 @@ class TorchTransport(Transport):
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
     def _return_rows(self, rows: torch.Tensor, state: _TorchState, what: str) -> torch.Tensor:
-        """Send received rows ``[N_recv, C]`` back to their sources → ``[1 + S, C]``: a zero row, then the rows
-        in send order (where ``state.gather_idx`` points)."""
-        back = rows.new_empty(1 + state.send_idx.shape[0], rows.shape[1])
-        back[0].zero_()
-        self._all_to_all(back[1:], rows, state.send_counts, state.recv_counts, what)
+        """Send received rows ``[N_recv, C]`` back to their sources → ``[S, C]`` in send order."""
+        back = rows.new_empty(state.send_idx.shape[0], rows.shape[1])
+        self._all_to_all(back, rows, state.send_counts, state.recv_counts, what)
         return back
-
-    def _sum_over_ranks(self, back: torch.Tensor, state: _TorchState) -> torch.Tensor:
-        """``[N, C]`` float32: each token's returned copies summed from 0.0 in ascending source-rank order
-        (one gather per rank, so the order is fixed: no atomics; an absent copy adds the zero row, exactly)."""
-        acc = torch.zeros(state.gather_idx.shape[1], back.shape[1], dtype=torch.float32, device=back.device)
-        for idx in state.gather_idx:
-            acc += back.index_select(0, idx)
-        return acc
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         state: _TorchState = handle.transport_state
         num_recv = handle.num_recv_tokens
-        acc = self._sum_over_ranks(self._return_rows(x[:num_recv], state, "combine"), state)
-        for b in bias:
-            acc += b
+        # unpermute's gather-sum is exactly combine's: each token's copies in ascending rank order, fp32 from 0.0,
+        # rounded once, no atomics (one pass on CUDA). With biases the sum stays fp32 until they are added.
+        back = self._return_rows(x[:num_recv], state, "combine")
+        if bias:
+            acc = permute.unpermute(back.float(), state.combine_slot)
+            for b in bias:
+                acc += b
+            combined = acc.to(x.dtype)
+        else:
+            combined = permute.unpermute(back, state.combine_slot)
         combined_weights = None
         if topk_weights is not None:
             back = self._return_rows(topk_weights[:num_recv], state, "combine weights")
-            combined_weights = self._sum_over_ranks(back, state)
-        return acc.to(x.dtype), combined_weights
+            combined_weights = permute.unpermute(back, state.combine_slot)
+        return combined, combined_weights
