@@ -1,7 +1,9 @@
-"""Differentiable dispatch and combine (DESIGN.md autograd contract).
+"""Differentiable dispatch and combine (DESIGN.md autograd contract), row-major and expert-major.
 
 - dispatch backward = ``combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights)``
 - combine backward  = ``dispatch(grad_combined_x, handle=handle)`` (cached layout, no top-k)
+- dispatch_experts backward = ``combine_experts(grad_expert_x, handle, expert_weights=grad_expert_probs)``
+- combine_experts backward  = ``dispatch_experts(grad_combined_x, handle=handle)`` (cached expert layout)
 FP8 applies to the forward dispatch only; gradients travel in the dtype of the activations (BF16 on GPU).
 """
 from __future__ import annotations
@@ -12,6 +14,13 @@ import torch
 
 from .buffer import Buffer
 from .handle import DispatchHandle
+
+
+def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"buffer: expected moe_ep_plugin.Buffer, got {type(buffer).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor (FP8 tuples are not differentiable), got {type(x).__name__}")
 
 
 class _Dispatch(torch.autograd.Function):
@@ -46,16 +55,39 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    """Row-major (``combine``/``dispatch``) or, with ``experts``, expert-major (``combine_experts``/``dispatch_experts``):
+    the backward is the cached dispatch of the output gradient; both dispatches return the rows first."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, buffer: Buffer, handle: DispatchHandle):
-        combined, _, _ = buffer.combine(x, handle)
-        ctx.buffer, ctx.handle = buffer, handle
+    def forward(ctx, x: torch.Tensor, buffer: Buffer, handle: DispatchHandle, experts: bool):
+        combined, _, _ = (buffer.combine_experts if experts else buffer.combine)(x, handle)
+        ctx.buffer, ctx.handle, ctx.experts = buffer, handle, experts
         return combined
 
     @staticmethod
     def backward(ctx, grad_combined):
-        grad_x, _, _, _, _, _ = ctx.buffer.dispatch(grad_combined.contiguous(), handle=ctx.handle)
-        return grad_x, None, None
+        dispatch = ctx.buffer.dispatch_experts if ctx.experts else ctx.buffer.dispatch
+        grad_x = dispatch(grad_combined.contiguous(), handle=ctx.handle)[0]
+        return grad_x, None, None, None
+
+
+class _DispatchExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], buffer: Buffer, topk_idx: torch.Tensor,
+                num_experts: int, fp8_dispatch: bool, expert_alignment: int):
+        expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
+            x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.has_weights = topk_weights is not None
+        return expert_x, probs, tokens_per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad_expert_x, grad_probs, *unused):
+        # Gradients of unused outputs arrive as zeros (materialized); combine_experts never reads padding rows,
+        # and pairs of other ranks have no row here, so nothing needs masking.
+        expert_weights = grad_probs.float().contiguous() if ctx.has_weights else None
+        grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x.contiguous(), ctx.handle, expert_weights)
+        return grad_x, grad_weights, None, None, None, None, None
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
@@ -67,15 +99,31 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
     ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient).
     """
-    if not isinstance(buffer, Buffer):
-        raise TypeError(f"buffer: expected moe_ep_plugin.Buffer, got {type(buffer).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a tensor (FP8 tuples are not differentiable), got {type(x).__name__}")
+    _check_inputs(buffer, x)
     return _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment)
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Differentiable :meth:`Buffer.combine`: ``x`` ``[N_recv, H]`` → ``[N, H]`` (fp32 sum over ranks, cast back)."""
-    if not isinstance(buffer, Buffer):
-        raise TypeError(f"buffer: expected moe_ep_plugin.Buffer, got {type(buffer).__name__}")
-    return _Combine.apply(x, buffer, handle)
+    _check_inputs(buffer, x)
+    return _Combine.apply(x, buffer, handle, False)
+
+
+def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                     num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+    """Differentiable :meth:`Buffer.dispatch_experts` of BF16/FP32 ``x`` ``[N, H]``, ``topk_idx`` ``[N, K]`` global ids.
+
+    Returns ``(expert_x [M, H] x.dtype, expert_probs [M] float32 or None, tokens_per_expert list[int], handle)``.
+    Gradients reach ``x`` and ``topk_weights`` (padding rows get none). With ``fp8_dispatch`` rows cross the
+    wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``).
+    """
+    _check_inputs(buffer, x)
+    return _DispatchExperts.apply(x, topk_weights, buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment)
+
+
+def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Differentiable :meth:`Buffer.combine_experts`: expert outputs ``y`` ``[M, H]`` → ``[N, H]`` (its gradient is
+    the cached expert-major dispatch of the output gradient; padding rows get zeros)."""
+    _check_inputs(buffer, y, "y")
+    return _Combine.apply(y, buffer, handle, True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import fp8
 from .config import Config, combine_config, dispatch_config
 from .event import EventOverlap
-from .handle import DispatchHandle
+from .handle import DispatchHandle, align_counts
 from .transports import DispatchArgs, create_transport, resolve_transport_name
 
 DEFAULT_TIMEOUT_S = 100.0
@@ -198,6 +198,23 @@ class Buffer:
         ``num_experts``, and the layout is computed here). Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event)``; rows are ordered by source rank, then source token.
         """
+        args = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                   topk_weights, expert_alignment, num_worst_tokens, config, num_experts, fp8_dispatch,
+                                   fp8_out, round_scale)
+        result, event = self._on_comm_stream(lambda: (self.transport.dispatch(args),), previous_event, async_finish,
+                                             allocate_on_comm_stream, _dispatch_inputs(args))
+        recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
+        counts: list[int] = []
+        if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
+            counts = align_counts(result.num_recv_tokens_per_expert.tolist(), expert_alignment)
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
+
+    def _dispatch_args(self, x: XInput, handle: Optional[DispatchHandle], num_tokens_per_rank: Optional[torch.Tensor],
+                       is_token_in_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
+                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
+                       num_worst_tokens: int, config: Optional[Config], num_experts: Optional[int], fp8_dispatch: bool,
+                       fp8_out: bool, round_scale: bool) -> DispatchArgs:
+        """Validate a dispatch's arguments (computing the layout when only ``topk_idx`` is given) into transport args."""
         x_data, x_scales = self._check_x(x, fp8_dispatch, fp8_out, round_scale)
         n = x_data.shape[0]
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
@@ -221,34 +238,29 @@ class Buffer:
                 topk_weights = _check("topk_weights", topk_weights, (torch.float32,), tuple(topk_idx.shape),
                                       self.device).contiguous()
             if num_experts is None and num_tokens_per_expert is not None:
-                num_experts = _check("num_tokens_per_expert", num_tokens_per_expert,
-                                     (torch.int32, torch.int64), (None,), self.device).shape[0]
+                num_experts = _require_tensor("num_tokens_per_expert", num_tokens_per_expert).shape[0]
             if num_experts is None:
                 raise ValueError("num_experts: pass num_experts or num_tokens_per_expert so expert ids can be localised")
             self._check_num_experts(num_experts)
+            if num_tokens_per_expert is not None:
+                num_tokens_per_expert = _check("num_tokens_per_expert", num_tokens_per_expert,
+                                               (torch.int32, torch.int64), (num_experts,), self.device)
             if (num_tokens_per_rank is None) != (is_token_in_rank is None):
                 raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
             # Expert ids are range-checked once, in get_dispatch_layout (here or by the caller who made the
             # layout): each check costs a host sync, and out-of-range ids can only crash the layout step.
             if num_tokens_per_rank is None:
-                num_tokens_per_rank, _, _, is_token_in_rank, _ = self.get_dispatch_layout(topk_idx, num_experts)
+                num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = self.get_dispatch_layout(
+                    topk_idx, num_experts)
             num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),
                                          (self.group_size,), self.device)
             is_token_in_rank = _check("is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size),
                                       self.device).contiguous()
-        args = DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+        return DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                             num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                             num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
                             wire_fp8=fp8_dispatch, recv_bf16=fp8_dispatch and not fp8_out, round_scale=round_scale,
-                            config=config)
-        result, event = self._on_comm_stream(lambda: (self.transport.dispatch(args),), previous_event, async_finish,
-                                             allocate_on_comm_stream, (x_data, x_scales, topk_idx, topk_weights))
-        recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
-        counts: list[int] = []
-        if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
-            a = expert_alignment
-            counts = [(c + a - 1) // a * a for c in result.num_recv_tokens_per_expert.tolist()]
-        return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
+                            config=config, num_tokens_per_expert=num_tokens_per_expert)
 
     def _check_x(self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -309,6 +321,72 @@ class Buffer:
             lambda: self.transport.combine(x, handle, topk_weights, biases, config), previous_event, async_finish,
             allocate_on_comm_stream, (x, topk_weights) + biases)
         return combined, weights, event
+
+    # ---- expert-major dispatch / combine ----
+    def dispatch_experts(self, x: XInput, topk_idx: Optional[torch.Tensor] = None,
+                         topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None, *,
+                         handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, fp8_dispatch: bool = False,
+                         fp8_out: bool = False, round_scale: bool = False, config: Optional[Config] = None,
+                         previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                         allocate_on_comm_stream: bool = False):
+        """Dispatch straight into the expert-major layout a grouped GEMM takes (docs/expert_major.md).
+
+        Local expert ``l`` owns rows ``[base[l], base[l] + tokens_per_expert[l])`` (``base`` = exclusive cumsum),
+        one row per received (token, top-k column) pair in received order (source rank, then token), each
+        block padded with zero rows to a multiple of ``expert_alignment``. ``x``, ``topk_idx`` (global ids,
+        -1 = none), ``topk_weights`` and the FP8 options are as in :meth:`dispatch`. With ``handle`` (from an
+        earlier ``dispatch_experts``) the layout is reused: no top-k, no host sync, ``expert_probs`` None.
+
+        Returns ``(expert_x [M, H] (FP8 with fp8_out or FP8 input), expert_scales [M, H/128] float32 or None,
+        expert_probs [M] float32 or None, tokens_per_expert list[int] (aligned, length L), handle, event)``.
+        """
+        if handle is not None:
+            layout = self._check_expert_handle(handle).expert_layout
+            if expert_alignment not in (1, layout.alignment):
+                raise ValueError(f"expert_alignment: the cached handle's layout is aligned to {layout.alignment}, "
+                                 f"got {expert_alignment!r}")
+            expert_alignment = layout.alignment
+        args = self._dispatch_args(x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0, config,
+                                   num_experts, fp8_dispatch, fp8_out, round_scale)
+        result, event = self._on_comm_stream(lambda: (self.transport.dispatch_experts(args, expert_alignment),),
+                                             previous_event, async_finish, allocate_on_comm_stream,
+                                             _dispatch_inputs(args))
+        tokens_per_expert = list(result.handle.expert_layout.tokens_per_expert)  # a copy: the handle's stays intact
+        return result.x, result.x_scales, result.probs, tokens_per_expert, result.handle, event
+
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor] = None,
+                        config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                        async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Reverse of :meth:`dispatch_experts`: expert outputs ``y`` ``[M, H]`` BF16/FP32 in the handle's layout →
+        ``(combined_x [N, H] y.dtype, combined_weights [N, K] float32 or None, event)``.
+
+        ``combined_x[t]`` sums the rows of token ``t``'s pairs (per rank: top-k columns ascending in fp32, rounded
+        to ``y.dtype``; then over ranks in fp32, rounded once more); padding rows are ignored. With
+        ``expert_weights`` ``[M]`` float32, ``combined_weights[t, k]`` is the value at the row pair ``(t, k)``
+        landed in (0 where ``topk_idx[t, k]`` was -1). Gate weights are applied by the caller before.
+        """
+        layout = self._check_expert_handle(handle).expert_layout
+        y = _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self.device).contiguous()
+        if expert_weights is not None:
+            expert_weights = _check("expert_weights", expert_weights, (torch.float32,), (layout.num_rows,),
+                                    self.device).contiguous()
+        config = self._check_config(config, self.get_combine_config)
+        combined, weights, event = self._on_comm_stream(
+            lambda: self.transport.combine_experts(y, handle, expert_weights, config), previous_event, async_finish,
+            allocate_on_comm_stream, (y, expert_weights))
+        return combined, weights, event
+
+    def _check_expert_handle(self, handle: object) -> DispatchHandle:
+        handle = self._check_handle(handle)
+        if handle.expert_layout is None:
+            raise ValueError("handle: it has no expert-major layout (it came from Buffer.dispatch; "
+                             "use the handle returned by Buffer.dispatch_experts)")
+        return handle
+
+
+def _dispatch_inputs(args: DispatchArgs) -> tuple[Optional[torch.Tensor], ...]:
+    """The caller's tensors a dispatch reads on the communication stream."""
+    return args.x, args.x_scales, args.topk_idx, args.topk_weights
 
 
 def _tensors_in(outputs: tuple) -> list[torch.Tensor]:

@@ -7,6 +7,29 @@ from typing import Any, Optional
 import torch
 
 
+def align_counts(counts: list[int], alignment: int) -> list[int]:
+    """Each count rounded up to a multiple of ``alignment`` (a grouped GEMM's per-expert row granularity)."""
+    return [(c + alignment - 1) // alignment * alignment for c in counts]
+
+
+@dataclass
+class ExpertLayout:
+    """Where each received (row, top-k column) pair sits in the expert-major layout of this rank.
+
+    Local expert ``l`` owns rows ``[base[l], base[l] + tokens_per_expert[l])``, ``base`` the exclusive cumsum;
+    inside a block rows follow received-row order (source rank, then source token), padding rows at the end.
+
+    - ``recv_slot`` ``[N_recv, K]`` int32: expert-major row of each pair; -1 where the column's expert is
+      not local (or was -1).
+    - ``tokens_per_expert``: rows per local expert, rounded up to ``alignment`` (length L); ``num_rows`` = M = their sum.
+    """
+
+    recv_slot: torch.Tensor
+    tokens_per_expert: list[int]
+    num_rows: int
+    alignment: int
+
+
 @dataclass
 class DispatchHandle:
     """Everything combine and cached dispatch need; the same fields for every transport.
@@ -22,6 +45,8 @@ class DispatchHandle:
     - ``recv_src_idx`` ``[N_recv]`` int32: index of each received row's token on its source rank.
     - ``num_recv_tokens``: rows actually received (``recv_x`` may be longer with ``num_worst_tokens``);
       ``None`` when a transport keeps it on the GPU only (CUDA-graph mode).
+    - ``expert_layout``: the expert-major layout when the handle comes from ``dispatch_experts`` (else None);
+      cached ``dispatch_experts`` and ``combine_experts`` replay it.
     - ``transport_state``: private data a transport caches for its own replay (never read by others).
     """
 
@@ -35,6 +60,7 @@ class DispatchHandle:
     rank: int
     num_ranks: int
     num_recv_rows: int  # rows of recv_x as allocated (== num_recv_tokens unless num_worst_tokens)
+    expert_layout: Optional[ExpertLayout] = field(default=None, repr=False)
     transport_state: Any = field(default=None, repr=False)
 
     @property

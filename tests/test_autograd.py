@@ -1,4 +1,5 @@
-"""Gradients through dispatch → per-expert linear maps → combine equal a single-process dense reference."""
+"""Gradients through the row-major dispatch → per-expert linear maps → combine equal a single-process dense reference
+(the expert-major autograd is tested in test_expert_major.py)."""
 from __future__ import annotations
 
 import time
@@ -7,10 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, autograd, fp8
+from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.launch import spawn
-from moe_ep_plugin.permute import permute, unpermute
-from reference import gather_all
+from reference import dense_reference
 
 HIDDEN, TOPK, LOCAL = 128, 3, 2
 
@@ -30,23 +30,12 @@ def _inputs(seed: int, rank: int, num_experts: int):
     return x, idx, w, g
 
 
-def _dense(x, idx, w, weights, straight_through_fp8: bool):
-    """out[t] = Σ_k w[t,k] · (x[t] @ W[idx[t,k]]) — one token at a time."""
-    if straight_through_fp8 and x.shape[0]:
-        x = x + (fp8.dequantize(*fp8.quantize(x.detach()), torch.float32) - x).detach()
-    rows = []
-    for t in range(x.shape[0]):
-        acc = torch.zeros(HIDDEN)
-        for j, e in enumerate(idx[t].tolist()):
-            if e >= 0:
-                acc = acc + w[t, j] * (x[t] @ weights[e])
-        rows.append(acc)
-    return torch.stack(rows) if rows else torch.zeros(0, HIDDEN)
-
-
-def _grad(t: torch.Tensor) -> torch.Tensor:
-    """A leaf's gradient; an empty leaf no op touched has none, which means zeros."""
-    return t.grad if t.grad is not None else torch.zeros_like(t)
+def _experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, local_w: torch.Tensor) -> torch.Tensor:
+    """Σ_k w[r, k] · (x[r] @ W[idx[r, k]]) over local experts, all received rows at once: the result stays in the
+    graph with zero rows too, so every rank joins the backward's collective."""
+    valid = (recv_idx >= 0).unsqueeze(2)
+    mapped = torch.einsum("nh,nkhd->nkd", recv_x, local_w[recv_idx.clamp_min(0)])
+    return (mapped * recv_w.unsqueeze(2) * valid).sum(1)
 
 
 def _case(seed: int, fp8_dispatch: bool, alignment: int) -> None:
@@ -61,30 +50,16 @@ def _case(seed: int, fp8_dispatch: bool, alignment: int) -> None:
     buffer = Buffer(transport="torch", timeout_s=60)
     recv_x, recv_idx, recv_w, counts, handle = autograd.dispatch(buffer, x, idx, w, num_experts,
                                                                  fp8_dispatch=fp8_dispatch, expert_alignment=alignment)
-    px, probs, tokens_per_expert, row_map = permute(recv_x, recv_idx, recv_w, LOCAL, counts, alignment)
-    pieces, start = [], 0
-    for e, count in enumerate(tokens_per_expert.tolist()):
-        pieces.append(px[start:start + count] @ local_w[e])
-        start += count
-    y = torch.cat(pieces) * probs.unsqueeze(1)
-    out = autograd.combine(buffer, unpermute(y, row_map), handle)
+    assert counts == [-(-int((recv_idx == e).sum()) // alignment) * alignment for e in range(LOCAL)]
+    out = autograd.combine(buffer, _experts(recv_x, recv_idx, recv_w, local_w), handle)
     (out * g).sum().backward()
 
-    everyone = gather_all((x.detach(), idx, w.detach(), g))
-    ref_w = expert_w.clone().requires_grad_(True)
-    leaves, total = [], 0.0
-    for rx, ridx, rw, rg in everyone:
-        rx, rw = rx.clone().requires_grad_(True), rw.clone().requires_grad_(True)
-        ref_out = _dense(rx, ridx, rw, ref_w, fp8_dispatch)
-        total = total + (ref_out * rg).sum()
-        leaves.append((rx, rw, ref_out))
-    total.backward()
-    rx, rw, ref_out = leaves[rank]
+    ref_out, ref_x_grad, ref_w_grad, ref_expert_grad = dense_reference(x, idx, w, g, expert_w, fp8_dispatch)
     tol = dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out, ref_out.detach(), **tol)
-    torch.testing.assert_close(x.grad, _grad(rx), **tol)
-    torch.testing.assert_close(w.grad, _grad(rw), **tol)
-    torch.testing.assert_close(local_w.grad, ref_w.grad[rank * LOCAL:(rank + 1) * LOCAL], **tol)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(x.grad, ref_x_grad, **tol)
+    torch.testing.assert_close(w.grad, ref_w_grad, **tol)
+    torch.testing.assert_close(local_w.grad, ref_expert_grad[rank * LOCAL:(rank + 1) * LOCAL], **tol)
 
 
 def _suite(seed: int) -> None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from moe_ep_plugin import Buffer, Config, fp8
 from moe_ep_plugin.launch import spawn
-from reference import expected_dispatch, gather_all
+from reference import expected_dispatch, gather_all, routing
 
 # (tokens on rank r as a function of r, hidden, top-k, experts, routing) — every case runs on every world size.
 CASES = [
@@ -22,23 +22,6 @@ CASES = [
 ]
 
 
-def _routing(kind: str, n: int, k: int, num_experts: int, gen: torch.Generator) -> torch.Tensor:
-    if kind == "one_expert":
-        idx = torch.full((n, k), -1, dtype=torch.int64)
-        idx[:, 0] = num_experts - 1
-        return idx
-    # Distinct experts per token; with fewer experts than K the remaining slots are -1.
-    idx = torch.full((n, k), -1, dtype=torch.int64)
-    for t in range(n):
-        picked = torch.randperm(num_experts, generator=gen)[:k]
-        idx[t, :picked.numel()] = picked
-    if kind == "sparse" and n:
-        idx[torch.rand(n, k, generator=gen) < 0.5] = -1
-    elif n:
-        idx[torch.rand(n, k, generator=gen) < 0.1] = -1
-    return idx
-
-
 def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dtype) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed * 100 + rank)
@@ -46,7 +29,7 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
     num_experts = case["experts_per_rank"] * world
     local = case["experts_per_rank"]
     x = torch.randn(n, h, generator=gen).to(dtype)
-    idx = _routing(case["routing"], n, k, num_experts, gen)
+    idx = routing(case["routing"], n, k, num_experts, gen)
     # K = 1 weights made by a transpose: contiguous by torch's rules, yet with a last stride that is not 1
     w = torch.rand(k, n, generator=gen).t() if k == 1 else torch.rand(n, k, generator=gen)
     xs, idxs, ws = zip(*gather_all((x, idx, w)))

@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import permute
 from ..config import Config
-from ..handle import DispatchHandle
+from ..handle import DispatchHandle, ExpertLayout, align_counts
 
 
 @dataclass
@@ -22,7 +23,8 @@ class DispatchArgs:
 
     ``wire_fp8``: BF16 ``x`` is quantized to FP8 (1x128 blocks) before it is sent (``round_scale``: UE8M0
     scales); ``recv_bf16``: FP8 rows are dequantized on receive (to the dtype of ``x``). ``topk_idx`` holds *global* expert ids
-    (-1 = none); with ``handle`` set it is None (cached layout).
+    (-1 = none); with ``handle`` set it is None (cached layout). ``num_tokens_per_expert`` ``[E]`` int32: the
+    layout's per-expert counts when the caller has them (the nvlink expert-major notify exchanges them).
     """
 
     x: torch.Tensor
@@ -38,6 +40,7 @@ class DispatchArgs:
     recv_bf16: bool
     round_scale: bool
     config: Config
+    num_tokens_per_expert: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -52,6 +55,29 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]
     num_recv_tokens_per_expert: Optional[torch.Tensor]
     handle: DispatchHandle
+
+
+@dataclass
+class ExpertDispatchResult:
+    """Received rows in the expert-major layout (``handle.expert_layout``): ``x`` ``[M, H]`` (BF16/FP32 or FP8,
+    padding rows zero), ``x_scales`` ``[M, H/128]`` float32 for FP8 rows else None, ``probs`` ``[M]`` float32
+    (the top-k weight of each row's pair, 0 on padding) or None without weights (always None for a cached layout)."""
+
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    probs: Optional[torch.Tensor]
+    handle: DispatchHandle
+
+
+def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:
+    """``expert_weights`` ``[M]`` float32 → ``[N_recv, K]``: each received (row, column) pair's value, 0 where the
+    column has no local expert (None stays None)."""
+    if expert_weights is None:
+        return None
+    # A zero appended at index M serves every -1 slot, so the gather needs no mask afterwards.
+    padded = torch.cat([expert_weights, expert_weights.new_zeros(1)])
+    slot = layout.recv_slot.to(torch.int64)
+    return padded[torch.where(slot >= 0, slot, layout.num_rows)]
 
 
 class Transport(abc.ABC):
@@ -82,3 +108,33 @@ class Transport(abc.ABC):
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Reverse of dispatch: ``x`` ``[N_recv, H]`` → ``[N, H]`` summed in fp32 over the ranks that got each token,
         plus each ``bias`` ``[N, H]``, cast to ``x.dtype``; ``topk_weights`` ``[N_recv, K]`` summed the same way."""
+
+    def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
+        """:meth:`dispatch`, then the received rows laid out expert-major (blocks padded to ``alignment``).
+
+        With ``args.handle`` (cached, no top-k) the handle's ``expert_layout`` is reused without a host sync;
+        otherwise the per-expert counts are read once (the only host sync beyond :meth:`dispatch`'s) and the
+        layout is stored on the returned handle. Transports with fused kernels override this.
+        """
+        result = self.dispatch(args)
+        handle = result.handle
+        if args.handle is None:
+            tokens_per_expert = align_counts(result.num_recv_tokens_per_expert.tolist(), alignment)
+            recv_slot = permute.expert_slots(result.recv_topk_idx, tokens_per_expert, alignment)
+            handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, sum(tokens_per_expert), alignment)
+        layout = handle.expert_layout
+        x, probs, scales = permute.permute(result.recv_x, layout.recv_slot, layout.num_rows,
+                                           result.recv_topk_weights, result.recv_scales)
+        return ExpertDispatchResult(x, scales, probs, handle)
+
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
+                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Reverse of :meth:`dispatch_experts`: ``y`` ``[M, H]`` BF16/FP32 → ``([N, H] y.dtype, [N, K] float32 or None)``.
+
+        Each received row sums its experts' rows (``permute.unpermute``: top-k columns ascending, fp32, rounded
+        once), then :meth:`combine` sums over ranks. ``expert_weights`` ``[M]`` float32 reach column ``k`` of
+        their token through ``recv_slot`` (0 where the column's expert is not local); padding rows are ignored.
+        """
+        layout: ExpertLayout = handle.expert_layout
+        recv_y = permute.unpermute(y, layout.recv_slot)
+        return self.combine(recv_y, handle, slot_weights(expert_weights, layout), (), config)
