@@ -133,6 +133,38 @@ def test_dispatcher_methods_match_plain_loop(world: int) -> None:
     spawn(_suite, world, args=(int(time.time()) % 1000,), backend="gloo", timeout_s=120)
 
 
+def test_routing_map_to_topk_matches_plain_loop() -> None:
+    """Each token's ids are exactly its routing-map experts (any order), then -1 slots; weights are the probs at
+    those ids (float32), 0 on -1 slots; prob gradients land on the selected entries only. Dense probs whose
+    largest entries are not the selected experts, tied probs, a token without experts, a non-contiguous map."""
+    from moe_ep_plugin.megatron import routing_map_to_topk
+    gen = torch.Generator().manual_seed(int(time.time()) % 1000)
+    tokens = 24
+    scores = torch.rand(tokens, EXPERTS, generator=gen)
+    routing_map = torch.zeros(tokens, EXPERTS, dtype=torch.bool).scatter_(1, scores.topk(TOPK, 1).indices, True)
+    routing_map &= torch.rand(tokens, EXPERTS, generator=gen) > 0.3  # fewer than top-k for some tokens
+    routing_map[0] = False
+    routing_map[1] = torch.arange(EXPERTS) >= EXPERTS - TOPK
+    routing_map = routing_map.t().contiguous().t()  # column-major: a strided view like a transposed map
+    probs = torch.rand(tokens, EXPERTS, generator=gen)
+    probs[2] = 0.5
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        p = probs.to(dtype, copy=True).requires_grad_(True)
+        idx, w = routing_map_to_topk(routing_map, p, TOPK)
+        assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.shape == w.shape == (tokens, TOPK)
+        grad = torch.randn(tokens, TOPK, generator=gen)
+        w.backward(grad)
+        expected_grad = torch.zeros(tokens, EXPERTS, dtype=torch.float64)
+        for t in range(tokens):
+            chosen = [e for e in range(EXPERTS) if routing_map[t, e]]
+            expected = sorted([(e, float(p[t, e].detach())) for e in chosen] + [(-1, 0.0)] * (TOPK - len(chosen)))
+            assert sorted(zip(idx[t].tolist(), w[t].tolist())) == expected, (dtype, t)
+            for k in range(TOPK):
+                if idx[t, k] >= 0:
+                    expected_grad[t, idx[t, k]] += grad[t, k].item()
+        assert torch.equal(p.grad, expected_grad.to(dtype)), dtype
+
+
 def _errors() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection

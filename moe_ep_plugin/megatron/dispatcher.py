@@ -1,19 +1,21 @@
 """``EPPluginTokenDispatcher``: Megatron-Core's six dispatcher methods on the plugin's Buffer.
 
-Data flow for one MoE layer (T local tokens, E experts, K = top-k, L = E / EP local experts, H hidden):
+Data flow for one MoE layer (T local tokens, E experts, K = top-k, L = E / EP local experts, H hidden,
+M = expert-major rows on this rank):
 
     dispatch_preprocess  routing_map [T, E] bool, probs [T, E]  ->  tokens [T, H], top-k weights [T, K] fp32
                          (the top-k expert ids [T, K] int64, -1 = dropped, are kept for token_dispatch)
-    token_dispatch       one row per (token, destination rank) through ``autograd.dispatch``; the weights travel
-                         with their rows -> recv [R, H], recv weights [R, K] (local expert ids kept)
-    dispatch_postprocess expert-major rows [M, H], tokens_per_expert [L] int64 (CPU), permuted probs [M] fp32
+    token_dispatch       ``autograd.dispatch_experts``: every token crosses once per destination rank and lands
+                         in the expert-major layout -> rows [M, H], probs [M] fp32 (0 on padding rows)
+    dispatch_postprocess the same rows and probs, tokens_per_expert [L] int64 (CPU)
     (experts apply the probs)
-    combine_preprocess   sum each received row's local-expert outputs -> [R, H]
-    token_combine        ``autograd.combine``: unweighted sum over destination ranks -> [T, H]
+    combine_preprocess   identity: combine_experts takes the expert outputs [M, H] as they are
+    token_combine        ``autograd.combine_experts``: each received row's local-expert outputs summed (fp32),
+                         then the sum over destination ranks -> [T, H]
     combine_postprocess  reshape to the input's shape (+ the shared expert's output when it is overlapped)
 
-Gradients reach the tokens and the router probs through the same path in reverse. The only host sync is the
-received-count read inside the Buffer's dispatch.
+Gradients reach the tokens and the router probs through the same path in reverse. This module adds no host
+sync: the per-expert counts come back from the Buffer's dispatch as a host list.
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .. import Buffer
 from .. import autograd as ep_autograd
-from .. import permute as ep_permute
 from ..buffer_cache import get_buffer
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
@@ -44,10 +45,12 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
         raise ValueError(f"probs: expected shape {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
     if not 1 <= topk <= routing_map.shape[1]:
         raise ValueError(f"topk must be in [1, {routing_map.shape[1]}], got {topk}")
-    selected, idx = torch.topk(routing_map.to(torch.int8), topk, dim=1, sorted=False)
-    valid = selected > 0
-    weights = torch.where(valid, probs.gather(1, idx).float(), 0.0)
-    return idx.masked_fill(~valid, -1), weights
+    # Four kernels for fp32 probs (topk, gather, two wheres; other dtypes add a cast): the bool map is
+    # reinterpreted as uint8 without a copy so topk ranks a token's selected experts (value 1) first; the 0/1
+    # values, reinterpreted back as bool, mark the slots past its selected experts (id -1, weight 0).
+    selected, idx = torch.topk(routing_map.view(torch.uint8), topk, dim=1, sorted=False)
+    valid = selected.view(torch.bool)
+    return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx).float(), 0.0)
 
 
 class EPPluginTokenDispatcher(MoETokenDispatcher):
@@ -93,10 +96,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def _clear_state(self) -> None:
         self._topk_idx: Optional[torch.Tensor] = None
-        self._recv_idx: Optional[torch.Tensor] = None
-        self._counts: Optional[list[int]] = None
+        self._tokens_per_expert: Optional[list[int]] = None
         self._handle = None
-        self._row_map = None
         self._buffer = None
 
     def set_shared_experts(self, shared_experts: Any) -> None:
@@ -121,54 +122,50 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return hidden, weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Send every token once to each rank holding one of its experts; ``probs`` (the ``[T, K]`` weights)
-        travel with the rows. → ``(recv [R, H], recv_weights [R, K] float32)``."""
+        """Send every token once to each rank holding one of its experts, straight into that rank's expert-major
+        layout; ``probs`` (the ``[T, K]`` weights) travel with the rows. → ``(rows [M, H], probs [M] float32)``,
+        expert ``l`` owning rows ``[sum(tpe[:l]), sum(tpe[:l+1]))``, each block padded with zero rows (prob 0) to
+        the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
         if self._topk_idx is None or self._topk_idx.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
         if self.options.num_sms is not None:  # before sizing: the buffer size hint grows with the SM count
             Buffer.set_num_sms(self.options.num_sms)
         self._buffer = get_buffer(self.ep_group, hidden_states.shape[1] * max(hidden_states.element_size(), 2),
                                   self.options.transport, self.options.timeout_s)
-        recv_x, recv_idx, recv_weights, counts, handle = ep_autograd.dispatch(
+        expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
             self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
             fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment)
-        self._recv_idx, self._counts, self._handle = recv_idx, list(counts), handle
+        self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._topk_idx = None
         if self.shared_experts is not None:
-            self.shared_experts.linear_fc1_forward_and_act(recv_x)
-        return recv_x, recv_weights
+            self.shared_experts.linear_fc1_forward_and_act(expert_x)
+        return expert_x, expert_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Received rows → expert-major ``(tokens [M, H], tokens_per_expert [L] int64 on CPU, probs [M])``;
-        expert ``l`` owns rows ``[sum(tpe[:l]), sum(tpe[:l+1]))``, each padded to the quantization alignment
-        when ``moe_router_padding_for_quantization`` is set."""
-        if self._recv_idx is None:
+        """The expert-major rows as token_dispatch returned them → ``(tokens [M, H], tokens_per_expert [L] int64
+        on CPU, probs [M])`` (float64 probs when ``moe_router_dtype`` is ``fp64``)."""
+        if self._tokens_per_expert is None:
             raise RuntimeError("dispatch_postprocess called before token_dispatch")
-        permuted, permuted_probs, _, self._row_map = ep_permute.permute(
-            hidden_states, self._recv_idx, probs, self.num_local_experts, self._counts, self.alignment)
-        self._recv_idx = None
-        tokens_per_expert = torch.tensor(self._counts, dtype=torch.long)
+        tokens_per_expert = torch.tensor(self._tokens_per_expert, dtype=torch.long)  # a host list: no sync
+        self._tokens_per_expert = None
         if self.config.moe_router_dtype == "fp64":
-            permuted_probs = permuted_probs.to(torch.float64)
-        return permuted, tokens_per_expert, permuted_probs
+            probs = probs.to(torch.float64)
+        return hidden_states, tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Expert outputs ``[M, H]`` → ``[R, H]``: each received row's local-expert outputs summed."""
-        if self._row_map is None:
-            raise RuntimeError("combine_preprocess called before dispatch_postprocess")
-        # Summed in the experts' dtype, as Megatron-Core's own unpermute does: an fp32 copy of every permuted
-        # row cost 2.4 of 5.8 ms of the forward at DeepSeek-V3 shape on 2 x H200 (benchmarks/RESULTS.md).
-        out = ep_permute.unpermute(hidden_states, self._row_map, fp32_accumulation=False)
-        self._row_map = None
-        return out
+        """Expert outputs ``[M, H]`` unchanged: ``token_combine``'s ``combine_experts`` reads the expert-major
+        rows itself and sums each received row's local-expert outputs inside the combine (in fp32, in top-k
+        order), so no separate unpermute runs here."""
+        return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
-        """Send each row back to its source rank and sum per token → ``[T, H]``."""
+        """Expert outputs ``[M, H]`` → ``[T, H]``: each row's local experts summed, sent back to its source rank
+        and summed over ranks per token."""
         if self._handle is None:
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()
-        out = ep_autograd.combine(self._buffer, hidden_states, self._handle)
+        out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()
