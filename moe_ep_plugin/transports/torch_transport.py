@@ -2,11 +2,11 @@
 
 A dispatch is one ``all_gather`` of per-rank and per-expert counts (the only host read), then the rows in one
 ``all_to_all_single`` straight from an ``index_select`` of ``x`` in send order (FP8 rows as bytes), and the
-small per-row metadata (top-k ids, weights, source index, FP8 scales) in a second one. A cached-handle dispatch
-sends the rows (and FP8 scales) only. Combine sends rows back in one ``all_to_all_single`` and sums each
-token's copies with one gather per source rank, in ascending rank order, in fp32 (no atomics), then the biases.
-Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the stream.
-Design notes: docs/torch_transport.md.
+small per-row metadata (top-k ids, source index, weights, FP8 scales) in a second one. A cached-handle dispatch
+sends the rows (and FP8 scales) only. Combine sends the rows back in one ``all_to_all_single`` and sums each
+token's copies in ascending source-rank order in fp32 (``permute.unpermute``'s gather-sum: no atomics), then
+the biases. Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the
+stream. Design and timings: docs/torch_transport.md.
 """
 from __future__ import annotations
 
@@ -42,11 +42,6 @@ class _TorchState:
     combine_slot: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A 4-byte-per-element ``[N, C]`` tensor (int32/float32) as int32 (a view, no copy)."""
-    return t.view(torch.int32) if t.dtype != torch.int32 else t
 
 
 def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
