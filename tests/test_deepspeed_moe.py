@@ -116,10 +116,11 @@ def assert_same(stock_res, plugin_res, what: str) -> None:
 
 @contextlib.contextmanager
 def count_dispatched_rows():
-    """Rows the plugin's dispatch delivers to this rank, and the rows it should: one per (token of any rank,
-    this rank) pair where the token chose at least one (kept) expert of this rank — no copy per expert."""
+    """Rows the plugin's dispatch carries to this rank, and the rows it should: one per (token of any rank,
+    this rank) pair where the token chose at least one (kept) expert of this rank — no copy per expert on the
+    wire (the expert-major layout copies rows per expert only on the receiving rank)."""
     import moe_ep_plugin.autograd as ep_autograd
-    original, rows = ep_autograd.dispatch, {"received": 0, "expected": 0}
+    original, rows = ep_autograd.dispatch_experts, {"received": 0, "expected": 0}
 
     def counting(buffer, x, topk_idx, topk_weights, num_experts, **kwargs):
         out = original(buffer, x, topk_idx, topk_weights, num_experts, **kwargs)
@@ -127,15 +128,15 @@ def count_dispatched_rows():
         dest = torch.where(topk_idx >= 0, topk_idx // (num_experts // ranks), ranks)
         hits = torch.zeros(x.shape[0], ranks + 1, dtype=torch.int64).scatter_(1, dest, 1)[:, :ranks].sum(0)
         dist.all_reduce(hits, group=buffer.group)
-        rows["received"] += out[0].shape[0]
+        rows["received"] += out[3].num_recv_tokens
         rows["expected"] += int(hits[buffer.rank])
         return out
 
-    ep_autograd.dispatch = counting
+    ep_autograd.dispatch_experts = counting
     try:
         yield rows
     finally:
-        ep_autograd.dispatch = original
+        ep_autograd.dispatch_experts = original
 
 
 def _worker_matches_stock(cases: list[dict]) -> None:

@@ -3,8 +3,9 @@
 DeepSpeed's ``MOELayer`` pads every expert to a capacity ``C`` and moves the whole ``[E, C, H]`` buffer with two
 equal-split all-to-alls, sending a token once per chosen expert. :class:`PluginMOELayer` keeps DeepSpeed's gate,
 ``Experts`` and EP group but moves each token once per destination rank with variable splits
-(``moe_ep_plugin.Buffer`` through ``moe_ep_plugin.autograd``), runs every local expert on its contiguous rows
-(``moe_ep_plugin.permute``) and combines back, differentiably. Module names and parameters are unchanged, so
+(``moe_ep_plugin.Buffer`` through ``moe_ep_plugin.autograd.dispatch_experts``) straight into the expert-major
+layout, runs every local expert on its contiguous rows and combines the expert outputs back
+(``combine_experts``), differentiably. Module names and parameters are unchanged, so
 ``is_moe_param`` tagging, ``split_params_into_different_moe_groups_for_optimizer``, ZeRO 1/2 and DeepSpeed's
 (expert-sharded) checkpoints work as for the stock layer.
 """
@@ -20,7 +21,6 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import autograd as ep_autograd
-from .. import permute as ep_permute
 from ..buffer_cache import get_buffer
 from .options import PluginOptions, check_moe_args, check_world
 from .routing import GroupLimitedGate, route
@@ -88,20 +88,19 @@ class PluginMOELayer(MOELayer):
 
         buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), self.options.transport)
         self._time(FIRST_ALLTOALL_TIMER, True)
-        recv_x, recv_idx, recv_w, counts, handle = ep_autograd.dispatch(
+        rows, probs, counts, handle = ep_autograd.dispatch_experts(
             buffer, x, routes.topk_idx, routes.topk_weights, self.num_experts,
             fp8_dispatch=self.options.fp8_dispatch)
         self._time(FIRST_ALLTOALL_TIMER, False)
 
-        rows, probs, _, row_map = ep_permute.permute(recv_x, recv_idx, recv_w, self.num_local_experts, counts)
         # every local expert runs, also on zero rows, so each one's parameters get a (zero) gradient
         outputs = [_first(expert(chunk)) for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts)]
-        # gate weights in fp32 like DeepSpeed's decode; one rank's routes summed in fp32, then cast for the wire
-        weighted = torch.cat(outputs) * probs.unsqueeze(1)
-        per_row = ep_permute.unpermute(weighted, row_map).to(x.dtype)
+        # gate weights applied in fp32 like DeepSpeed's decode, then the activations' dtype for the wire;
+        # combine_experts sums each received row's routes in fp32
+        weighted = (torch.cat(outputs) * probs.unsqueeze(1)).to(x.dtype)
 
         self._time(SECOND_ALLTOALL_TIMER, True)
-        out = ep_autograd.combine(buffer, per_row, handle)
+        out = ep_autograd.combine_experts(buffer, weighted, handle)
         self._time(SECOND_ALLTOALL_TIMER, False)
         self._time(MOE_TIMER, False)
         if self.wall_clock_breakdown:
