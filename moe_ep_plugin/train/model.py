@@ -5,9 +5,9 @@ R = EP ranks, L = E / R local experts, F = expert inner width.
 
 Blocks ``0 .. num_dense_layers-1`` use a dense SwiGLU MLP; the others an MoE MLP: one (or more) always-on shared
 expert(s) plus E routed experts picked by group-limited gating (``moe_ep_plugin.gating``). Tokens travel to the
-ranks owning their experts through ``moe_ep_plugin.autograd.dispatch`` and come back through ``combine``; on the
-receiving rank ``moe_ep_plugin.permute`` sorts them expert-major so each local expert runs one matmul over a
-contiguous slice of the batched weights ``[L, ...]``.
+ranks owning their experts through ``moe_ep_plugin.autograd.dispatch_experts``, which lands them expert-major so
+each local expert runs one matmul over a contiguous slice of the batched weights ``[L, ...]``, and the expert
+outputs come back through ``combine_experts``.
 
 Weights are made so that they do not depend on the EP size: every replicated parameter comes from one seeded
 generator in a fixed order, and routed expert ``e`` of block ``b`` from its own generator seeded by
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import autograd, gating, permute
+from .. import autograd, gating
 from ..buffer import Buffer
 from .config import TrainerConfig
 
@@ -81,7 +81,7 @@ class RoutedExperts(nn.Module):
     """The L routed experts this rank owns, as batched SwiGLU weights ``gate_up [L, H, 2F]``, ``down [L, F, H]``.
 
     ``forward(x [M, H], tokens_per_expert list[int] of length L summing to M)``: rows are expert-major
-    (``permute``'s layout), expert ``l`` runs on its contiguous slice — a grouped matmul.
+    (``dispatch_experts``' layout), expert ``l`` runs on its contiguous slice — a grouped matmul.
     """
 
     def __init__(self, num_local: int, hidden: int, inner: int) -> None:
@@ -149,13 +149,11 @@ class MoEMLP(nn.Module):
         weights, idx, aux = self.route(tokens, b)
         compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
             else tokens.dtype
-        recv_x, recv_idx, recv_w, counts, handle = autograd.dispatch(
-            self.buffer, tokens.to(compute_dtype), idx, weights, self.num_experts,
-            fp8_dispatch=self.fp8_dispatch)
-        rows, probs, _, row_map = permute.permute(recv_x.to(compute_dtype), recv_idx, recv_w, self.num_local, counts)
-        expert_out = self.experts(rows, counts) * probs.unsqueeze(1).to(compute_dtype)
-        # unpermute accumulates in fp32; send back in the compute dtype (BF16 combine on GPU).
-        y = autograd.combine(self.buffer, permute.unpermute(expert_out, row_map).to(compute_dtype), handle)
+        rows, probs, counts, handle = autograd.dispatch_experts(
+            self.buffer, tokens.to(compute_dtype), idx, weights, self.num_experts, fp8_dispatch=self.fp8_dispatch)
+        expert_out = self.experts(rows.to(compute_dtype), counts) * probs.unsqueeze(1).to(compute_dtype)
+        # combine_experts sums each received row's routes in fp32 and sends them in the compute dtype (BF16 on GPU).
+        y = autograd.combine_experts(self.buffer, expert_out, handle)
         if self.shared is not None:
             y = y + self.shared(tokens)
         return y.view(b, s, h), gating.tokens_per_expert(idx.detach(), self.num_experts), aux
