@@ -199,12 +199,12 @@ def _worker(args) -> None:
         if not blocks:
             transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = int(split)
             transport.combine_send_warps = int(split)
-        transport.dispatch_send_blocks = transport.combine_send_blocks = transport.expert_combine_send_blocks = blocks
+        transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
         sub = argparse.Namespace(**{**vars(args), "quick": True})
         what = f"{blocks} send blocks" if blocks else f"{split} send warps"
         _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "combine_send_warps",
-                     "dispatch_send_blocks", "combine_send_blocks", "expert_combine_send_blocks"):
+                     "dispatch_send_blocks", "combine_send_blocks"):
             setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})

@@ -5,12 +5,12 @@
 // stores), then publishes the chunk by storing the operation's sequence id into a per-(source, chunk) flag
 // with release semantics. Receiver warps of the destination acquire the flag and copy the rows into the
 // output tensors. Sender and receiver warps share each block, so sending and receiving overlap. Rows a rank
-// keeps for itself never touch the staging area (except in an expert-major combine, where senders reduce them
-// into this rank's own region). Regions are sized for the worst case, so senders never wait; a barrier at the
-// start of every operation guarantees the previous operation's readers are done.
-// Expert-major mode lands every received row in the rows of the local experts it selected (the grouped-GEMM
-// layout, positions fixed by notify's per-expert count exchange) and, in combine, sums a row's expert outputs in
-// registers before it travels back: no separate permute/unpermute pass.
+// keeps for itself never touch the staging area. Regions are sized for the worst case, so senders never wait; a
+// barrier at the start of every operation guarantees the previous operation's readers are done.
+// Expert-major mode: instead of local expert ids, every sender ships each row's destination rows in the
+// receiver's expert-major (grouped-GEMM) layout, known to it from notify's per-expert count exchange; receivers
+// record them (recv_slot) and the weights at those rows, and an all-SM permute kernel expands the rows after.
+// (Expanding inside this kernel was measured slower: 24 SMs cannot write the K-fold rows at HBM speed.)
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -45,23 +45,13 @@ __device__ __forceinline__ int4 load16B(const int4* p) {
     return kPeerWritten ? ld_coherent(p) : __ldg(p);
 }
 
-// Output rows of one source row on this rank: for every set bit j of `mask`, rows[j] (warp scratch in shared
-// memory) is an output row index. A normal dispatch has at most one output row per source row; an expert-major one
-// has one per local expert the token selected.
-struct OutRows {
-    uint32_t mask;
-    const int* rows;
-};
-constexpr OutRows kNoRows{0u, nullptr};
-
-// Warp-wide copy of n 16-byte vectors from src to `wire` (unless null) and to every output row r of `o` (at
-// out + r * out_row_bytes). Each lane keeps kCopyBatch loads in flight (guarded, so short rows and row tails cost
-// one memory latency per batch, not per vector): copies are latency-bound, not issue-bound.
+// Warp-wide copy of n 16-byte vectors from src to `wire` and to `out` (either may be null). Each lane keeps
+// kCopyBatch loads in flight (guarded, so short rows and row tails cost one memory latency per batch, not per
+// vector): copies are latency-bound, not issue-bound.
 // kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
 constexpr int kCopyBatch = 16;
 template <bool kPeerWritten>
-__device__ __forceinline__ void copy_row(int4* wire, OutRows o, char* out, int64_t out_row_bytes, const int4* src,
-                                         int n, int lane) {
+__device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src, int n, int lane) {
 #pragma unroll 1
     for (int base = lane; base < n; base += 32 * kCopyBatch) {
         int4 v[kCopyBatch];
@@ -73,11 +63,10 @@ __device__ __forceinline__ void copy_row(int4* wire, OutRows o, char* out, int64
             for (int u = 0; u < kCopyBatch; ++u)
                 if (base + 32 * u < n) wire[base + 32 * u] = v[u];
         }
-        for (uint32_t m = o.mask; m != 0; m &= m - 1) {
-            int4* dst = reinterpret_cast<int4*>(out + int64_t(o.rows[__ffs(int(m)) - 1]) * out_row_bytes);
+        if (out != nullptr) {
 #pragma unroll
             for (int u = 0; u < kCopyBatch; ++u)
-                if (base + 32 * u < n) dst[base + 32 * u] = v[u];
+                if (base + 32 * u < n) out[base + 32 * u] = v[u];
         }
     }
 }
@@ -87,23 +76,24 @@ __device__ __forceinline__ void copy_row(int4* wire, OutRows o, char* out, int64
 #endif
 constexpr bool kPrefetch = MOE_EP_PREFETCH != 0;
 
-// Pulls rows x[t] (row_bytes each) into L2 for every set bit i of `rows` (lane i holds token t), so the per-row
-// copies or quantization that follow wait on L2 rather than on HBM latency; costs no registers.
-__device__ __forceinline__ void prefetch_rows(const char* x, int64_t row_bytes, int tok, uint32_t rows, int lane) {
+// Pulls rows x[t] (row_bytes each) into L2 for every set bit i of `rows` (lane i holds t), so the per-row copies
+// or quantization that follow wait on L2 rather than on HBM latency; costs no registers.
+__device__ __forceinline__ void prefetch_rows(const char* x, int64_t row_bytes, int t, uint32_t rows, int lane) {
+    if (!kPrefetch) return;
     const int lines = int((row_bytes + 127) / 128);
     for (uint32_t m = rows; m != 0; m &= m - 1) {
-        const char* row = x + int64_t(__shfl_sync(0xffffffffu, tok, __ffs(int(m)) - 1)) * row_bytes;
+        const char* row = x + int64_t(__shfl_sync(0xffffffffu, t, __ffs(int(m)) - 1)) * row_bytes;
         for (int l = lane; l < lines; l += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + int64_t(l) * 128));
     }
 }
 
-// The same for the n floats of a row's FP8 scales; output row r's scales start at out + r * n.
+// The same as copy_row for the n floats of a row's FP8 scales.
 template <bool kPeerWritten>
-__device__ __forceinline__ void copy_floats(float* wire, OutRows o, float* out, const float* src, int n, int lane) {
+__device__ __forceinline__ void copy_floats(float* wire, float* out, const float* src, int n, int lane) {
     for (int i = lane; i < n; i += 32) {
         const float v = kPeerWritten ? *reinterpret_cast<const volatile float*>(src + i) : __ldg(src + i);
         if (wire != nullptr) wire[i] = v;
-        for (uint32_t m = o.mask; m != 0; m &= m - 1) out[int64_t(o.rows[__ffs(int(m)) - 1]) * n + i] = v;
+        if (out != nullptr) out[i] = v;
     }
 }
 
@@ -154,16 +144,13 @@ __device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float 
 // scale = amax / 448, q = fp8(x * (448 / amax)) with IEEE fp32 divisions; with round_scale
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
 // Each lane handles 16 channels of a 512-channel group (8 lanes = one 128-channel block); the loads of
-// kGroups groups are issued together. Outputs: q_wire/s_wire (unless null) and every output row r of `o`: at
-// out + r * out_row_bytes the FP8 bytes with their scales at out_scales + r * hidden / 128, or, when out_scales is
-// null, the dequantized row in type T.
+// kGroups groups are issued together. Any of the outputs (q_wire/s_wire, a local copy q_out/s_out, deq_out: the
+// dequantized row in type T) may be null.
 template <typename T>
-__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_wire, float* s_wire, OutRows o,
-                                             char* out, int64_t out_row_bytes, float* out_scales, bool round_scale,
-                                             int lane) {
+__device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_wire, float* s_wire, uint8_t* q_out,
+                                             float* s_out, T* deq_out, bool round_scale, int lane) {
     constexpr int kVecs = In16<T>::kVecs;
     constexpr int kGroups = 8 / kVecs;  // 8 vectors in flight per lane (more spills registers)
-    const int num_scales = hidden / 128;
 #pragma unroll 1
     for (int base = 0; base < hidden; base += 512 * kGroups) {
         int4 raw[kGroups][kVecs];
@@ -211,25 +198,16 @@ __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_
             const bool scale_lane = (lane & 7) == 0;
             if (q_wire != nullptr) *reinterpret_cast<int4*>(q_wire + c0) = q;
             if (s_wire != nullptr && scale_lane) s_wire[c0 / 128] = scale;
-            for (uint32_t m = o.mask; m != 0; m &= m - 1) {
-                const int64_t r = o.rows[__ffs(int(m)) - 1];
-                char* row = out + r * out_row_bytes;
-                if (out_scales != nullptr) {
-                    *reinterpret_cast<int4*>(row + c0) = q;
-                    if (scale_lane) out_scales[r * num_scales + c0 / 128] = scale;
-                } else {
-                    store_dequant16(reinterpret_cast<T*>(row) + c0, q, scale);
-                }
-            }
+            if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
+            if (s_out != nullptr && scale_lane) s_out[c0 / 128] = scale;
+            if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
         }
     }
 }
 
-// Warp-wide dequantization of one FP8 row into every output row of `o` (type OutT; 16 bytes per lane per step,
-// kCopyBatch steps in flight).
+// Warp-wide dequantization of one FP8 row into OutT (16 bytes per lane per step, kCopyBatch steps in flight).
 template <bool kPeerWritten, typename OutT>
-__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, OutRows o, char* out,
-                                            int64_t out_row_bytes, int hidden, int lane) {
+__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, OutT* out, int hidden, int lane) {
 #pragma unroll 1
     for (int base = lane * 16; base < hidden; base += 512 * kCopyBatch) {
         int4 v[kCopyBatch];
@@ -241,8 +219,7 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
             const int c0 = base + 512 * u;
             if (c0 >= hidden) continue;
             const float s = kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
-            for (uint32_t m = o.mask; m != 0; m &= m - 1)
-                store_dequant16(reinterpret_cast<OutT*>(out + int64_t(o.rows[__ffs(int(m)) - 1]) * out_row_bytes) + c0, v[u], s);
+            store_dequant16(out + c0, v[u], s);
         }
     }
 }
@@ -365,9 +342,6 @@ struct InputType<1> { using type = __nv_bfloat16; };
 template <>
 struct InputType<2> { using type = float; };
 
-constexpr int kScratchInts = kChunkRows * MOE_EP_MAX_TOPK;  // per warp: output rows of one chunk's rows
-constexpr int kScratchBytes = kWarps * kScratchInts * 4;
-
 // Token t's k-th expert as seen by rank `owner`: local id (-1 when the expert lives elsewhere) and weight (0
 // there), as the torch transport's localize_topk computes them.
 __device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t, int owner, int k, int& idx,
@@ -427,9 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
-    const bool expert = p.expert_pos != nullptr;                // expert-major outputs
-    const int out_cols = expert ? K : 1;                         // output rows per source row, at most
-    int* scratch = reinterpret_cast<int*>(smem + hist_bytes) + warp * kScratchInts;  // row i: scratch[i * MAX_TOPK + j]
+    const bool expert = p.expert_major != 0;                     // top-k travels as expert-major rows
     const bool send_topk = p.topk_idx != nullptr && K > 0;       // this rank's rows carry top-k
     const bool recv_topk = !expert && p.recv_topk_idx != nullptr && K > 0;  // received rows carry local top-k
     const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
@@ -440,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     char* recv_x = static_cast<char*>(p.recv_x);
     // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
-    for (int i = threadIdx.x; i < L && !expert; i += blockDim.x) s_hist[i] = 0;
+    for (int i = threadIdx.x; i < L && recv_topk; i += blockDim.x) s_hist[i] = 0;
     __syncthreads();
 
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
@@ -451,36 +423,35 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
-    // Output rows of row i of the warp's current chunk, when `active` (warp-uniform): the scratch entries >= 0.
-    auto outs = [&](int i, bool active) -> OutRows {
-        const int* rows = scratch + i * MOE_EP_MAX_TOPK;
-        return {__ballot_sync(0xffffffffu, active && lane < out_cols && rows[lane] >= 0), rows};
-    };
-    // Row t of x, read (and quantized) once: to the peer's staging slot `wire` (unless null) and to this rank's
-    // output rows `o`. FP8 rows come from the quantizer, dequantized again for outputs that want BF16/FP32.
-    auto write_row = [&](int t, char* wire, OutRows o) {
-        if (wire == nullptr && o.mask == 0) return;
+    // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to this rank's output row r
+    // (each skipped when null / negative). A plain copy goes through registers; FP8 rows come from the quantizer,
+    // dequantized again for outputs that want BF16/FP32.
+    auto write_row = [&](int t, char* wire, int64_t r) {
+        char* out = r < 0 ? nullptr : recv_x + r * out_row_bytes;
+        if (wire == nullptr && out == nullptr) return;
         const char* src = x + int64_t(t) * in_row_bytes;
         if constexpr (kQuant == 0) {
-            const OutRows as_is = dequant ? kNoRows : o;
-            const bool copies = wire != nullptr || as_is.mask != 0;
-            if (copies)
-                copy_row<false>(reinterpret_cast<int4*>(wire), as_is, recv_x, out_row_bytes,
+            char* as_is = dequant ? nullptr : out;
+            if (wire != nullptr || as_is != nullptr)
+                copy_row<false>(reinterpret_cast<int4*>(wire), reinterpret_cast<int4*>(as_is),
                                 reinterpret_cast<const int4*>(src), sl.payload_bytes / 16, lane);
             if (!p.fp8_in) return;
             const float* xs = p.x_scales + int64_t(t) * S;
-            if (copies)
-                copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, as_is, p.recv_scales,
-                                   xs, S, lane);
-            if (dequant) dequant_row<false, OutT>(reinterpret_cast<const uint8_t*>(src), xs, o, recv_x, out_row_bytes, H, lane);
+            if (wire != nullptr || as_is != nullptr)
+                copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr,
+                                   as_is ? p.recv_scales + r * S : nullptr, xs, S, lane);
+            if (dequant && out != nullptr)
+                dequant_row<false>(reinterpret_cast<const uint8_t*>(src), xs, reinterpret_cast<OutT*>(out), H, lane);
         } else {
+            const bool out_q = out != nullptr && !dequant;
             quantize_row<T>(reinterpret_cast<const T*>(src), H, reinterpret_cast<uint8_t*>(wire),
-                            wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, o, recv_x, out_row_bytes,
-                            dequant ? nullptr : p.recv_scales, p.round_scale != 0, lane);
+                            wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr,
+                            out_q ? reinterpret_cast<uint8_t*>(out) : nullptr, out_q ? p.recv_scales + r * S : nullptr,
+                            out != nullptr && dequant ? reinterpret_cast<T*>(out) : nullptr, p.round_scale != 0, lane);
         }
     };
     // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the
-    // order me+1, me+2, ...: that sender also writes this rank's own output rows; the receivers write the rest.
+    // order me+1, me+2, ...: that sender also writes this rank's own output row; the receivers write the rest.
     const int64_t self_base = offset_from(rpm, R, me, me);
     auto first_peer = [&](int t) {
         for (int k = 1; k < R; ++k)
@@ -503,22 +474,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
                 break;
             }
-            __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
             char* first = region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
-            if (kPrefetch) prefetch_rows(x, in_row_bytes, tok, __ballot_sync(0xffffffffu, lane < rows), lane);
-            const int my_pos = lane < rows ? __ldg(p.send_pos + int64_t(tok) * R + me) : -1;
-            const uint32_t self_rows = __ballot_sync(0xffffffffu, fits && my_pos >= 0 && first_peer(tok) == d);
-            if (!expert && lane < rows) scratch[lane * MOE_EP_MAX_TOPK] = int(self_base + my_pos);
+            prefetch_rows(x, in_row_bytes, tok, __ballot_sync(0xffffffffu, lane < rows), lane);
             if (send_topk)
                 for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
                     int idx;
                     float weight;
                     if (expert) {
-                        int own;
-                        float unused;
-                        expert_entry(p, t, me, k, own, unused);
-                        scratch[i * MOE_EP_MAX_TOPK + k] = own;
                         expert_entry(p, t, d, k, idx, weight);
                     } else {
                         localize(p, t, d, k, idx, weight);
@@ -528,9 +491,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     reinterpret_cast<float*>(slot + sl.w_off)[k] = weight;
                 });
             if (lane < rows) *reinterpret_cast<int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off) = tok;
-            __syncwarp();
-            for (int i = 0; i < rows; ++i)
-                write_row(__shfl_sync(0xffffffffu, tok, i), first + int64_t(i) * sl.slot_bytes, outs(i, (self_rows >> i) & 1u));
+            const int32_t* list = p.send_list + int64_t(d) * p.list_stride + begin;
+            for (int i = 0; i < rows; ++i) {
+                const int t = __ldg(list + i);
+                const int pos = __ldg(p.send_pos + int64_t(t) * R + me);
+                const bool own = fits && pos >= 0 && first_peer(t) == d;
+                write_row(t, first + int64_t(i) * sl.slot_bytes, own ? self_base + pos : -1);
+            }
             publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
@@ -549,32 +516,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             const int count = rows_from(rpm, R, s, me);
             const int begin = chunk * kChunkRows, rows = min(kChunkRows, count - begin);
             if (rows <= 0) continue;
-            __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
             const int64_t out_first = offset_from(rpm, R, s, me) + begin;
-            if (!expert && lane < rows) scratch[lane * MOE_EP_MAX_TOPK] = int(out_first + lane);
             if (s == me) {
                 const int tok = lane < rows ? __ldg(p.send_list + int64_t(me) * p.list_stride + begin + lane) : -1;
-                if (recv_topk)
+                const uint32_t own_rows = __ballot_sync(0xffffffffu, lane < rows && first_peer(tok) < 0);
+                prefetch_rows(x, in_row_bytes, tok, own_rows, lane);
+                if (send_topk)
                     for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
                         int idx;
                         float weight;
-                        localize(p, t, me, k, idx, weight);
-                        emit_entry(p, out_first + i, k, idx, weight, s_hist);
-                    });
-                if (expert)
-                    for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
-                        int row;
-                        float weight;
-                        expert_entry(p, t, me, k, row, weight);
-                        record_slot(p, out_first + i, k, row, weight);
-                        scratch[i * MOE_EP_MAX_TOPK + k] = row;
+                        if (expert) {
+                            expert_entry(p, t, me, k, idx, weight);
+                            record_slot(p, out_first + i, k, idx, weight);
+                        } else if (recv_topk) {
+                            localize(p, t, me, k, idx, weight);
+                            emit_entry(p, out_first + i, k, idx, weight, s_hist);
+                        }
                     });
                 if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
-                const uint32_t own_rows = __ballot_sync(0xffffffffu, lane < rows && first_peer(tok) < 0);
-                if (kPrefetch) prefetch_rows(x, in_row_bytes, tok, own_rows, lane);
-                __syncwarp();
                 for (int i = 0; i < rows; ++i)
-                    write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, outs(i, (own_rows >> i) & 1u));
+                    write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, (own_rows >> i) & 1u ? out_first + i : -1);
                 continue;
             }
             int ok = 1;
@@ -588,7 +549,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     const float weight = reinterpret_cast<const volatile float*>(slot + sl.w_off)[k];
                     if (expert) {
                         record_slot(p, out_first + i, k, idx, weight);
-                        scratch[i * MOE_EP_MAX_TOPK + k] = idx;
                     } else {
                         emit_entry(p, out_first + i, k, idx, weight, s_hist);
                     }
@@ -596,42 +556,36 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (lane < rows)
                 p.recv_src_idx[out_first + lane] =
                     *reinterpret_cast<const volatile int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off);
-            __syncwarp();
             for (int i = 0; i < rows; ++i) {
                 const char* slot = first + int64_t(i) * sl.slot_bytes;
-                const OutRows o = outs(i, true);
+                char* out = recv_x + (out_first + i) * out_row_bytes;
                 if (dequant) {
-                    dequant_row<true, OutT>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
-                                            o, recv_x, out_row_bytes, H, lane);
+                    dequant_row<true>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
+                                      reinterpret_cast<OutT*>(out), H, lane);
                     continue;
                 }
-                copy_row<true>(nullptr, o, recv_x, out_row_bytes, reinterpret_cast<const int4*>(slot), sl.payload_bytes / 16, lane);
+                copy_row<true>(nullptr, reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
+                               sl.payload_bytes / 16, lane);
                 if (wire_fp8)
-                    copy_floats<true>(nullptr, o, p.recv_scales, reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
+                    copy_floats<true>(nullptr, p.recv_scales + (out_first + i) * S,
+                                      reinterpret_cast<const float*>(slot + sl.scales_off), S, lane);
             }
         }
     }
     __syncthreads();
-    if (p.recv_expert_count != nullptr)
+    if (recv_topk && p.recv_expert_count != nullptr)
         for (int i = threadIdx.x; i < L; i += blockDim.x)
             if (s_hist[i]) atomicAdd(&p.recv_expert_count[i], s_hist[i]);
     if (!fits) return;
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, nthreads = int64_t(gridDim.x) * blockDim.x;
     if (expert) {
-        // Padding rows at the end of each local expert's block: zeros, probability 0, scales 0.
-        if (p.alignment <= 1) return;
+        // Padding rows at the end of each local expert's block get probability 0 (permute zeroes their rows).
+        if (p.alignment <= 1 || p.expert_probs == nullptr) return;
         int64_t base = 0;
         for (int l = 0; l < L; ++l) {
             const int aligned = p.expert_info[2 + l], exact = p.expert_info[2 + L + l];
-            const int64_t pad_first = base + exact, pad_rows = aligned - exact;
+            for (int64_t i = tid; i < aligned - exact; i += nthreads) p.expert_probs[base + exact + i] = 0.0f;
             base += aligned;
-            if (pad_rows == 0) continue;
-            int4* pad_x = reinterpret_cast<int4*>(recv_x + pad_first * out_row_bytes);
-            for (int64_t i = tid; i < pad_rows * out_row_bytes / 16; i += nthreads) pad_x[i] = make_int4(0, 0, 0, 0);
-            if (wire_fp8 && !dequant)
-                for (int64_t i = tid; i < pad_rows * S; i += nthreads) p.recv_scales[pad_first * S + i] = 0.0f;
-            if (p.expert_probs != nullptr)
-                for (int64_t i = tid; i < pad_rows; i += nthreads) p.expert_probs[pad_first + i] = 0.0f;
         }
         return;
     }
@@ -689,64 +643,16 @@ struct Vec<float> {
     }
 };
 
-// Warp-wide: the n16 16-byte vectors of `out` = the sum of the rows o.rows[j] of x (row_bytes each) over the set
-// bits j of o.mask in ascending order, in fp32 starting from 0, rounded once to T (what unpermute computes).
-// The loads of kSlots rows x kU vectors are in flight together.
-template <typename T>
-__device__ __forceinline__ void reduce_rows(const char* x, int64_t row_bytes, OutRows o, int4* out, int n16, int lane) {
-    constexpr int kN = Vec<T>::kN, kU = 2, kSlots = 4;
-#pragma unroll 1
-    for (int j0 = lane; j0 < n16; j0 += 32 * kU) {
-        float acc[kU][kN];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-#pragma unroll
-            for (int i = 0; i < kN; ++i) acc[u][i] = 0.0f;
-        for (uint32_t m = o.mask; m != 0;) {
-            const int4* src[kSlots];
-#pragma unroll
-            for (int q = 0; q < kSlots; ++q) {
-                src[q] = nullptr;
-                if (m != 0) {
-                    src[q] = reinterpret_cast<const int4*>(x + int64_t(o.rows[__ffs(int(m)) - 1]) * row_bytes);
-                    m &= m - 1;
-                }
-            }
-            int4 v[kSlots][kU];
-#pragma unroll
-            for (int q = 0; q < kSlots; ++q)
-#pragma unroll
-                for (int u = 0; u < kU; ++u)
-                    if (src[q] != nullptr && j0 + 32 * u < n16) v[q][u] = __ldg(src[q] + j0 + 32 * u);
-#pragma unroll
-            for (int q = 0; q < kSlots; ++q)
-#pragma unroll
-                for (int u = 0; u < kU; ++u)
-                    if (src[q] != nullptr && j0 + 32 * u < n16) Vec<T>::add(acc[u], v[q][u]);
-        }
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-            if (j0 + 32 * u < n16) out[j0 + 32 * u] = Vec<T>::pack(acc[u]);
-    }
-}
-
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
-// Expert-major mode (recv_slot set): senders first sum each received row from its expert outputs (reduce_rows)
-// and also send the rows that came from this rank, into this rank's own region, so receivers treat every source
-// alike.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p, int slot_bytes,
                                                               int w_off) {
-    extern __shared__ __align__(16) char smem[];
     constexpr int kN = Vec<T>::kN;
     constexpr int kUnroll = kCopyBatch / kRanks;
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = int(p.num_topk);
-    const bool expert = p.recv_slot != nullptr;
-    const int KS = int(p.slot_topk);
-    int* scratch = reinterpret_cast<int*>(smem) + warp * kScratchInts;
     const int64_t row_bytes = p.hidden * int64_t(sizeof(T));
     const int n16 = int(row_bytes / 16);
     const int32_t* rpm = p.rank_prefix_matrix;
@@ -758,12 +664,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
 
     if (role.send) {
         const int gw = role.gw, nw = role.nw;
-        const int num_dst = expert ? R : R - 1;  // destinations me+1, me+2, ... (and me last in expert-major mode)
         int max_chunks = 0;
         for (int d = 0; d < R; ++d)
-            if (d != me || expert) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
-        for (int u = gw; num_dst > 0 && u < max_chunks * num_dst; u += nw) {
-            const int chunk = u / num_dst, d = (me + 1 + u % num_dst) % R;
+            if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
+        for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
+            const int chunk = u / (R - 1), d = (me + 1 + u % (R - 1)) % R;
             const int count = rows_from(rpm, R, d, me);
             const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
             if (begin >= count) continue;
@@ -773,29 +678,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             }
             const int64_t base = offset_from(rpm, R, d, me);
             char* dst_region = region(c, d, me);
-            if (expert) {
-                __syncwarp();  // the previous chunk's scratch is read by every lane before it is overwritten
-                for (int e = lane; e < (end - begin) * KS; e += 32) {
-                    const int i = e / KS, k = e - i * KS;
-                    scratch[i * MOE_EP_MAX_TOPK + k] = __ldg(p.recv_slot + (base + begin + i) * KS + k);
-                }
-                __syncwarp();
-                auto slots_of = [&](int i) -> OutRows {
-                    const int* rows = scratch + i * MOE_EP_MAX_TOPK;
-                    return {__ballot_sync(0xffffffffu, i < end - begin && lane < KS && rows[lane] >= 0), rows};
-                };
-                OutRows o = slots_of(0);
-                for (int i = 0; i < end - begin; ++i) {
-                    const OutRows next = slots_of(i + 1);  // its rows travel to L2 while this row is summed
-                    if (kPrefetch) prefetch_rows(x, row_bytes, next.mask >> lane & 1u ? next.rows[lane] : 0, next.mask, lane);
-                    reduce_rows<T>(x, row_bytes, o, reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), n16, lane);
-                    o = next;
-                }
-            } else {
-                for (int i = 0; i < end - begin; ++i)
-                    copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), kNoRows, nullptr, 0,
-                                    reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
-            }
+            prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
+            for (int i = 0; i < end - begin; ++i)
+                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), nullptr,
+                                reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
             if (p.topk_weights != nullptr)
                 for (int e = lane; e < (end - begin) * K; e += 32) {
                     const int i = e / K, k = e - i * K;
@@ -831,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             src[r] = nullptr;
             const int pos = cur_pos[r];
             if (pos < 0) continue;
-            if (r == me && !expert) {
+            if (r == me) {
                 src[r] = x + (self_base + pos) * row_bytes;
                 continue;
             }
@@ -857,7 +743,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                     const int j = j0 + 32 * u;
                     if (src[r] != nullptr && j < n16) {
                         const int4* a = reinterpret_cast<const int4*>(src[r]) + j;
-                        v[r][u] = (r == me && !expert) ? __ldg(a) : ld_coherent(a);
+                        v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
                     }
                 }
 #pragma unroll
@@ -880,7 +766,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
 #pragma unroll
             for (int r = 0; r < kRanks; ++r) {
                 if (src[r] == nullptr) continue;
-                if (r == me && !expert) {
+                if (r == me) {
                     w += __ldg(p.topk_weights + (self_base + cur_pos[r]) * K + lane);
                 } else {
                     w += reinterpret_cast<const volatile float*>(src[r] + w_off)[lane];
@@ -946,10 +832,8 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const moe_ep_dispatch_params& p = *params;
     if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
-    if (p.expert_pos != nullptr &&
-        (p.topk_idx == nullptr || p.send_offset == nullptr || p.expert_info == nullptr || p.recv_slot == nullptr ||
-         p.num_topk < 1))
-        return set_error(-1, "expert-major dispatch needs topk_idx, send_offset, expert_info and recv_slot");
+    if (p.expert_major != 0 && (p.send_offset == nullptr || p.expert_info == nullptr || p.num_topk < 1))
+        return set_error(-1, "expert-major dispatch needs top-k, send_offset and expert_info");
     const bool quantize = p.wire_fp8 != 0;
     if (quantize && p.x_elem_bytes != 2 && p.x_elem_bytes != 4)
         return set_error(-1, "FP8 quantization in the send path needs BF16 or FP32 input");
@@ -965,8 +849,8 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     sl.src_off = sl.w_off + 4 * int(p.num_topk);
     sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
     const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
-    if (hist_bytes + kScratchBytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 8192)");
-    const size_t smem = size_t(hist_bytes + kScratchBytes);
+    if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
+    const size_t smem = size_t(hist_bytes);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     if (!quantize) {
@@ -983,9 +867,7 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_combine_params& p = *params;
     if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
-    if (p.num_topk > MOE_EP_MAX_TOPK || p.slot_topk > MOE_EP_MAX_TOPK)
-        return set_error(-1, "num_topk and slot_topk must be <= " + std::to_string(MOE_EP_MAX_TOPK));
-    if (p.recv_slot != nullptr && p.slot_topk < 1) return set_error(-1, "expert-major combine needs slot_topk >= 1");
+    if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
     if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
     if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
     const int w_off = int(p.hidden * p.elem_bytes);
@@ -993,11 +875,10 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     const int R = ctx->dev.num_ranks;
-    const size_t smem = p.recv_slot != nullptr ? size_t(kScratchBytes) : 0;
 #define MOE_EP_LAUNCH_COMBINE(T)                                                                           \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, smem, s>>>(ctx->dev, p, slot_bytes, w_off);      \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, smem, s>>>(ctx->dev, p, slot_bytes, w_off); \
-    else combine_kernel<T, 8><<<grid, kThreads, smem, s>>>(ctx->dev, p, slot_bytes, w_off);
+    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);      \
+    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off); \
+    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
     if (p.elem_bytes == 2) {
         MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {

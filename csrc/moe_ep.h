@@ -29,10 +29,10 @@ extern "C" {
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
  * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
  * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1). recv_bf16 dequantizes FP8 rows on receive.
- * Expert-major mode (expert_pos != NULL): every received row is written once per local expert it selected, to
- * row send_offset[e] + expert_pos[t, k] of recv_x (which then has num_expert_rows rows, each local expert's block
- * padded with zero rows to `alignment`); recv_slot records those rows, expert_probs the weights; recv_topk_idx,
- * recv_topk_weights and recv_expert_count are unused. */
+ * Expert-major mode (expert_major != 0): instead of local top-k ids, each received (row, k) gets its row in this
+ * rank's expert-major layout, send_offset[e] + expert_pos[t, k] (each local expert's block padded to `alignment`
+ * rows, num_expert_rows in all): recv_slot records it and expert_probs[row] the weight (padding rows get 0);
+ * recv_topk_idx, recv_topk_weights and recv_expert_count are unused. */
 typedef struct {
     const void* x;
     const float* x_scales;             /* [N, hidden/128] with fp8_in, else NULL */
@@ -52,6 +52,7 @@ typedef struct {
     int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
     const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
     /* expert-major mode */
+    int64_t expert_major;
     const int32_t* expert_pos;         /* [N, K]: index of (t, k) among this rank's entries for expert topk_idx[t, k] */
     const int32_t* send_offset;        /* [E]: first row of this rank's entries in expert e's block on its owner */
     const int32_t* expert_info;        /* notify's info: [2 + 2L] = {rows received, M, aligned counts, exact counts} */
@@ -61,9 +62,7 @@ typedef struct {
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
- * summed per token in fp32 (source-rank order), then bias0 and bias1 are added; out is [num_tokens, hidden].
- * Expert-major mode (recv_slot != NULL): x holds expert outputs and received row r is first summed from the
- * rows recv_slot[r, 0..slot_topk) of x (fp32, k ascending, rounded to x's dtype). */
+ * summed per token in fp32 (source-rank order), then bias0 and bias1 are added; out is [num_tokens, hidden]. */
 typedef struct {
     const void* x;
     const float* topk_weights;         /* [num_recv_rows, K] or NULL */
@@ -74,8 +73,6 @@ typedef struct {
     void* out;                         /* [num_tokens, hidden] */
     float* out_weights;                /* [num_tokens, K] or NULL */
     int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
-    const int32_t* recv_slot;          /* [num_recv_rows, slot_topk] or NULL */
-    int64_t slot_topk;
 } moe_ep_combine_params;
 
 int moe_ep_abi_version(void);

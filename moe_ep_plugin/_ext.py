@@ -34,7 +34,8 @@ class DispatchParams(ctypes.Structure):
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
             "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
-        (name, _p) for name in ("send_pos", "expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
+        ("send_pos", _p), ("expert_major", _i64)] + [
+        (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
         (name, _i64) for name in ("num_expert_rows", "alignment")]
 
 
@@ -44,7 +45,7 @@ class CombineParams(ctypes.Structure):
     _fields_ = [(name, _p) for name in (
         "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
-                                  "num_send_warps", "num_send_blocks")] + [("recv_slot", _p), ("slot_topk", _i64)]
+                                  "num_send_warps", "num_send_blocks")]
 
 
 _lib: Optional[ctypes.CDLL] = None

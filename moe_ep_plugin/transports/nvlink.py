@@ -7,7 +7,9 @@ count (skipped with ``num_worst_tokens``, which makes the dispatch CUDA-graph ca
 whose sender warps write rows (quantized to FP8 on the way when asked) straight into the destination's
 region while its receiver warps copy published rows into the outputs. Combine is a barrier plus one kernel
 that sends rows back and sums each token's copies in fp32, in source-rank order. Results equal the ``torch``
-transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order.
+transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order. ``dispatch_experts`` folds the
+per-expert counts into notify and ships each row's expert-major destination rows with it (then ``permute``
+expands, on all SMs); ``combine_experts`` is the shared ``unpermute`` + ``combine``.
 
 Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel records what stalled in a
 host-mapped record, every later wait on that rank gives up at once, and the next call on this transport (or
@@ -23,10 +25,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import _ext
+from .. import _ext, permute
 from ..config import Config
 from ..handle import DispatchHandle, ExpertLayout
-from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
+from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
 _DEFAULT_ROWS = 8192
@@ -81,9 +83,8 @@ class NVLinkTransport(Transport):
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
-    quantizes in the send path moves work to the senders, so it has its own warp count; so does an expert-major
-    combine, whose senders sum each row from its expert outputs. Defaults: the fastest settings measured on
-    2 x H200 at 24 SMs (benchmarks/RESULTS.md).
+    quantizes in the send path moves work to the senders, so it has its own warp count. Defaults: the fastest
+    settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md).
     """
 
     name = "nvlink"
@@ -92,7 +93,6 @@ class NVLinkTransport(Transport):
     dispatch_send_blocks = 0
     combine_send_warps = 6
     combine_send_blocks = 8
-    expert_combine_send_blocks = 12
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -317,9 +317,10 @@ class NVLinkTransport(Transport):
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
-        """Fused: notify also exchanges per-expert counts, so every sender knows where each of its rows lands in
-        the destination's expert-major layout, and the kernel writes each received row straight into the rows of
-        its local experts. One host read (the received row count and per-expert counts together)."""
+        """Notify also exchanges per-expert counts, so every sender knows the row each (token, expert) pair takes
+        in the receiver's expert-major layout and ships it with the token: the receivers record those rows and
+        the weights there, and ``permute.permute`` (all SMs) expands the received rows. One host read in all (the
+        received row count and the per-expert counts together); no separate slot computation."""
         self.check_error()
         self._check_rows(args)
         n = args.x.shape[0]
@@ -364,20 +365,19 @@ class NVLinkTransport(Transport):
             weights = None
         state: _NVLinkState = handle.transport_state
         layout: ExpertLayout = handle.expert_layout
-        recv_x, recv_scales = self._recv_tensors(args, layout.num_rows)
+        recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
         self._launch_dispatch(args, handle, state.expert.topk_idx, recv_x, recv_scales, recv_src_idx=handle.recv_src_idx,
-                              expert_pos=state.expert.expert_pos, send_offset=state.expert.send_offset,
+                              expert_major=1, expert_pos=state.expert.expert_pos, send_offset=state.expert.send_offset,
                               expert_info=state.expert.info, recv_slot=layout.recv_slot, expert_probs=probs,
-                              num_expert_rows=layout.num_rows, alignment=layout.alignment,
-                              topk_weights=weights)
-        return ExpertDispatchResult(recv_x, recv_scales, probs, handle)
+                              num_expert_rows=layout.num_rows, alignment=layout.alignment, topk_weights=weights)
+        x, _, scales = permute.permute(recv_x, layout.recv_slot, layout.num_rows, None, recv_scales)
+        return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
-    def _launch_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                        bias: tuple[torch.Tensor, ...], config: Config, recv_slot: Optional[torch.Tensor]
-                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         self.check_error()
         hidden = x.shape[1]
         k = topk_weights.shape[1] if topk_weights is not None else 0
@@ -391,25 +391,12 @@ class NVLinkTransport(Transport):
         out = torch.empty(handle.num_tokens, hidden, dtype=x.dtype, device=self.device)
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
-        send_blocks = self.expert_combine_send_blocks if recv_slot is not None else self.combine_send_blocks
         params = _ext.CombineParams(
             x=_ptr(x), topk_weights=_ptr(topk_weights), rank_prefix_matrix=_ptr(rpm), send_pos=_ptr(send_pos),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
             out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(send_blocks, config),
-            recv_slot=_ptr(recv_slot), slot_topk=recv_slot.shape[1] if recv_slot is not None else 0)
+            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config))
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights
-
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return self._launch_combine(x, handle, topk_weights, bias, config, None)
-
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
-                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Fused: senders sum each received row from its expert outputs in registers (fp32, top-k columns
-        ascending, rounded to ``y.dtype`` — ``permute.unpermute``'s result) as they send it back."""
-        layout: ExpertLayout = handle.expert_layout
-        return self._launch_combine(y, handle, slot_weights(expert_weights, layout), (), config, layout.recv_slot)

@@ -274,7 +274,7 @@ def _suite() -> None:
     # the other kernel variants: whole sender blocks in dispatch, warp roles in combine, and 2 SMs with one
     # sending warp each
     transport, defaults = nv.transport, type(nv.transport)
-    transport.dispatch_send_blocks, transport.combine_send_blocks, transport.expert_combine_send_blocks = 8, 0, 0
+    transport.dispatch_send_blocks, transport.combine_send_blocks = 8, 0
     _check_expert_case(nv, ref, CASES[2], MODES[0], 16)
     _check_case(nv, ref, CASES[2], MODES[0])
     _check_case(nv, ref, CASES[2], MODES[2])
@@ -284,7 +284,7 @@ def _suite() -> None:
     _check_case(nv, ref, CASES[0], MODES[2])
     _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
-                 "combine_send_blocks", "expert_combine_send_blocks"):
+                 "combine_send_blocks"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv)
