@@ -25,6 +25,7 @@ constexpr int kMaxExperts = MOE_EP_MAX_EXPERTS;
 struct Header {
     int signals[kMaxRanks];            // barrier arrivals, slot r incremented by rank r
     int counts[kMaxRanks][kMaxRanks];  // counts[i][j]: tokens rank i sends to rank j (written by rank i)
+    int invalid[kMaxRanks];            // invalid[i]: out-of-range expert ids rank i found (written by rank i)
     int barrier_count;                 // barriers this rank completed; doubles as the sequence id of flags
     int abort;                         // first error code seen on this rank (sticky)
 };

@@ -258,6 +258,7 @@ __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blo
 // expert-major layout of every rank: each local expert's block is padded to `alignment` rows, blocks follow in
 // expert order, and inside a block the rows of source 0 come first, then source 1, ...
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const int32_t* num_tokens_per_rank,
+                                                                const int32_t* num_invalid,
                                                                 const uint8_t* __restrict__ in_rank, int num_tokens,
                                                                 int list_stride, int32_t* rpm, int32_t* send_pos,
                                                                 int32_t* send_list, const int32_t* per_expert,
@@ -273,6 +274,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const 
             const int dst = i / R, j = i % R;
             *reinterpret_cast<volatile int*>(&header(c.bufs[dst])->counts[me][j]) = num_tokens_per_rank[j];
         }
+        if (threadIdx.x < R)
+            *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) = *num_invalid;
         const int E = per_expert != nullptr ? num_experts : 0;
         for (int i = threadIdx.x; i < R * E; i += blockDim.x)
             reinterpret_cast<volatile int*>(expert_counts(c.bufs[i / E], me))[i % E] = per_expert[i % E];
@@ -285,7 +288,12 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const 
                 sum += ld_volatile(&mine->counts[i][j]);
                 rpm[i * R + j] = sum;
             }
-            if (j == me && info != nullptr) info[0] = sum;
+            if (j == me) info[0] = sum;
+        }
+        if (threadIdx.x == 0) {
+            int ranks = 0;  // bit i: rank i holds out-of-range expert ids
+            for (int i = 0; i < R; ++i) ranks |= ld_volatile(&mine->invalid[i]) != 0 ? 1 << i : 0;
+            info[1] = ranks;
         }
         if (E == 0) return;
         for (int i = threadIdx.x; i < R * E; i += blockDim.x) s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
@@ -306,12 +314,12 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const 
                 send_offset[e] = base + before;
                 const int aligned = (total + alignment - 1) / alignment * alignment;
                 if (d == me) {
-                    info[2 + l] = aligned;
-                    info[2 + L + l] = total;
+                    info[3 + l] = aligned;
+                    info[3 + L + l] = total;
                 }
                 base += aligned;
             }
-            if (d == me) info[1] = base;
+            if (d == me) info[2] = base;
         }
         return;
     }
@@ -583,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         if (p.alignment <= 1 || p.expert_probs == nullptr) return;
         int64_t base = 0;
         for (int l = 0; l < L; ++l) {
-            const int aligned = p.expert_info[2 + l], exact = p.expert_info[2 + L + l];
+            const int aligned = p.expert_info[3 + l], exact = p.expert_info[3 + L + l];
             for (int64_t i = tid; i < aligned - exact; i += nthreads) p.expert_probs[base + exact + i] = 0.0f;
             base += aligned;
         }
@@ -799,25 +807,28 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
 
 using namespace moe_ep;
 
-extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const uint8_t* is_token_in_rank,
-                                      int64_t num_tokens, int64_t list_stride, int32_t* rank_prefix_matrix,
-                                      int32_t* send_pos, int32_t* send_list, const int32_t* num_tokens_per_expert,
-                                      int64_t num_experts, int64_t alignment, int32_t* send_offset, int32_t* info,
-                                      void* stream) {
+extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
+                                      const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
+                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
+                                      const int32_t* num_tokens_per_expert, int64_t num_experts, int64_t alignment,
+                                      int32_t* send_offset, int32_t* info, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const int R = ctx->dev.num_ranks;
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
+    if (num_tokens_per_rank != nullptr && (num_invalid == nullptr || rank_prefix_matrix == nullptr || info == nullptr))
+        return set_error(-1, "moe_ep_notify_dispatch: a count exchange needs num_invalid, rank_prefix_matrix and info");
     if (num_tokens_per_expert != nullptr) {
-        if (num_tokens_per_rank == nullptr || send_offset == nullptr || info == nullptr)
-            return set_error(-1, "moe_ep_notify_dispatch: expert-major mode needs the rank counts, send_offset and info");
+        if (num_tokens_per_rank == nullptr || send_offset == nullptr)
+            return set_error(-1, "moe_ep_notify_dispatch: expert-major mode needs the rank counts and send_offset");
         if (num_experts < 1 || num_experts > kMaxExperts || num_experts % R != 0)
             return set_error(-1, "moe_ep_notify_dispatch: num_experts=" + std::to_string(num_experts) + " must be a multiple of " +
                                      std::to_string(R) + " in [1, " + std::to_string(kMaxExperts) + "]");
         if (alignment < 1) return set_error(-1, "moe_ep_notify_dispatch: alignment must be >= 1");
     }
     notify_kernel<<<1 + R, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        ctx->dev, num_tokens_per_rank, is_token_in_rank, int(num_tokens), int(list_stride), rank_prefix_matrix,
-        send_pos, send_list, num_tokens_per_expert, int(num_experts), int(alignment), send_offset, info);
+        ctx->dev, num_tokens_per_rank, num_invalid, is_token_in_rank, int(num_tokens), int(list_stride),
+        rank_prefix_matrix, send_pos, send_list, num_tokens_per_expert, int(num_experts), int(alignment), send_offset,
+        info);
     return check_launch("notify_kernel");
 }
 

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const int64_t* _
         uint32_t mask = 0;
         for (int k = 0; k < num_topk; ++k) {
             const int64_t e = __ldg(topk_idx + int64_t(t) * num_topk + k);
-            if (e < 0) continue;
+            if (e < 0 || e >= num_experts) continue;  // out-of-range ids: rejected by the dispatch that follows
             atomicAdd(&s_counts[e], 1);
             mask |= 1u << (int(e) / experts_per_rank);
         }
@@ -61,9 +61,51 @@ __global__ void __launch_bounds__(kPositionThreads) expert_positions_kernel(cons
     }
 }
 
+// One warp per token: the token's selected experts (nonzero bytes of its routing-map row) fill its top-k slots in
+// ascending expert order, their probabilities gathered alongside; slots past them get -1 / 0.
+constexpr int kRoutingThreads = 256;
+__global__ void __launch_bounds__(kRoutingThreads) routing_map_topk_kernel(const uint8_t* __restrict__ routing_map,
+                                                                          const float* __restrict__ probs,
+                                                                          int num_tokens, int num_experts, int topk,
+                                                                          int64_t* topk_idx, float* topk_weights) {
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (kRoutingThreads / 32);
+    for (int t = blockIdx.x * (kRoutingThreads / 32) + (threadIdx.x >> 5); t < num_tokens; t += warps) {
+        const int64_t row = int64_t(t) * num_experts;
+        int count = 0;
+        for (int c0 = 0; c0 < num_experts && count < topk; c0 += 32) {
+            const int c = c0 + lane;
+            const bool selected = c < num_experts && __ldg(routing_map + row + c) != 0;
+            const uint32_t ballot = __ballot_sync(0xffffffffu, selected);
+            const int k = count + __popc(ballot & ((1u << lane) - 1u));
+            if (selected && k < topk) {
+                topk_idx[int64_t(t) * topk + k] = c;
+                topk_weights[int64_t(t) * topk + k] = __ldg(probs + row + c);
+            }
+            count += __popc(ballot);
+        }
+        for (int k = count + lane; k < topk; k += 32) {
+            topk_idx[int64_t(t) * topk + k] = -1;
+            topk_weights[int64_t(t) * topk + k] = 0.0f;
+        }
+    }
+}
+
 }  // namespace moe_ep
 
 using namespace moe_ep;
+
+extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* probs, int64_t num_tokens,
+                                       int64_t num_experts, int64_t topk, int64_t* topk_idx, float* topk_weights,
+                                       void* stream) {
+    if (num_tokens < 0 || num_experts < 1 || topk < 1 || topk > num_experts || num_tokens * num_experts > INT32_MAX)
+        return set_error(-1, "moe_ep_routing_map_topk: need 1 <= topk <= num_experts and num_tokens * num_experts < 2^31");
+    if (num_tokens == 0) return 0;
+    const int64_t blocks = (num_tokens + kRoutingThreads / 32 - 1) / (kRoutingThreads / 32);
+    routing_map_topk_kernel<<<int(blocks < 1024 ? blocks : 1024), kRoutingThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        routing_map, probs, int(num_tokens), int(num_experts), int(topk), topk_idx, topk_weights);
+    return check_launch("routing_map_topk_kernel");
+}
 
 extern "C" int moe_ep_expert_positions(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                                        int64_t num_experts, int32_t* expert_pos, void* stream) {

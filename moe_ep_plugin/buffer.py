@@ -42,15 +42,6 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[
     return t
 
 
-def _check_expert_range(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Every id in [-1, E). Skipped while a CUDA graph is being captured (it would need a host sync)."""
-    if topk_idx.numel() == 0 or (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host read for both bounds
-    if lo < -1 or hi >= num_experts:
-        raise ValueError(f"topk_idx: expert ids must lie in [-1, {num_experts}), found values in [{lo}, {hi}]")
-
-
 class Buffer:
     """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``, normal mode).
 
@@ -162,11 +153,13 @@ class Buffer:
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
         """``topk_idx`` ``[N, K]`` int64/int32 (-1 = none) → ``(num_tokens_per_rank [R] int32, None,
-        num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``."""
+        num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
+
+        Ids outside ``[-1, num_experts)`` are left out of the counts here (checking them would cost a host sync);
+        the dispatch that follows rejects them on every rank with a ``ValueError`` before any row moves."""
         self._check_num_experts(num_experts)
         topk_idx = _check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self.device)
         topk_idx = topk_idx.to(torch.int64).contiguous()
-        _check_expert_range(topk_idx, num_experts)
         per_rank, per_expert, in_rank, event = self._on_comm_stream(
             lambda: self.transport.get_dispatch_layout(topk_idx, num_experts), previous_event, async_finish,
             allocate_on_comm_stream, (topk_idx,))
@@ -206,7 +199,7 @@ class Buffer:
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         counts: list[int] = []
         if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
-            counts = align_counts(result.num_recv_tokens_per_expert.tolist(), expert_alignment)
+            counts = align_counts(result.counts_list(), expert_alignment)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
 
     def _dispatch_args(self, x: XInput, handle: Optional[DispatchHandle], num_tokens_per_rank: Optional[torch.Tensor],
@@ -247,8 +240,8 @@ class Buffer:
                                                (torch.int32, torch.int64), (num_experts,), self.device)
             if (num_tokens_per_rank is None) != (is_token_in_rank is None):
                 raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
-            # Expert ids are range-checked once, in get_dispatch_layout (here or by the caller who made the
-            # layout): each check costs a host sync, and out-of-range ids can only crash the layout step.
+            # Expert ids are range-checked by the transport: their count rides on the count exchange, so every
+            # rank raises at that one host read, before any row moves (a separate check would cost a sync).
             if num_tokens_per_rank is None:
                 num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = self.get_dispatch_layout(
                     topk_idx, num_experts)

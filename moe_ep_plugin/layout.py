@@ -13,7 +13,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     """
     n = topk_idx.shape[0]
     experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # out-of-range ids: ignored here, rejected by dispatch
     # Invalid entries go to an extra overflow slot that is sliced off, so no boolean indexing (host sync) is needed.
     expert_slot = torch.where(valid, topk_idx, num_experts).reshape(-1)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
@@ -24,6 +24,18 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     is_token_in_rank = in_rank[:, :num_ranks].contiguous()
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
     return num_tokens_per_rank, per_expert[:num_experts].contiguous(), is_token_in_rank
+
+
+def count_invalid(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[1]`` int32 on ``topk_idx``'s device: how many ids lie outside ``[-1, num_experts)``. No host sync: the
+    transports exchange it with their counts and every rank raises at that one read."""
+    return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int32).reshape(1)
+
+
+def invalid_ids_error(ranks: list[int], num_experts: int) -> ValueError:
+    """The error every rank raises when the count exchange reports out-of-range expert ids on ``ranks``."""
+    return ValueError(f"topk_idx: expert ids must lie in [-1, {num_experts}); rank(s) {ranks} passed ids outside it "
+                      "(nothing was sent)")
 
 
 def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:

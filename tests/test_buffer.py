@@ -142,8 +142,8 @@ def _errors() -> None:
     bad = [
         (lambda: buffer.get_dispatch_layout(idx.float(), world), TypeError, "topk_idx"),
         (lambda: buffer.get_dispatch_layout(idx, world + 1), ValueError, "num_experts") if world > 1 else None,
-        (lambda: buffer.get_dispatch_layout(idx + 2 * world, 2 * world), ValueError, "topk_idx"),
         (lambda: buffer.dispatch(x, topk_idx=idx - 2, num_experts=2 * world), ValueError, "topk_idx"),
+        (lambda: buffer.dispatch_experts(x, topk_idx=idx + 2 * world, num_experts=2 * world), ValueError, "topk_idx"),
         (lambda: buffer.dispatch(x.half(), topk_idx=idx, num_experts=world), TypeError, "x"),
         (lambda: buffer.dispatch(x[0], topk_idx=idx, num_experts=world), ValueError, "x"),
         (lambda: buffer.dispatch(x, topk_idx=idx[:3], num_experts=world), ValueError, "topk_idx"),
@@ -179,6 +179,13 @@ def _errors() -> None:
     with pytest.raises(ValueError, match="transport must be one of"):
         Buffer()
     del os.environ["MOE_EP_TRANSPORT"]
+    # out-of-range ids on one rank only: they ride on the count exchange, so every rank raises, naming that rank
+    # (get_dispatch_layout itself leaves them out of its counts rather than pay a host sync to check)
+    odd = idx + (2 * world if dist.get_rank() == world - 1 else 0)
+    assert buffer.get_dispatch_layout(odd, 2 * world)[2].sum().item() == (0 if dist.get_rank() == world - 1 else 8)
+    for call in (buffer.dispatch, buffer.dispatch_experts):
+        with pytest.raises(ValueError, match=rf"topk_idx: expert ids must lie in \[-1, {2 * world}\); rank\(s\) \[{world - 1}\]"):
+            call(x, topk_idx=odd, num_experts=2 * world)
     # a combine with rows that do not match the handle is refused before communicating
     _, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=world)
     with pytest.raises(ValueError, match="x"):

@@ -47,7 +47,8 @@ class DispatchArgs:
 class DispatchResult:
     """``recv_x`` ``[N_recv, H]`` (BF16/FP32 or FP8), ``recv_scales`` ``[N_recv, H/128]`` float32 or None,
     ``recv_topk_idx`` ``[N_recv, K]`` int64 *local* ids (-1 elsewhere), ``recv_topk_weights`` float32 (0 where -1),
-    ``num_recv_tokens_per_expert`` ``[L]`` int32 on the device (unaligned) or None without top-k."""
+    ``num_recv_tokens_per_expert`` ``[L]`` int32 on the device (unaligned) or None without top-k;
+    ``host_counts``: the same counts as a list when the transport already read them on the host (saves a sync)."""
 
     recv_x: torch.Tensor
     recv_scales: Optional[torch.Tensor]
@@ -55,6 +56,13 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]
     num_recv_tokens_per_expert: Optional[torch.Tensor]
     handle: DispatchHandle
+    host_counts: Optional[list[int]] = None
+
+    def counts_list(self) -> list[int]:
+        """Received (row, local expert) pairs per local expert (unaligned), read once if the transport has not."""
+        if self.host_counts is None:
+            self.host_counts = self.num_recv_tokens_per_expert.tolist()
+        return self.host_counts
 
 
 @dataclass
@@ -119,7 +127,7 @@ class Transport(abc.ABC):
         result = self.dispatch(args)
         handle = result.handle
         if args.handle is None:
-            tokens_per_expert = align_counts(result.num_recv_tokens_per_expert.tolist(), alignment)
+            tokens_per_expert = align_counts(result.counts_list(), alignment)
             recv_slot = permute.expert_slots(result.recv_topk_idx, tokens_per_expert, alignment)
             handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, sum(tokens_per_expert), alignment)
         layout = handle.expert_layout

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .. import _ext, permute
 from ..config import Config
 from ..handle import DispatchHandle, ExpertLayout
+from ..layout import count_invalid, invalid_ids_error
 from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
@@ -200,22 +201,34 @@ class NVLinkTransport(Transport):
         return per_rank, per_expert, in_rank
 
     # ---- dispatch ----
-    def _notify(self, num_tokens_per_rank: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
-                rank_prefix_matrix: Optional[torch.Tensor], expert: Optional[tuple] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Barrier (+ count exchange into ``rank_prefix_matrix``); returns ``(send_pos [N, R], send_list)``.
-        ``expert``: ``(num_tokens_per_expert [E] int32, alignment, send_offset [E], info [2 + 2L])`` for the
-        expert-major count exchange."""
-        n = is_token_in_rank.shape[0]
+    def _notify(self, args: DispatchArgs, rank_prefix_matrix: torch.Tensor, info: torch.Tensor,
+                expert: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Barrier + count exchange (token counts into ``rank_prefix_matrix``, out-of-range expert ids, and with
+        ``expert`` = ``(num_tokens_per_expert [E] int32, alignment, send_offset [E])`` the expert-major layout)
+        into ``info`` (csrc/moe_ep.h); returns ``(send_pos [N, R], send_list)``."""
+        in_rank = args.is_token_in_rank.contiguous()
+        n = in_rank.shape[0]
+        counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
+        invalid = (count_invalid(args.topk_idx, args.num_experts) if args.topk_idx is not None
+                   else torch.zeros(1, dtype=torch.int32, device=self.device))
         send_pos = torch.empty(n, self.num_ranks, dtype=torch.int32, device=self.device)
         send_list = torch.empty(self.num_ranks, max(n, 1), dtype=torch.int32, device=self.device)
-        per_expert, alignment, send_offset, info = expert if expert is not None else (None, 1, None, None)
+        per_expert, alignment, send_offset = expert if expert is not None else (None, 1, None)
         num_experts = per_expert.shape[0] if per_expert is not None else 0
-        _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(num_tokens_per_rank), _ptr(is_token_in_rank), n,
+        _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(counts), _ptr(invalid), _ptr(in_rank), n,
                                                     send_list.shape[1], _ptr(rank_prefix_matrix), _ptr(send_pos),
                                                     _ptr(send_list), _ptr(per_expert), num_experts, alignment,
                                                     _ptr(send_offset), _ptr(info), self._stream()), "notify_dispatch")
         return send_pos, send_list
+
+    def _read_info(self, info: torch.Tensor, length: int, num_experts: int) -> list[int]:
+        """The one host read of a dispatch: notify's ``info[:length]``; raises (on every rank alike) when a rank
+        found out-of-range expert ids, before any row moves."""
+        host = info[:length].cpu().tolist()
+        self.check_error()
+        if host[1]:
+            raise invalid_ids_error([r for r in range(self.num_ranks) if host[1] >> r & 1], num_experts)
+        return host
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -283,16 +296,14 @@ class NVLinkTransport(Transport):
         handle = args.handle
         if handle is None:
             rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
-            counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
-            in_rank = args.is_token_in_rank.contiguous()
-            send_pos, send_list = self._notify(counts, in_rank, rpm)
-            if args.num_worst_tokens > 0:
+            info = torch.empty(2, dtype=torch.int32, device=self.device)
+            send_pos, send_list = self._notify(args, rpm, info)
+            if args.num_worst_tokens > 0:  # no host read, so out-of-range ids are not reported in this mode
                 num_recv, rows = None, args.num_worst_tokens
             else:
-                num_recv = int(rpm[self.num_ranks - 1, self.rank].item())  # the one host sync of a dispatch
-                self.check_error()
-                rows = num_recv
-            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
+                num_recv = rows = self._read_info(info, 2, args.num_experts)[0]
+            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
+                                    send_pos=send_pos,
                                     recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device), num_tokens=n,
                                     num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
                                     num_ranks=self.num_ranks, num_recv_rows=rows,
@@ -342,14 +353,12 @@ class NVLinkTransport(Transport):
                                                          self._stream()), "expert_positions")
             rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
             send_offset = torch.empty(num_experts, dtype=torch.int32, device=self.device)
-            info = torch.empty(2 + 2 * num_local, dtype=torch.int32, device=self.device)
-            counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
-            in_rank = args.is_token_in_rank.contiguous()
-            send_pos, send_list = self._notify(counts, in_rank, rpm, (per_expert, alignment, send_offset, info))
-            host = info[:2 + num_local].cpu().tolist()  # the one host sync of an expert-major dispatch
-            self.check_error()
-            num_recv, num_rows, tokens_per_expert = host[0], host[1], host[2:]
-            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
+            info = torch.empty(3 + 2 * num_local, dtype=torch.int32, device=self.device)
+            send_pos, send_list = self._notify(args, rpm, info, (per_expert, alignment, send_offset))
+            host = self._read_info(info, 3 + num_local, num_experts)
+            num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
+            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
+                                    send_pos=send_pos,
                                     recv_src_idx=torch.empty(num_recv, dtype=torch.int32, device=self.device),
                                     num_tokens=n, num_recv_tokens=num_recv, num_experts=num_experts, rank=self.rank,
                                     num_ranks=self.num_ranks, num_recv_rows=num_recv,

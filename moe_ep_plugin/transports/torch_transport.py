@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
-from ..layout import send_positions
+from ..layout import count_invalid, invalid_ids_error, send_positions
 from .base import DispatchArgs, DispatchResult, Transport
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
@@ -111,18 +111,21 @@ class TorchTransport(Transport):
             return host
         return gathered, finish_cuda
 
-    def _start_layout(self, args: DispatchArgs) -> Callable[[], tuple[DispatchHandle, torch.Tensor]]:
+    def _start_layout(self, args: DispatchArgs) -> Callable[[], tuple[DispatchHandle, torch.Tensor, list[int]]]:
         """Launch the count exchange and the send order; the returned function reads the counts (the one host
-        sync of a dispatch) and returns the handle and the ``[L]`` int32 received (row, local expert) pairs."""
+        sync of a dispatch; it raises on every rank if any rank passed out-of-range expert ids) and returns the
+        handle and the received (row, local expert) pairs per local expert, ``[L]`` int32 and as a list."""
         in_rank, topk = args.is_token_in_rank, args.topk_idx
         n, num_ranks = in_rank.shape
         num_experts, me = args.num_experts, self.rank
         per_rank = args.num_tokens_per_rank.to(torch.int64)
         # (token, expert) pairs per expert ride along, so the receiver's per-expert counts need no second read.
-        valid = topk >= 0
+        valid = (topk >= 0) & (topk < num_experts)
         per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk.device)
         per_expert.scatter_add_(0, torch.where(valid, topk, num_experts).reshape(-1), valid.reshape(-1).to(torch.int64))
-        gathered, read_counts = self._start_count_exchange(torch.cat([per_rank, per_expert[:num_experts]]))
+        # The out-of-range id count rides along too: every rank sees it at the one read and raises alike.
+        gathered, read_counts = self._start_count_exchange(
+            torch.cat([per_rank, per_expert[:num_experts], count_invalid(topk, num_experts).to(torch.int64)]))
 
         # Send order and combine gather map from device data only, overlapping the exchange.
         send_pos = send_positions(in_rank)
@@ -133,11 +136,15 @@ class TorchTransport(Transport):
         order.scatter_(0, torch.where(in_rank, row, n * num_ranks).reshape(-1), tokens.reshape(-1))  # unsent: last
         num_local = num_experts // num_ranks
 
-        def finish() -> tuple[DispatchHandle, torch.Tensor]:
+        def finish() -> tuple[DispatchHandle, torch.Tensor, list[int]]:
             counts = read_counts()
+            bad = counts[:, -1].tolist()
+            if any(bad):
+                raise invalid_ids_error([r for r, b in enumerate(bad) if b], num_experts)
             # From the device copy: on CUDA no host→device copy is needed (and none could run without a sync).
             rank_prefix_matrix = gathered[:, :num_ranks].cumsum(0).to(torch.int32)
-            expert_counts = gathered[:, num_ranks + me * num_local:num_ranks + (me + 1) * num_local].sum(0)
+            local_experts = slice(num_ranks + me * num_local, num_ranks + (me + 1) * num_local)
+            expert_counts = gathered[:, local_experts].sum(0)
             send_counts, recv_counts = counts[me, :num_ranks].tolist(), counts[:num_ranks, me].tolist()
             num_recv = sum(recv_counts)
             state = _TorchState(order[:sum(send_counts)], combine_slot, send_counts, recv_counts)
@@ -146,7 +153,7 @@ class TorchTransport(Transport):
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=in_rank.device), num_tokens=n,
                 num_recv_tokens=num_recv, num_experts=num_experts, rank=me, num_ranks=num_ranks,
                 num_recv_rows=max(num_recv, args.num_worst_tokens), transport_state=state)
-            return handle, expert_counts.to(torch.int32)
+            return handle, expert_counts.to(torch.int32), counts[:, local_experts].sum(0).tolist()
         return finish
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -166,9 +173,9 @@ class TorchTransport(Transport):
             parts.append(x_scales.view(torch.int32))
         meta = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if finish_layout is not None:
-            handle, expert_counts = finish_layout()
+            handle, expert_counts, host_counts = finish_layout()
         else:
-            handle, expert_counts = args.handle, None
+            handle, expert_counts, host_counts = args.handle, None, None
         state: _TorchState = handle.transport_state
         num_recv, rows = handle.num_recv_tokens, handle.num_recv_rows
         if rows < num_recv:
@@ -206,7 +213,7 @@ class TorchTransport(Transport):
             recv_scales = _padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
             if args.recv_bf16:
                 recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle, host_counts)
 
     def _return_rows(self, rows: torch.Tensor, state: _TorchState, what: str) -> torch.Tensor:
         """Send received rows ``[N_recv, C]`` back to their sources → ``[S, C]`` in send order."""
