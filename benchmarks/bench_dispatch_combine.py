@@ -239,7 +239,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
     p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":"))[:2] for v in s.split(",") if v],
-                   default="24:6,24:8,24:10,24:12,24:b8,24:b12,32:8",
+                   default="24:6,24:8,24:12,32:8",
                    help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send) to time the "
                         "kernels with on the standard shape")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")

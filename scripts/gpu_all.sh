@@ -32,7 +32,7 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(megatron train deepspeed kernels)
 for name in "${parts[@]}"; do
     case "$name" in
-        kernels) part kernels 330 bash scripts/gpu_kernels.sh ;;
+        kernels) part kernels 420 bash scripts/gpu_kernels.sh ;;
         megatron) part megatron 420 bash scripts/gpu_megatron.sh ;;
         megatron_bench) MEGATRON_STEPS=bench part megatron_bench 200 bash scripts/gpu_megatron.sh ;;
         megatron_rest) MEGATRON_STEPS="test pretrain" part megatron_rest 260 bash scripts/gpu_megatron.sh ;;

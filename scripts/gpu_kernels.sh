@@ -14,7 +14,7 @@ if ! python3 -c "from moe_ep_plugin import _ext; assert _ext.unavailable_reason(
     python3 -m moe_ep_plugin._build --required 2>&1 | tail -n 3 || exit 1
 fi
 python3 -c "from moe_ep_plugin import _ext; r = _ext.unavailable_reason(); print('kernel library:', r or 'loads'); assert r is None" || exit 1
-timeout 150 python3 -m pytest -q -s -rs tests/gpu 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
+timeout 240 python3 -m pytest -q -s -rs tests/gpu 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
 timeout 200 python3 benchmarks/bench_dispatch_combine.py --json "$LOGS/bench.json" "$@" 2>&1 | tee "$LOGS/bench.log" || status=1
 timeout 60 python3 benchmarks/bench_permute.py 2>&1 | tee "$LOGS/bench_permute.log" || status=1
 for lib in moe_ep_plugin/lib/variants/*.so; do
