@@ -6,3 +6,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS="${OUT:-runs/$1}"
 mkdir -p "$LOGS"
+# megatron-core (the device machine has none): the carried wheel, installed once per machine into /tmp/mcore.
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+    wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -n 1)
+    if [ -n "$wheel" ] && { [ -d /tmp/mcore/megatron ] || \
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mcore "$wheel"; }; then
+        export PYTHONPATH="$PYTHONPATH:/tmp/mcore"
+    fi
+fi

@@ -15,17 +15,11 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl megatron-core==0.19.2
 #   -> .whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
-# and name .whl in the run's carry. This script installs that wheel into /tmp/mcore when megatron.core is missing.
+# and name .whl in the run's carry. scripts/gpu_env.sh installs that wheel into /tmp/mcore when megatron.core is missing.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_megatron
 LOG="$LOGS/megatron_gpu.log"  # one file: the device tool returns at most 8 files for all scripts together
 status=0
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-    wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -n 1)
-    [ -n "$wheel" ] || { echo "megatron-core missing and no .whl/megatron_core-*.whl carried"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mcore "$wheel" || exit 1
-    export PYTHONPATH="$PYTHONPATH:/tmp/mcore"
-fi
 python3 -W ignore -c "import megatron.core, moe_ep_plugin.megatron; print('megatron-core', megatron.core.__version__)" \
     2>&1 | tee "$LOG" || exit 1
 # Which steps run: MEGATRON_STEPS (default all three), so one device call can take the benchmark alone.
