@@ -88,12 +88,15 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     weights = None if recv_weights is None else recv_weights.contiguous()
     scales = None if recv_scales is None else recv_scales.contiguous()
     row_bytes = x.shape[1] * x.element_size()
-    if not (_kernels_for(x) and k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0 and x.data_ptr() % 16 == 0):
+    if not (_kernels_for(x) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
+            and x.data_ptr() % 16 == 0):
         return _torch_permute(x, slot, num_rows, weights, scales)
     out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
     num_scales = 0 if scales is None else scales.shape[1]
     out_scales = None if scales is None else torch.empty(num_rows, num_scales, dtype=torch.float32, device=x.device)
+    if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
+        return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
     _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k, row_bytes,
             num_scales, num_rows, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales), covered.data_ptr())
@@ -118,7 +121,8 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     slot = recv_slot.contiguous()
     n, k = slot.shape
     row_bytes = y.shape[1] * y.element_size()
-    if not (_kernels_for(y) and k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0 and y.data_ptr() % 16 == 0):
+    if not (_kernels_for(y) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
+            and y.data_ptr() % 16 == 0):
         return _torch_unpermute(y, slot)
     out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
     _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), n, k, y.shape[1], y.shape[0], _KERNEL_DTYPES[y.dtype],

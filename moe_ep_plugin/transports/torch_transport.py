@@ -202,7 +202,7 @@ class TorchTransport(Transport):
             local = recv_meta[:, :k] - self.rank * num_local  # -1 (no expert) stays negative
             is_local = (local >= 0) & (local < num_local)
             recv_topk_idx = _padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
-            handle.recv_src_idx = recv_meta[:, k].contiguous()
+            handle.recv_src_idx = recv_meta[:, k].clone(memory_format=torch.contiguous_format)  # row-major even when empty
             col = k + 1
             if args.topk_weights is not None:
                 weights = torch.where(is_local, recv_meta[:, col:col + k].view(torch.float32), 0.0)

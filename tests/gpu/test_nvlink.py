@@ -63,7 +63,8 @@ def _routing(kind: str, n: int, k: int, num_experts: int, device: torch.device) 
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    # a fresh row-major copy: .contiguous() keeps odd strides of empty or size-1 dims, which view() refuses
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t).view(torch.uint8)
 
 
 def _same(name: str, a, b) -> None:
