@@ -252,33 +252,73 @@ __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blo
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// notify: barrier, count exchange (every rank receives the whole [R, R] count matrix), rank prefix matrix;
-// blocks 1..R compute send_pos[:, dst] and the inverse list send_list[dst] by a block-wide scan.
-// Expert-major mode (per_expert != null) also exchanges every rank's [E] per-expert counts and derives the
-// expert-major layout of every rank: each local expert's block is padded to `alignment` rows, blocks follow in
-// expert order, and inside a block the rows of source 0 come first, then source 1, ...
-__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const int32_t* num_tokens_per_rank,
-                                                                const int32_t* num_invalid,
-                                                                const uint8_t* __restrict__ in_rank, int num_tokens,
-                                                                int list_stride, int32_t* rpm, int32_t* send_pos,
-                                                                int32_t* send_list, const int32_t* per_expert,
-                                                                int num_experts, int alignment, int32_t* send_offset,
-                                                                int32_t* info) {
+// notify: barrier, count exchange (every rank receives the whole [R, R] count matrix and every rank's count of
+// out-of-range expert ids), rank prefix matrix; blocks 1..R compute send_pos[:, dst] and the inverse list
+// send_list[dst] by a block-wide scan.
+// Expert-major mode derives all of it from top-k ids here (no separate layout step): block 0 counts tokens per
+// rank, entries per expert and out-of-range ids, and also exchanges the per-expert counts to lay out every rank's
+// expert-major rows (each local expert's block padded to `alignment`, blocks in expert order, inside a block the
+// rows of source 0 first, then source 1, ...); blocks 1..R also write is_token_in_rank; blocks R+1..R+E give each
+// (t, k) entry its position among this rank's entries for its expert.
+struct NotifyArgs {
+    const int32_t* num_tokens_per_rank;  // [R] (normal mode; null for a replay: barrier and send order only)
+    const int32_t* num_invalid;          // [1] with num_tokens_per_rank
+    const uint8_t* in_rank;              // [N, R] (normal mode)
+    const int64_t* topk_idx;             // [N, K] (expert-major mode)
+    int32_t *rpm, *send_pos, *send_list, *info;
+    uint8_t* in_rank_out;                // [N, R] (expert-major mode)
+    int32_t *expert_pos, *send_offset;   // [N, K], [E] (expert-major mode)
+    int num_tokens, num_topk, list_stride, num_experts, alignment;
+    bool derive;                         // expert-major mode: everything comes from topk_idx
+};
+
+__device__ __forceinline__ bool token_goes_to(const NotifyArgs& a, int t, int dst, int num_local) {
+    for (int k = 0; k < a.num_topk; ++k) {
+        const int64_t e = __ldg(a.topk_idx + int64_t(t) * a.num_topk + k);
+        if (e >= 0 && e < a.num_experts && e / num_local == dst) return true;
+    }
+    return false;
+}
+
+constexpr int kPositionsPerThread = 8;
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, NotifyArgs a) {
     const int R = c.num_ranks, me = c.rank;
+    const bool derive = a.derive;
+    const int E = derive ? a.num_experts : 0, L = E / R;
     __shared__ int scratch[33];
     if (blockIdx.x == 0) {
-        __shared__ int s_counts[kMaxRanks * kMaxExperts];  // [src][e] in expert-major mode
-        if (!block_barrier(c)) return;
-        if (num_tokens_per_rank == nullptr) return;
+        __shared__ int s_counts[kMaxRanks * kMaxExperts];  // this rank's [E] counts, later every rank's [R][E]
+        __shared__ int s_rank[kMaxRanks], s_invalid;
+        if (derive) {
+            for (int i = threadIdx.x; i < E; i += blockDim.x) s_counts[i] = 0;
+            if (threadIdx.x < R) s_rank[threadIdx.x] = 0;
+            if (threadIdx.x == 0) s_invalid = 0;
+            __syncthreads();
+            for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+                uint32_t ranks = 0;
+                for (int k = 0; k < a.num_topk; ++k) {
+                    const int64_t e = __ldg(a.topk_idx + int64_t(t) * a.num_topk + k);
+                    if (e < -1 || e >= E) {
+                        atomicAdd(&s_invalid, 1);
+                    } else if (e >= 0) {
+                        atomicAdd(&s_counts[e], 1);
+                        ranks |= 1u << (int(e) / L);
+                    }
+                }
+                for (; ranks != 0; ranks &= ranks - 1) atomicAdd(&s_rank[__ffs(int(ranks)) - 1], 1);
+            }
+        }
+        if (!block_barrier(c)) return;  // its __syncthreads also publishes the counts above to the block
+        if (!derive && a.num_tokens_per_rank == nullptr) return;
         for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
             const int dst = i / R, j = i % R;
-            *reinterpret_cast<volatile int*>(&header(c.bufs[dst])->counts[me][j]) = num_tokens_per_rank[j];
+            *reinterpret_cast<volatile int*>(&header(c.bufs[dst])->counts[me][j]) =
+                derive ? s_rank[j] : a.num_tokens_per_rank[j];
         }
         if (threadIdx.x < R)
-            *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) = *num_invalid;
-        const int E = per_expert != nullptr ? num_experts : 0;
+            *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) = derive ? s_invalid : *a.num_invalid;
         for (int i = threadIdx.x; i < R * E; i += blockDim.x)
-            reinterpret_cast<volatile int*>(expert_counts(c.bufs[i / E], me))[i % E] = per_expert[i % E];
+            reinterpret_cast<volatile int*>(expert_counts(c.bufs[i / E], me))[i % E] = s_counts[i % E];
         if (!block_barrier(c)) return;
         const Header* mine = header(c.bufs[me]);
         if (threadIdx.x < R) {
@@ -286,20 +326,19 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const 
             int sum = 0;
             for (int i = 0; i < R; ++i) {
                 sum += ld_volatile(&mine->counts[i][j]);
-                rpm[i * R + j] = sum;
+                a.rpm[i * R + j] = sum;
             }
-            if (j == me) info[0] = sum;
+            if (j == me) a.info[0] = sum;
         }
         if (threadIdx.x == 0) {
             int ranks = 0;  // bit i: rank i holds out-of-range expert ids
             for (int i = 0; i < R; ++i) ranks |= ld_volatile(&mine->invalid[i]) != 0 ? 1 << i : 0;
-            info[1] = ranks;
+            a.info[1] = ranks;
         }
-        if (E == 0) return;
+        if (!derive) return;
         for (int i = threadIdx.x; i < R * E; i += blockDim.x) s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
         __syncthreads();
         // One thread per destination rank walks its experts in order (shared-memory reads only).
-        const int L = E / R;
         if (threadIdx.x < R) {
             const int d = threadIdx.x;
             int base = 0;
@@ -311,29 +350,55 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, const 
                     before += src < me ? n : 0;
                     total += n;
                 }
-                send_offset[e] = base + before;
-                const int aligned = (total + alignment - 1) / alignment * alignment;
+                a.send_offset[e] = base + before;
+                const int aligned = (total + a.alignment - 1) / a.alignment * a.alignment;
                 if (d == me) {
-                    info[3 + l] = aligned;
-                    info[3 + L + l] = total;
+                    a.info[3 + l] = aligned;
+                    a.info[3 + L + l] = total;
                 }
                 base += aligned;
             }
-            if (d == me) info[2] = base;
+            if (d == me) a.info[2] = base;
         }
         return;
     }
-    const int dst = blockIdx.x - 1;
-    int running = 0;
-    for (int base = 0; base < num_tokens; base += kNotifyThreads) {
-        const int t = base + threadIdx.x;
-        const bool sent = t < num_tokens && in_rank[int64_t(t) * R + dst] != 0;
-        int total;
-        const int pos = running + block_exclusive_sum(sent ? 1 : 0, scratch, total);
-        if (t < num_tokens) {
-            send_pos[int64_t(t) * R + dst] = sent ? pos : -1;
-            if (sent) send_list[int64_t(dst) * list_stride + pos] = t;
+    if (int(blockIdx.x) <= R) {
+        const int dst = blockIdx.x - 1;
+        int running = 0;
+        for (int base = 0; base < a.num_tokens; base += kNotifyThreads) {
+            const int t = base + threadIdx.x;
+            const bool sent = t < a.num_tokens &&
+                              (derive ? token_goes_to(a, t, dst, L) : a.in_rank[int64_t(t) * R + dst] != 0);
+            int total;
+            const int pos = running + block_exclusive_sum(sent ? 1 : 0, scratch, total);
+            if (t < a.num_tokens) {
+                a.send_pos[int64_t(t) * R + dst] = sent ? pos : -1;
+                if (sent) a.send_list[int64_t(dst) * a.list_stride + pos] = t;
+                if (derive) a.in_rank_out[int64_t(t) * R + dst] = sent;
+            }
+            running += total;
         }
+        return;
+    }
+    // Expert e's block: entry i's position = earlier entries with the same expert (kPositionsPerThread consecutive
+    // entries per thread, a block-wide scan per tile). Deterministic, so the layout equals the reference
+    // permutation's. Expert 0's block also marks the entries no expert owns.
+    const int64_t e = blockIdx.x - R - 1;
+    const int64_t num_entries = int64_t(a.num_tokens) * a.num_topk;
+    int running = 0;
+    for (int64_t base = 0; base < num_entries; base += int64_t(kNotifyThreads) * kPositionsPerThread) {
+        const int64_t i0 = base + int64_t(threadIdx.x) * kPositionsPerThread;
+        uint32_t match = 0;
+#pragma unroll
+        for (int j = 0; j < kPositionsPerThread; ++j) {
+            if (i0 + j >= num_entries) continue;
+            const int64_t id = __ldg(a.topk_idx + i0 + j);
+            if (id == e) match |= 1u << j;
+            if (e == 0 && (id < 0 || id >= E)) a.expert_pos[i0 + j] = -1;
+        }
+        int total;
+        int pos = running + block_exclusive_sum(__popc(match), scratch, total);
+        for (; match != 0; match &= match - 1) a.expert_pos[i0 + __ffs(int(match)) - 1] = pos++;
         running += total;
     }
 }
@@ -807,28 +872,58 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
 
 using namespace moe_ep;
 
+// The outputs every notify writes.
+static NotifyArgs notify_outputs(int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
+                                 int64_t num_tokens, int64_t list_stride) {
+    NotifyArgs a{};
+    a.rpm = rank_prefix_matrix;
+    a.send_pos = send_pos;
+    a.send_list = send_list;
+    a.info = info;
+    a.num_tokens = int(num_tokens);
+    a.list_stride = int(list_stride);
+    return a;
+}
+
 extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
                                       const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
-                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
-                                      const int32_t* num_tokens_per_expert, int64_t num_experts, int64_t alignment,
-                                      int32_t* send_offset, int32_t* info, void* stream) {
+                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
+                                      void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
-    const int R = ctx->dev.num_ranks;
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
     if (num_tokens_per_rank != nullptr && (num_invalid == nullptr || rank_prefix_matrix == nullptr || info == nullptr))
         return set_error(-1, "moe_ep_notify_dispatch: a count exchange needs num_invalid, rank_prefix_matrix and info");
-    if (num_tokens_per_expert != nullptr) {
-        if (num_tokens_per_rank == nullptr || send_offset == nullptr)
-            return set_error(-1, "moe_ep_notify_dispatch: expert-major mode needs the rank counts and send_offset");
-        if (num_experts < 1 || num_experts > kMaxExperts || num_experts % R != 0)
-            return set_error(-1, "moe_ep_notify_dispatch: num_experts=" + std::to_string(num_experts) + " must be a multiple of " +
-                                     std::to_string(R) + " in [1, " + std::to_string(kMaxExperts) + "]");
-        if (alignment < 1) return set_error(-1, "moe_ep_notify_dispatch: alignment must be >= 1");
-    }
-    notify_kernel<<<1 + R, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        ctx->dev, num_tokens_per_rank, num_invalid, is_token_in_rank, int(num_tokens), int(list_stride),
-        rank_prefix_matrix, send_pos, send_list, num_tokens_per_expert, int(num_experts), int(alignment), send_offset,
-        info);
+    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
+    a.num_tokens_per_rank = num_tokens_per_rank;
+    a.num_invalid = num_invalid;
+    a.in_rank = is_token_in_rank;
+    notify_kernel<<<1 + ctx->dev.num_ranks, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, a);
+    return check_launch("notify_kernel");
+}
+
+extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
+                                     int64_t num_experts, int64_t alignment, int64_t list_stride,
+                                     int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
+                                     uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset, int32_t* info,
+                                     void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const int R = ctx->dev.num_ranks;
+    if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_experts: list_stride < num_tokens");
+    if (num_experts < 1 || num_experts > kMaxExperts || num_experts % R != 0 || num_topk < 1 || alignment < 1)
+        return set_error(-1, "moe_ep_notify_experts: need num_experts a multiple of " + std::to_string(R) + " in [1, " +
+                                 std::to_string(kMaxExperts) + "], num_topk >= 1 and alignment >= 1");
+    if (num_tokens > 0 && (topk_idx == nullptr || is_token_in_rank == nullptr || expert_pos == nullptr))
+        return set_error(-1, "moe_ep_notify_experts: topk_idx, is_token_in_rank and expert_pos are required");
+    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
+    a.topk_idx = topk_idx;
+    a.in_rank_out = is_token_in_rank;
+    a.expert_pos = expert_pos;
+    a.send_offset = send_offset;
+    a.num_topk = int(num_topk);
+    a.num_experts = int(num_experts);
+    a.alignment = int(alignment);
+    a.derive = true;
+    notify_kernel<<<1 + R + int(num_experts), kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, a);
     return check_launch("notify_kernel");
 }
 

@@ -38,29 +38,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const int64_t* _
         if (s_rank[r]) atomicAdd(&per_rank[r], s_rank[r]);
 }
 
-// One block per expert scans the N x K entries in (t, k) order, kPositionsPerThread consecutive entries per thread:
-// entry i's position is the number of earlier entries with the same expert. Deterministic (no atomics), so every
-// rank lays out expert blocks exactly as the reference permutation does.
-constexpr int kPositionThreads = 512;
-constexpr int kPositionsPerThread = 8;
-__global__ void __launch_bounds__(kPositionThreads) expert_positions_kernel(const int64_t* __restrict__ topk_idx,
-                                                                           int64_t num_entries, int32_t* expert_pos) {
-    __shared__ int scratch[33];
-    const int64_t e = blockIdx.x;
-    int running = 0;
-    for (int64_t base = 0; base < num_entries; base += int64_t(kPositionThreads) * kPositionsPerThread) {
-        const int64_t i0 = base + int64_t(threadIdx.x) * kPositionsPerThread;
-        uint32_t match = 0;
-#pragma unroll
-        for (int j = 0; j < kPositionsPerThread; ++j)
-            if (i0 + j < num_entries && __ldg(topk_idx + i0 + j) == e) match |= 1u << j;
-        int total;
-        int pos = running + block_exclusive_sum(__popc(match), scratch, total);
-        for (; match != 0; match &= match - 1) expert_pos[i0 + __ffs(int(match)) - 1] = pos++;
-        running += total;
-    }
-}
-
 // One warp per token: the token's selected experts (nonzero bytes of its routing-map row) fill its top-k slots in
 // ascending expert order, their probabilities gathered alongside; slots past them get -1 / 0.
 constexpr int kRoutingThreads = 256;
@@ -105,32 +82,4 @@ extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* 
     routing_map_topk_kernel<<<int(blocks < 1024 ? blocks : 1024), kRoutingThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         routing_map, probs, int(num_tokens), int(num_experts), int(topk), topk_idx, topk_weights);
     return check_launch("routing_map_topk_kernel");
-}
-
-extern "C" int moe_ep_expert_positions(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
-                                       int64_t num_experts, int32_t* expert_pos, void* stream) {
-    if (num_experts < 1 || num_experts > 65535) return set_error(-1, "moe_ep_expert_positions: need 1 <= num_experts <= 65535");
-    const int64_t n = num_tokens * num_topk;
-    if (n == 0) return 0;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    // -1 entries get -1; every other entry is written by its expert's block.
-    if (int err = check_cuda(cudaMemsetAsync(expert_pos, 0xff, size_t(n) * sizeof(int32_t), s), "cudaMemsetAsync")) return err;
-    expert_positions_kernel<<<int(num_experts), kPositionThreads, 0, s>>>(topk_idx, n, expert_pos);
-    return check_launch("expert_positions_kernel");
-}
-
-extern "C" int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
-                                          int64_t num_experts, int64_t num_ranks, int32_t* per_rank,
-                                          int32_t* per_expert, uint8_t* is_token_in_rank, void* stream) {
-    if (num_ranks < 1 || num_ranks > 32 || num_experts % num_ranks != 0 || num_experts > 12288)
-        return set_error(-1, "moe_ep_get_dispatch_layout: need num_experts divisible by 1 <= num_ranks <= 32 and "
-                             "num_experts <= 12288");
-    if (num_tokens == 0) return 0;
-    const int blocks = int((num_tokens + kLayoutThreads - 1) / kLayoutThreads < 64
-                               ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads : 64);
-    const size_t smem = size_t(num_experts + num_ranks) * sizeof(int);
-    layout_kernel<<<blocks, kLayoutThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-        topk_idx, int(num_tokens), int(num_topk), int(num_experts), int(num_ranks), per_rank, per_expert,
-        is_token_in_rank);
-    return check_launch("layout_kernel");
 }

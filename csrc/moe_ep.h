@@ -55,7 +55,7 @@ typedef struct {
     int64_t expert_major;
     const int32_t* expert_pos;         /* [N, K]: index of (t, k) among this rank's entries for expert topk_idx[t, k] */
     const int32_t* send_offset;        /* [E]: first row of this rank's entries in expert e's block on its owner */
-    const int32_t* expert_info;        /* notify's info [3 + 2L] (moe_ep_notify_dispatch) */
+    const int32_t* expert_info;        /* notify's info [3 + 2L] (moe_ep_notify_experts) */
     int32_t* recv_slot;                /* [num_recv_rows, K]: expert-major row of each (received row, k), -1 if none */
     float* expert_probs;               /* [num_expert_rows] or NULL */
     int64_t num_expert_rows, alignment;
@@ -98,23 +98,24 @@ int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int6
 int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* probs, int64_t num_tokens, int64_t num_experts,
                             int64_t topk, int64_t* topk_idx, float* topk_weights, void* stream);
 
-/* (t, k) -> index of that entry among the entries of N x K topk_idx choosing the same expert, in (t, k) order
- * (-1 for -1 entries). */
-int moe_ep_expert_positions(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
-                            int32_t* expert_pos, void* stream);
-
 /* Barrier with every peer; with num_tokens_per_rank given, also exchanges counts into rank_prefix_matrix [R, R]
  * and every rank's count of out-of-range expert ids (num_invalid, one int32), and writes info[0] = rows this rank
  * receives, info[1] = bit mask of the ranks that found out-of-range ids. Always writes send_pos [N, R] and
- * send_list [R, list_stride] from is_token_in_rank.
- * With num_tokens_per_expert [E] given as well (expert-major mode), every rank's per-expert counts are exchanged
- * and notify writes send_offset [E] (see moe_ep_dispatch_params) and info[2 + ...] = {M = this rank's expert-major
- * rows, per local expert the row count rounded up to `alignment`, then the exact count}: info has 3 + 2L ints. */
+ * send_list [R, list_stride] from is_token_in_rank. */
 int moe_ep_notify_dispatch(void* ctx, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
                            const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
-                           int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
-                           const int32_t* num_tokens_per_expert, int64_t num_experts, int64_t alignment,
-                           int32_t* send_offset, int32_t* info, void* stream);
+                           int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
+                           void* stream);
+
+/* The notify of an expert-major dispatch, straight from top-k ids [N, K] (no layout step): the same barrier, count
+ * exchange, rank_prefix_matrix, send_pos and send_list, plus is_token_in_rank [N, R] (bytes), expert_pos [N, K]
+ * (each entry's index among this rank's entries for its expert, -1 for none), send_offset [E] (see
+ * moe_ep_dispatch_params) and info [3 + 2L] = {rows this rank receives, out-of-range-id rank mask, M = its
+ * expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count}. */
+int moe_ep_notify_experts(void* ctx, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
+                          int64_t num_experts, int64_t alignment, int64_t list_stride, int32_t* rank_prefix_matrix,
+                          int32_t* send_pos, int32_t* send_list, uint8_t* is_token_in_rank, int32_t* expert_pos,
+                          int32_t* send_offset, int32_t* info, void* stream);
 int moe_ep_barrier(void* ctx, void* stream);
 int moe_ep_dispatch(void* ctx, const moe_ep_dispatch_params* params, void* stream);
 int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream);

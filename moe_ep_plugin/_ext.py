@@ -87,14 +87,14 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_region_bytes.restype = _i64
     lib.moe_ep_region_bytes.argtypes = [_p]
     lib.moe_ep_get_dispatch_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
-    lib.moe_ep_expert_positions.argtypes = [_p, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_routing_map_topk.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _p]
-    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p]
+    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p]
+    lib.moe_ep_notify_experts.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p]
     lib.moe_ep_barrier.argtypes = [_p, _p]
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
-                 "moe_ep_expert_positions", "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_combine"):
+                 "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_combine"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

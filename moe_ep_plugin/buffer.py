@@ -206,8 +206,9 @@ class Buffer:
                        is_token_in_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
                        topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
                        num_worst_tokens: int, config: Optional[Config], num_experts: Optional[int], fp8_dispatch: bool,
-                       fp8_out: bool, round_scale: bool) -> DispatchArgs:
-        """Validate a dispatch's arguments (computing the layout when only ``topk_idx`` is given) into transport args."""
+                       fp8_out: bool, round_scale: bool, layout: bool = True) -> DispatchArgs:
+        """Validate a dispatch's arguments into transport args, computing the layout when only ``topk_idx`` is
+        given (unless ``layout`` is False: the transport derives it from top-k itself)."""
         x_data, x_scales = self._check_x(x, fp8_dispatch, fp8_out, round_scale)
         n = x_data.shape[0]
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
@@ -242,13 +243,14 @@ class Buffer:
                 raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
             # Expert ids are range-checked by the transport: their count rides on the count exchange, so every
             # rank raises at that one host read, before any row moves (a separate check would cost a sync).
-            if num_tokens_per_rank is None:
+            if num_tokens_per_rank is None and layout:
                 num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = self.get_dispatch_layout(
                     topk_idx, num_experts)
-            num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),
-                                         (self.group_size,), self.device)
-            is_token_in_rank = _check("is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size),
-                                      self.device).contiguous()
+            if num_tokens_per_rank is not None:
+                num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),
+                                             (self.group_size,), self.device)
+                is_token_in_rank = _check("is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size),
+                                          self.device).contiguous()
         return DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                             num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                             num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
@@ -340,7 +342,8 @@ class Buffer:
                                  f"got {expert_alignment!r}")
             expert_alignment = layout.alignment
         args = self._dispatch_args(x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0, config,
-                                   num_experts, fp8_dispatch, fp8_out, round_scale)
+                                   num_experts, fp8_dispatch, fp8_out, round_scale,
+                                   layout=not self.transport.expert_layout_from_topk)
         result, event = self._on_comm_stream(lambda: (self.transport.dispatch_experts(args, expert_alignment),),
                                              previous_event, async_finish, allocate_on_comm_stream,
                                              _dispatch_inputs(args))

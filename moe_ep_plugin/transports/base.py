@@ -92,6 +92,8 @@ class Transport(abc.ABC):
     """Moves rows between the ranks of ``group``. ``timeout_s`` bounds every wait on a peer."""
 
     name: str = "abstract"
+    # dispatch_experts derives the layout from top-k itself (DispatchArgs then carries no layout tensors)
+    expert_layout_from_topk: bool = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
         self.group = group

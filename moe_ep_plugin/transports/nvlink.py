@@ -18,6 +18,7 @@ the host read inside a normal dispatch) raises ``TimeoutError`` naming it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import socket
 from dataclasses import dataclass
 from typing import Optional
@@ -89,6 +90,7 @@ class NVLinkTransport(Transport):
     """
 
     name = "nvlink"
+    expert_layout_from_topk = True
     dispatch_send_warps = 6
     quantizing_dispatch_send_warps = 8
     dispatch_send_blocks = 0
@@ -201,11 +203,10 @@ class NVLinkTransport(Transport):
         return per_rank, per_expert, in_rank
 
     # ---- dispatch ----
-    def _notify(self, args: DispatchArgs, rank_prefix_matrix: torch.Tensor, info: torch.Tensor,
-                expert: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Barrier + count exchange (token counts into ``rank_prefix_matrix``, out-of-range expert ids, and with
-        ``expert`` = ``(num_tokens_per_expert [E] int32, alignment, send_offset [E])`` the expert-major layout)
-        into ``info`` (csrc/moe_ep.h); returns ``(send_pos [N, R], send_list)``."""
+    def _notify(self, args: DispatchArgs, rank_prefix_matrix: torch.Tensor, info: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Barrier + count exchange (token counts into ``rank_prefix_matrix``, and out-of-range expert ids) into
+        ``info`` (csrc/moe_ep.h); returns ``(send_pos [N, R], send_list)``."""
         in_rank = args.is_token_in_rank.contiguous()
         n = in_rank.shape[0]
         counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
@@ -213,12 +214,9 @@ class NVLinkTransport(Transport):
                    else torch.zeros(1, dtype=torch.int32, device=self.device))
         send_pos = torch.empty(n, self.num_ranks, dtype=torch.int32, device=self.device)
         send_list = torch.empty(self.num_ranks, max(n, 1), dtype=torch.int32, device=self.device)
-        per_expert, alignment, send_offset = expert if expert is not None else (None, 1, None)
-        num_experts = per_expert.shape[0] if per_expert is not None else 0
         _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(counts), _ptr(invalid), _ptr(in_rank), n,
                                                     send_list.shape[1], _ptr(rank_prefix_matrix), _ptr(send_pos),
-                                                    _ptr(send_list), _ptr(per_expert), num_experts, alignment,
-                                                    _ptr(send_offset), _ptr(info), self._stream()), "notify_dispatch")
+                                                    _ptr(send_list), _ptr(info), self._stream()), "notify_dispatch")
         return send_pos, send_list
 
     def _read_info(self, info: torch.Tensor, length: int, num_experts: int) -> list[int]:
@@ -328,10 +326,11 @@ class NVLinkTransport(Transport):
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
-        """Notify also exchanges per-expert counts, so every sender knows the row each (token, expert) pair takes
-        in the receiver's expert-major layout and ships it with the token: the receivers record those rows and
-        the weights there, and ``permute.permute`` (all SMs) expands the received rows. One host read in all (the
-        received row count and the per-expert counts together); no separate slot computation."""
+        """One notify kernel derives the whole layout from top-k (no layout step) and also exchanges per-expert
+        counts, so every sender knows the row each (token, expert) pair takes in the receiver's expert-major
+        layout and ships it with the token: the receivers record those rows and the weights there, and
+        ``permute.permute`` (all SMs) expands the received rows. One host read in all (the received row count and
+        the per-expert counts together); no separate slot computation."""
         self.check_error()
         self._check_rows(args)
         n = args.x.shape[0]
@@ -344,24 +343,21 @@ class NVLinkTransport(Transport):
             topk_idx = args.topk_idx
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
-            per_expert = args.num_tokens_per_expert
-            if per_expert is None:
-                _, per_expert, _ = self.get_dispatch_layout(topk_idx, num_experts)
-            per_expert = per_expert.to(device=self.device, dtype=torch.int32).contiguous()
-            expert_pos = torch.empty(n, k, dtype=torch.int32, device=self.device)
-            _ext.check(self._lib.moe_ep_expert_positions(_ptr(topk_idx), n, k, num_experts, _ptr(expert_pos),
-                                                         self._stream()), "expert_positions")
-            rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
-            send_offset = torch.empty(num_experts, dtype=torch.int32, device=self.device)
-            info = torch.empty(3 + 2 * num_local, dtype=torch.int32, device=self.device)
-            send_pos, send_list = self._notify(args, rpm, info, (per_expert, alignment, send_offset))
+            new = functools.partial(torch.empty, dtype=torch.int32, device=self.device)
+            rpm, send_offset, info = new(self.num_ranks, self.num_ranks), new(num_experts), new(3 + 2 * num_local)
+            send_pos, send_list, expert_pos = new(n, self.num_ranks), new(self.num_ranks, max(n, 1)), new(n, k)
+            in_rank = torch.empty(n, self.num_ranks, dtype=torch.bool, device=self.device)
+            # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
+            _ext.check(self._lib.moe_ep_notify_experts(
+                self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, send_list.shape[1], _ptr(rpm), _ptr(send_pos),
+                _ptr(send_list), _ptr(in_rank), _ptr(expert_pos), _ptr(send_offset), _ptr(info), self._stream()),
+                "notify_experts")
             host = self._read_info(info, 3 + num_local, num_experts)
             num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
-            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
-                                    send_pos=send_pos,
-                                    recv_src_idx=torch.empty(num_recv, dtype=torch.int32, device=self.device),
-                                    num_tokens=n, num_recv_tokens=num_recv, num_experts=num_experts, rank=self.rank,
-                                    num_ranks=self.num_ranks, num_recv_rows=num_recv,
+            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
+                                    recv_src_idx=new(num_recv), num_tokens=n, num_recv_tokens=num_recv,
+                                    num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
+                                    num_recv_rows=num_recv,
                                     transport_state=_NVLinkState(send_list,
                                                                  _ExpertState(topk_idx, expert_pos, send_offset, info)))
             handle.expert_layout = ExpertLayout(torch.empty(num_recv, k, dtype=torch.int32, device=self.device),
