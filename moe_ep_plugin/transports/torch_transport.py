@@ -64,11 +64,7 @@ class TorchTransport(Transport):
                             + (f": {exc}" if exc is not None else ""))
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        """Order ``work`` before what follows. On CPU (gloo) the host waits at most ``timeout_s``; on CUDA the
-        current stream waits for NCCL's stream and the host goes on (NCCL's own timeout covers a lost peer)."""
-        if self.device.type == "cuda":
-            work.wait()
-            return
+        """CPU (gloo): the host waits for ``work`` at most ``timeout_s``."""
         try:
             work.wait(timedelta(seconds=self.timeout_s))
         except Exception as exc:  # gloo reports a timeout as RuntimeError/DistBackendError
@@ -80,6 +76,12 @@ class TorchTransport(Transport):
         if self.num_ranks == 1:
             out.copy_(inp)
             return
+        if self.device.type == "cuda":
+            # Stream-ordered: the current stream waits for NCCL's and the host goes on (NCCL's own timeout covers a
+            # lost peer). Waiting on an async handle instead blocked the host for the whole transfer (measured
+            # 1.1 ms per call at 128 tokens on 2 x H200).
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+            return
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
         self._wait(work, what)
 
@@ -88,14 +90,15 @@ class TorchTransport(Transport):
         order; a function that waits at most ``timeout_s`` and returns the matrix on the host``)``. Work queued
         between the two overlaps the exchange."""
         gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64, device=self.device)
-        work = _all_gather_single(gathered.view(-1), local, group=self.group, async_op=True)
         what = "dispatch count exchange"
         if self.device.type != "cuda":
+            work = _all_gather_single(gathered.view(-1), local, group=self.group, async_op=True)
+
             def finish_cpu() -> torch.Tensor:
                 self._wait(work, what)
                 return gathered
             return gathered, finish_cpu
-        work.wait()
+        _all_gather_single(gathered.view(-1), local, group=self.group)  # stream-ordered, the host goes on
         host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(gathered, non_blocking=True)
         ready = torch.cuda.Event()

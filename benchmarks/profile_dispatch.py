@@ -1,0 +1,54 @@
+"""Where the host time of one expert-major dispatch + combine goes (cProfile on rank 0), per transport.
+
+Run: torchrun --nproc-per-node 2 benchmarks/profile_dispatch.py [--tokens 128] [--transport torch]
+Prints the functions with the most cumulative time over ``--iters`` calls (after warm-up), with a CUDA sync
+after each call so device waits show up inside the call that caused them.
+"""
+import argparse
+import cProfile
+import os
+import pstats
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_plugin import Buffer, gating
+
+p = argparse.ArgumentParser()
+p.add_argument("--tokens", type=int, default=128)
+p.add_argument("--hidden", type=int, default=7168)
+p.add_argument("--experts", type=int, default=256)
+p.add_argument("--topk", type=int, default=8)
+p.add_argument("--iters", type=int, default=50)
+p.add_argument("--transport", default="torch")
+a = p.parse_args()
+rank = int(os.environ["RANK"])
+dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(dev)
+dist.init_process_group("nccl", device_id=dev)
+buffer = Buffer(dist.group.WORLD, transport=a.transport)
+logits = torch.randn(a.tokens, a.experts, device=dev)
+weights, idx = gating.group_limited_topk(logits, a.topk, score_function="sigmoid", num_groups=8, group_topk=4)
+x = torch.randn(a.tokens, a.hidden, device=dev).to(torch.bfloat16)
+
+
+def step() -> None:
+    ex, _, _, _, handle, _ = buffer.dispatch_experts(x, topk_idx=idx, topk_weights=weights.float(),
+                                                     num_experts=a.experts)
+    buffer.combine_experts(ex, handle)
+    torch.cuda.synchronize()
+
+
+for _ in range(10):
+    step()
+dist.barrier()
+profiler = cProfile.Profile()
+profiler.enable()
+for _ in range(a.iters):
+    step()
+profiler.disable()
+if rank == 0:
+    print(f"{a.transport}, {a.tokens} tokens x {a.hidden}, {a.iters} dispatch_experts + combine_experts")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+dist.barrier()
+dist.destroy_process_group()
