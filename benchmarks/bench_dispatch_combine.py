@@ -192,9 +192,8 @@ def _worker(args) -> None:
     if not args.quick:
         _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
     transport, defaults = nvlink.transport, type(nvlink.transport)
-    for sms, split, *flags in args.split_sweep:
+    for sms, split in args.split_sweep:
         sms = int(sms)
-        transport.reread_own_rows = "r" in flags
         Buffer.set_num_sms(sms)
         blocks = int(split[1:]) if split.startswith("b") else 0
         if not blocks:
@@ -202,10 +201,10 @@ def _worker(args) -> None:
             transport.combine_send_warps = int(split)
         transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        what = (f"{blocks} send blocks" if blocks else f"{split} send warps") + (", reread" if "r" in flags else "")
+        what = f"{blocks} send blocks" if blocks else f"{split} send warps"
         _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "combine_send_warps",
-                     "dispatch_send_blocks", "combine_send_blocks", "reread_own_rows"):
+                     "dispatch_send_blocks", "combine_send_blocks"):
             setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
@@ -239,10 +238,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":")) for v in s.split(",") if v],
-                   default="24:6,24:8,24:12,24:14,24:12:r,24:14:r,32:12",
-                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send), :r for "
-                        "receivers writing all own rows, to time the kernels with on the standard shape")
+    p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":"))[:2] for v in s.split(",") if v],
+                   default="24:6,24:8,24:12,24:14,32:12",
+                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send) to time the "
+                        "kernels with on the standard shape")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

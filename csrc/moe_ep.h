@@ -51,7 +51,6 @@ typedef struct {
     int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) ... */
     int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
     const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
-    int64_t reread_own_rows; /* receivers write all of this rank's own rows (else senders write those also sent) */
     /* expert-major mode */
     int64_t expert_major;
     const int32_t* expert_pos;         /* [N, K]: index of (t, k) among this rank's entries for expert topk_idx[t, k] */

@@ -34,7 +34,7 @@ class DispatchParams(ctypes.Structure):
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
             "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
-        ("send_pos", _p), ("reread_own_rows", _i64), ("expert_major", _i64)] + [
+        ("send_pos", _p), ("expert_major", _i64)] + [
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
         (name, _i64) for name in ("num_expert_rows", "alignment")]
 

@@ -85,16 +85,14 @@ class NVLinkTransport(Transport):
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
-    quantizes in the send path moves work to the senders, so it has its own warp count. ``reread_own_rows``: the
-    receivers write all of this rank's own rows (tokens kept here and sent elsewhere are then read twice) instead of
-    the senders writing those. Defaults: the fastest settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md).
+    quantizes in the send path moves work to the senders, so it has its own warp count. Defaults: the fastest
+    settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md).
     """
 
     name = "nvlink"
     expert_layout_from_topk = True
     dispatch_send_warps = 6
     quantizing_dispatch_send_warps = 12
-    reread_own_rows = False
     dispatch_send_blocks = 0
     combine_send_warps = 6
     combine_send_blocks = 8
@@ -276,7 +274,7 @@ class NVLinkTransport(Transport):
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
             num_send_warps=self.quantizing_dispatch_send_warps if args.wire_fp8 else self.dispatch_send_warps,
             num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config), send_pos=_ptr(handle.send_pos),
-            reread_own_rows=int(self.reread_own_rows), alignment=1)
+            alignment=1)
         for name, value in outputs.items():
             setattr(params, name, _ptr(value) if isinstance(value, torch.Tensor) or value is None else value)
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")

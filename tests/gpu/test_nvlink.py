@@ -284,13 +284,8 @@ def _suite() -> None:
     Buffer.set_num_sms(2)
     _check_case(nv, ref, CASES[0], MODES[2])
     _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
-    Buffer.set_num_sms(24)
-    transport.reread_own_rows = True  # receivers write every own row
-    for mode in (MODES[0], MODES[2], MODES[3]):
-        _check_case(nv, ref, CASES[0], mode)
-    _check_expert_case(nv, ref, CASES[3], MODES[2], 16)
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
-                 "combine_send_blocks", "reread_own_rows"):
+                 "combine_send_blocks"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv)
