@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "moe_ep.h"
@@ -111,6 +112,44 @@ __device__ __noinline__ bool wait_flag(const DevCtx& c, const int* flag, int tar
         }
     }
 }
+
+// 16 bytes of T (8 BF16 or 4 FP32 values) added into fp32 accumulators, and fp32 accumulators rounded back (RNE):
+// the one fp32 summation both combine and unpermute use, so their sums match bit for bit.
+template <typename T>
+struct Vec;
+template <>
+struct Vec<__nv_bfloat16> {
+    static constexpr int kN = 8;
+    __device__ __forceinline__ static void add(float* acc, const int4& v) {
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(b[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
+    __device__ __forceinline__ static int4 pack(const float* acc) {
+        int4 o;
+        __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        return o;
+    }
+};
+template <>
+struct Vec<float> {
+    static constexpr int kN = 4;
+    __device__ __forceinline__ static void add(float* acc, const int4& v) {
+        acc[0] += __int_as_float(v.x);
+        acc[1] += __int_as_float(v.y);
+        acc[2] += __int_as_float(v.z);
+        acc[3] += __int_as_float(v.w);
+    }
+    __device__ __forceinline__ static int4 pack(const float* acc) {
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+    }
+};
 
 // Exclusive sum of `value` over the threads before this one (in thread order) of the whole block; `total` receives
 // the block's sum. Every thread of the block calls it; blockDim.x is a multiple of 32. `scratch`: 33 ints of

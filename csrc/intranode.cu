@@ -681,42 +681,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 // ---------------------------------------------------------------------------------------------------------
 // combine: every rank pushes the rows it received back into the origin's region for it (same positions as
 // the dispatch send order), the origin sums each token's copies in source-rank order in fp32, then the biases.
-template <typename T>
-struct Vec;
-template <>
-struct Vec<__nv_bfloat16> {
-    static constexpr int kN = 8;
-    __device__ static void add(float* acc, const int4& v) {
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(b[i]);
-            acc[2 * i] += f.x;
-            acc[2 * i + 1] += f.y;
-        }
-    }
-    __device__ static int4 pack(const float* acc) {
-        int4 o;
-        __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        return o;
-    }
-};
-template <>
-struct Vec<float> {
-    static constexpr int kN = 4;
-    __device__ static void add(float* acc, const int4& v) {
-        acc[0] += __int_as_float(v.x);
-        acc[1] += __int_as_float(v.y);
-        acc[2] += __int_as_float(v.z);
-        acc[3] += __int_as_float(v.w);
-    }
-    __device__ static int4 pack(const float* acc) {
-        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
-    }
-};
-
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
 template <typename T, int kRanks>

@@ -261,46 +261,6 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
 }
 
-// 16 bytes of T added into / rounded from fp32 accumulators.
-template <typename T>
-struct Vec16;
-
-template <>
-struct Vec16<float> {
-    static constexpr int kElems = 4;
-    __device__ __forceinline__ static void add(const int4& v, float* acc) {
-        acc[0] += __int_as_float(v.x);
-        acc[1] += __int_as_float(v.y);
-        acc[2] += __int_as_float(v.z);
-        acc[3] += __int_as_float(v.w);
-    }
-    __device__ __forceinline__ static int4 round(const float* acc) {
-        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                         __float_as_int(acc[3]));
-    }
-};
-
-template <>
-struct Vec16<__nv_bfloat16> {
-    static constexpr int kElems = 8;
-    __device__ __forceinline__ static void add(const int4& v, float* acc) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] += f.x;
-            acc[2 * i + 1] += f.y;
-        }
-    }
-    __device__ __forceinline__ static int4 round(const float* acc) {
-        int4 out;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        return out;
-    }
-};
-
 // out[r] = sum over the row's valid slots, top-k column ascending, in fp32 from 0.0f, rounded once. Every output
 // row is written (rows without slots get zeros), so out needs no memset.
 template <typename T>
@@ -320,9 +280,9 @@ __global__ void __launch_bounds__(kBlockThreads)
         const int n = row_slots(recv_slot, r, num_topk, num_rows, list).count;
         int4* dst = out + r * row_vecs;
         for (int64_t v = first + lane; v < last; v += 32) {
-            float acc[Vec16<T>::kElems];
+            float acc[Vec<T>::kN];
 #pragma unroll
-            for (int i = 0; i < Vec16<T>::kElems; ++i) acc[i] = 0.0f;
+            for (int i = 0; i < Vec<T>::kN; ++i) acc[i] = 0.0f;
             for (int j0 = 0; j0 < n; j0 += kUnpermuteBatch) {
                 int4 buf[kUnpermuteBatch];
 #pragma unroll
@@ -330,9 +290,9 @@ __global__ void __launch_bounds__(kBlockThreads)
                     if (j0 + u < n) buf[u] = __ldg(y + int64_t(list[j0 + u]) * row_vecs + v);
 #pragma unroll
                 for (int u = 0; u < kUnpermuteBatch; ++u)
-                    if (j0 + u < n) Vec16<T>::add(buf[u], acc);
+                    if (j0 + u < n) Vec<T>::add(acc, buf[u]);
             }
-            dst[v] = Vec16<T>::round(acc);
+            dst[v] = Vec<T>::pack(acc);
         }
         __syncwarp();  // the list is rewritten for the next item
     }
