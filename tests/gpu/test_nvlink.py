@@ -166,7 +166,8 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
 
 
 def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignment: int) -> None:
-    """dispatch_experts / combine_experts (fused kernels) equal the torch transport's composed path bit for bit."""
+    """dispatch_experts / combine_experts on nvlink (layout from the notify kernel) equal the torch transport's
+    composed path bit for bit."""
     rank = dist.get_rank()
     device = nv.device
     name, _, fp8_dispatch, fp8_out, round_scale, fp8_input = mode
