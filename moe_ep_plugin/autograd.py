@@ -67,7 +67,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_combined):
         dispatch = ctx.buffer.dispatch_experts if ctx.experts else ctx.buffer.dispatch
-        grad_x = dispatch(grad_combined.contiguous(), handle=ctx.handle)[0]
+        grad_x = dispatch(grad_combined, handle=ctx.handle)[0]  # the Buffer makes its inputs contiguous
         return grad_x, None, None, None
 
 
@@ -84,9 +84,10 @@ class _DispatchExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_expert_x, grad_probs, *unused):
         # Gradients of unused outputs arrive as zeros (materialized); combine_experts never reads padding rows,
-        # and pairs of other ranks have no row here, so nothing needs masking.
-        expert_weights = grad_probs.float().contiguous() if ctx.has_weights else None
-        grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x.contiguous(), ctx.handle, expert_weights)
+        # and pairs of other ranks have no row here, so nothing needs masking. The engine hands each gradient over
+        # in its output's dtype (float32 probs), and the Buffer makes its inputs contiguous: no conversions here.
+        expert_weights = grad_probs if ctx.has_weights else None
+        grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x, ctx.handle, expert_weights)
         return grad_x, grad_weights, None, None, None, None, None
 
 

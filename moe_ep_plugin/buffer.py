@@ -29,17 +29,33 @@ def _require_tensor(name: str, t: object) -> torch.Tensor:
 
 
 def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
-           device: torch.device) -> torch.Tensor:
-    """Type, dtype, shape (None = any size) and device of an input tensor, with the argument's name in the error."""
+           cuda: bool) -> torch.Tensor:
+    """Type, dtype, shape (None = any size) and device (CUDA if ``cuda``, else CPU: the buffer's device type) of an
+    input tensor, with the argument's name in the error. Runs several times per call, so it reads each tensor
+    attribute once and builds no device objects (``is_cuda``/``is_cpu`` instead of ``device.type``)."""
     t = _require_tensor(name, t)
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.device.type != device.type:
-        raise ValueError(f"{name}: expected a tensor on {device.type} (the buffer's device), got {t.device}")
+    size = t.shape
+    if len(size) != len(shape):
+        raise _shape_error(name, shape, size)
+    for want, got in zip(shape, size):
+        if want is not None and want != got:
+            raise _shape_error(name, shape, size)
+    if not (t.is_cuda if cuda else t.is_cpu):
+        raise ValueError(f"{name}: expected a tensor on {'cuda' if cuda else 'cpu'} (the buffer's device), "
+                         f"got {t.device}")
     return t
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous int64 (``.to`` costs host time even when the dtype is already right)."""
+    return (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous()
+
+
+def _shape_error(name: str, shape: Sequence[Optional[int]], size: torch.Size) -> ValueError:
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    return ValueError(f"{name}: expected shape {want}, got {list(size)}")
 
 
 class Buffer:
@@ -80,6 +96,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         is_cuda = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
+        self._cuda = is_cuda  # what _check compares input tensors with
         self.transport_name = resolve_transport_name(transport, group, self.device)
         self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes)
         self.timeout_s = timeout_s
@@ -158,8 +175,7 @@ class Buffer:
         Ids outside ``[-1, num_experts)`` are left out of the counts here (checking them would cost a host sync);
         the dispatch that follows rejects them on every rank with a ``ValueError`` before any row moves."""
         self._check_num_experts(num_experts)
-        topk_idx = _check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self.device)
-        topk_idx = topk_idx.to(torch.int64).contiguous()
+        topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
         per_rank, per_expert, in_rank, event = self._on_comm_stream(
             lambda: self.transport.get_dispatch_layout(topk_idx, num_experts), previous_event, async_finish,
             allocate_on_comm_stream, (topk_idx,))
@@ -218,19 +234,20 @@ class Buffer:
         config = self._check_config(config, self.get_dispatch_config)
         if handle is not None:
             self._check_handle(handle, n)
-            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
-                                ("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank)):
-                if value is not None:
-                    raise ValueError(f"{name}: must be None when a cached handle is given (the layout is reused)")
+            if not (topk_idx is None and topk_weights is None and num_tokens_per_rank is None
+                    and is_token_in_rank is None):
+                name = next(name for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                                                     ("num_tokens_per_rank", num_tokens_per_rank),
+                                                     ("is_token_in_rank", is_token_in_rank)) if value is not None)
+                raise ValueError(f"{name}: must be None when a cached handle is given (the layout is reused)")
             num_experts = handle.num_experts
         else:
             if topk_idx is None:
                 raise ValueError("topk_idx: required when no cached handle is given")
-            topk_idx = _check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None), self.device)
-            topk_idx = topk_idx.to(torch.int64).contiguous()
+            topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None), self._cuda))
             if topk_weights is not None:
-                topk_weights = _check("topk_weights", topk_weights, (torch.float32,), tuple(topk_idx.shape),
-                                      self.device).contiguous()
+                topk_weights = _check("topk_weights", topk_weights, (torch.float32,), topk_idx.shape,
+                                      self._cuda).contiguous()
             if num_experts is None and num_tokens_per_expert is not None:
                 num_experts = _require_tensor("num_tokens_per_expert", num_tokens_per_expert).shape[0]
             if num_experts is None:
@@ -238,19 +255,21 @@ class Buffer:
             self._check_num_experts(num_experts)
             if num_tokens_per_expert is not None:
                 num_tokens_per_expert = _check("num_tokens_per_expert", num_tokens_per_expert,
-                                               (torch.int32, torch.int64), (num_experts,), self.device)
+                                               (torch.int32, torch.int64), (num_experts,), self._cuda)
             if (num_tokens_per_rank is None) != (is_token_in_rank is None):
                 raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
             # Expert ids are range-checked by the transport: their count rides on the count exchange, so every
             # rank raises at that one host read, before any row moves (a separate check would cost a sync).
             if num_tokens_per_rank is None and layout:
-                num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = self.get_dispatch_layout(
+                # The transport's own layout of the top-k checked above: nothing left to check, and on the
+                # current stream as get_dispatch_layout without events would run it.
+                num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self.transport.get_dispatch_layout(
                     topk_idx, num_experts)
-            if num_tokens_per_rank is not None:
+            elif num_tokens_per_rank is not None:
                 num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),
-                                             (self.group_size,), self.device)
+                                             (self.group_size,), self._cuda)
                 is_token_in_rank = _check("is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size),
-                                          self.device).contiguous()
+                                          self._cuda).contiguous()
         return DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                             num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                             num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
@@ -262,13 +281,13 @@ class Buffer:
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"x: an FP8 input is a (data, scales) pair, got a tuple of {len(x)}")
-            data = _check("x[0]", x[0], (fp8.FP8_DTYPE,), (None, None), self.device)
+            data = _check("x[0]", x[0], (fp8.FP8_DTYPE,), (None, None), self._cuda)
             fp8.check_fp8_hidden(data.shape[1], "x[0]")
-            scales = _check("x[1]", x[1], (torch.float32,), (data.shape[0], data.shape[1] // fp8.BLOCK), self.device)
+            scales = _check("x[1]", x[1], (torch.float32,), (data.shape[0], data.shape[1] // fp8.BLOCK), self._cuda)
             if fp8_dispatch:
                 raise ValueError("fp8_dispatch: x is already FP8; fp8_dispatch quantizes BF16 input")
             return data.contiguous(), scales.contiguous()
-        data = _check("x", x, (torch.bfloat16, torch.float32), (None, None), self.device)
+        data = _check("x", x, (torch.bfloat16, torch.float32), (None, None), self._cuda)
         if fp8_out and not fp8_dispatch:
             raise ValueError("fp8_out: only meaningful with fp8_dispatch=True (BF16 input quantized in the send path)")
         if round_scale and not fp8_dispatch:
@@ -302,14 +321,14 @@ class Buffer:
         ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``; sums in fp32, adds ``bias``
         (0–2 tensors ``[N, H]``) once, casts to ``x.dtype``. Gate weights are applied by the caller before."""
         handle = self._check_handle(handle)
-        x = _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self.device).contiguous()
+        x = _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self._cuda).contiguous()
         if topk_weights is not None:
             topk_weights = _check("topk_weights", topk_weights, (torch.float32,), (handle.num_recv_rows, None),
-                                  self.device).contiguous()
+                                  self._cuda).contiguous()
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
         if len(biases) > 2:
             raise ValueError(f"bias: at most two tensors, got {len(biases)}")
-        biases = tuple(_check(f"bias[{i}]", b, (x.dtype,), (handle.num_tokens, x.shape[1]), self.device).contiguous()
+        biases = tuple(_check(f"bias[{i}]", b, (x.dtype,), (handle.num_tokens, x.shape[1]), self._cuda).contiguous()
                        for i, b in enumerate(biases))
         config = self._check_config(config, self.get_combine_config)
         combined, weights, event = self._on_comm_stream(
@@ -362,10 +381,10 @@ class Buffer:
         landed in (0 where ``topk_idx[t, k]`` was -1). Gate weights are applied by the caller before.
         """
         layout = self._check_expert_handle(handle).expert_layout
-        y = _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self.device).contiguous()
+        y = _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self._cuda).contiguous()
         if expert_weights is not None:
             expert_weights = _check("expert_weights", expert_weights, (torch.float32,), (layout.num_rows,),
-                                    self.device).contiguous()
+                                    self._cuda).contiguous()
         config = self._check_config(config, self.get_combine_config)
         combined, weights, event = self._on_comm_stream(
             lambda: self.transport.combine_experts(y, handle, expert_weights, config), previous_event, async_finish,

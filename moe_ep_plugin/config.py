@@ -1,6 +1,7 @@
 """Tuning knobs of the normal kernels, with DeepEP V1's names, defaults and size hints."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 _ALIGN = 128
@@ -59,9 +60,13 @@ def tuned_config(table: dict[int, tuple[int, int]], num_sms: int, num_ranks: int
     return Config(num_sms, send, recv, 6, 128)
 
 
+# Cached: every dispatch and combine asks for its default config, and building (validating) one costs more host
+# time than the rest of the Buffer's per-call checks; a Config is frozen, so callers can share it.
+@functools.lru_cache(maxsize=None)
 def dispatch_config(num_sms: int, num_ranks: int) -> Config:
     return tuned_config(_DISPATCH_TABLE, num_sms, num_ranks)
 
 
+@functools.lru_cache(maxsize=None)
 def combine_config(num_sms: int, num_ranks: int) -> Config:
     return tuned_config(_COMBINE_TABLE, num_sms, num_ranks)
