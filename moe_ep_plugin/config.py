@@ -61,12 +61,13 @@ def tuned_config(table: dict[int, tuple[int, int]], num_sms: int, num_ranks: int
 
 
 # Cached: every dispatch and combine asks for its default config, and building (validating) one costs more host
-# time than the rest of the Buffer's per-call checks; a Config is frozen, so callers can share it.
-@functools.lru_cache(maxsize=None)
+# time than the rest of the Buffer's per-call checks; a Config is frozen, so callers can share it. Typed, so that
+# a num_sms of 24.0 or True still fails validation instead of hitting the entry of 24 or 1.
+@functools.lru_cache(maxsize=None, typed=True)
 def dispatch_config(num_sms: int, num_ranks: int) -> Config:
     return tuned_config(_DISPATCH_TABLE, num_sms, num_ranks)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None, typed=True)
 def combine_config(num_sms: int, num_ranks: int) -> Config:
     return tuned_config(_COMBINE_TABLE, num_sms, num_ranks)
