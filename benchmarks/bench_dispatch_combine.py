@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moe_ep_plugin import Buffer, gating
 from moe_ep_plugin.launch import launch
 from moe_ep_plugin.transports import DispatchArgs
+from moe_ep_plugin.transports.nvlink import NVLinkTransport
 
 
 def _routing(n: int, num_experts: int, topk: int, device: torch.device, seed: int):
@@ -192,19 +193,14 @@ def _worker(args) -> None:
     if not args.quick:
         _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
     transport, defaults = nvlink.transport, type(nvlink.transport)
-    for sms, split in args.split_sweep:
-        sms = int(sms)
+    for sms, settings in args.variants:
         Buffer.set_num_sms(sms)
-        blocks = int(split[1:]) if split.startswith("b") else 0
-        if not blocks:
-            transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = int(split)
-            transport.combine_send_warps = int(split)
-        transport.dispatch_send_blocks = transport.combine_send_blocks = blocks
+        for name, value in settings:
+            setattr(transport, name, value)
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        what = f"{blocks} send blocks" if blocks else f"{split} send warps"
-        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs, {what}", results, None)
-        for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "combine_send_warps",
-                     "dispatch_send_blocks", "combine_send_blocks"):
+        what = ", ".join(f"{name}={value}" for name, value in settings)
+        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs{', ' + what if what else ''}", results, None)
+        for name, _ in settings:
             setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
@@ -228,6 +224,19 @@ def _worker(args) -> None:
     nvlink.destroy()
 
 
+def _variants(text: str) -> list[tuple[int, list[tuple[str, int]]]]:
+    """``"24:combine_copy_share=0 32"`` -> ``[(24, [("combine_copy_share", 0)]), (32, [])]``."""
+    out = []
+    for item in text.split():
+        sms, *settings = item.split(":")
+        pairs = [tuple(kv.split("=", 1)) for kv in settings]
+        unknown = [name for name, _ in pairs if not hasattr(NVLinkTransport, name)]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"--variants: NVLinkTransport has no setting {unknown[0]!r}")
+        out.append((int(sms), [(name, int(value)) for name, value in pairs]))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -238,10 +247,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--split-sweep", type=lambda s: [tuple(v.split(":"))[:2] for v in s.split(",") if v],
-                   default="24:6,24:8,24:12,24:14,32:12",
-                   help="SMs:W (W of the 16 warps of every block send) or SMs:bN (N whole blocks send) to time the "
-                        "kernels with on the standard shape")
+    p.add_argument("--variants", type=_variants, default="24:dispatch_copy_share=100:combine_copy_share=100 "
+                   "12:combine_copy_share=0 12 16",
+                   help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
+                        "NVLinkTransport settings (e.g. 24:combine_copy_share=100:dispatch_send_warps=8)")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

@@ -50,5 +50,6 @@ profiler.disable()
 if rank == 0:
     print(f"{a.transport}, {a.tokens} tokens x {a.hidden}, {a.iters} dispatch_experts + combine_experts")
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 dist.barrier()
 dist.destroy_process_group()

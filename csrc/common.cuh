@@ -12,7 +12,7 @@ namespace moe_ep {
 
 constexpr int kMaxRanks = MOE_EP_MAX_RANKS;
 #ifndef MOE_EP_CHUNK_ROWS
-#define MOE_EP_CHUNK_ROWS 8  // a build-time tuning knob (moe_ep_plugin/_build.py: MOE_EP_NVCC_FLAGS)
+#define MOE_EP_CHUNK_ROWS 4  // a build-time tuning knob (moe_ep_plugin/_build.py: MOE_EP_NVCC_FLAGS)
 #endif
 constexpr int kChunkRows = MOE_EP_CHUNK_ROWS;    // rows published by one flag
 static_assert(kChunkRows >= 1 && kChunkRows <= 16, "a chunk's rows are held by the lanes of one warp, and its "
@@ -31,10 +31,22 @@ struct Header {
     int abort;                         // first error code seen on this rank (sticky)
 };
 constexpr int64_t kHeaderBytes = 4096;
+
+// Copy-engine mode (the row counts are known on the host): a sender's rows go to a local outbox, and its copy
+// stream ships them to the peer in pieces with cudaMemcpyAsync, each piece gated by stream memory operations on
+// these flags. All are 0 between operations (the last step of every copy-engine operation clears them).
+constexpr int kMaxPieces = 32;
+struct CopyFlags {
+    int staged[kMaxRanks][kMaxPieces];     // [dst][piece]: 1 once this rank's kernel has put the piece in its outbox
+    int staged_rows[kMaxRanks][kMaxPieces];  // [dst][piece]: rows staged so far (the warp completing it sets staged)
+    int arrived[kMaxRanks][kMaxPieces];    // [src][piece]: 1 once src's copy engine has landed the piece here
+};
+constexpr int64_t kCopyFlagsOffset = 1024;  // inside the header page
 constexpr int64_t kExpertCountsOffset = kHeaderBytes;  // [src][e]: tokens rank src sends to expert e
 constexpr int64_t kFlagsOffset = kExpertCountsOffset + int64_t(kMaxRanks) * kMaxExperts * 4;
 constexpr int64_t kStagingOffset = kFlagsOffset + int64_t(kMaxRanks) * kMaxChunks * 4;
-static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
+static_assert(sizeof(Header) <= kCopyFlagsOffset && kCopyFlagsOffset + int64_t(sizeof(CopyFlags)) <= kHeaderBytes,
+              "header too large");
 static_assert(kStagingOffset % 4096 == 0, "staging must stay page aligned");
 
 // What kernels need to reach every rank's buffer; passed by value.
@@ -49,6 +61,19 @@ struct DevCtx {
 __device__ __forceinline__ Header* header(char* buf) { return reinterpret_cast<Header*>(buf); }
 __device__ __forceinline__ int* expert_counts(char* buf, int src) {
     return reinterpret_cast<int*>(buf + kExpertCountsOffset) + int64_t(src) * kMaxExperts;
+}
+__device__ __forceinline__ CopyFlags* copy_flags(char* buf) { return reinterpret_cast<CopyFlags*>(buf + kCopyFlagsOffset); }
+// Of a transfer of `count` rows, the first copied_rows go by copy engine (`share` percent, whole chunks; share 0:
+// none) and the rest by SM stores, so both paths carry NVLink traffic at once.
+__host__ __device__ __forceinline__ int copied_rows(int count, int share) {
+    return share >= 100 ? count : int(int64_t(count) * share / 100) / kChunkRows * kChunkRows;
+}
+// Rows per copy-engine piece for a transfer of `count` rows: at least `min_rows`, at most kMaxPieces pieces, whole
+// chunks. Sender (host) and receiver (kernel) compute it alike from the same count.
+__host__ __device__ __forceinline__ int piece_rows(int count, int min_rows) {
+    int rows = (count + kMaxPieces - 1) / kMaxPieces;
+    rows = rows > min_rows ? rows : min_rows;
+    return (rows + kChunkRows - 1) / kChunkRows * kChunkRows;
 }
 __device__ __forceinline__ int* flags(char* buf, int src) {
     return reinterpret_cast<int*>(buf + kFlagsOffset) + int64_t(src) * kMaxChunks;

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -232,6 +233,64 @@ __device__ __forceinline__ void publish(int* flag, int seq, int lane) {
         __threadfence_system();
         st_release_sys(flag, seq);
     }
+}
+
+// Copy-engine mode: a warp staged `rows` rows of piece `piece` bound for `dst` in this rank's outbox. The warp that
+// completes the piece (piece_total rows) sets its staged flag, on which the copy stream waits; the fences make
+// every staging warp's rows visible before that flag (the classic last-block pattern).
+__device__ __forceinline__ void publish_staged(const DevCtx& c, int dst, int piece, int rows, int piece_total, int lane) {
+    __syncwarp();
+    if (lane == 0) {
+        CopyFlags* f = copy_flags(c.bufs[c.rank]);
+        __threadfence();
+        if (atomicAdd(&f->staged_rows[dst][piece], rows) + rows == piece_total) {
+            __threadfence_system();
+            st_release_sys(&f->staged[dst][piece], 1);
+        }
+    }
+}
+
+// Copy-engine mode after an error: mark every piece staged so the copy stream, which cannot time out, runs dry
+// (it ships stale rows; the error is already recorded and raised by the host). Threads i, i + n, ... of the caller.
+__device__ __forceinline__ void release_staged(const DevCtx& c, int i, int n) {
+    CopyFlags* f = copy_flags(c.bufs[c.rank]);
+    for (; i < kMaxRanks * kMaxPieces; i += n) st_release_sys(&f->staged[0][0] + i, 1);
+}
+
+// How the rows of one transfer arrive: the first `copied` by copy engine in pieces of `piece` rows, each flagged 1
+// when it landed; the rest by SM senders in chunks, each flagged with the operation's sequence id.
+struct Arrival {
+    int copied, piece;
+};
+__device__ __forceinline__ Arrival arrival_of(int count, int share, int min_piece_rows) {
+    const int copied = copied_rows(count, share);
+    return {copied, piece_rows(copied, min_piece_rows)};
+}
+constexpr int kNotSeen = 1 << 30;
+
+// Waits until the row at position `pos` of the transfer from `src` has landed in this rank's region. Returns
+// false (after reporting) on timeout or abort. `seen` caches the last flag waited for (kNotSeen at first).
+__device__ __forceinline__ bool wait_rows(const DevCtx& c, int src, int pos, const Arrival& a, int seq, int code,
+                                          int& seen, int lane) {
+    const bool copied = pos < a.copied;
+    const int unit = copied ? pos / a.piece : pos / kChunkRows;
+    const int key = copied ? -1 - unit : unit;
+    if (key == seen) return true;
+    seen = key;
+    int ok = 1;
+    char* mine = c.bufs[c.rank];
+    if (lane == 0)
+        ok = copied ? wait_flag<false>(c, &copy_flags(mine)->arrived[src][unit], 1, code, src, unit)
+                    : wait_flag<false>(c, flags(mine, src) + unit, seq, code, src, unit);
+    return __shfl_sync(0xffffffffu, ok, 0) != 0;
+}
+
+// First outbox row of the rows this rank stages for `dst` (destinations in rank order).
+__device__ __forceinline__ int64_t outbox_row(const int32_t* rpm, int R, int me, int dst, int share) {
+    int64_t row = 0;
+    for (int d = 0; d < dst; ++d)
+        if (d != me) row += copied_rows(rows_from(rpm, R, me, d), share);
+    return row;
 }
 
 // Which warps send and which receive. With num_send_blocks > 0 whole blocks take one role (blocks
@@ -483,15 +542,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int64_t out_row_bytes = dequant ? int64_t(H) * int64_t(sizeof(OutT)) : int64_t(sl.payload_bytes);
     const char* x = static_cast<const char*>(p.x);
     char* recv_x = static_cast<char*>(p.recv_x);
+    const int share = int(p.copy_share);
+    const bool ce = share > 0;
     // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
-    if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
+    if (ld_volatile(&header(c.bufs[me])->abort) != 0) {
+        if (ce && blockIdx.x == 0) release_staged(c, threadIdx.x, blockDim.x);
+        return;
+    }
     for (int i = threadIdx.x; i < L && recv_topk; i += blockDim.x) s_hist[i] = 0;
     __syncthreads();
 
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
     const int total_recv = rpm[(R - 1) * R + me];
     const bool fits = total_recv <= p.num_recv_rows;
-    if (!fits && blockIdx.x == 0 && threadIdx.x == 0)
+    if (!fits && p.speculative_rows == 0 && blockIdx.x == 0 && threadIdx.x == 0)
         report_error(c, MOE_EP_ERR_WORST_TOKENS, total_recv, int(p.num_recv_rows));
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
@@ -546,9 +610,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (rows <= 0) continue;
             if (begin + rows > cap_rows) {
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
+                if (ce) release_staged(c, lane, 32);
                 break;
             }
-            char* first = region(c, d, me) + int64_t(begin) * sl.slot_bytes;
+            const Arrival arrival = arrival_of(count, share, int(p.copy_piece_rows));
+            const bool copied = begin < arrival.copied;  // chunks never straddle the split
+            char* first = copied ? static_cast<char*>(p.outbox) + (outbox_row(rpm, R, me, d, share) + begin) * sl.slot_bytes
+                                 : region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
             prefetch_rows(x, in_row_bytes, tok, __ballot_sync(0xffffffffu, lane < rows), lane);
             if (send_topk)
@@ -572,7 +640,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 const bool own = fits && pos >= 0 && first_peer(t) == d;
                 write_row(t, first + int64_t(i) * sl.slot_bytes, own ? self_base + pos : -1);
             }
-            publish(flags(c.bufs[d], me) + chunk, seq, lane);
+            if (copied) {
+                const int piece = begin / arrival.piece;
+                publish_staged(c, d, piece, rows, min(arrival.piece, arrival.copied - piece * arrival.piece), lane);
+            } else {
+                publish(flags(c.bufs[d], me) + chunk, seq, lane);
+            }
         }
     } else {
         // ---- receive: own rows straight from x, peers' rows from the staging regions once published ----
@@ -583,6 +656,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         for (int s = 0; s < R; ++s)
             if (s != me) max_chunks = max(max_chunks, (rows_from(rpm, R, s, me) + kChunkRows - 1) / kChunkRows);
         const int num_units = self_chunks + (R - 1) * max_chunks;
+        int seen[kMaxRanks];
+        for (int r = 0; r < kMaxRanks; ++r) seen[r] = kNotSeen;
         for (int u = gw; fits && u < num_units; u += nw) {
             const int v = u - self_chunks;
             const int chunk = v < 0 ? u : v / (R - 1);
@@ -612,9 +687,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, (own_rows >> i) & 1u ? out_first + i : -1);
                 continue;
             }
-            int ok = 1;
-            if (lane == 0) ok = wait_flag<false>(c, flags(c.bufs[me], s) + chunk, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, s, chunk);
-            if (!__shfl_sync(0xffffffffu, ok, 0)) break;
+            if (!wait_rows(c, s, begin, arrival_of(count, share, int(p.copy_piece_rows)), seq, MOE_EP_ERR_DISPATCH_TIMEOUT,
+                           seen[s], lane))
+                break;
             const char* first = region(c, me, s) + int64_t(begin) * sl.slot_bytes;
             if (recv_topk || expert)
                 for_each_entry(rows, K, 0, lane, [&](int i, int k, int) {
@@ -680,12 +755,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 
 // ---------------------------------------------------------------------------------------------------------
 // combine: every rank pushes the rows it received back into the origin's region for it (same positions as
-// the dispatch send order), the origin sums each token's copies in source-rank order in fp32, then the biases.
+// the dispatch send order; there, `count` rows of row_bytes and then their weights, [count, K] fp32), partly by
+// copy engine (the first copy_share percent, shipped straight from x by the host-side copy streams) and the rest
+// by sender warps; the origin sums each token's copies in source-rank order in fp32, then the biases.
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
 template <typename T, int kRanks>
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p, int slot_bytes,
-                                                              int w_off) {
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p) {
     constexpr int kN = Vec<T>::kN;
     constexpr int kUnroll = kCopyBatch / kRanks;
     const int R = c.num_ranks, me = c.rank;
@@ -697,20 +773,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const char* x = static_cast<const char*>(p.x);
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
-    const int cap_rows = int(min(c.region_bytes / slot_bytes, int64_t(kMaxRegionRows)));
+    const int share = int(p.copy_share);
+    const int cap_rows = int(min(c.region_bytes / (row_bytes + 4 * K), int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
     if (role.send) {
+        // the rows past the copy engine's share, chunk by chunk, interleaved over peers
         const int gw = role.gw, nw = role.nw;
         int max_chunks = 0;
-        for (int d = 0; d < R; ++d)
-            if (d != me) max_chunks = max(max_chunks, (rows_from(rpm, R, d, me) + kChunkRows - 1) / kChunkRows);
-        for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
-            const int chunk = u / (R - 1), d = (me + 1 + u % (R - 1)) % R;
+        for (int d = 0; d < R; ++d) {
             const int count = rows_from(rpm, R, d, me);
-            const int begin = chunk * kChunkRows, end = min(begin + kChunkRows, count);
+            if (d != me) max_chunks = max(max_chunks, (count - copied_rows(count, share) + kChunkRows - 1) / kChunkRows);
+        }
+        for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
+            const int d = (me + 1 + u % (R - 1)) % R;
+            const int count = rows_from(rpm, R, d, me);
+            const int begin = copied_rows(count, share) + u / (R - 1) * kChunkRows, end = min(begin + kChunkRows, count);
             if (begin >= count) continue;
-            if (end > cap_rows) {
+            if (count > cap_rows) {
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
                 break;
             }
@@ -718,23 +798,29 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             char* dst_region = region(c, d, me);
             prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
             for (int i = 0; i < end - begin; ++i)
-                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * slot_bytes), nullptr,
+                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes), nullptr,
                                 reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
-            if (p.topk_weights != nullptr)
-                for (int e = lane; e < (end - begin) * K; e += 32) {
-                    const int i = e / K, k = e - i * K;
-                    reinterpret_cast<float*>(dst_region + int64_t(begin + i) * slot_bytes + w_off)[k] =
-                        __ldg(p.topk_weights + (base + begin + i) * K + k);
-                }
-            publish(flags(c.bufs[d], me) + chunk, seq, lane);
+            if (p.topk_weights != nullptr) {
+                float* w = reinterpret_cast<float*>(dst_region + count * row_bytes) + int64_t(begin) * K;
+                for (int e = lane; e < (end - begin) * K; e += 32) w[e] = __ldg(p.topk_weights + (base + begin) * K + e);
+            }
+            publish(flags(c.bufs[d], me) + begin / kChunkRows, seq, lane);
         }
         return;
     }
     const int gw = role.gw, nw = role.nw;
     const int64_t self_base = offset_from(rpm, R, me, me);
-    int seen_chunk[kRanks];
+    // How rank r's copies of this rank's tokens arrive, and where their weights start in r's region here.
+    int seen[kRanks];
+    Arrival arrival[kRanks];
+    int64_t w_base[kRanks];
 #pragma unroll
-    for (int r = 0; r < kRanks; ++r) seen_chunk[r] = -1;
+    for (int r = 0; r < kRanks; ++r) {
+        const int count = r < R ? rows_from(rpm, R, me, r) : 0;
+        seen[r] = kNotSeen;
+        arrival[r] = arrival_of(count, share, int(p.copy_piece_rows));
+        w_base[r] = count * row_bytes;
+    }
     const char* bias0 = static_cast<const char*>(p.bias0);
     const char* bias1 = static_cast<const char*>(p.bias1);
     // send_pos of the next token is loaded while the current one is summed
@@ -759,15 +845,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                 src[r] = x + (self_base + pos) * row_bytes;
                 continue;
             }
-            const int chunk = pos / kChunkRows;
-            if (chunk != seen_chunk[r]) {
-                int good = 1;
-                if (lane == 0) good = wait_flag<false>(c, flags(c.bufs[me], r) + chunk, seq, MOE_EP_ERR_COMBINE_TIMEOUT, r, chunk);
-                good = __shfl_sync(0xffffffffu, good, 0);
-                if (!good) ok = false;
-                seen_chunk[r] = chunk;
-            }
-            src[r] = region(c, me, r) + int64_t(pos) * slot_bytes;
+            if (!wait_rows(c, r, pos, arrival[r], seq, MOE_EP_ERR_COMBINE_TIMEOUT, seen[r], lane)) ok = false;
+            src[r] = region(c, me, r) + int64_t(pos) * row_bytes;
         }
         if (!ok) break;
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
@@ -807,12 +886,59 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                 if (r == me) {
                     w += __ldg(p.topk_weights + (self_base + cur_pos[r]) * K + lane);
                 } else {
-                    w += reinterpret_cast<const volatile float*>(src[r] + w_off)[lane];
+                    w += reinterpret_cast<const volatile float*>(region(c, me, r) + w_base[r])[int64_t(cur_pos[r]) * K + lane];
                 }
             }
             p.out_weights[int64_t(t) * K + lane] = w;
         }
     }
+}
+
+// Copy-engine settings of one operation.
+static int check_copy(int64_t share, int64_t piece_rows, int64_t streams, const int32_t* host_counts) {
+    if (share < 0 || share > 100 || piece_rows < 1 || streams < 1 || streams > MOE_EP_MAX_COPY_STREAMS ||
+        host_counts == nullptr)
+        return set_error(-1, "copy engine: need copy_share in [0, 100], copy_piece_rows >= 1, copy_streams in [1, " +
+                                 std::to_string(MOE_EP_MAX_COPY_STREAMS) + "] and host_counts");
+    return 0;
+}
+
+// Copy-engine mode, host side: the rows this rank sends to each peer must fit the peer's region.
+static int check_copy_rows(const Context* ctx, const int32_t* counts, bool outgoing, int64_t row_bytes, const char* what) {
+    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
+    for (int d = 0; d < R; ++d) {
+        const int64_t rows = outgoing ? counts[me * R + d] : counts[d * R + me];
+        if (d != me && (rows > kMaxRegionRows || rows * row_bytes > ctx->dev.region_bytes))
+            return set_error(-1, std::string(what) + ": " + std::to_string(rows) + " rows of " + std::to_string(row_bytes) +
+                                     " bytes do not fit a peer staging region of " + std::to_string(ctx->dev.region_bytes) +
+                                     " bytes; pass a larger num_nvl_bytes");
+    }
+    return 0;
+}
+
+// Copy-engine mode, host side: enqueue on the copy stream, piece by piece (interleaved over peers), the copy of
+// `counts(d)` rows of `row_bytes` from `src(d)` to the start of peer d's region for this rank; each piece flags
+// its arrival there. With `staged`, a piece waits until this rank's kernel staged it.
+template <typename Count, typename Src>
+static int copy_rows(Context* ctx, Count counts, Src src, int64_t row_bytes, int64_t min_piece_rows, int streams,
+                     bool staged) {
+    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
+    char* local = static_cast<char*>(ctx->local);
+    for (int j = 0; j < kMaxPieces; ++j) {
+        for (int k = 1; k < R; ++k) {
+            const int d = (me + k) % R, count = counts(d);
+            const int piece = piece_rows(count, int(min_piece_rows)), begin = j * piece;
+            if (begin >= count) continue;
+            const int64_t offset = int64_t(begin) * row_bytes;
+            char* dst = ctx->dev.bufs[d] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes + offset;
+            const int* wait = staged ? &reinterpret_cast<CopyFlags*>(local + kCopyFlagsOffset)->staged[d][j] : nullptr;
+            int* flag = &reinterpret_cast<CopyFlags*>(ctx->dev.bufs[d] + kCopyFlagsOffset)->arrived[me][j];
+            if (int err = copy_piece(ctx, j % streams, wait, dst, src(d) + offset,
+                                     size_t(std::min(piece, count - begin)) * row_bytes, flag))
+                return err;
+        }
+    }
+    return 0;
 }
 
 int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, int64_t num_send_blocks) {
@@ -827,8 +953,8 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
         if (num_send_blocks >= num_sms)
             return set_error(-1, "num_send_blocks=" + std::to_string(num_send_blocks) + " must be < num_sms=" +
                                      std::to_string(num_sms));
-    } else if (num_send_warps < 1 || num_send_warps >= kWarps)
-        return set_error(-1, "num_send_warps=" + std::to_string(num_send_warps) + " must lie in [1, " +
+    } else if (num_send_warps < 0 || num_send_warps >= kWarps)
+        return set_error(-1, "num_send_warps=" + std::to_string(num_send_warps) + " must lie in [0, " +
                                  std::to_string(kWarps - 1) + "]");
     return 0;
 }
@@ -924,6 +1050,15 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const size_t smem = size_t(hist_bytes);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
+    Context* mut = const_cast<Context*>(ctx);
+    const int share = int(p.copy_share);
+    if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
+    if (share > 0) {
+        if (int err = check_copy(p.copy_share, p.copy_piece_rows, p.copy_streams, p.host_counts)) return err;
+        if (p.outbox == nullptr) return set_error(-1, "copy-engine dispatch needs an outbox");
+        if (int err = check_copy_rows(ctx, p.host_counts, true, sl.slot_bytes, "dispatch")) return err;
+        if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
+    }
     if (!quantize) {
         dispatch_kernel<0><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
     } else if (p.x_elem_bytes == 2) {
@@ -931,7 +1066,22 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     } else {
         dispatch_kernel<2><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
     }
-    return check_launch("dispatch_kernel");
+    if (int err = check_launch("dispatch_kernel")) return err;
+    if (share == 0) return 0;
+    // The outbox holds the copied rows for each destination in rank order.
+    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
+    const int32_t* counts = p.host_counts;
+    auto copied = [&](int d) { return copied_rows(counts[me * R + d], share); };
+    int64_t first[kMaxRanks];
+    for (int d = 0, row = 0; d < R; ++d) {
+        first[d] = row;
+        if (d != me) row += copied(d);
+    }
+    char* outbox = static_cast<char*>(p.outbox);
+    int err = copy_rows(mut, copied,
+                        [&](int d) { return outbox + first[d] * sl.slot_bytes; }, sl.slot_bytes, p.copy_piece_rows,
+                        int(p.copy_streams), true);
+    return err ? err : copy_finish(mut, s, int(p.copy_streams));
 }
 
 extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
@@ -941,20 +1091,55 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
     if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
     if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
-    const int w_off = int(p.hidden * p.elem_bytes);
-    const int slot_bytes = (w_off + 4 * int(p.num_topk) + 15) / 16 * 16;
+    const int64_t row_bytes = p.hidden * p.elem_bytes;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
-    const int R = ctx->dev.num_ranks;
-#define MOE_EP_LAUNCH_COMBINE(T)                                                                           \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);      \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off); \
-    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p, slot_bytes, w_off);
+    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
+    Context* mut = const_cast<Context*>(ctx);
+    const int share = int(p.copy_share);
+    if (share < 100 && p.num_send_blocks == 0 && p.num_send_warps < 1)
+        return set_error(-1, "combine needs sender warps unless the copy engine carries every row (copy_share 100)");
+    if (share > 0) {
+        if (int err = check_copy(p.copy_share, p.copy_piece_rows, p.copy_streams, p.host_counts)) return err;
+        if (int err = check_copy_rows(ctx, p.host_counts, false, row_bytes + 4 * p.num_topk, "combine")) return err;
+        if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
+    }
+#define MOE_EP_LAUNCH_COMBINE(T)                                                    \
+    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);      \
+    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
+    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
     if (p.elem_bytes == 2) {
         MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {
         MOE_EP_LAUNCH_COMBINE(float)
     }
 #undef MOE_EP_LAUNCH_COMBINE
-    return check_launch("combine_kernel");
+    if (int err = check_launch("combine_kernel")) return err;
+    if (share == 0) return 0;
+    // Rows received from rank d sit together in x (and topk_weights) and go back in the same order: the copy
+    // engine ships its share as it is, weights first (every copy stream's pieces start after them, so the pieces'
+    // flags cover them too).
+    const int32_t* counts = p.host_counts;
+    auto count = [&](int d) { return int(counts[d * R + me]); };
+    auto copied = [&](int d) { return copied_rows(count(d), share); };
+    int64_t first[kMaxRanks];
+    for (int d = 0, row = 0; d < R; ++d) {
+        first[d] = row;
+        row += count(d);
+    }
+    for (int k = 1; k < R && p.topk_weights != nullptr; ++k) {
+        const int d = (me + k) % R;
+        if (copied(d) == 0) continue;
+        char* dst = ctx->dev.bufs[d] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes + count(d) * row_bytes;
+        if (int err = check_cuda(cudaMemcpyAsync(dst, p.topk_weights + first[d] * p.num_topk,
+                                                 size_t(copied(d)) * p.num_topk * 4, cudaMemcpyDeviceToDevice,
+                                                 ctx->copy_streams[0]), "cudaMemcpyAsync(combine weights)"))
+            return err;
+    }
+    if (p.topk_weights != nullptr)
+        if (int err = copy_after_lead(mut, int(p.copy_streams))) return err;
+    const char* x = static_cast<const char*>(p.x);
+    int err = copy_rows(mut, copied, [&](int d) { return x + first[d] * row_bytes; }, row_bytes, p.copy_piece_rows,
+                        int(p.copy_streams), false);
+    return err ? err : copy_finish(mut, s, int(p.copy_streams));
 }

@@ -14,10 +14,11 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 2
+#define MOE_EP_ABI_VERSION 3
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
+#define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine mode: streams the pieces alternate between */
 
 /* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
 #define MOE_EP_ERR_BARRIER_TIMEOUT 1   /* [1] = peer rank that never arrived */
@@ -59,6 +60,17 @@ typedef struct {
     int32_t* recv_slot;                /* [num_recv_rows, K]: expert-major row of each (received row, k), -1 if none */
     float* expert_probs;               /* [num_expert_rows] or NULL */
     int64_t num_expert_rows, alignment;
+    /* speculative_rows != 0: num_recv_rows is the caller's guess, launched before it read the received row count;
+     * when more rows arrive, receiving is skipped without an error (the caller dispatches again, all ranks alike) */
+    int64_t speculative_rows;
+    /* copy engine (copy_share > 0): of the rows for each peer, the first copy_share percent are staged in `outbox`
+     * (destination after destination in rank order, slot after slot) and the context's copy streams ship them in
+     * pieces of at least copy_piece_rows rows (pieces alternate between copy_streams streams,
+     * 1..MOE_EP_MAX_COPY_STREAMS), while sender warps store the rest straight into the peer. Needs the count matrix
+     * on the host: host_counts[i * R + j] = rows rank i sends to rank j. */
+    int64_t copy_share, copy_piece_rows, copy_streams;
+    const int32_t* host_counts;
+    void* outbox;
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
@@ -73,18 +85,32 @@ typedef struct {
     void* out;                         /* [num_tokens, hidden] */
     float* out_weights;                /* [num_tokens, K] or NULL */
     int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
+    /* copy engine: the copy streams ship the first copy_share percent of the rows (and their topk_weights)
+     * straight from x; sender warps (if any) the rest. Other fields as for dispatch. */
+    int64_t copy_share, copy_piece_rows, copy_streams;
+    const int32_t* host_counts;
 } moe_ep_combine_params;
 
 int moe_ep_abi_version(void);
 const char* moe_ep_last_error(void);
 
-/* Context: one peer-visible buffer per rank (cudaMalloc, shared by CUDA IPC) plus a host-mapped error record. */
+/* Context: one peer-visible buffer per rank (cudaMalloc, shared by CUDA IPC), a host-mapped error record, and a
+ * copy stream with the events that fork it from / join it to the caller's stream (copy-engine mode). */
 void* moe_ep_create(int rank, int num_ranks, int device, int64_t buffer_bytes, int64_t timeout_ns);
 int moe_ep_ipc_handle(void* ctx, void* out_handle /* 64 bytes */);
 int moe_ep_open_peers(void* ctx, const void* handles /* num_ranks * 64 bytes, rank order */);
 int moe_ep_destroy(void* ctx);
 volatile int32_t* moe_ep_error_info(void* ctx); /* host pointer to int32[4]; [0] == 0 while healthy */
 int64_t moe_ep_region_bytes(void* ctx);         /* staging bytes reserved for each source rank */
+int64_t moe_ep_staging_offset(void);            /* buffer bytes before the staging regions (header, counts, flags) */
+
+/* Host read of up to MOE_EP_READ_BYTES of device memory, started after the work enqueued on `stream` so far and
+ * copied on a side stream, so the caller can enqueue more before it waits; moe_ep_read_wait blocks until the
+ * values are in moe_ep_read_buffer (pinned host memory, valid until the next read). */
+#define MOE_EP_READ_BYTES 16384
+int moe_ep_read_start(void* ctx, const void* src, int64_t bytes, void* stream);
+int moe_ep_read_wait(void* ctx);
+const int32_t* moe_ep_read_buffer(void* ctx);
 
 /* topk_idx [N, K] -> per-rank token counts (a token counts once per rank), per-expert counts, is_token_in_rank
  * [N, R] (bytes 0/1). per_rank and per_expert must be zeroed by the caller. */

@@ -10,10 +10,11 @@ from typing import Optional
 
 from ._build import LIB_PATH
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
+MAX_COPY_STREAMS = 4
 
 # Error record codes (csrc/moe_ep.h).
 ERR_BARRIER_TIMEOUT = 1
@@ -36,7 +37,9 @@ class DispatchParams(ctypes.Structure):
             "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
         ("send_pos", _p), ("expert_major", _i64)] + [
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
-        (name, _i64) for name in ("num_expert_rows", "alignment")]
+        (name, _i64) for name in ("num_expert_rows", "alignment", "speculative_rows", "copy_share", "copy_piece_rows",
+                                  "copy_streams")] + [
+        (name, _p) for name in ("host_counts", "outbox")]
 
 
 class CombineParams(ctypes.Structure):
@@ -45,7 +48,9 @@ class CombineParams(ctypes.Structure):
     _fields_ = [(name, _p) for name in (
         "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
-                                  "num_send_warps", "num_send_blocks")]
+                                  "num_send_warps", "num_send_blocks", "copy_share", "copy_piece_rows",
+                                  "copy_streams")] + [
+        ("host_counts", _p)]
 
 
 _lib: Optional[ctypes.CDLL] = None
@@ -86,6 +91,12 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_error_info.argtypes = [_p]
     lib.moe_ep_region_bytes.restype = _i64
     lib.moe_ep_region_bytes.argtypes = [_p]
+    lib.moe_ep_staging_offset.restype = _i64
+    lib.moe_ep_staging_offset.argtypes = []
+    lib.moe_ep_read_start.argtypes = [_p, _p, _i64, _p]
+    lib.moe_ep_read_wait.argtypes = [_p]
+    lib.moe_ep_read_buffer.restype = ctypes.POINTER(ctypes.c_int32)
+    lib.moe_ep_read_buffer.argtypes = [_p]
     lib.moe_ep_get_dispatch_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
     lib.moe_ep_routing_map_topk.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _p]
     lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p]
@@ -94,7 +105,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
-                 "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_combine"):
+                 "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
+                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_wait"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

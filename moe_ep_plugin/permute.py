@@ -226,11 +226,16 @@ def _kernels_for(t: torch.Tensor) -> bool:
 
 
 def _launch(t: torch.Tensor, function: str, *args: int) -> None:
-    """Calls C ``function`` with ``args`` and ``t``'s current stream, on ``t``'s device."""
+    """Calls C ``function`` with ``args`` and ``t``'s current stream, on ``t``'s device (switching device only
+    when it is not the current one: the switch costs more host time than the launch)."""
     from . import _ext
-    with torch.cuda.device(t.device):
-        stream = torch.cuda.current_stream(t.device).cuda_stream
-        _ext.check(getattr(_kernels(), function)(*args, stream), function)
+    index = t.device.index
+    call = getattr(_kernels(), function)
+    if index == torch.cuda.current_device():
+        _ext.check(call(*args, torch.cuda.current_stream(index).cuda_stream), function)
+        return
+    with torch.cuda.device(index):
+        _ext.check(call(*args, torch.cuda.current_stream(index).cuda_stream), function)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

@@ -21,7 +21,7 @@ import ctypes
 import functools
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,6 @@ from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
 _DEFAULT_ROWS = 8192
 _DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * _ext.MAX_TOPK * 4 + 16
-# header + expert counts + flags (csrc/common.cuh)
-_STAGING_OFFSET = 4096 + _ext.MAX_RANKS * _ext.MAX_EXPERTS * 4 + _ext.MAX_RANKS * (65536 // 8) * 4
 _MAX_REGION_ROWS = 65536
 
 
@@ -51,8 +49,9 @@ def dispatch_slot_bytes(hidden: int, elem_bytes: int, fp8_rows: bool, num_topk: 
     return _round16(payload + 4 * scales + 8 * num_topk + 4)
 
 
-def combine_slot_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
-    return _round16(hidden * elem_bytes + 4 * num_topk)
+def combine_row_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
+    """Region bytes per combined row: the row, then (with all rows before them) its weights."""
+    return hidden * elem_bytes + 4 * num_topk
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -74,14 +73,32 @@ class _ExpertState:
 @dataclass
 class _NVLinkState:
     """Kept in ``DispatchHandle.transport_state``: the tokens sent to each rank, in order ([R, max(N, 1)] int32),
-    and, for an expert-major handle, its layout state."""
+    the count matrix on the host (``host_counts[i * R + j]``: rows rank i sends to rank j; None after a
+    ``num_worst_tokens`` dispatch, which reads nothing back) and, for an expert-major handle, its layout state."""
 
     send_list: torch.Tensor
+    host_counts: Optional[list[int]] = None
     expert: Optional[_ExpertState] = None
+
+    def copy_counts(self) -> Optional[ctypes.Array]:
+        """``host_counts`` as the C array the copy-engine mode reads, or None."""
+        if self.host_counts is None:
+            return None
+        return (ctypes.c_int32 * len(self.host_counts))(*self.host_counts)
 
 
 class NVLinkTransport(Transport):
     """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
+
+    Two ways rows cross NVLink, alone or together. Sender warps store rows into the peer's region directly (SM
+    stores). The copy engines carry ``dispatch_copy_share`` / ``combine_copy_share`` percent of each peer's rows
+    when the row counts are on the host (every dispatch but a ``num_worst_tokens`` one, and the combines of those
+    handles): dispatch senders stage those rows (quantized on the way when asked) in a local outbox and
+    ``copy_streams`` copy streams ship them with ``cudaMemcpyAsync`` in pieces of at least ``copy_piece_rows``
+    rows, each gated and flagged by stream memory operations; combine ships them straight from the expert
+    outputs, so with a share of 100 every warp of the combine kernel reduces. Measured on 2 x H200
+    (benchmarks/RESULTS.md): at 24 SMs SM stores alone are fastest; with fewer SMs the copy engine carrying all of
+    combine is 1.4-2.2x faster, hence ``combine_copy_share = None``: 100 below 20 SMs, else 0.
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
@@ -95,7 +112,12 @@ class NVLinkTransport(Transport):
     quantizing_dispatch_send_warps = 12
     dispatch_send_blocks = 0
     combine_send_warps = 6
-    combine_send_blocks = 8
+    combine_send_blocks = 10
+    dispatch_copy_share = 0
+    combine_copy_share: Optional[int] = None
+    copy_piece_rows = 512
+    copy_streams = 2
+    copy_dispatch_send_warps = 8
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -126,7 +148,9 @@ class NVLinkTransport(Transport):
         self._lib = _ext.load()
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        nbytes = max(int(num_nvl_bytes), _STAGING_OFFSET + self.num_ranks * _DEFAULT_ROWS * _DEFAULT_ROW_BYTES)
+        self._index = index
+        staging_offset = self._lib.moe_ep_staging_offset()  # header, expert counts and flags come first
+        nbytes = max(int(num_nvl_bytes), staging_offset + self.num_ranks * _DEFAULT_ROWS * _DEFAULT_ROW_BYTES)
         with torch.cuda.device(self.device):
             ctx = self._lib.moe_ep_create(self.rank, self.num_ranks, index, nbytes, int(timeout_s * 1e9))
         if not ctx:
@@ -141,6 +165,8 @@ class NVLinkTransport(Transport):
             _ext.check(self._lib.moe_ep_open_peers(ctx, b"".join(handles)), "opening peer buffers")
         self._error = self._lib.moe_ep_error_info(ctx)
         self.region_bytes = int(self._lib.moe_ep_region_bytes(ctx))
+        self._read_buffer = self._lib.moe_ep_read_buffer(ctx)  # pinned int32 host memory of the host reads
+        self._recv_guess = 0  # receive rows an expert-major dispatch allocates before it reads the count
         self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     # ---- errors ----
@@ -166,7 +192,7 @@ class NVLinkTransport(Transport):
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        return torch.cuda.current_stream(self._index).cuda_stream
 
     def _num_sms(self, config: Config) -> int:
         return min(config.num_sms, self._device_sms)
@@ -219,14 +245,36 @@ class NVLinkTransport(Transport):
                                                     _ptr(send_list), _ptr(info), self._stream()), "notify_dispatch")
         return send_pos, send_list
 
-    def _read_info(self, info: torch.Tensor, length: int, num_experts: int) -> list[int]:
-        """The one host read of a dispatch: notify's ``info[:length]``; raises (on every rank alike) when a rank
-        found out-of-range expert ids, before any row moves."""
-        host = info[:length].cpu().tolist()
+    def _meta(self, info_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(meta, rank_prefix_matrix [R, R], info [info_length])``: notify's outputs in one int32 tensor, so one
+        host read brings both back."""
+        r2 = self.num_ranks * self.num_ranks
+        meta = torch.empty(r2 + info_length, dtype=torch.int32, device=self.device)
+        return meta, meta[:r2].view(self.num_ranks, self.num_ranks), meta[r2:]
+
+    def _start_read(self, meta: torch.Tensor, info_length: int) -> Callable[[], list[int]]:
+        """Start the one host read of a dispatch: ``meta`` (see ``_meta``) up to ``info[:info_length]`` is copied
+        to pinned memory on the library's side stream, after the work enqueued so far (notify), so the caller can
+        enqueue more before it waits. Returns the wait, which gives the values. (``meta`` stays alive in the
+        handle, which holds views of it.)"""
+        length = self.num_ranks * self.num_ranks + info_length
+        _ext.check(self._lib.moe_ep_read_start(self._ctx, meta.data_ptr(), 4 * length, self._stream()), "read_start")
+
+        def wait() -> list[int]:
+            _ext.check(self._lib.moe_ep_read_wait(self._ctx), "read_wait")
+            return self._read_buffer[:length]
+        return wait
+
+    def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int]]:
+        """``(host_counts, info)`` from the values of a host read (``_start_read``); raises (on every rank alike)
+        when a rank found out-of-range expert ids."""
+        r = self.num_ranks
         self.check_error()
-        if host[1]:
-            raise invalid_ids_error([r for r in range(self.num_ranks) if host[1] >> r & 1], num_experts)
-        return host
+        prefix, info = values[:r * r], values[r * r:]
+        if info[1]:
+            raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
+        counts = [prefix[i] - (prefix[i - r] if i >= r else 0) for i in range(r * r)]
+        return counts, info
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -263,6 +311,7 @@ class NVLinkTransport(Transport):
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
+        counts = state.copy_counts() if self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
         params = _ext.DispatchParams(
             x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(args.topk_weights),
             rank_prefix_matrix=_ptr(handle.rank_prefix_matrix), send_list=_ptr(state.send_list), recv_x=_ptr(recv_x),
@@ -277,6 +326,16 @@ class NVLinkTransport(Transport):
             alignment=1)
         for name, value in outputs.items():
             setattr(params, name, _ptr(value) if isinstance(value, torch.Tensor) or value is None else value)
+        if counts is not None:  # the outbox has room for every row sent, whatever the copy engine's share
+            me, r = self.rank, self.num_ranks
+            sent = sum(counts[me * r + d] for d in range(r) if d != me)
+            slot = dispatch_slot_bytes(hidden, x.element_size(), args.x_scales is not None or args.wire_fp8,
+                                       params.num_topk)
+            outbox = torch.empty(max(sent, 1) * slot, dtype=torch.uint8, device=self.device)
+            params.copy_share, params.copy_piece_rows, params.copy_streams = (
+                self.dispatch_copy_share, self.copy_piece_rows, self.copy_streams)
+            params.host_counts, params.outbox = ctypes.addressof(counts), outbox.data_ptr()
+            params.num_send_warps, params.num_send_blocks = self.copy_dispatch_send_warps, 0
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
 
     def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
@@ -293,19 +352,19 @@ class NVLinkTransport(Transport):
         n = args.x.shape[0]
         handle = args.handle
         if handle is None:
-            rpm = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=self.device)
-            info = torch.empty(2, dtype=torch.int32, device=self.device)
+            meta, rpm, info = self._meta(2)
             send_pos, send_list = self._notify(args, rpm, info)
             if args.num_worst_tokens > 0:  # no host read, so out-of-range ids are not reported in this mode
-                num_recv, rows = None, args.num_worst_tokens
+                num_recv, rows, host_counts = None, args.num_worst_tokens, None
             else:
-                num_recv = rows = self._read_info(info, 2, args.num_experts)[0]
+                host_counts, info_host = self._read_info(self._start_read(meta, 2)(), args.num_experts)
+                num_recv = rows = info_host[0]
             handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
                                     send_pos=send_pos,
                                     recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device), num_tokens=n,
                                     num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
                                     num_ranks=self.num_ranks, num_recv_rows=rows,
-                                    transport_state=_NVLinkState(send_list))
+                                    transport_state=_NVLinkState(send_list, host_counts))
         else:
             self._replay_barrier(handle)
         recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
@@ -330,7 +389,9 @@ class NVLinkTransport(Transport):
         counts, so every sender knows the row each (token, expert) pair takes in the receiver's expert-major
         layout and ships it with the token: the receivers record those rows and the weights there, and
         ``permute.permute`` (all SMs) expands the received rows. One host read in all (the received row count and
-        the per-expert counts together); no separate slot computation."""
+        the per-expert counts together), taken while the dispatch kernel already runs: that kernel is launched
+        right after notify with receive buffers of the most rows any rank received so far; when a rank receives
+        more, every rank (each sees the whole count matrix) dispatches once more with buffers that fit."""
         self.check_error()
         self._check_rows(args)
         n = args.x.shape[0]
@@ -344,7 +405,8 @@ class NVLinkTransport(Transport):
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
             new = functools.partial(torch.empty, dtype=torch.int32, device=self.device)
-            rpm, send_offset, info = new(self.num_ranks, self.num_ranks), new(num_experts), new(3 + 2 * num_local)
+            meta, rpm, info = self._meta(3 + 2 * num_local)
+            send_offset = new(num_experts)
             send_pos, send_list, expert_pos = new(n, self.num_ranks), new(self.num_ranks, max(n, 1)), new(n, k)
             in_rank = torch.empty(n, self.num_ranks, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
@@ -352,31 +414,65 @@ class NVLinkTransport(Transport):
                 self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, send_list.shape[1], _ptr(rpm), _ptr(send_pos),
                 _ptr(send_list), _ptr(in_rank), _ptr(expert_pos), _ptr(send_offset), _ptr(info), self._stream()),
                 "notify_experts")
-            host = self._read_info(info, 3 + num_local, num_experts)
-            num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
+            read = self._start_read(meta, 3 + num_local)
+            state = _NVLinkState(send_list, None, _ExpertState(topk_idx, expert_pos, send_offset, info))
+            # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows;
+            # the host reads them (and allocates, and launches permute) while it runs.
+            guess = self._recv_guess
             handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
-                                    recv_src_idx=new(num_recv), num_tokens=n, num_recv_tokens=num_recv,
+                                    recv_src_idx=new(guess), num_tokens=n, num_recv_tokens=None,
                                     num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
-                                    num_recv_rows=num_recv,
-                                    transport_state=_NVLinkState(send_list,
-                                                                 _ExpertState(topk_idx, expert_pos, send_offset, info)))
-            handle.expert_layout = ExpertLayout(torch.empty(num_recv, k, dtype=torch.int32, device=self.device),
-                                                tokens_per_expert, num_rows, alignment)
-            weights = args.topk_weights
-        else:
-            state = self._replay_barrier(handle)
-            if state.expert is None:
-                raise ValueError("handle: it has no nvlink expert-major state (it came from Buffer.dispatch)")
-            weights = None
-        state: _NVLinkState = handle.transport_state
+                                    num_recv_rows=guess, transport_state=state)
+            recv_x, recv_scales = self._recv_tensors(args, guess)
+            recv_slot = new(guess, k)
+            probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
+                     if args.topk_weights is not None else None)
+            self._launch_expert_dispatch(args, handle, recv_x, recv_scales, recv_slot, probs, alignment,
+                                         args.topk_weights, speculative_rows=1)
+            host_counts, host = self._read_info(read(), num_experts)
+            num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
+            state.host_counts = host_counts
+            most = max(sum(host_counts[i * self.num_ranks + j] for i in range(self.num_ranks))
+                       for j in range(self.num_ranks))
+            handle.num_recv_tokens = handle.num_recv_rows = num_recv
+            if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
+                self._recv_guess = most
+                handle.recv_src_idx, recv_slot = new(num_recv), new(num_recv, k)
+                handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
+                return self._expert_dispatch(args, handle, args.topk_weights)
+            handle.recv_src_idx = handle.recv_src_idx[:num_recv]
+            handle.expert_layout = ExpertLayout(recv_slot[:num_recv], tokens_per_expert, num_rows, alignment)
+            x, _, scales = permute.permute(recv_x[:num_recv], handle.expert_layout.recv_slot, num_rows, None,
+                                           None if recv_scales is None else recv_scales[:num_recv])
+            return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
+        return self._expert_dispatch(args, handle, None)
+
+    def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, recv_x: torch.Tensor,
+                                recv_scales: Optional[torch.Tensor], recv_slot: torch.Tensor,
+                                probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
+                                speculative_rows: int = 0) -> None:
+        expert: _ExpertState = handle.transport_state.expert
+        self._launch_dispatch(args, handle, expert.topk_idx, recv_x, recv_scales, recv_src_idx=handle.recv_src_idx,
+                              expert_major=1, expert_pos=expert.expert_pos, send_offset=expert.send_offset,
+                              expert_info=expert.info, recv_slot=recv_slot, expert_probs=probs,
+                              alignment=alignment, topk_weights=weights, speculative_rows=speculative_rows)
+
+    def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: Optional[torch.Tensor]
+                         ) -> ExpertDispatchResult:
+        """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute), with ``weights`` (the
+        forward's, whose probs it returns) or without (a cached dispatch: its probs are the caller's)."""
+        if weights is None:
+            state = handle.transport_state
+            if not isinstance(state, _NVLinkState) or state.expert is None:
+                raise ValueError("handle: it has no nvlink expert-major state (it did not come from "
+                                 "NVLinkTransport.dispatch_experts)")
+        self._replay_barrier(handle)
         layout: ExpertLayout = handle.expert_layout
         recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
-        self._launch_dispatch(args, handle, state.expert.topk_idx, recv_x, recv_scales, recv_src_idx=handle.recv_src_idx,
-                              expert_major=1, expert_pos=state.expert.expert_pos, send_offset=state.expert.send_offset,
-                              expert_info=state.expert.info, recv_slot=layout.recv_slot, expert_probs=probs,
-                              num_expert_rows=layout.num_rows, alignment=layout.alignment, topk_weights=weights)
+        self._launch_expert_dispatch(args, handle, recv_x, recv_scales, layout.recv_slot, probs, layout.alignment,
+                                     weights)
         x, _, scales = permute.permute(recv_x, layout.recv_slot, layout.num_rows, None, recv_scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
@@ -390,7 +486,7 @@ class NVLinkTransport(Transport):
             raise ValueError(f"topk_weights: the nvlink kernels take at most {_ext.MAX_TOPK} columns, got {k}")
         if (hidden * x.element_size()) % 16:
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
-        self._check_capacity(handle.num_tokens, combine_slot_bytes(hidden, x.element_size(), k), "x")
+        self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, x.element_size(), k), "x")
         rpm = handle.rank_prefix_matrix.to(device=self.device, dtype=torch.int32).contiguous()
         send_pos = handle.send_pos.to(device=self.device, dtype=torch.int32).contiguous()
         out = torch.empty(handle.num_tokens, hidden, dtype=x.dtype, device=self.device)
@@ -402,6 +498,18 @@ class NVLinkTransport(Transport):
             out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
             num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config))
+        state = handle.transport_state
+        share = self.combine_copy_share
+        if share is None:
+            share = 100 if self._num_sms(config) < 20 else 0
+        counts = (state.copy_counts() if isinstance(state, _NVLinkState) and share > 0 and self.num_ranks > 1
+                  else None)
+        if counts is not None:
+            params.copy_share, params.copy_piece_rows, params.copy_streams = (share, self.copy_piece_rows,
+                                                                              self.copy_streams)
+            params.host_counts = ctypes.addressof(counts)
+            if share >= 100:  # the copy engine sends everything; every warp reduces
+                params.num_send_warps = params.num_send_blocks = 0
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights

@@ -3,7 +3,8 @@
 BF16/FP32 rows and FP8 bytes must match bit for bit, metadata exactly, combine bit for bit at two ranks (both
 sum in source-rank order in fp32) and within rounding beyond. Also: ``num_worst_tokens``, cached dispatch,
 the fused expert-major dispatch/combine against the torch transport's dispatch + permute / unpermute + combine,
-a CUDA-graph captured dispatch+combine replayed on new inputs, and a peer that never arrives. Skips without
+both ways rows travel (copy engine and SM stores, alone and together), CUDA-graph captured dispatch+combine replayed
+on new inputs, and a peer that never arrives. Skips without
 two GPUs or without the built kernel library.
 """
 from __future__ import annotations
@@ -197,8 +198,10 @@ def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignme
         print(f"ok {tag}", flush=True)
 
 
-def _graph_replay(nv: Buffer) -> None:
-    """Capture dispatch (num_worst_tokens) + combine in one CUDA graph; replays on new inputs equal eager calls."""
+def _graph_replay(nv: Buffer, cached: bool) -> None:
+    """Capture dispatch + combine in one CUDA graph; replays on new inputs equal eager calls. Either a
+    ``num_worst_tokens`` dispatch (no host read: SM senders) or a dispatch reusing a handle, whose counts are on
+    the host (copy engine: the copy streams, their events and stream memory operations are captured too)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = nv.device
     n, h, k, num_experts = 1024, 4096, 8, 32 * world
@@ -209,16 +212,23 @@ def _graph_replay(nv: Buffer) -> None:
 
     def refill() -> None:
         x.copy_(torch.randn(n, h, device=device))
-        idx.copy_(_routing("random", n, k, num_experts, device))
+        if not cached:  # a cached handle keeps its routing
+            idx.copy_(_routing("random", n, k, num_experts, device))
         w.copy_(torch.rand(n, k, device=device))
 
+    refill()
+    idx.copy_(_routing("random", n, k, num_experts, device))
+    first = nv.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts)[4] if cached else None
+
     def step():
+        if cached:
+            recv_x, _, _, _, handle, _ = nv.dispatch(x, handle=first, fp8_dispatch=True)
+            return recv_x, nv.combine(recv_x, handle)[0]
         recv_x, _, recv_w, _, handle, _ = nv.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
                                                       num_worst_tokens=worst, fp8_dispatch=True)
         combined, combined_w, _ = nv.combine(recv_x, handle, topk_weights=recv_w)
         return recv_x, combined, combined_w
 
-    refill()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -240,7 +250,8 @@ def _graph_replay(nv: Buffer) -> None:
         for name, a, b in zip(("recv_x", "combined", "combined_weights"), static, eager):
             _same(f"graph replay {name}", a, b)
     if rank == 0:
-        print("ok CUDA-graph replay of dispatch + combine (num_worst_tokens)", flush=True)
+        what = "cached handle, copy engine" if cached else "num_worst_tokens"
+        print(f"ok CUDA-graph replay of dispatch + combine ({what})", flush=True)
 
 
 def _fail_fast(fn, *args) -> None:
@@ -272,9 +283,27 @@ def _suite() -> None:
     for case in CASES:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # the other kernel variants: whole sender blocks in dispatch, warp roles in combine, and 2 SMs with one
-    # sending warp each
+    # the other kernel variants: the copy engine carrying every row (combine without sender warps), in many small
+    # pieces on one or four streams; SM stores only (the mode without host counts) with the default roles, whole
+    # sender blocks in dispatch, warp roles in combine, and 2 SMs with one sending warp each
     transport, defaults = nv.transport, type(nv.transport)
+    transport.dispatch_copy_share = transport.combine_copy_share = 100
+    transport.copy_piece_rows = 8
+    for streams in (1, 4):
+        transport.copy_streams = streams
+        for mode in (MODES[0], MODES[2], MODES[6]):
+            _check_case(nv, ref, CASES[0], mode)
+        _check_expert_case(nv, ref, CASES[2], MODES[2], 16)
+    transport.dispatch_copy_share = transport.combine_copy_share = 30
+    transport.copy_dispatch_send_warps = 1
+    Buffer.set_num_sms(2)
+    _check_case(nv, ref, CASES[3], MODES[3])
+    Buffer.set_num_sms(24)
+    transport.dispatch_copy_share = transport.combine_copy_share = 0
+    for case in (CASES[0], CASES[1], CASES[5]):
+        for mode in (MODES[0], MODES[2], MODES[3], MODES[6]):
+            _check_case(nv, ref, case, mode)
+        _check_expert_case(nv, ref, case, MODES[2], 16)
     transport.dispatch_send_blocks, transport.combine_send_blocks = 8, 0
     _check_expert_case(nv, ref, CASES[2], MODES[0], 16)
     _check_case(nv, ref, CASES[2], MODES[0])
@@ -285,10 +314,12 @@ def _suite() -> None:
     _check_case(nv, ref, CASES[0], MODES[2])
     _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
-                 "combine_send_blocks"):
+                 "combine_send_blocks", "dispatch_copy_share", "combine_copy_share", "copy_piece_rows", "copy_streams",
+                 "copy_dispatch_send_warps"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
-    _graph_replay(nv)
+    _graph_replay(nv, cached=False)
+    _graph_replay(nv, cached=True)
     torch.cuda.synchronize()
     dist.barrier()
     nv.destroy()
