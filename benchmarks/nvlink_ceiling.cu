@@ -1,8 +1,8 @@
-// NVLink ceilings between GPU 0 and GPU 1 of this host, one process driving both: how fast can bytes cross in
-// one direction and in both at once, by SM stores to peer memory (push), SM loads from peer memory (pull) and
-// copy engines (cudaMemcpyPeerAsync, issued on the source or the target GPU), with a given number of SMs. These bound what dispatch/combine can reach
-// (both directions are busy in an EP2 all-to-all). Prints a table.
-//   nvcc -O3 -arch=sm_90 benchmarks/nvlink_ceiling.cu -o nvlink_ceiling && ./nvlink_ceiling [MB]
+// NVLink ceilings between GPU 0 and GPU 1 of this host, one process driving both: how fast bytes cross in one
+// direction and in both at once, by SM stores to peer memory (push), SM loads from peer memory (pull) and copy
+// engines (cudaMemcpyPeerAsync issued on the source or the target GPU), with a given number of SMs. These bound
+// what dispatch/combine can reach (both directions are busy in an EP2 all-to-all). Prints a table.
+//   nvcc -O3 -arch=sm_90 benchmarks/nvlink_ceiling.cu -o nvlink_ceiling && ./nvlink_ceiling [MB per direction, default 57]
 #include <cuda_runtime.h>
 
 #include <cstdio>
