@@ -64,7 +64,6 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
     return slot
 
 
-@torch.no_grad()  # like the kernels, the torch path records no graph: autograd.py owns the gradients
 def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: Optional[torch.Tensor] = None,
             recv_scales: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -90,7 +89,8 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     row_bytes = x.shape[1] * x.element_size()
     if not (_kernels_for(x) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
             and x.data_ptr() % 16 == 0):
-        return _torch_permute(x, slot, num_rows, weights, scales)
+        with torch.no_grad():  # like the kernels, the torch path records no graph: autograd.py owns the gradients
+            return _torch_permute(x, slot, num_rows, weights, scales)
     out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
     num_scales = 0 if scales is None else scales.shape[1]
@@ -103,7 +103,6 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     return out_x, out_probs, out_scales
 
 
-@torch.no_grad()
 def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     """``y`` ``[M, H]`` BF16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``.
 
@@ -123,7 +122,8 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     row_bytes = y.shape[1] * y.element_size()
     if not (_kernels_for(y) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
             and y.data_ptr() % 16 == 0):
-        return _torch_unpermute(y, slot)
+        with torch.no_grad():
+            return _torch_unpermute(y, slot)
     out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
     _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), n, k, y.shape[1], y.shape[0], _KERNEL_DTYPES[y.dtype],
             out.data_ptr())
