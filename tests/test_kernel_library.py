@@ -1,11 +1,16 @@
-"""The built kernel library loads on this (CPU) machine with every C function the Python side declares.
+"""The built kernel library loads on this (CPU) machine with every C function the Python side declares, and the
+ctypes parameter structs lay out exactly like the C header's.
 
-CI builds ``csrc/`` before the tests, so a symbol dropped or renamed in C (or an ABI version bump not mirrored in
-``_ext.py``) fails here, not first on the GPU machine. Skips when the library has not been built.
+CI builds ``csrc/`` before the tests, so a symbol dropped or renamed in C, an ABI version bump not mirrored in
+``_ext.py``, or a struct field out of step fails here, not first on the GPU machine. Skips when the library has
+not been built (or no C compiler exists, for the layout check).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -18,3 +23,26 @@ def test_every_declared_function_is_exported() -> None:
     lib = _ext.load()  # raises on a missing symbol or an ABI mismatch
     assert lib.moe_ep_abi_version() == _ext.ABI_VERSION
     assert permute._kernels() is not None, "csrc/permute.cu functions missing from the library"
+
+
+def _c_compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+
+
+@pytest.mark.skipif(_c_compiler() is None, reason="no C compiler to read the header's struct layout with")
+@pytest.mark.parametrize("struct, name", [(_ext.DispatchParams, "moe_ep_dispatch_params"),
+                                          (_ext.CombineParams, "moe_ep_combine_params")])
+def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None:
+    """Every field of the ctypes mirror sits at the offset (and the struct has the size) the C compiler gives
+    ``csrc/moe_ep.h``: a field added, dropped or reordered on one side only would hand the kernels garbage."""
+    header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "moe_ep.h")
+    fields = [field for field, _ in struct._fields_]
+    lines = [f'printf("%zu\\n", offsetof({name}, {field}));' for field in fields]
+    source = tmp_path / "layout.c"
+    source.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{header}"\nint main(void) {{\n'
+                      + "\n".join(lines) + f'\nprintf("%zu\\n", sizeof({name}));\nreturn 0;\n}}\n')
+    binary = tmp_path / "layout"
+    subprocess.run([_c_compiler(), str(source), "-o", str(binary)], check=True, capture_output=True)
+    got = [int(v) for v in subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()]
+    want = [getattr(struct, field).offset for field in fields] + [ctypes.sizeof(struct)]
+    assert got == want, [(f, g, w) for f, g, w in zip(fields + ["sizeof"], got, want) if g != w]
