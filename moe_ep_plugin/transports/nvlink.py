@@ -75,7 +75,7 @@ def _carve(new: Callable[[int], torch.Tensor], *shapes: tuple[int, ...]) -> list
 class _ExpertState:
     """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64, each entry's position
     among this rank's entries for its expert ``[N, K]`` int32, ``send_offset`` ``[E]`` int32 and notify's
-    ``info`` ``[2 + 2L]`` int32 (csrc/moe_ep.h)."""
+    ``info`` ``[3 + 2L]`` int32 (csrc/moe_ep.h)."""
 
     topk_idx: torch.Tensor
     expert_pos: torch.Tensor
@@ -258,17 +258,21 @@ class NVLinkTransport(Transport):
                                                     _ptr(send_list), _ptr(info), self._stream()), "notify_dispatch")
         return send_pos, send_list
 
-    def _meta(self, info_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(meta, rank_prefix_matrix [R, R], info [info_length])``: notify's outputs in one int32 tensor, so one
-        host read brings both back."""
-        r2 = self.num_ranks * self.num_ranks
-        meta = torch.empty(r2 + info_length, dtype=torch.int32, device=self.device)
-        return meta, meta[:r2].view(self.num_ranks, self.num_ranks), meta[r2:]
+    def _split_meta(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rank_prefix_matrix [R, R], info)`` of ``meta``, the int32 tensor holding both of notify's outputs so
+        one host read brings both back."""
+        r = self.num_ranks
+        return meta[:r * r].view(r, r), meta[r * r:]
+
+    def _most_received(self, host_counts: list[int]) -> int:
+        """The most rows any rank receives (every rank computes the same from the whole count matrix)."""
+        r = self.num_ranks
+        return max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
 
     def _start_read(self, meta: torch.Tensor, info_length: int) -> Callable[[], list[int]]:
-        """Start the one host read of a dispatch: ``meta`` (see ``_meta``) up to ``info[:info_length]`` is copied
-        to pinned memory on the library's side stream, after the work enqueued so far (notify), so the caller can
-        enqueue more before it waits. Returns the wait, which gives the values. (``meta`` stays alive in the
+        """Start the one host read of a dispatch: ``meta`` (see ``_split_meta``) up to ``info[:info_length]`` is
+        copied to pinned memory on the library's side stream, after the work enqueued so far (notify), so the caller
+        can enqueue more before it waits. Returns the wait, which gives the values. (``meta`` stays alive in the
         handle, which holds views of it.)"""
         length = self.num_ranks * self.num_ranks + info_length
         _ext.check(self._lib.moe_ep_read_start(self._ctx, meta.data_ptr(), 4 * length, self._stream()), "read_start")
@@ -365,7 +369,8 @@ class NVLinkTransport(Transport):
         n = args.x.shape[0]
         handle = args.handle
         if handle is None:
-            meta, rpm, info = self._meta(2)
+            meta = torch.empty(self.num_ranks * self.num_ranks + 2, dtype=torch.int32, device=self.device)
+            rpm, info = self._split_meta(meta)
             send_pos, send_list = self._notify(args, rpm, info)
             if args.num_worst_tokens > 0:  # no host read, so out-of-range ids are not reported in this mode
                 num_recv, rows, host_counts = None, args.num_worst_tokens, None
@@ -422,7 +427,7 @@ class NVLinkTransport(Transport):
             # notify's int32 outputs carved from one allocation (host time: one allocation instead of five)
             meta, send_offset, send_pos, send_list, expert_pos = _carve(
                 new, (r * r + 3 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k))
-            rpm, info = meta[:r * r].view(r, r), meta[r * r:]
+            rpm, info = self._split_meta(meta)
             in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
             _ext.check(self._lib.moe_ep_notify_experts(
@@ -447,8 +452,7 @@ class NVLinkTransport(Transport):
             host_counts, host = self._read_info(read(), num_experts)
             num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
             state.host_counts = host_counts
-            most = max(sum(host_counts[i * self.num_ranks + j] for i in range(self.num_ranks))
-                       for j in range(self.num_ranks))
+            most = self._most_received(host_counts)
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
             if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
                 self._recv_guess = most
