@@ -81,6 +81,11 @@ __device__ __forceinline__ int* flags(char* buf, int src) {
 __device__ __forceinline__ char* region(const DevCtx& c, int owner, int src) {
     return c.bufs[owner] + kStagingOffset + int64_t(src) * c.region_bytes;
 }
+// A pull combine's weights ([rows, num_topk] fp32) sit at the end of the rank's own region, at an offset every
+// rank computes alike (the row count differs per rank); the rows fill the region from its start.
+__host__ __device__ __forceinline__ int64_t pull_weights_offset(const DevCtx& c, int num_topk) {
+    return (c.region_bytes - int64_t(kMaxRegionRows) * num_topk * 4) / 16 * 16;
+}
 
 __device__ __forceinline__ int ld_acquire_sys(const int* p) {
     int v;

@@ -810,16 +810,30 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     }
     const int gw = role.gw, nw = role.nw;
     const int64_t self_base = offset_from(rpm, R, me, me);
-    // How rank r's copies of this rank's tokens arrive, and where their weights start in r's region here.
+    // How rank r's copies of this rank's tokens arrive, and where they and their weights start: pushed into
+    // r's region here (rows, then their weights), or, pulling, in r's own region of r's buffer (r's x in r's
+    // receive order, where the rows this rank sent r start at offset_from(rpm, me, r); weights at a fixed offset).
+    const bool pull = p.pull != 0;
     int seen[kRanks];
     Arrival arrival[kRanks];
-    int64_t w_base[kRanks];
+    const char* row_base[kRanks];
+    const float* w_base[kRanks];
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
         const int count = r < R ? rows_from(rpm, R, me, r) : 0;
         seen[r] = kNotSeen;
         arrival[r] = arrival_of(count, share, int(p.copy_piece_rows));
-        w_base[r] = count * row_bytes;
+        if (r >= R || r == me) {
+            row_base[r] = nullptr;
+            w_base[r] = nullptr;
+        } else if (pull) {
+            const int64_t first = offset_from(rpm, R, me, r);
+            row_base[r] = region(c, r, r) + first * row_bytes;
+            w_base[r] = reinterpret_cast<const float*>(region(c, r, r) + pull_weights_offset(c, K)) + first * K;
+        } else {
+            row_base[r] = region(c, me, r);
+            w_base[r] = reinterpret_cast<const float*>(region(c, me, r) + count * row_bytes);
+        }
     }
     const char* bias0 = static_cast<const char*>(p.bias0);
     const char* bias1 = static_cast<const char*>(p.bias1);
@@ -845,8 +859,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                 src[r] = x + (self_base + pos) * row_bytes;
                 continue;
             }
-            if (!wait_rows(c, r, pos, arrival[r], seq, MOE_EP_ERR_COMBINE_TIMEOUT, seen[r], lane)) ok = false;
-            src[r] = region(c, me, r) + int64_t(pos) * row_bytes;
+            if (!pull && !wait_rows(c, r, pos, arrival[r], seq, MOE_EP_ERR_COMBINE_TIMEOUT, seen[r], lane)) ok = false;
+            src[r] = row_base[r] + int64_t(pos) * row_bytes;
         }
         if (!ok) break;
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
@@ -886,7 +900,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                 if (r == me) {
                     w += __ldg(p.topk_weights + (self_base + cur_pos[r]) * K + lane);
                 } else {
-                    w += reinterpret_cast<const volatile float*>(region(c, me, r) + w_base[r])[int64_t(cur_pos[r]) * K + lane];
+                    w += reinterpret_cast<const volatile float*>(w_base[r])[int64_t(cur_pos[r]) * K + lane];
                 }
             }
             p.out_weights[int64_t(t) * K + lane] = w;
@@ -939,6 +953,10 @@ static int copy_rows(Context* ctx, Count counts, Src src, int64_t row_bytes, int
         }
     }
     return 0;
+}
+
+int64_t pull_rows(const DevCtx& c, int64_t row_bytes, int num_topk) {
+    return std::min(pull_weights_offset(c, num_topk) / row_bytes, int64_t(kMaxRegionRows));
 }
 
 int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, int64_t num_send_blocks) {
@@ -1084,6 +1102,10 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     return err ? err : copy_finish(mut, s, int(p.copy_streams));
 }
 
+extern "C" int64_t moe_ep_pull_rows(void* handle, int64_t row_bytes, int64_t num_topk) {
+    return row_bytes > 0 ? pull_rows(static_cast<const Context*>(handle)->dev, row_bytes, int(num_topk)) : 0;
+}
+
 extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_combine_params& p = *params;
@@ -1097,8 +1119,26 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
     Context* mut = const_cast<Context*>(ctx);
     const int share = int(p.copy_share);
-    if (share < 100 && p.num_send_blocks == 0 && p.num_send_warps < 1)
+    if (p.pull != 0) {
+        if (share != 0 || p.num_send_warps != 0 || p.num_send_blocks != 0)
+            return set_error(-1, "a pull combine has no senders and no copy-engine share");
+        if (p.num_recv_rows > moe_ep_pull_rows(mut, row_bytes, p.num_topk))
+            return set_error(-1, "pull combine: " + std::to_string(p.num_recv_rows) + " rows do not fit a region");
+        // This rank's rows into its own region (peers finished reading it: the caller's start barrier), then a
+        // barrier: every rank's rows are in place before anyone loads them.
+        char* own = ctx->dev.bufs[me] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes;
+        int err = check_cuda(cudaMemcpyAsync(own, p.x, size_t(p.num_recv_rows * row_bytes), cudaMemcpyDeviceToDevice, s),
+                             "cudaMemcpyAsync(pull rows)");
+        if (!err && p.topk_weights != nullptr)
+            err = check_cuda(cudaMemcpyAsync(own + pull_weights_offset(ctx->dev, int(p.num_topk)), p.topk_weights,
+                                             size_t(p.num_recv_rows * p.num_topk * 4), cudaMemcpyDeviceToDevice, s),
+                             "cudaMemcpyAsync(pull weights)");
+        if (err) return err;
+        barrier_kernel<<<1, 32, 0, s>>>(ctx->dev);
+        if (int e = check_launch("barrier_kernel")) return e;
+    } else if (share < 100 && p.num_send_blocks == 0 && p.num_send_warps < 1) {
         return set_error(-1, "combine needs sender warps unless the copy engine carries every row (copy_share 100)");
+    }
     if (share > 0) {
         if (int err = check_copy(p.copy_share, p.copy_piece_rows, p.copy_streams, p.host_counts)) return err;
         if (int err = check_copy_rows(ctx, p.host_counts, false, row_bytes + 4 * p.num_topk, "combine")) return err;

@@ -50,7 +50,7 @@ class CombineParams(ctypes.Structure):
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
                                   "num_send_warps", "num_send_blocks", "copy_share", "copy_piece_rows",
                                   "copy_streams")] + [
-        ("host_counts", _p)]
+        ("host_counts", _p), ("pull", _i64)]
 
 
 _lib: Optional[ctypes.CDLL] = None
@@ -97,6 +97,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_read_wait.argtypes = [_p]
     lib.moe_ep_read_buffer.restype = ctypes.POINTER(ctypes.c_int32)
     lib.moe_ep_read_buffer.argtypes = [_p]
+    lib.moe_ep_pull_rows.restype = _i64
+    lib.moe_ep_pull_rows.argtypes = [_p, _i64, _i64]
     lib.moe_ep_get_dispatch_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
     lib.moe_ep_routing_map_topk.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _p]
     lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p]

@@ -126,6 +126,7 @@ class NVLinkTransport(Transport):
     dispatch_send_blocks = 0
     combine_send_warps = 6
     combine_send_blocks = 10
+    combine_pull = True
     dispatch_copy_share = 0
     combine_copy_share: Optional[int] = None
     copy_piece_rows = 512
@@ -496,6 +497,13 @@ class NVLinkTransport(Transport):
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
+    def _pull_fits(self, host_counts: list[int], x: torch.Tensor, num_topk: int) -> bool:
+        """Whether every rank's received rows fit its own region for a pull combine (all ranks decide alike: each
+        sees the whole count matrix)."""
+        r = self.num_ranks
+        most = max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
+        return most <= self._lib.moe_ep_pull_rows(self._ctx, x.shape[1] * x.element_size(), num_topk)
+
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         self.check_error()
@@ -518,12 +526,15 @@ class NVLinkTransport(Transport):
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
             num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config))
         state = handle.transport_state
+        host_counts = state.host_counts if isinstance(state, _NVLinkState) and self.num_ranks > 1 else None
         share = self.combine_copy_share
         if share is None:
             share = 100 if self._num_sms(config) < 20 else 0
-        counts = (state.copy_counts() if isinstance(state, _NVLinkState) and share > 0 and self.num_ranks > 1
-                  else None)
-        if counts is not None:
+        counts = None
+        if self.combine_pull and host_counts is not None and self._pull_fits(host_counts, x, k):
+            params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
+        elif host_counts is not None and share > 0:
+            counts = state.copy_counts()  # kept alive until the launch has read it
             params.copy_share, params.copy_piece_rows, params.copy_streams = (share, self.copy_piece_rows,
                                                                               self.copy_streams)
             params.host_counts = ctypes.addressof(counts)
