@@ -559,6 +559,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         report_error(c, MOE_EP_ERR_WORST_TOKENS, total_recv, int(p.num_recv_rows));
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
+    // Pulling: source s stages its rows in its own region of its own buffer when all of them fit there (every rank
+    // computes this alike from the rank prefix matrix), and receivers load them over NVLink.
+    auto pulls = [&](int s) {
+        return p.pull != 0 && outbox_row(rpm, R, s, R, 100) * sl.slot_bytes <= c.region_bytes;
+    };
 
     // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to this rank's output row r
     // (each skipped when null / negative). A plain copy goes through registers; FP8 rows come from the quantizer,
@@ -615,8 +620,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             }
             const Arrival arrival = arrival_of(count, share, int(p.copy_piece_rows));
             const bool copied = begin < arrival.copied;  // chunks never straddle the split
-            char* first = copied ? static_cast<char*>(p.outbox) + (outbox_row(rpm, R, me, d, share) + begin) * sl.slot_bytes
-                                 : region(c, d, me) + int64_t(begin) * sl.slot_bytes;
+            char* first = copied      ? static_cast<char*>(p.outbox) + (outbox_row(rpm, R, me, d, share) + begin) * sl.slot_bytes
+                          : pulls(me) ? region(c, me, me) + (outbox_row(rpm, R, me, d, 100) + begin) * sl.slot_bytes
+                                      : region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
             prefetch_rows(x, in_row_bytes, tok, __ballot_sync(0xffffffffu, lane < rows), lane);
             if (send_topk)
@@ -690,7 +696,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (!wait_rows(c, s, begin, arrival_of(count, share, int(p.copy_piece_rows)), seq, MOE_EP_ERR_DISPATCH_TIMEOUT,
                            seen[s], lane))
                 break;
-            const char* first = region(c, me, s) + int64_t(begin) * sl.slot_bytes;
+            const char* first = pulls(s) ? region(c, s, s) + (outbox_row(rpm, R, s, me, 100) + begin) * sl.slot_bytes
+                                         : region(c, me, s) + int64_t(begin) * sl.slot_bytes;
             if (recv_topk || expert)
                 for_each_entry(rows, K, 0, lane, [&](int i, int k, int) {
                     const char* slot = first + int64_t(i) * sl.slot_bytes;
@@ -1071,6 +1078,7 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     Context* mut = const_cast<Context*>(ctx);
     const int share = int(p.copy_share);
     if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
+    if (p.pull != 0 && share > 0) return set_error(-1, "a pull dispatch takes no copy-engine share");
     if (share > 0) {
         if (int err = check_copy(p.copy_share, p.copy_piece_rows, p.copy_streams, p.host_counts)) return err;
         if (p.outbox == nullptr) return set_error(-1, "copy-engine dispatch needs an outbox");

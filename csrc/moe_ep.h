@@ -71,6 +71,10 @@ typedef struct {
     int64_t copy_share, copy_piece_rows, copy_streams;
     const int32_t* host_counts;
     void* outbox;
+    /* pull != 0: a source whose rows for all peers fit one region stages them in its own region of its own buffer
+     * (destinations in rank order) and its peers' receivers load them over NVLink; every rank decides this for
+     * every source alike from rank_prefix_matrix. Excludes copy_share. */
+    int64_t pull;
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are

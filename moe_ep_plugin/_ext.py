@@ -39,7 +39,7 @@ class DispatchParams(ctypes.Structure):
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
         (name, _i64) for name in ("num_expert_rows", "alignment", "speculative_rows", "copy_share", "copy_piece_rows",
                                   "copy_streams")] + [
-        (name, _p) for name in ("host_counts", "outbox")]
+        (name, _p) for name in ("host_counts", "outbox")] + [("pull", _i64)]
 
 
 class CombineParams(ctypes.Structure):

@@ -126,6 +126,8 @@ class NVLinkTransport(Transport):
     dispatch_send_blocks = 0
     combine_send_warps = 6
     combine_send_blocks = 10
+    dispatch_pull = True
+    pull_dispatch_send_warps = 6
     combine_pull = True
     dispatch_copy_share = 0
     combine_copy_share: Optional[int] = None
@@ -329,7 +331,8 @@ class NVLinkTransport(Transport):
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
-        counts = state.copy_counts() if self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
+        pull = self.dispatch_pull and self.num_ranks > 1
+        counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
         params = _ext.DispatchParams(
             x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(args.topk_weights),
             rank_prefix_matrix=_ptr(handle.rank_prefix_matrix), send_list=_ptr(state.send_list), recv_x=_ptr(recv_x),
@@ -344,6 +347,8 @@ class NVLinkTransport(Transport):
             alignment=1)
         for name, value in outputs.items():
             setattr(params, name, _ptr(value) if isinstance(value, torch.Tensor) or value is None else value)
+        if pull:  # senders only stage rows locally; receivers load them over NVLink
+            params.pull, params.num_send_warps, params.num_send_blocks = 1, self.pull_dispatch_send_warps, 0
         if counts is not None:  # the outbox has room for every row sent, whatever the copy engine's share
             me, r = self.rank, self.num_ranks
             sent = sum(counts[me * r + d] for d in range(r) if d != me)

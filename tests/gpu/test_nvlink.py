@@ -283,12 +283,12 @@ def _suite() -> None:
     for case in CASES:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # the other kernel variants: combine pushing rows instead of pulling them; the copy engine carrying every row
+    # the other kernel variants: pushing rows instead of pulling them; the copy engine carrying every row
     # (combine without sender warps), in many small pieces on one or four streams; SM stores only (the mode
     # without host counts) with the default roles, whole sender blocks in dispatch, warp roles in combine, and
     # 2 SMs with one sending warp each
     transport, defaults = nv.transport, type(nv.transport)
-    transport.combine_pull = False  # combine pushes from here on (pull is the default above)
+    transport.dispatch_pull = transport.combine_pull = False  # rows are pushed from here on (pulled above)
     transport.dispatch_copy_share = transport.combine_copy_share = 100
     transport.copy_piece_rows = 8
     for streams in (1, 4):
@@ -317,7 +317,7 @@ def _suite() -> None:
     _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
                  "combine_send_blocks", "dispatch_copy_share", "combine_copy_share", "copy_piece_rows", "copy_streams",
-                 "copy_dispatch_send_warps", "combine_pull"):
+                 "copy_dispatch_send_warps", "combine_pull", "dispatch_pull"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv, cached=False)
