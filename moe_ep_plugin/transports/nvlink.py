@@ -505,9 +505,8 @@ class NVLinkTransport(Transport):
     def _pull_fits(self, host_counts: list[int], x: torch.Tensor, num_topk: int) -> bool:
         """Whether every rank's received rows fit its own region for a pull combine (all ranks decide alike: each
         sees the whole count matrix)."""
-        r = self.num_ranks
-        most = max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
-        return most <= self._lib.moe_ep_pull_rows(self._ctx, x.shape[1] * x.element_size(), num_topk)
+        row_bytes = x.shape[1] * x.element_size()
+        return self._most_received(host_counts) <= self._lib.moe_ep_pull_rows(self._ctx, row_bytes, num_topk)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
