@@ -747,7 +747,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     }
     // num_worst_tokens: rows past the received ones hold zeros, top-k ids -1, weights 0, source index -1.
     const int64_t tail_rows = p.num_recv_rows - total_recv;
-    if (tail_rows <= 0) return;
+    if (tail_rows <= 0 || p.speculative_rows != 0) return;  // a guess's spare rows are sliced off, not filled
     int4* tail_x = reinterpret_cast<int4*>(recv_x + total_recv * out_row_bytes);
     for (int64_t i = tid; i < tail_rows * out_row_bytes / 16; i += nthreads) tail_x[i] = make_int4(0, 0, 0, 0);
     if (wire_fp8 && !dequant)

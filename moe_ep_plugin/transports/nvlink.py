@@ -370,27 +370,46 @@ class NVLinkTransport(Transport):
         return state
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """Notify, then the dispatch kernel. With a handle: its barrier and the kernel. With ``num_worst_tokens``:
+        outputs of that many rows and no host read. Otherwise the kernel starts right after notify with outputs of
+        the most rows any rank received so far, while the host reads the counts; the outputs are views of their
+        first ``num_recv`` rows, and when some rank received more every rank dispatches again with outputs that
+        fit (each sees the whole count matrix, so all agree)."""
         self.check_error()
         self._check_rows(args)
         n = args.x.shape[0]
-        handle = args.handle
-        if handle is None:
-            meta = torch.empty(self.num_ranks * self.num_ranks + 2, dtype=torch.int32, device=self.device)
-            rpm, info = self._split_meta(meta)
-            send_pos, send_list = self._notify(args, rpm, info)
-            if args.num_worst_tokens > 0:  # no host read, so out-of-range ids are not reported in this mode
-                num_recv, rows, host_counts = None, args.num_worst_tokens, None
-            else:
-                host_counts, info_host = self._read_info(self._start_read(meta, 2)(), args.num_experts)
-                num_recv = rows = info_host[0]
-            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
-                                    send_pos=send_pos,
-                                    recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device), num_tokens=n,
-                                    num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
-                                    num_ranks=self.num_ranks, num_recv_rows=rows,
-                                    transport_state=_NVLinkState(send_list, host_counts))
-        else:
+        if args.handle is not None:
+            self._replay_barrier(args.handle)
+            return self._dispatch_rows(args, args.handle)
+        meta = torch.empty(self.num_ranks * self.num_ranks + 2, dtype=torch.int32, device=self.device)
+        rpm, info = self._split_meta(meta)
+        send_pos, send_list = self._notify(args, rpm, info)
+        worst = args.num_worst_tokens > 0  # no host read, so out-of-range ids are not reported in this mode
+        handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
+                                send_pos=send_pos, recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
+                                num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
+                                num_ranks=self.num_ranks,
+                                num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
+                                transport_state=_NVLinkState(send_list))
+        if worst:
+            return self._dispatch_rows(args, handle)
+        read = self._start_read(meta, 2)
+        guess = handle.num_recv_rows
+        result = self._dispatch_rows(args, handle, speculative_rows=1)
+        handle.transport_state.host_counts, host = self._read_info(read(), args.num_experts)
+        num_recv = handle.num_recv_tokens = handle.num_recv_rows = host[0]
+        most = self._most_received(handle.transport_state.host_counts)
+        if most > guess:  # some rank's rows did not fit: every rank dispatches again, with outputs that fit
+            self._recv_guess = most
             self._replay_barrier(handle)
+            return self._dispatch_rows(args, handle)
+        handle.recv_src_idx = handle.recv_src_idx[:num_recv]
+        cut = [None if t is None else t[:num_recv]
+               for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
+        return DispatchResult(*cut, result.num_recv_tokens_per_expert, handle)
+
+    def _dispatch_rows(self, args: DispatchArgs, handle: DispatchHandle, speculative_rows: int = 0) -> DispatchResult:
+        """Outputs of ``handle.num_recv_rows`` rows and the dispatch kernel into them."""
         recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
         has_topk = args.topk_idx is not None
         k = args.topk_idx.shape[1] if has_topk else 0
@@ -403,7 +422,7 @@ class NVLinkTransport(Transport):
         recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
         self._launch_dispatch(args, handle, args.topk_idx, recv_x, recv_scales, recv_topk_idx=recv_topk_idx,
                               recv_topk_weights=recv_topk_weights, recv_src_idx=recv_src_idx,
-                              recv_expert_count=expert_counts)
+                              recv_expert_count=expert_counts, speculative_rows=speculative_rows)
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
