@@ -1132,15 +1132,25 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
             return set_error(-1, "a pull combine has no senders and no copy-engine share");
         if (p.num_recv_rows > moe_ep_pull_rows(mut, row_bytes, p.num_topk))
             return set_error(-1, "pull combine: " + std::to_string(p.num_recv_rows) + " rows do not fit a region");
-        // This rank's rows into its own region (peers finished reading it: the caller's start barrier), then a
-        // barrier: every rank's rows are in place before anyone loads them.
+        if (p.host_counts == nullptr) return set_error(-1, "a pull combine needs host_counts");
+        // The rows this rank received from each peer (and their weights) into its own region at the same offsets
+        // as in x; its own tokens' rows stay in x, read there. Peers finished reading the region (the caller's start
+        // barrier); the barrier after the copies puts every rank's rows in place before anyone loads them.
         char* own = ctx->dev.bufs[me] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes;
-        int err = check_cuda(cudaMemcpyAsync(own, p.x, size_t(p.num_recv_rows * row_bytes), cudaMemcpyDeviceToDevice, s),
-                             "cudaMemcpyAsync(pull rows)");
-        if (!err && p.topk_weights != nullptr)
-            err = check_cuda(cudaMemcpyAsync(own + pull_weights_offset(ctx->dev, int(p.num_topk)), p.topk_weights,
-                                             size_t(p.num_recv_rows * p.num_topk * 4), cudaMemcpyDeviceToDevice, s),
-                             "cudaMemcpyAsync(pull weights)");
+        float* own_weights = reinterpret_cast<float*>(own + pull_weights_offset(ctx->dev, int(p.num_topk)));
+        const char* x = static_cast<const char*>(p.x);
+        int err = 0;
+        for (int d = 0, first = 0; d < R && !err; first += p.host_counts[d * R + me], ++d) {
+            const int count = p.host_counts[d * R + me];
+            if (d == me || count == 0) continue;
+            err = check_cuda(cudaMemcpyAsync(own + first * row_bytes, x + first * row_bytes, size_t(count * row_bytes),
+                                             cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync(pull rows)");
+            if (!err && p.topk_weights != nullptr)
+                err = check_cuda(cudaMemcpyAsync(own_weights + int64_t(first) * p.num_topk,
+                                                 p.topk_weights + int64_t(first) * p.num_topk,
+                                                 size_t(count * p.num_topk * 4), cudaMemcpyDeviceToDevice, s),
+                                 "cudaMemcpyAsync(pull weights)");
+        }
         if (err) return err;
         barrier_kernel<<<1, 32, 0, s>>>(ctx->dev);
         if (int e = check_launch("barrier_kernel")) return e;

@@ -93,10 +93,11 @@ typedef struct {
      * straight from x; sender warps (if any) the rest. Other fields as for dispatch. */
     int64_t copy_share, copy_piece_rows, copy_streams;
     const int32_t* host_counts;
-    /* pull != 0: every rank copies its x (and topk_weights) into its own region of its buffer, all ranks meet at a
-     * barrier, and every warp of the kernel reduces, loading the peers' rows from their buffers over NVLink (no
-     * sender warps, no flags). Needs every rank's num_recv_rows * hidden * elem_bytes to fit a region below the
-     * weights area (moe_ep_pull_rows); all ranks must agree on it. */
+    /* pull != 0: every rank copies the rows of x (and topk_weights) it received from peers into its own region of its
+     * buffer (same offsets as in x; host_counts gives them), all ranks meet at a barrier, and every warp of the kernel
+     * reduces, loading the peers' rows from their buffers over NVLink (no sender warps, no flags). Needs every rank's
+     * num_recv_rows * hidden * elem_bytes to fit a region below the weights area (moe_ep_pull_rows); all ranks must
+     * agree on it. */
     int64_t pull;
 } moe_ep_combine_params;
 

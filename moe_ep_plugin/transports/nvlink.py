@@ -113,6 +113,13 @@ class NVLinkTransport(Transport):
     (benchmarks/RESULTS.md): at 24 SMs SM stores alone are fastest; with fewer SMs the copy engine carrying all of
     combine is 1.4-2.2x faster, hence ``combine_copy_share = None``: 100 below 20 SMs, else 0.
 
+    Pulling instead of pushing: with ``dispatch_pull`` (``quantizing_dispatch_pull`` when quantizing in the send
+    path) ``pull_dispatch_send_warps`` senders stage each source's rows in its own region and the receivers load
+    them over NVLink; with ``combine_pull`` (when the copy engine has no share) every rank copies the rows it
+    received from peers into its own region, a barrier, and every warp of the combine kernel reduces, loading
+    peers' rows over NVLink. Measured at 24 SMs: pulling is faster for BF16 dispatch and for combine, slower for
+    a quantizing dispatch.
+
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
     quantizes in the send path moves work to the senders, so it has its own warp count. Defaults: the fastest
@@ -127,6 +134,7 @@ class NVLinkTransport(Transport):
     combine_send_warps = 6
     combine_send_blocks = 10
     dispatch_pull = True
+    quantizing_dispatch_pull = False
     pull_dispatch_send_warps = 6
     combine_pull = True
     dispatch_copy_share = 0
@@ -331,7 +339,7 @@ class NVLinkTransport(Transport):
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
-        pull = self.dispatch_pull and self.num_ranks > 1
+        pull = (self.quantizing_dispatch_pull if args.wire_fp8 else self.dispatch_pull) and self.num_ranks > 1
         counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
         params = _ext.DispatchParams(
             x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(args.topk_weights),
@@ -554,15 +562,17 @@ class NVLinkTransport(Transport):
         if share is None:
             share = 100 if self._num_sms(config) < 20 else 0
         counts = None
-        if self.combine_pull and host_counts is not None and self._pull_fits(host_counts, x, k):
-            params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
-        elif host_counts is not None and share > 0:
+        if host_counts is not None and share > 0:
             counts = state.copy_counts()  # kept alive until the launch has read it
             params.copy_share, params.copy_piece_rows, params.copy_streams = (share, self.copy_piece_rows,
                                                                               self.copy_streams)
             params.host_counts = ctypes.addressof(counts)
             if share >= 100:  # the copy engine sends everything; every warp reduces
                 params.num_send_warps = params.num_send_blocks = 0
+        elif self.combine_pull and host_counts is not None and self._pull_fits(host_counts, x, k):
+            counts = state.copy_counts()  # where each peer's rows sit in x
+            params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
+            params.host_counts = ctypes.addressof(counts)
         _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
         return out, out_weights

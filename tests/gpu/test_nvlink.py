@@ -283,12 +283,17 @@ def _suite() -> None:
     for case in CASES:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # the other kernel variants: pushing rows instead of pulling them; the copy engine carrying every row
+    # the other kernel variants: quantized rows pulled; pushing rows instead of pulling them; the copy engine carrying every row
     # (combine without sender warps), in many small pieces on one or four streams; SM stores only (the mode
     # without host counts) with the default roles, whole sender blocks in dispatch, warp roles in combine, and
     # 2 SMs with one sending warp each
     transport, defaults = nv.transport, type(nv.transport)
+    transport.quantizing_dispatch_pull = True  # quantized rows pulled too (pushed above)
+    for mode in (MODES[2], MODES[3], MODES[5]):
+        _check_case(nv, ref, CASES[1], mode)
+    _check_expert_case(nv, ref, CASES[1], MODES[2], 16)
     transport.dispatch_pull = transport.combine_pull = False  # rows are pushed from here on (pulled above)
+    transport.quantizing_dispatch_pull = False
     transport.dispatch_copy_share = transport.combine_copy_share = 100
     transport.copy_piece_rows = 8
     for streams in (1, 4):
@@ -317,7 +322,7 @@ def _suite() -> None:
     _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
                  "combine_send_blocks", "dispatch_copy_share", "combine_copy_share", "copy_piece_rows", "copy_streams",
-                 "copy_dispatch_send_warps", "combine_pull", "dispatch_pull"):
+                 "copy_dispatch_send_warps", "combine_pull", "dispatch_pull", "quantizing_dispatch_pull"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv, cached=False)
