@@ -31,6 +31,9 @@ p.add_argument("--iters", type=int, default=30)
 p.add_argument("--num-sms", type=int, default=24, help="SMs for the communication kernels (plugin and DeepEP)")
 p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
 p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
+p.add_argument("--trace", action="store_true",
+               help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
+                    "and every GPU activity (GPU only)")
 a = p.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 use_cuda = torch.cuda.is_available()
@@ -128,6 +131,40 @@ def phase_us(d, x, rmap, probs, iters):
     return [sorted(col)[len(col) // 2] for col in zip(*samples)]
 
 
+def trace(d, x, rmap, probs, label):
+    """Rank 0 prints one forward's timeline (after warm-up): each method's host span and every GPU activity, in
+    microseconds from the start of the forward's first method. Collective: every rank runs the steps."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def forward():
+        calls = [("dispatch_preprocess", lambda v: d.dispatch_preprocess(x, rmap, probs)),
+                 ("token_dispatch", lambda v: d.token_dispatch(*v)), ("dispatch_postprocess", lambda v: d.dispatch_postprocess(*v)),
+                 ("experts", lambda v: v[0] * v[2].unsqueeze(-1).to(v[0].dtype)),
+                 ("combine_preprocess", d.combine_preprocess), ("token_combine", d.token_combine),
+                 ("combine_postprocess", d.combine_postprocess)]
+        value = None
+        for name, fn in calls:
+            with record_function(f"phase:{name}"):
+                value = fn(value)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    for _ in range(5):
+        forward()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward()
+    if rank != 0:
+        return
+    events = [e for e in prof.events() if e.name.startswith("phase:") or e.device_type == torch.autograd.DeviceType.CUDA]
+    events = [e for e in events if "nccl" not in e.name.lower() or e.device_type != torch.autograd.DeviceType.CUDA
+              or e.time_range.elapsed_us() < 1000]  # leave out the barrier after the step
+    t0 = min(e.time_range.start for e in events if e.name.startswith("phase:"))
+    print(f"TRACE {label}: start us, duration us, host phase or GPU activity")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        where = "host" if e.name.startswith("phase:") else "gpu "
+        print(f"TRACE {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f} {where} {e.name[:100]}")
+
+
 def run_us(fn):
     """Microseconds of one call: CUDA events on GPU, the host clock on CPU."""
     if not use_cuda:
@@ -181,6 +218,8 @@ for tokens in (int(t) for t in a.tokens.split(",")):
                 if rank == 0:
                     print(f"PHASES mcore-{kind} tokens={tokens} " + " ".join(
                         f"{name}={us:.0f}us" for name, us in zip(PHASES, parts)), flush=True)
+            if a.trace and use_cuda:
+                trace(disp, xf, rmap, probs, f"mcore-{kind} tokens={tokens}")
             if rank == 0:
                 print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
                       f"fwd_bwd_us={fb:.1f} correct={bool(ok_all.item())}", flush=True)
