@@ -3,7 +3,8 @@
 One process per local GPU (spawned; or under torchrun). Standard shape (../shared/BENCHMARKS.md): 4096 tokens
 per rank, hidden 7168, 256 experts, top-8 with group-limited sigmoid routing (8 groups, top-4 groups); FP8
 dispatch, BF16 dispatch, BF16 combine, and the expert-major pair (``dispatch_experts`` straight into the
-grouped-GEMM layout, ``combine_experts`` from expert outputs). Before timing, the nvlink results are checked
+grouped-GEMM layout, ``combine_experts`` from expert outputs). ``kernel dispatch fp8`` quantizes BF16 rows in the
+send path; ``kernel dispatch fp8 input`` ships rows quantized beforehand, as DeepEP's FP8 dispatch does. Before timing, the nvlink results are checked
 against the torch transport on the same inputs. Method: CUDA events around each call, warm-up, median of ``--iters`` runs over
 4 rotating input sets, a barrier before every timed series; the slowest rank's median is reported.
 Bandwidth: *logical* = all rows a rank receives (its own included, DeepEP's way); *physical* = rows that
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, gating
+from moe_ep_plugin import Buffer, fp8, gating
 from moe_ep_plugin.launch import launch
 from moe_ep_plugin.transports import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
@@ -150,18 +151,22 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         # The kernels alone: straight to the transport, no Buffer validation, streams or host syncs.
         transport, config = buffer.transport, Buffer.get_dispatch_config(dist.get_world_size())
 
-        def cached_args(i: int, fp8: bool, handle, recv_bf16: bool = False) -> DispatchArgs:
-            return DispatchArgs(x=inputs[i % 4][0], x_scales=None, topk_idx=None, topk_weights=None,
+        quantized = [fp8.quantize(x) for x, _, _ in inputs]  # DeepEP's FP8 dispatch takes pre-quantized rows
+
+        def cached_args(i: int, wire_fp8: bool, handle, recv_bf16: bool = False, fp8_in: bool = False) -> DispatchArgs:
+            x, scales = quantized[i % 4] if fp8_in else (inputs[i % 4][0], None)
+            return DispatchArgs(x=x, x_scales=scales, topk_idx=None, topk_weights=None,
                                 num_tokens_per_rank=None, is_token_in_rank=None, num_experts=e, handle=handle,
-                                num_worst_tokens=0, wire_fp8=fp8, recv_bf16=recv_bf16, round_scale=False,
+                                num_worst_tokens=0, wire_fp8=wire_fp8, recv_bf16=recv_bf16, round_scale=False,
                                 config=config)
 
-        def kernel_dispatch(i: int, fp8: bool):
-            return transport.dispatch(cached_args(i, fp8, handles[i % 4]))
+        def kernel_dispatch(i: int, wire_fp8: bool, fp8_in: bool = False):
+            return transport.dispatch(cached_args(i, wire_fp8, handles[i % 4], fp8_in=fp8_in))
 
         ops += [
             ("kernel layout", lambda i: transport.get_dispatch_layout(inputs[i % 4][1], e), 0),
             ("kernel dispatch fp8", lambda i: kernel_dispatch(i, True), fp8_row),
+            ("kernel dispatch fp8 input", lambda i: kernel_dispatch(i, False, fp8_in=True), fp8_row),
             ("kernel dispatch bf16", lambda i: kernel_dispatch(i, False), bf16_row),
             ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), config), bf16_row),
             ("kernel experts dispatch bf16", lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1),
@@ -247,8 +252,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--variants", type=_variants, default="24:dispatch_pull=0:combine_pull=0 24:pull_dispatch_send_warps=4 "
-                   "24:pull_dispatch_send_warps=8 24:pull_dispatch_send_warps=10 12 16",
+    p.add_argument("--variants", type=_variants, default="24:dispatch_pull=0:combine_pull=0 24:dequantizing_dispatch_send_warps=8 "
+                   "24:dequantizing_dispatch_send_warps=12 12 16",
                    help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
                         "NVLinkTransport settings (e.g. 24:combine_copy_share=100:dispatch_send_warps=8)")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")

@@ -141,6 +141,11 @@ __device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float 
     }
 }
 
+#ifndef MOE_EP_QUANT_LOADS
+#define MOE_EP_QUANT_LOADS 8  // a build-time tuning knob: 16-byte loads in flight per lane while quantizing
+#endif
+constexpr int kQuantLoads = MOE_EP_QUANT_LOADS;
+
 // Warp-wide 1x128 FP8 quantization of one row, exactly moe_ep_plugin.fp8.quantize: amax floored at 1e-4;
 // scale = amax / 448, q = fp8(x * (448 / amax)) with IEEE fp32 divisions; with round_scale
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
@@ -151,7 +156,7 @@ template <typename T>
 __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_wire, float* s_wire, uint8_t* q_out,
                                              float* s_out, T* deq_out, bool round_scale, int lane) {
     constexpr int kVecs = In16<T>::kVecs;
-    constexpr int kGroups = 8 / kVecs;  // 8 vectors in flight per lane (more spills registers)
+    constexpr int kGroups = kQuantLoads / kVecs > 0 ? kQuantLoads / kVecs : 1;
 #pragma unroll 1
     for (int base = 0; base < hidden; base += 512 * kGroups) {
         int4 raw[kGroups][kVecs];

@@ -37,6 +37,7 @@ from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
 _DEFAULT_ROWS = 8192
 _DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * _ext.MAX_TOPK * 4 + 16
 _MAX_REGION_ROWS = 65536
+_raw_stream: Optional[Callable[[int], int]] = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _round16(n: int) -> int:
@@ -122,14 +123,16 @@ class NVLinkTransport(Transport):
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
-    quantizes in the send path moves work to the senders, so it has its own warp count. Defaults: the fastest
-    settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md).
+    quantizes in the send path moves work to the senders, so it has its own warp count, and another when its
+    receivers dequantize again. Defaults: the fastest settings measured on 2 x H200 at 24 SMs
+    (benchmarks/RESULTS.md).
     """
 
     name = "nvlink"
     expert_layout_from_topk = True
     dispatch_send_warps = 6
     quantizing_dispatch_send_warps = 12
+    dequantizing_dispatch_send_warps = 10
     dispatch_send_blocks = 0
     combine_send_warps = 6
     combine_send_blocks = 10
@@ -216,6 +219,10 @@ class NVLinkTransport(Transport):
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
 
     def _stream(self) -> int:
+        """The current CUDA stream's handle. The raw-stream call skips building a torch.cuda.Stream (about 10 us of
+        host time per call on the GPU machine); CUDA builds of torch have it."""
+        if _raw_stream is not None:
+            return _raw_stream(self._index)
         return torch.cuda.current_stream(self._index).cuda_stream
 
     def _num_sms(self, config: Config) -> int:
@@ -350,7 +357,7 @@ class NVLinkTransport(Transport):
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
             recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self.quantizing_dispatch_send_warps if args.wire_fp8 else self.dispatch_send_warps,
+            num_send_warps=self._dispatch_send_warps(args),
             num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config), send_pos=_ptr(handle.send_pos),
             alignment=1)
         for name, value in outputs.items():
@@ -368,6 +375,13 @@ class NVLinkTransport(Transport):
             params.host_counts, params.outbox = ctypes.addressof(counts), outbox.data_ptr()
             params.num_send_warps, params.num_send_blocks = self.copy_dispatch_send_warps, 0
         _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
+
+    def _dispatch_send_warps(self, args: DispatchArgs) -> int:
+        """Sender warps per block of a push dispatch: quantizing senders do more work, and receivers that
+        dequantize too take more warps back."""
+        if not args.wire_fp8:
+            return self.dispatch_send_warps
+        return self.dequantizing_dispatch_send_warps if args.recv_bf16 else self.quantizing_dispatch_send_warps
 
     def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
         """Start of a cached dispatch: the barrier that orders it after every rank's previous operation."""
@@ -573,6 +587,7 @@ class NVLinkTransport(Transport):
             counts = state.copy_counts()  # where each peer's rows sit in x
             params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
             params.host_counts = ctypes.addressof(counts)
-        _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
-        _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
+        stream = self._stream()
+        _ext.check(self._lib.moe_ep_barrier(self._ctx, stream), "barrier")
+        _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), stream), "combine")
         return out, out_weights

@@ -317,12 +317,14 @@ def _suite() -> None:
     _check_case(nv, ref, CASES[2], MODES[2])
     transport.dispatch_send_blocks = 0
     transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = transport.combine_send_warps = 1
+    transport.dequantizing_dispatch_send_warps = 1
     Buffer.set_num_sms(2)
     _check_case(nv, ref, CASES[0], MODES[2])
     _check_expert_case(nv, ref, CASES[0], MODES[2], 1)
-    for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dispatch_send_blocks", "combine_send_warps",
-                 "combine_send_blocks", "dispatch_copy_share", "combine_copy_share", "copy_piece_rows", "copy_streams",
-                 "copy_dispatch_send_warps", "combine_pull", "dispatch_pull", "quantizing_dispatch_pull"):
+    for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
+                 "dispatch_send_blocks", "combine_send_warps", "combine_send_blocks", "dispatch_copy_share",
+                 "combine_copy_share", "copy_piece_rows", "copy_streams", "copy_dispatch_send_warps", "combine_pull",
+                 "dispatch_pull", "quantizing_dispatch_pull"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv, cached=False)
