@@ -50,9 +50,13 @@ __device__ __forceinline__ int4 load16B(const int4* p) {
 // kCopyBatch loads in flight (guarded, so short rows and row tails cost one memory latency per batch, not per
 // vector): copies are latency-bound, not issue-bound.
 // kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
+// With `out_tail`, vectors from `n_head` on go to out_tail instead of out (e.g. an FP8 row's scales, which follow
+// its payload in a staging slot but have their own output tensor): one batch of loads serves both.
 constexpr int kCopyBatch = 16;
 template <bool kPeerWritten>
-__device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src, int n, int lane) {
+__device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src, int n, int lane,
+                                         int4* out_tail = nullptr, int n_head = 0) {
+    if (out_tail == nullptr) n_head = n;
 #pragma unroll 1
     for (int base = lane; base < n; base += 32 * kCopyBatch) {
         int4 v[kCopyBatch];
@@ -66,8 +70,14 @@ __device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src,
         }
         if (out != nullptr) {
 #pragma unroll
-            for (int u = 0; u < kCopyBatch; ++u)
-                if (base + 32 * u < n) out[base + 32 * u] = v[u];
+            for (int u = 0; u < kCopyBatch; ++u) {
+                const int j = base + 32 * u;
+                if (j < n_head) {
+                    out[j] = v[u];
+                } else if (j < n) {
+                    out_tail[j - n_head] = v[u];
+                }
+            }
         }
     }
 }
@@ -644,13 +654,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     reinterpret_cast<float*>(slot + sl.w_off)[k] = weight;
                 });
             if (lane < rows) *reinterpret_cast<int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off) = tok;
-            const int32_t* list = p.send_list + int64_t(d) * p.list_stride + begin;
-            for (int i = 0; i < rows; ++i) {
-                const int t = __ldg(list + i);
-                const int pos = __ldg(p.send_pos + int64_t(t) * R + me);
-                const bool own = fits && pos >= 0 && first_peer(t) == d;
-                write_row(t, first + int64_t(i) * sl.slot_bytes, own ? self_base + pos : -1);
+            // Where each row also lands here (-1: nowhere), lane i for row i, so the rows' lookups overlap.
+            int64_t own_row = -1;
+            if (lane < rows && fits) {
+                const int pos = __ldg(p.send_pos + int64_t(tok) * R + me);
+                if (pos >= 0 && first_peer(tok) == d) own_row = self_base + pos;
             }
+            for (int i = 0; i < rows; ++i)
+                write_row(__shfl_sync(0xffffffffu, tok, i), first + int64_t(i) * sl.slot_bytes,
+                          __shfl_sync(0xffffffffu, own_row, i));
             if (copied) {
                 const int piece = begin / arrival.piece;
                 publish_staged(c, d, piece, rows, min(arrival.piece, arrival.copied - piece * arrival.piece), lane);
@@ -723,6 +735,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 if (dequant) {
                     dequant_row<true>(reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + sl.scales_off),
                                       reinterpret_cast<OutT*>(out), H, lane);
+                    continue;
+                }
+                if (wire_fp8 && S % 4 == 0) {  // the scales (16-byte rows) in the same batch of loads as the payload
+                    copy_row<true>(nullptr, reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
+                                   (sl.payload_bytes + 4 * S) / 16, lane,
+                                   reinterpret_cast<int4*>(p.recv_scales + (out_first + i) * S), sl.payload_bytes / 16);
                     continue;
                 }
                 copy_row<true>(nullptr, reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
