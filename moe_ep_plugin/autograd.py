@@ -23,10 +23,17 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a tensor (FP8 tuples are not differentiable), got {type(x).__name__}")
 
 
+# The dispatch Functions take their non-differentiable arguments as one ``call`` tuple ``(buffer, topk_idx,
+# num_experts, fp8_dispatch, expert_alignment)``: Function.apply does host work per argument (functorch
+# unwrapping, input bookkeeping); three arguments instead of seven took autograd.dispatch_experts from 8.2 to
+# 7.5 us per call on CPU (benchmarks/host_overhead.py).
+_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int]
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], buffer: Buffer, topk_idx: torch.Tensor,
-                num_experts: int, fp8_dispatch: bool, expert_alignment: int):
+    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
             expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
@@ -51,7 +58,7 @@ class _Dispatch(torch.autograd.Function):
             # Entries for experts on other ranks were zeroed in the forward: no gradient flows through them here.
             weights_grad = grad_recv_weights.float().masked_fill(recv_idx < 0, 0.0)
         grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), handle, topk_weights=weights_grad)
-        return grad_x, grad_weights, None, None, None, None, None
+        return grad_x, grad_weights, None
 
 
 class _Combine(torch.autograd.Function):
@@ -73,8 +80,8 @@ class _Combine(torch.autograd.Function):
 
 class _DispatchExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], buffer: Buffer, topk_idx: torch.Tensor,
-                num_experts: int, fp8_dispatch: bool, expert_alignment: int):
+    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
             x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
         ctx.buffer, ctx.handle = buffer, handle
@@ -88,7 +95,7 @@ class _DispatchExperts(torch.autograd.Function):
         # in its output's dtype (float32 probs), and the Buffer makes its inputs contiguous: no conversions here.
         expert_weights = grad_probs if ctx.has_weights else None
         grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x, ctx.handle, expert_weights)
-        return grad_x, grad_weights, None, None, None, None, None
+        return grad_x, grad_weights, None
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
@@ -101,7 +108,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient).
     """
     _check_inputs(buffer, x)
-    return _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment)
+    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -120,7 +127,7 @@ def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, to
     wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``).
     """
     _check_inputs(buffer, x)
-    return _DispatchExperts.apply(x, topk_weights, buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment)
+    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
 
 
 def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

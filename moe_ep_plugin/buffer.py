@@ -101,6 +101,7 @@ class Buffer:
         self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes)
         self.timeout_s = timeout_s
         self._comm_stream = torch.cuda.Stream(priority=-1) if is_cuda else None
+        self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
 
     # ---- configuration (static, as in DeepEP) ----
     @staticmethod
@@ -131,6 +132,7 @@ class Buffer:
         release = getattr(self.transport, "destroy", None)
         if release is not None:
             release()
+        self.destroyed = True
 
     # ---- streams ----
     def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,

@@ -1,9 +1,22 @@
-"""EventOverlap: DeepEP's handle on asynchronous communication (a CUDA event, or nothing on CPU)."""
+"""EventOverlap: DeepEP's handle on asynchronous communication (a CUDA event, or nothing on CPU); the current
+stream's raw handle for kernel launches."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+# CUDA builds of torch have it; it returns the cudaStream_t without building a torch.cuda.Stream.
+_raw_stream: Optional[Callable[[int], int]] = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The ``cudaStream_t`` (as an int) of the current stream of CUDA device ``device_index``, for a kernel launch.
+    The raw call skips building a ``torch.cuda.Stream`` (``torch.cuda.current_stream()`` took about 10 us of
+    host time per call under cProfile on the GPU machine)."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 class EventOverlap:

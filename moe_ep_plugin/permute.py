@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from .event import current_stream_handle
+
 # csrc/permute.h
 _MAX_KERNEL_LOCAL_EXPERTS = 1024
 _MAX_KERNEL_TOPK = 32
@@ -229,13 +231,13 @@ def _launch(t: torch.Tensor, function: str, *args: int) -> None:
     """Calls C ``function`` with ``args`` and ``t``'s current stream, on ``t``'s device (switching device only
     when it is not the current one: the switch costs more host time than the launch)."""
     from . import _ext
-    index = t.device.index
+    index = t.get_device()  # an int: no torch.device object
     call = getattr(_kernels(), function)
     if index == torch.cuda.current_device():
-        _ext.check(call(*args, torch.cuda.current_stream(index).cuda_stream), function)
+        _ext.check(call(*args, current_stream_handle(index)), function)
         return
     with torch.cuda.device(index):
-        _ext.check(call(*args, torch.cuda.current_stream(index).cuda_stream), function)
+        _ext.check(call(*args, current_stream_handle(index)), function)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

@@ -203,3 +203,42 @@ def _errors() -> None:
 
 def test_bad_inputs_raise_clearly() -> None:
     spawn(_errors, 1, backend="gloo")
+
+
+def _buffer_reuse() -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_ep_plugin import Buffer
+    from moe_ep_plugin.buffer_cache import destroy_buffers, get_buffer
+    from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_moe_experts=EXPERTS,
+                                   moe_router_topk=TOPK, use_cpu_initialization=True)
+        d = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, get_default_pg_collection(),
+                                    options=PluginOptions(transport="torch"))
+        probs, routing_map = _routing("random", 5, torch.Generator().manual_seed(0))
+
+        def dispatched_buffer(hidden: int) -> Buffer:
+            d.token_dispatch(*d.dispatch_preprocess(torch.randn(5, hidden), routing_map, probs))
+            return d._buffer
+
+        first = dispatched_buffer(32)
+        assert first is get_buffer(d.ep_group, 32 * 4, "torch") and dispatched_buffer(32) is first
+        destroy_buffers()  # a destroyed buffer is never handed out again
+        second = dispatched_buffer(32)
+        assert first.destroyed and second is not first and not second.destroyed
+        Buffer.set_num_sms(Buffer.num_sms * 4)  # the size hint grows: the shared buffer is re-created
+        third = dispatched_buffer(32)
+        assert third is not second and third is get_buffer(d.ep_group, 32 * 4, "torch")
+        assert dispatched_buffer(8) is third  # narrower rows fit the same shared buffer
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_dispatcher_follows_the_shared_buffer() -> None:
+    """The dispatcher keeps the shared buffer between calls, and fetches it again once it was destroyed or the
+    SM count changed."""
+    spawn(_buffer_reuse, 1, backend="gloo")

@@ -19,6 +19,7 @@ sync: the per-expert counts come back from the Buffer's dispatch as a host list.
 """
 from __future__ import annotations
 
+import array
 from typing import Any, List, Optional
 
 import torch
@@ -27,6 +28,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .. import Buffer, _ext
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
+from ..event import current_stream_handle
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
 
@@ -52,7 +54,10 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     # values, reinterpreted back as bool, mark the slots past its selected experts (id -1, weight 0).
     selected, idx = torch.topk(routing_map.view(torch.uint8), topk, dim=1, sorted=False)
     valid = selected.view(torch.bool)
-    return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx).float(), 0.0)
+    weights = probs.gather(1, idx)
+    if weights.dtype != torch.float32:  # .float() costs host time even when it returns its input
+        weights = weights.float()
+    return torch.where(valid, idx, -1), torch.where(valid, weights, 0.0)
 
 
 class _RoutingKernel:
@@ -83,9 +88,10 @@ class _RoutingMapTopK(torch.autograd.Function):
         n, num_experts = routing_map.shape
         idx = torch.empty(n, topk, dtype=torch.int64, device=probs.device)
         weights = torch.empty(n, topk, dtype=torch.float32, device=probs.device)
+        # The kernel reads the bool map as bytes through its pointer: no uint8 view needed.
         _ext.check(_ext.load().moe_ep_routing_map_topk(
-            routing_map.view(torch.uint8).data_ptr(), probs.data_ptr(), n, num_experts, topk, idx.data_ptr(),
-            weights.data_ptr(), torch.cuda.current_stream(probs.device).cuda_stream), "routing_map_topk")
+            routing_map.data_ptr(), probs.data_ptr(), n, num_experts, topk, idx.data_ptr(), weights.data_ptr(),
+            current_stream_handle(probs.get_device())), "routing_map_topk")
         ctx.save_for_backward(idx)
         ctx.num_experts = num_experts
         ctx.mark_non_differentiable(idx)
@@ -139,6 +145,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
             self.alignment = max(1, get_align_size_for_quantization(config))
         self.shared_experts = None
+        # The shared buffer of the last token_dispatch and what get_buffer was asked for it: reused while the key
+        # matches and the buffer is alive (get_buffer destroys a buffer before replacing it), which saves
+        # get_buffer's size computation on every call.
+        self._shared_buffer: Optional[Buffer] = None
+        self._shared_buffer_key: Optional[tuple] = None
         self._clear_state()
 
     def _clear_state(self) -> None:
@@ -175,10 +186,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
         if self._topk_idx is None or self._topk_idx.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
-        if self.options.num_sms is not None:  # before sizing: the buffer size hint grows with the SM count
-            Buffer.set_num_sms(self.options.num_sms)
-        self._buffer = get_buffer(self.ep_group, hidden_states.shape[1] * max(hidden_states.element_size(), 2),
-                                  self.options.transport, self.options.timeout_s)
+        self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
         expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
             self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
             fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment)
@@ -188,12 +196,26 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(expert_x)
         return expert_x, expert_probs
 
+    def _get_buffer(self, hidden_bytes: int) -> Buffer:
+        """The shared Buffer of the EP group for rows of ``hidden_bytes`` at this dispatcher's SM count."""
+        options = self.options
+        if options.num_sms is not None and options.num_sms != Buffer.num_sms:  # before sizing: the size hint
+            Buffer.set_num_sms(options.num_sms)                                # grows with the SM count
+        key = (hidden_bytes, Buffer.num_sms, options)
+        buffer = self._shared_buffer
+        if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
+            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s)
+            self._shared_buffer, self._shared_buffer_key = buffer, key
+        return buffer
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The expert-major rows as token_dispatch returned them → ``(tokens [M, H], tokens_per_expert [L] int64
         on CPU, probs [M])`` (float64 probs when ``moe_router_dtype`` is ``fp64``)."""
         if self._tokens_per_expert is None:
             raise RuntimeError("dispatch_postprocess called before token_dispatch")
-        tokens_per_expert = torch.tensor(self._tokens_per_expert, dtype=torch.long)  # a host list: no sync
+        # A host list: no sync. Through an int64 array (the tensor keeps it alive): a third of torch.tensor's host
+        # time on CPU.
+        tokens_per_expert = torch.frombuffer(array.array("q", self._tokens_per_expert), dtype=torch.long)
         self._tokens_per_expert = None
         if self.config.moe_router_dtype == "fp64":
             probs = probs.to(torch.float64)
