@@ -241,11 +241,11 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
 }
 
 // Publish a chunk the whole warp wrote into a peer's region: the warp barrier orders every lane's stores before
-// lane 0's system-scope fence, which (being cumulative) makes them visible on the peer before the flag.
+// lane 0's system-scope release store of the flag, which (being cumulative) makes them visible on the peer before
+// the flag. (A sequentially consistent fence before it was measured slower: FP8 dispatch 178 vs 169 us.)
 __device__ __forceinline__ void publish(int* flag, int seq, int lane) {
     __syncwarp();
     if (lane == 0) {
-        __threadfence_system();
         st_release_sys(flag, seq);
     }
 }
