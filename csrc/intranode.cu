@@ -50,19 +50,22 @@ __device__ __forceinline__ int4 load16B(const int4* p) {
 // kCopyBatch loads in flight (guarded, so short rows and row tails cost one memory latency per batch, not per
 // vector): copies are latency-bound, not issue-bound.
 // kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
-// With `out_tail`, vectors from `n_head` on go to out_tail instead of out (e.g. an FP8 row's scales, which follow
-// its payload in a staging slot but have their own output tensor): one batch of loads serves both.
+// A row may come in two parts: vectors from `n_head` on are read from `src_tail` and written to `out_tail` (when
+// given) instead of following on from src / out, e.g. an FP8 row's scales, which follow its payload in a staging
+// slot but have their own input and output tensors: one batch of loads serves both parts.
 constexpr int kCopyBatch = 16;
 template <bool kPeerWritten>
-__device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src, int n, int lane,
-                                         int4* out_tail = nullptr, int n_head = 0) {
-    if (out_tail == nullptr) n_head = n;
+__device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src, int n, int lane, int n_head = -1,
+                                         int4* out_tail = nullptr, const int4* src_tail = nullptr) {
+    if (n_head < 0) n_head = n;
 #pragma unroll 1
     for (int base = lane; base < n; base += 32 * kCopyBatch) {
         int4 v[kCopyBatch];
 #pragma unroll
-        for (int u = 0; u < kCopyBatch; ++u)
-            if (base + 32 * u < n) v[u] = load16B<kPeerWritten>(src + base + 32 * u);
+        for (int u = 0; u < kCopyBatch; ++u) {
+            const int j = base + 32 * u;
+            if (j < n) v[u] = load16B<kPeerWritten>(j < n_head || src_tail == nullptr ? src + j : src_tail + (j - n_head));
+        }
         if (wire != nullptr) {
 #pragma unroll
             for (int u = 0; u < kCopyBatch; ++u)
@@ -72,11 +75,7 @@ __device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src,
 #pragma unroll
             for (int u = 0; u < kCopyBatch; ++u) {
                 const int j = base + 32 * u;
-                if (j < n_head) {
-                    out[j] = v[u];
-                } else if (j < n) {
-                    out_tail[j - n_head] = v[u];
-                }
+                if (j < n) *(j < n_head || out_tail == nullptr ? out + j : out_tail + (j - n_head)) = v[u];
             }
         }
     }
@@ -589,14 +588,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         const char* src = x + int64_t(t) * in_row_bytes;
         if constexpr (kQuant == 0) {
             char* as_is = dequant ? nullptr : out;
-            if (wire != nullptr || as_is != nullptr)
-                copy_row<false>(reinterpret_cast<int4*>(wire), reinterpret_cast<int4*>(as_is),
-                                reinterpret_cast<const int4*>(src), sl.payload_bytes / 16, lane);
+            const float* xs = p.fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
+            if (p.fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
+                // the scales (16-byte rows) in the same batch of loads as the payload
+                if (wire != nullptr || as_is != nullptr)
+                    copy_row<false>(reinterpret_cast<int4*>(wire), reinterpret_cast<int4*>(as_is),
+                                    reinterpret_cast<const int4*>(src), (sl.payload_bytes + 4 * S) / 16, lane,
+                                    sl.payload_bytes / 16, as_is ? reinterpret_cast<int4*>(p.recv_scales + r * S) : nullptr,
+                                    reinterpret_cast<const int4*>(xs));
+            } else {
+                if (wire != nullptr || as_is != nullptr)
+                    copy_row<false>(reinterpret_cast<int4*>(wire), reinterpret_cast<int4*>(as_is),
+                                    reinterpret_cast<const int4*>(src), sl.payload_bytes / 16, lane);
+                if (!p.fp8_in) return;
+                if (wire != nullptr || as_is != nullptr)
+                    copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr,
+                                       as_is ? p.recv_scales + r * S : nullptr, xs, S, lane);
+            }
             if (!p.fp8_in) return;
-            const float* xs = p.x_scales + int64_t(t) * S;
-            if (wire != nullptr || as_is != nullptr)
-                copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr,
-                                   as_is ? p.recv_scales + r * S : nullptr, xs, S, lane);
             if (dequant && out != nullptr)
                 dequant_row<false>(reinterpret_cast<const uint8_t*>(src), xs, reinterpret_cast<OutT*>(out), H, lane);
         } else {
@@ -739,8 +748,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 }
                 if (wire_fp8 && S % 4 == 0) {  // the scales (16-byte rows) in the same batch of loads as the payload
                     copy_row<true>(nullptr, reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
-                                   (sl.payload_bytes + 4 * S) / 16, lane,
-                                   reinterpret_cast<int4*>(p.recv_scales + (out_first + i) * S), sl.payload_bytes / 16);
+                                   (sl.payload_bytes + 4 * S) / 16, lane, sl.payload_bytes / 16,
+                                   reinterpret_cast<int4*>(p.recv_scales + (out_first + i) * S));
                     continue;
                 }
                 copy_row<true>(nullptr, reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(slot),
