@@ -252,8 +252,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--variants", type=_variants, default="24:dispatch_pull=0:combine_pull=0 24:dequantizing_dispatch_send_warps=8 "
-                   "24:dequantizing_dispatch_send_warps=12 12 16",
+    p.add_argument("--variants", type=_variants, default="24:dispatch_pull=0:combine_pull=0 24:quantizing_dispatch_send_warps=12 12 16",
                    help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
                         "NVLinkTransport settings (e.g. 24:combine_copy_share=100:dispatch_send_warps=8)")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")

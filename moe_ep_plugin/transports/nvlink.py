@@ -18,7 +18,6 @@ the host read inside a normal dispatch) raises ``TimeoutError`` naming it.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import socket
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from .. import _ext, permute
 from ..config import Config
+from ..event import current_stream_handle
 from ..handle import DispatchHandle, ExpertLayout
 from ..layout import count_invalid, invalid_ids_error
 from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
@@ -37,7 +37,6 @@ from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
 _DEFAULT_ROWS = 8192
 _DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * _ext.MAX_TOPK * 4 + 16
 _MAX_REGION_ROWS = 65536
-_raw_stream: Optional[Callable[[int], int]] = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _round16(n: int) -> int:
@@ -60,16 +59,28 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _carve(new: Callable[[int], torch.Tensor], *shapes: tuple[int, ...]) -> list[torch.Tensor]:
-    """Tensors of ``shapes`` as views of one ``new(total)`` allocation, each starting 16-byte aligned (4-byte
-    elements): one allocation costs less host time than several."""
-    sizes = [math.prod(shape) for shape in shapes]
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += (size + 3) // 4 * 4
-    flat = new(total)
-    return [flat[start:start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+class _Carve:
+    """Int32 tensors of several shapes in one allocation, each starting 16-byte aligned. Their addresses are known
+    before the views exist, so a kernel can be launched on them first and the views built while it runs (host
+    time: one allocation instead of several, and no view before the launch)."""
+
+    def __init__(self, device: torch.device, *shapes: tuple[int, ...]):
+        self._shapes = shapes
+        self._sizes = [math.prod(shape) for shape in shapes]
+        self._starts, total = [], 0
+        for size in self._sizes:
+            self._starts.append(total)
+            total += (size + 3) // 4 * 4
+        self._flat = torch.empty(total, dtype=torch.int32, device=device)
+        self._base = self._flat.data_ptr()
+
+    def ptr(self, i: int, offset: int = 0) -> int:
+        """Address of element ``offset`` of tensor ``i``."""
+        return self._base + 4 * (self._starts[i] + offset)
+
+    def views(self) -> list[torch.Tensor]:
+        return [self._flat[start:start + size].view(shape)
+                for start, size, shape in zip(self._starts, self._sizes, self._shapes)]
 
 
 @dataclass
@@ -131,7 +142,7 @@ class NVLinkTransport(Transport):
     name = "nvlink"
     expert_layout_from_topk = True
     dispatch_send_warps = 6
-    quantizing_dispatch_send_warps = 12
+    quantizing_dispatch_send_warps = 11
     dequantizing_dispatch_send_warps = 10
     dispatch_send_blocks = 0
     combine_send_warps = 6
@@ -219,11 +230,7 @@ class NVLinkTransport(Transport):
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
 
     def _stream(self) -> int:
-        """The current CUDA stream's handle. The raw-stream call skips building a torch.cuda.Stream (about 10 us of
-        host time per call on the GPU machine); CUDA builds of torch have it."""
-        if _raw_stream is not None:
-            return _raw_stream(self._index)
-        return torch.cuda.current_stream(self._index).cuda_stream
+        return current_stream_handle(self._index)
 
     def _num_sms(self, config: Config) -> int:
         return min(config.num_sms, self._device_sms)
@@ -260,21 +267,22 @@ class NVLinkTransport(Transport):
         return per_rank, per_expert, in_rank
 
     # ---- dispatch ----
-    def _notify(self, args: DispatchArgs, rank_prefix_matrix: torch.Tensor, info: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Barrier + count exchange (token counts into ``rank_prefix_matrix``, and out-of-range expert ids) into
-        ``info`` (csrc/moe_ep.h); returns ``(send_pos [N, R], send_list)``."""
+    def _notify(self, args: DispatchArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Barrier + count exchange (token counts into the rank prefix matrix, and out-of-range expert ids) into
+        ``info`` (csrc/moe_ep.h); returns ``(meta, send_pos [N, R], send_list)`` (``meta``: see ``_split_meta``)."""
         in_rank = args.is_token_in_rank.contiguous()
-        n = in_rank.shape[0]
-        counts = args.num_tokens_per_rank.to(device=self.device, dtype=torch.int32).contiguous()
+        n, r = in_rank.shape[0], self.num_ranks
+        counts = args.num_tokens_per_rank
+        if counts.dtype != torch.int32 or counts.device != self.device or not counts.is_contiguous():
+            counts = counts.to(device=self.device, dtype=torch.int32).contiguous()
         invalid = (count_invalid(args.topk_idx, args.num_experts) if args.topk_idx is not None
                    else torch.zeros(1, dtype=torch.int32, device=self.device))
-        send_pos = torch.empty(n, self.num_ranks, dtype=torch.int32, device=self.device)
-        send_list = torch.empty(self.num_ranks, max(n, 1), dtype=torch.int32, device=self.device)
+        out = _Carve(self.device, (r * r + 2,), (n, r), (r, max(n, 1)))
         _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(counts), _ptr(invalid), _ptr(in_rank), n,
-                                                    send_list.shape[1], _ptr(rank_prefix_matrix), _ptr(send_pos),
-                                                    _ptr(send_list), _ptr(info), self._stream()), "notify_dispatch")
-        return send_pos, send_list
+                                                    max(n, 1), out.ptr(0), out.ptr(1), out.ptr(2), out.ptr(0, r * r),
+                                                    self._stream()), "notify_dispatch")
+        meta, send_pos, send_list = out.views()
+        return meta, send_pos, send_list
 
     def _split_meta(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rank_prefix_matrix [R, R], info)`` of ``meta``, the int32 tensor holding both of notify's outputs so
@@ -287,13 +295,13 @@ class NVLinkTransport(Transport):
         r = self.num_ranks
         return max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
 
-    def _start_read(self, meta: torch.Tensor, info_length: int) -> Callable[[], list[int]]:
-        """Start the one host read of a dispatch: ``meta`` (see ``_split_meta``) up to ``info[:info_length]`` is
-        copied to pinned memory on the library's side stream, after the work enqueued so far (notify), so the caller
-        can enqueue more before it waits. Returns the wait, which gives the values. (``meta`` stays alive in the
-        handle, which holds views of it.)"""
+    def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
+        """Start the one host read of a dispatch: ``meta`` (the address of the tensor ``_split_meta`` splits) up to
+        ``info[:info_length]`` is copied to pinned memory on the library's side stream, after the work enqueued so
+        far (notify), so the caller can enqueue more before it waits. Returns the wait, which gives the values.
+        (The tensor stays alive in the handle, which holds views of it.)"""
         length = self.num_ranks * self.num_ranks + info_length
-        _ext.check(self._lib.moe_ep_read_start(self._ctx, meta.data_ptr(), 4 * length, self._stream()), "read_start")
+        _ext.check(self._lib.moe_ep_read_start(self._ctx, meta, 4 * length, self._stream()), "read_start")
 
         def wait() -> list[int]:
             _ext.check(self._lib.moe_ep_read_wait(self._ctx), "read_wait")
@@ -403,9 +411,8 @@ class NVLinkTransport(Transport):
         if args.handle is not None:
             self._replay_barrier(args.handle)
             return self._dispatch_rows(args, args.handle)
-        meta = torch.empty(self.num_ranks * self.num_ranks + 2, dtype=torch.int32, device=self.device)
-        rpm, info = self._split_meta(meta)
-        send_pos, send_list = self._notify(args, rpm, info)
+        meta, send_pos, send_list = self._notify(args)
+        rpm, _ = self._split_meta(meta)
         worst = args.num_worst_tokens > 0  # no host read, so out-of-range ids are not reported in this mode
         handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
                                 send_pos=send_pos, recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
@@ -415,7 +422,7 @@ class NVLinkTransport(Transport):
                                 transport_state=_NVLinkState(send_list))
         if worst:
             return self._dispatch_rows(args, handle)
-        read = self._start_read(meta, 2)
+        read = self._start_read(meta.data_ptr(), 2)
         guess = handle.num_recv_rows
         result = self._dispatch_rows(args, handle, speculative_rows=1)
         handle.transport_state.host_counts, host = self._read_info(read(), args.num_experts)
@@ -469,24 +476,22 @@ class NVLinkTransport(Transport):
             topk_idx = args.topk_idx
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
-            new = functools.partial(torch.empty, dtype=torch.int32, device=self.device)
             r = self.num_ranks
-            # notify's int32 outputs carved from one allocation (host time: one allocation instead of five)
-            meta, send_offset, send_pos, send_list, expert_pos = _carve(
-                new, (r * r + 3 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k))
-            rpm, info = self._split_meta(meta)
+            # notify's int32 outputs from one allocation, their views built after the launch
+            out = _Carve(self.device, (r * r + 3 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k))
             in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
             _ext.check(self._lib.moe_ep_notify_experts(
-                self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, send_list.shape[1], _ptr(rpm), _ptr(send_pos),
-                _ptr(send_list), _ptr(in_rank), _ptr(expert_pos), _ptr(send_offset), _ptr(info), self._stream()),
-                "notify_experts")
-            read = self._start_read(meta, 3 + num_local)
+                self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2), out.ptr(3),
+                _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r), self._stream()), "notify_experts")
+            read = self._start_read(out.ptr(0), 3 + num_local)
+            meta, send_offset, send_pos, send_list, expert_pos = out.views()
+            rpm, info = self._split_meta(meta)
             state = _NVLinkState(send_list, None, _ExpertState(topk_idx, expert_pos, send_offset, info))
             # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows;
             # the host reads them (and allocates, and launches permute) while it runs.
             guess = self._recv_guess
-            recv_src_idx, recv_slot = _carve(new, (guess,), (guess, k))
+            recv_src_idx, recv_slot = _Carve(self.device, (guess,), (guess, k)).views()
             handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
                                     recv_src_idx=recv_src_idx, num_tokens=n, num_recv_tokens=None,
                                     num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
@@ -503,7 +508,7 @@ class NVLinkTransport(Transport):
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
             if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
                 self._recv_guess = most
-                handle.recv_src_idx, recv_slot = _carve(new, (num_recv,), (num_recv, k))
+                handle.recv_src_idx, recv_slot = _Carve(self.device, (num_recv,), (num_recv, k)).views()
                 handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
                 return self._expert_dispatch(args, handle, args.topk_weights)
             handle.recv_src_idx = handle.recv_src_idx[:num_recv]
@@ -559,8 +564,9 @@ class NVLinkTransport(Transport):
         if (hidden * x.element_size()) % 16:
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
         self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, x.element_size(), k), "x")
-        rpm = handle.rank_prefix_matrix.to(device=self.device, dtype=torch.int32).contiguous()
-        send_pos = handle.send_pos.to(device=self.device, dtype=torch.int32).contiguous()
+        rpm, send_pos = (t if t.dtype == torch.int32 and t.device == self.device and t.is_contiguous()
+                         else t.to(device=self.device, dtype=torch.int32).contiguous()
+                         for t in (handle.rank_prefix_matrix, handle.send_pos))
         out = torch.empty(handle.num_tokens, hidden, dtype=x.dtype, device=self.device)
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
