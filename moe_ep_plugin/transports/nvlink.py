@@ -130,7 +130,8 @@ class NVLinkTransport(Transport):
     them over NVLink; with ``combine_pull`` (when the copy engine has no share) every rank copies the rows it
     received from peers into its own region, a barrier, and every warp of the combine kernel reduces, loading
     peers' rows over NVLink. Measured at 24 SMs: pulling is faster for BF16 dispatch and for combine, slower for
-    a quantizing dispatch.
+    a quantizing dispatch. A pull combine costs two more launches (the copy and a second barrier), which
+    host-bound small combines feel more than the GPU time saved, hence ``pull_combine_min_bytes``.
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
@@ -151,6 +152,7 @@ class NVLinkTransport(Transport):
     quantizing_dispatch_pull = False
     pull_dispatch_send_warps = 6
     combine_pull = True
+    pull_combine_min_bytes = 16 << 20
     dispatch_copy_share = 0
     combine_copy_share: Optional[int] = None
     copy_piece_rows = 512
@@ -548,11 +550,13 @@ class NVLinkTransport(Transport):
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
-    def _pull_fits(self, host_counts: list[int], x: torch.Tensor, num_topk: int) -> bool:
-        """Whether every rank's received rows fit its own region for a pull combine (all ranks decide alike: each
-        sees the whole count matrix)."""
+    def _pull_combine(self, host_counts: list[int], x: torch.Tensor, num_topk: int) -> bool:
+        """Whether this combine pulls: the most rows any rank received carry at least ``pull_combine_min_bytes``
+        and fit every rank's own region (all ranks decide alike: each sees the whole count matrix)."""
         row_bytes = x.shape[1] * x.element_size()
-        return self._most_received(host_counts) <= self._lib.moe_ep_pull_rows(self._ctx, row_bytes, num_topk)
+        most = self._most_received(host_counts)
+        return (most * row_bytes >= self.pull_combine_min_bytes
+                and most <= self._lib.moe_ep_pull_rows(self._ctx, row_bytes, num_topk))
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -589,7 +593,7 @@ class NVLinkTransport(Transport):
             params.host_counts = ctypes.addressof(counts)
             if share >= 100:  # the copy engine sends everything; every warp reduces
                 params.num_send_warps = params.num_send_blocks = 0
-        elif self.combine_pull and host_counts is not None and self._pull_fits(host_counts, x, k):
+        elif self.combine_pull and host_counts is not None and self._pull_combine(host_counts, x, k):
             counts = state.copy_counts()  # where each peer's rows sit in x
             params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
             params.host_counts = ctypes.addressof(counts)

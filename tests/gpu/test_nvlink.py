@@ -275,6 +275,7 @@ def _suite_entry() -> None:
 def _suite() -> None:
     nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=20.0)
     ref = Buffer(dist.group.WORLD, transport="torch", timeout_s=20.0)
+    nv.transport.pull_combine_min_bytes = 0  # every combine that fits pulls (by default small ones push)
     Buffer.set_num_sms(24)
     for case in CASES:
         for mode in MODES:
@@ -326,7 +327,7 @@ def _suite() -> None:
     for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
                  "dispatch_send_blocks", "combine_send_warps", "combine_send_blocks", "dispatch_copy_share",
                  "combine_copy_share", "copy_piece_rows", "copy_streams", "copy_dispatch_send_warps", "combine_pull",
-                 "dispatch_pull", "quantizing_dispatch_pull"):
+                 "dispatch_pull", "quantizing_dispatch_pull", "pull_combine_min_bytes"):
         setattr(transport, name, getattr(defaults, name))
     Buffer.set_num_sms(24)
     _graph_replay(nv, cached=False)
