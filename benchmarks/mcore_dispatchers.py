@@ -138,7 +138,8 @@ def trace(d, x, rmap, probs, label):
 
     def forward():
         calls = [("dispatch_preprocess", lambda v: d.dispatch_preprocess(x, rmap, probs)),
-                 ("token_dispatch", lambda v: d.token_dispatch(*v)), ("dispatch_postprocess", lambda v: d.dispatch_postprocess(*v)),
+                 ("token_dispatch", lambda v: d.token_dispatch(*v)),
+                 ("dispatch_postprocess", lambda v: d.dispatch_postprocess(*v)),
                  ("experts", lambda v: v[0] * v[2].unsqueeze(-1).to(v[0].dtype)),
                  ("combine_preprocess", d.combine_preprocess), ("token_combine", d.token_combine),
                  ("combine_postprocess", d.combine_postprocess)]

@@ -1,8 +1,9 @@
 """Timeline of one fresh (uncached) dispatch + combine on the GPU: what runs on which stream, when, and for how long.
 
 Run: torchrun --nproc-per-node 2 benchmarks/trace_dispatch.py [--op dispatch|experts] [--set dispatch_pull=0 ...]
-Rank 0 prints, for the last of ``--iters`` calls (after warm-up), every GPU activity (kernel, copy, memset) with its
-start relative to the call's first GPU activity, its duration and its stream, and the host time of the call; with
+Rank 0 prints the median host time of the dispatch call over ``--iters`` calls (after warm-up), then, for the
+last of three more calls under the profiler, every GPU activity (kernel, copy, memset) with its start relative to
+the call's first GPU activity, its duration and its stream (the barrier after the call included); with
 ``--trace PATH`` it also writes the Chrome trace (open in chrome://tracing or Perfetto). ``--set`` changes an
 ``NVLinkTransport`` setting (as in ``bench_dispatch_combine.py --variants``).
 """
@@ -73,21 +74,20 @@ def step() -> float:
 
 for _ in range(5):
     step()
+hosts = [step() for _ in range(a.iters)]
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    hosts = [step() for _ in range(a.iters)]
+    for _ in range(3):  # the first profiled call also carries the profiler's start-up skew between ranks
+        step()
 if rank == 0:
     gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
-    # The last call's activities: those after the last gap of more than 2 ms (the barrier between calls).
-    first = 0
-    for i in range(1, len(gpu)):
-        if gpu[i].time_range.start - gpu[i - 1].time_range.end > 2000:
-            first = i
-    last = gpu[first:]
+    # Each call ends with the barrier's all-reduce kernel: the last call is what follows the one before it.
+    ends = [i for i, e in enumerate(gpu) if e.name.startswith("ncclDevKernel_AllReduce")]
+    last = gpu[ends[-2] + 1:] if len(ends) >= 2 else gpu
     t0 = last[0].time_range.start if last else 0
     what = ", ".join(f"{n}={v}" for n, v in a.set) or "defaults"
     print(f"{a.op}{' fp8' if a.fp8 else ''}, {a.tokens} x {a.hidden}, {a.sms} SMs, {what}: host time of the dispatch "
-          f"call {1e6 * sorted(hosts)[len(hosts) // 2]:.0f} us (median of {a.iters})")
+          f"call {1e6 * sorted(hosts)[len(hosts) // 2]:.0f} us (median of {a.iters}, without the profiler)")
     print(f"{'start us':>9} {'dur us':>8} {'stream':>7}  activity")
     for e in last:
         stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", "")
