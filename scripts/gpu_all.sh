@@ -6,7 +6,8 @@
 # Carry: moe_ep_plugin/lib (kernel library built here) and .whl (megatron-core, deepspeed and their missing deps).
 #   usage: bash scripts/gpu_all.sh [PART ...] 2>&1 | tee $OUT/all.log
 # PART: kernels, megatron_bench (the dispatcher benchmark alone), megatron (layer test, benchmark, pretraining),
-# megatron_rest (layer test and pretraining), train, deepspeed; default: megatron train deepspeed kernels.
+# megatron_rest (layer test and pretraining), train, deepspeed, trace (host/GPU timelines of the 128-token Megatron
+# forward and of a fresh expert-major dispatch); default: megatron train deepspeed kernels.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_all
 RESULTS="$LOGS"
@@ -37,7 +38,8 @@ for name in "${parts[@]}"; do
         megatron_bench) MEGATRON_STEPS=bench part megatron_bench 200 bash scripts/gpu_megatron.sh ;;
         megatron_rest) MEGATRON_STEPS="test pretrain" part megatron_rest 260 bash scripts/gpu_megatron.sh ;;
         train) part train 110 bash scripts/gpu_train.sh --set train.steps=60 ;;
-        deepspeed) part deepspeed 120 bash scripts/gpu_deepspeed.sh ;;
+        deepspeed) part deepspeed 150 bash scripts/gpu_deepspeed.sh ;;
+        trace) part trace 150 bash scripts/gpu_trace.sh ;;
         *) echo "unknown part $name" ;;
     esac
 done
