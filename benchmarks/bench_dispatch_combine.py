@@ -24,6 +24,7 @@ from moe_ep_plugin import Buffer, fp8, gating
 from moe_ep_plugin.launch import launch
 from moe_ep_plugin.transports import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
+from standard_shape import add_shape_arguments
 
 
 def _routing(n: int, num_experts: int, topk: int, device: torch.device, seed: int):
@@ -244,10 +245,7 @@ def _variants(text: str) -> list[tuple[int, list[tuple[str, int]]]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(p)
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)

@@ -17,6 +17,7 @@ import torch
 
 from moe_ep_plugin import fp8
 from moe_ep_plugin import permute as P
+from standard_shape import add_shape_arguments
 
 
 def _median_us(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -48,10 +49,7 @@ def _same(a, b) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(p)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()

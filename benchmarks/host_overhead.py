@@ -36,6 +36,7 @@ from moe_ep_plugin.launch import free_port
 from moe_ep_plugin.config import Config
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.transports.base import DispatchArgs, ExpertDispatchResult, Transport
+from standard_shape import add_shape_arguments
 
 Timed = list[tuple[str, Callable[[], object]]]
 
@@ -200,10 +201,7 @@ class MegatronCase:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--topk", type=int, default=4)
+    add_shape_arguments(p, tokens=128, hidden=256, experts=16, topk=4)
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward (stand-in)")

@@ -15,12 +15,10 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import Buffer, gating
+from standard_shape import add_shape_arguments
 
 p = argparse.ArgumentParser()
-p.add_argument("--tokens", type=int, default=128)
-p.add_argument("--hidden", type=int, default=7168)
-p.add_argument("--experts", type=int, default=256)
-p.add_argument("--topk", type=int, default=8)
+add_shape_arguments(p, tokens=128)
 p.add_argument("--iters", type=int, default=50)
 p.add_argument("--transport", default="torch")
 p.add_argument("--op", choices=("experts", "dispatch"), default="experts")

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moe_ep_plugin import Buffer, gating
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
+from standard_shape import add_shape_arguments
 
 
 def _setting(text: str) -> tuple[str, int]:
@@ -27,10 +28,7 @@ def _setting(text: str) -> tuple[str, int]:
 
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("--tokens", type=int, default=4096)
-p.add_argument("--hidden", type=int, default=7168)
-p.add_argument("--experts", type=int, default=256)
-p.add_argument("--topk", type=int, default=8)
+add_shape_arguments(p)
 p.add_argument("--sms", type=int, default=24)
 p.add_argument("--iters", type=int, default=5)
 p.add_argument("--op", choices=("dispatch", "experts"), default="dispatch")
