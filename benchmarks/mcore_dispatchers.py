@@ -34,6 +34,9 @@ p.add_argument("--breakdown", action="store_true", help="also print each forward
 p.add_argument("--trace", action="store_true",
                help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
                     "and every GPU activity (GPU only)")
+p.add_argument("--profile-host", type=int, default=0, metavar="STEPS",
+               help="also print (rank 0) a cProfile of STEPS forwards: the Python functions the host spends its "
+                    "time in, by own time and by cumulative time")
 a = p.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 use_cuda = torch.cuda.is_available()
@@ -166,6 +169,36 @@ def trace(d, x, rmap, probs, label):
         print(f"TRACE {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f} {where} {e.name[:100]}")
 
 
+def profile_host(d, x, rmap, probs, steps, label):
+    """Rank 0 prints where the host spends ``steps`` forwards (cProfile; its own overhead inflates every Python call
+    alike, so read shares, not absolute times). Collective: every rank runs the steps."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(5):
+        step(d, x, rmap, probs, False)
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step(d, x, rmap, probs, False)
+    torch.cuda.synchronize()
+    prof.disable()
+    if rank != 0:
+        return
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(35)
+        print(f"PROFILE {label} ({steps} forwards) by {order}")
+        lines = text.getvalue().splitlines()
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+        for line in lines[start:]:
+            if line.strip():
+                print(f"PROFILE {line.replace(os.getcwd() + '/', '').replace('/tmp/mcore/', '')[:180]}")
+
+
 def run_us(fn):
     """Microseconds of one call: CUDA events on GPU, the host clock on CPU."""
     if not use_cuda:
@@ -221,6 +254,8 @@ for tokens in (int(t) for t in a.tokens.split(",")):
                         f"{name}={us:.0f}us" for name, us in zip(PHASES, parts)), flush=True)
             if a.trace and use_cuda:
                 trace(disp, xf, rmap, probs, f"mcore-{kind} tokens={tokens}")
+            if a.profile_host and use_cuda:
+                profile_host(disp, xf, rmap, probs, a.profile_host, f"mcore-{kind} tokens={tokens}")
             if rank == 0:
                 print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
                       f"fwd_bwd_us={fb:.1f} correct={bool(ok_all.item())}", flush=True)

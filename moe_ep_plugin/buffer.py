@@ -48,6 +48,29 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[
     return t
 
 
+def _buffer_device(group: dist.ProcessGroup, device: object) -> torch.device:
+    """The buffer's device from ``device`` (validated) or, when None, from the group's backend."""
+    nccl = dist.get_backend(group) == "nccl"
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device: expected a torch.device or str, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: {e}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected a CUDA or CPU device, got {device}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device} was asked for but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif nccl:
+        raise ValueError("device: an NCCL group needs a CUDA device, got cpu")
+    return device
+
+
 def _int64(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous int64 (``.to`` costs host time even when the dtype is already right)."""
     return (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous()
@@ -64,6 +87,11 @@ class Buffer:
     ``transport``: ``"auto"`` (``nvlink`` kernels when CUDA, the kernel library and peer access exist, else
     ``torch``), ``"torch"`` or ``"nvlink"``; ``$MOE_EP_TRANSPORT`` overrides ``auto``. ``timeout_s`` bounds
     every wait on another rank (``$MOE_EP_TIMEOUT_S``, default 100 s).
+
+    ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group,
+    else the CPU. A CUDA device with a gloo group serves several ranks that share one GPU (NCCL refuses two
+    ranks on one GPU); only the ``nvlink`` transport works so, since the ``torch`` transport moves rows with
+    the group's own collectives.
     """
 
     num_sms: int = 20
@@ -72,7 +100,8 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
-                 transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+                 transport: str = "auto", timeout_s: Optional[float] = None,
+                 device: Optional[Union[torch.device, str]] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
         group = group if group is not None else dist.group.WORLD
@@ -94,13 +123,17 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = False
         self.explicitly_destroy = explicitly_destroy
-        is_cuda = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
+        self.device = _buffer_device(group, device)
+        is_cuda = self.device.type == "cuda"
         self._cuda = is_cuda  # what _check compares input tensors with
         self.transport_name = resolve_transport_name(transport, group, self.device)
+        if is_cuda and self.transport_name == "torch" and dist.get_backend(group) != "nccl":
+            raise ValueError(f"device: the torch transport moves rows with the group's collectives, and a "
+                             f"{dist.get_backend(group)} group cannot carry {self.device} tensors; use an NCCL "
+                             f"group or transport='nvlink'")
         self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes)
         self.timeout_s = timeout_s
-        self._comm_stream = torch.cuda.Stream(priority=-1) if is_cuda else None
+        self._comm_stream = torch.cuda.Stream(self.device, priority=-1) if is_cuda else None
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
 
     # ---- configuration (static, as in DeepEP) ----

@@ -6,6 +6,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS="${OUT:-runs/$1}"
 mkdir -p "$LOGS"
+# Ranks of the multi-GPU runs: one per GPU (EP1 on a one-GPU machine).
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$GPUS" -ge 1 ] || GPUS=1
 # megatron-core (the device machine has none): the carried wheel, installed once per machine into /tmp/mcore.
 if ! python3 -c "import megatron.core" 2>/dev/null; then
     wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -n 1)

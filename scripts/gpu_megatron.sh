@@ -28,7 +28,7 @@ if [[ " $steps " == *" test "* ]]; then
     timeout 100 python3 -m pytest -q -rs tests/test_megatron_layer.py -k gpus 2>&1 | tail -n 30 | tee -a "$LOG" || status=1
 fi
 if [[ " $steps " == *" bench "* ]]; then
-    timeout 170 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 4096,128 --breakdown 2>&1 \
+    timeout 170 torchrun --nproc-per-node "$GPUS" benchmarks/mcore_dispatchers.py --tokens 4096,128 --breakdown 2>&1 \
         | grep -v -i warn | tee -a "$LOG" || status=1
 fi
 if [[ " $steps " == *" pretrain "* ]]; then

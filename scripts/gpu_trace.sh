@@ -6,10 +6,10 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_trace
 status=0
-timeout 90 torchrun --nproc-per-node 2 benchmarks/mcore_dispatchers.py --tokens 128 --kinds ep_plugin:nvlink --trace \
+timeout 90 torchrun --nproc-per-node "$GPUS" benchmarks/mcore_dispatchers.py --tokens 128 --kinds ep_plugin:nvlink --trace \
     2>&1 | grep -v -i warn | tee "$LOGS/megatron_trace.log" || status=1
 for tokens in 128 4096; do
-    timeout 60 torchrun --nproc-per-node 2 benchmarks/trace_dispatch.py --op experts --tokens "$tokens" 2>&1 \
+    timeout 60 torchrun --nproc-per-node "$GPUS" benchmarks/trace_dispatch.py --op experts --tokens "$tokens" 2>&1 \
         | grep -v -i warn | tee -a "$LOGS/dispatch_trace.log" || status=1
 done
 exit $status

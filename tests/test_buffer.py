@@ -179,6 +179,17 @@ def _errors() -> None:
     with pytest.raises(ValueError, match="transport must be one of"):
         Buffer()
     del os.environ["MOE_EP_TRANSPORT"]
+    # device: checked before any transport is built
+    with pytest.raises(TypeError, match="device"):
+        Buffer(transport="torch", device=0)
+    with pytest.raises(ValueError, match="device"):
+        Buffer(transport="torch", device="nowhere")
+    with pytest.raises(ValueError, match="device"):
+        Buffer(transport="torch", device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: cuda:0 was asked for but CUDA is not available"):
+            Buffer(transport="nvlink", device="cuda:0")
+    assert Buffer(transport="torch", device="cpu").device == torch.device("cpu")
     # out-of-range ids on one rank only: they ride on the count exchange, so every rank raises, naming that rank
     # (get_dispatch_layout itself leaves them out of its counts rather than pay a host sync to check)
     odd = idx + (2 * world if dist.get_rank() == world - 1 else 0)
