@@ -93,6 +93,17 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
             and x.data_ptr() % 16 == 0):
         with torch.no_grad():  # like the kernels, the torch path records no graph: autograd.py owns the gradients
             return _torch_permute(x, slot, num_rows, weights, scales)
+    return permute_valid(x, slot, n, num_rows, weights, scales)
+
+
+def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, weights: Optional[torch.Tensor] = None,
+                  scales: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The kernel of :func:`permute` on its first ``n`` rows, for inputs already known valid: CUDA tensors of one
+    device with the kernel library loaded, ``x`` ``[>= n, H]`` with rows of a multiple of 16 bytes, ``slot``
+    ``[n, K]`` int32 (1 <= K <= 32), ``weights`` ``[n, K]`` / ``scales`` ``[>= n, S]`` float32, all contiguous.
+    The nvlink transport calls it on buffers it made itself, skipping the checks and the slicing (host time)."""
+    k = slot.shape[1]
     out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
     num_scales = 0 if scales is None else scales.shape[1]
@@ -100,8 +111,9 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
         return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
-    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k, row_bytes,
-            num_scales, num_rows, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales), covered.data_ptr())
+    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k,
+            x.shape[1] * x.element_size(), num_scales, num_rows, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales),
+            covered.data_ptr())
     return out_x, out_probs, out_scales
 
 

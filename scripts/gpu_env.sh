@@ -17,3 +17,17 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
         export PYTHONPATH="$PYTHONPATH:/tmp/mcore"
     fi
 fi
+# mps_on / mps_off: with one GPU, an MPS daemon lets the kernels of several ranks sharing it run side by side (they
+# wait on each other) instead of taking turns; without it (none there, or it fails to serve) they only run slower.
+mps_on() {
+    MPS=0
+    [ "$GPUS" -eq 1 ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d || return 0
+    if timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"; then
+        MPS=1; echo "MPS on"
+    else
+        echo quit | nvidia-cuda-mps-control; echo "MPS did not serve: off"
+    fi
+}
+mps_off() {
+    if [ "${MPS:-0}" -eq 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; MPS=0; fi
+}

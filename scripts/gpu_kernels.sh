@@ -14,18 +14,9 @@ if ! python3 -c "from moe_ep_plugin import _ext; assert _ext.unavailable_reason(
     python3 -m moe_ep_plugin._build --required 2>&1 | tail -n 3 || exit 1
 fi
 python3 -c "from moe_ep_plugin import _ext; r = _ext.unavailable_reason(); print('kernel library:', r or 'loads'); assert r is None" || exit 1
-# One GPU: tests/gpu runs 2-4 ranks on it; MPS lets their kernels run side by side (they wait on each other) instead
-# of taking turns. Without MPS (none there, or it fails to serve) the ranks take turns, only slower.
-mps=0
-if [ "$GPUS" -eq 1 ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-    if timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"; then
-        mps=1; echo "MPS on for the shared-GPU tests"
-    else
-        echo quit | nvidia-cuda-mps-control; echo "MPS did not serve: off"
-    fi
-fi
+mps_on  # one GPU: tests/gpu runs 2-4 ranks on it
 timeout "${GPU_TESTS_LIMIT:-240}" python3 -m pytest -q -s -rs --durations=5 tests/gpu 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
-[ $mps -eq 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 1; }
+mps_off
 timeout 200 python3 benchmarks/bench_dispatch_combine.py --json "$LOGS/bench.json" "$@" 2>&1 | tee "$LOGS/bench.log" || status=1
 timeout 60 python3 benchmarks/bench_permute.py 2>&1 | tee "$LOGS/bench_permute.log" || status=1
 for lib in moe_ep_plugin/lib/variants/*.so; do

@@ -61,16 +61,15 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 class _Carve:
     """Int32 tensors of several shapes in one allocation, each starting 16-byte aligned. Their addresses are known
-    before the views exist, so a kernel can be launched on them first and the views built while it runs (host
-    time: one allocation instead of several, and no view before the launch)."""
+    before any view exists, so a kernel can be launched on them first, and only the tensors callers see get a view
+    (host time: one allocation instead of several, one torch call per view, none for addresses)."""
 
     def __init__(self, device: torch.device, *shapes: tuple[int, ...]):
         self._shapes = shapes
-        self._sizes = [math.prod(shape) for shape in shapes]
         self._starts, total = [], 0
-        for size in self._sizes:
+        for shape in shapes:
             self._starts.append(total)
-            total += (size + 3) // 4 * 4
+            total += (math.prod(shape) + 3) // 4 * 4
         self._flat = torch.empty(total, dtype=torch.int32, device=device)
         self._base = self._flat.data_ptr()
 
@@ -78,30 +77,36 @@ class _Carve:
         """Address of element ``offset`` of tensor ``i``."""
         return self._base + 4 * (self._starts[i] + offset)
 
-    def views(self) -> list[torch.Tensor]:
-        return [self._flat[start:start + size].view(shape)
-                for start, size, shape in zip(self._starts, self._sizes, self._shapes)]
+    def view(self, i: int, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """Tensor ``i``, or its first elements as a contiguous ``shape``, in one torch call."""
+        shape = self._shapes[i] if shape is None else shape
+        if len(shape) == 1:
+            return self._flat[self._starts[i]:self._starts[i] + shape[0]]
+        return self._flat.as_strided(shape, (shape[1], 1), self._starts[i])
 
 
 @dataclass
 class _ExpertState:
-    """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64, each entry's position
-    among this rank's entries for its expert ``[N, K]`` int32, ``send_offset`` ``[E]`` int32 and notify's
-    ``info`` ``[3 + 2L]`` int32 (csrc/moe_ep.h)."""
+    """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64 and the addresses (inside
+    the notify outputs the handle's state keeps) of each entry's position among this rank's entries for its expert
+    ``[N, K]`` int32, ``send_offset`` ``[E]`` int32 and notify's ``info`` ``[3 + 2L]`` int32 (csrc/moe_ep.h)."""
 
     topk_idx: torch.Tensor
-    expert_pos: torch.Tensor
-    send_offset: torch.Tensor
-    info: torch.Tensor
+    expert_pos: int
+    send_offset: int
+    info: int
 
 
 @dataclass
 class _NVLinkState:
-    """Kept in ``DispatchHandle.transport_state``: the tokens sent to each rank, in order ([R, max(N, 1)] int32),
-    the count matrix on the host (``host_counts[i * R + j]``: rows rank i sends to rank j; None after a
-    ``num_worst_tokens`` dispatch, which reads nothing back) and, for an expert-major handle, its layout state."""
+    """Kept in ``DispatchHandle.transport_state``: notify's outputs (kept alive: the kernels read them by address),
+    the address and row stride of the tokens sent to each rank, in order (``[R, list_stride]`` int32), the count
+    matrix on the host (``host_counts[i * R + j]``: rows rank i sends to rank j; None after a ``num_worst_tokens``
+    dispatch, which reads nothing back) and, for an expert-major handle, its layout state."""
 
-    send_list: torch.Tensor
+    notified: _Carve
+    send_list: int
+    list_stride: int
     host_counts: Optional[list[int]] = None
     expert: Optional[_ExpertState] = None
 
@@ -269,9 +274,10 @@ class NVLinkTransport(Transport):
         return per_rank, per_expert, in_rank
 
     # ---- dispatch ----
-    def _notify(self, args: DispatchArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _notify(self, args: DispatchArgs) -> _Carve:
         """Barrier + count exchange (token counts into the rank prefix matrix, and out-of-range expert ids) into
-        ``info`` (csrc/moe_ep.h); returns ``(meta, send_pos [N, R], send_list)`` (``meta``: see ``_split_meta``)."""
+        ``info`` (csrc/moe_ep.h); returns notify's outputs: the rank prefix matrix ``[R, R]`` directly followed by
+        ``info`` ``[2]`` (one host read brings both), ``send_pos`` ``[N, R]``, the send list ``[R, max(N, 1)]``."""
         in_rank = args.is_token_in_rank.contiguous()
         n, r = in_rank.shape[0], self.num_ranks
         counts = args.num_tokens_per_rank
@@ -283,14 +289,11 @@ class NVLinkTransport(Transport):
         _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(counts), _ptr(invalid), _ptr(in_rank), n,
                                                     max(n, 1), out.ptr(0), out.ptr(1), out.ptr(2), out.ptr(0, r * r),
                                                     self._stream()), "notify_dispatch")
-        meta, send_pos, send_list = out.views()
-        return meta, send_pos, send_list
+        return out
 
-    def _split_meta(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rank_prefix_matrix [R, R], info)`` of ``meta``, the int32 tensor holding both of notify's outputs so
-        one host read brings both back."""
-        r = self.num_ranks
-        return meta[:r * r].view(r, r), meta[r * r:]
+    def _prefix_matrix(self, notified: _Carve) -> torch.Tensor:
+        """The rank prefix matrix ``[R, R]`` int32 at the start of notify's first output."""
+        return notified.view(0, (self.num_ranks, self.num_ranks))
 
     def _most_received(self, host_counts: list[int]) -> int:
         """The most rows any rank receives (every rank computes the same from the whole count matrix)."""
@@ -298,10 +301,10 @@ class NVLinkTransport(Transport):
         return max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
 
     def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
-        """Start the one host read of a dispatch: ``meta`` (the address of the tensor ``_split_meta`` splits) up to
-        ``info[:info_length]`` is copied to pinned memory on the library's side stream, after the work enqueued so
+        """Start the one host read of a dispatch: ``meta`` (the address of the rank prefix matrix, which ``info``
+        directly follows) up to ``info[:info_length]`` is copied to pinned memory on the library's side stream, after the work enqueued so
         far (notify), so the caller can enqueue more before it waits. Returns the wait, which gives the values.
-        (The tensor stays alive in the handle, which holds views of it.)"""
+        (The memory stays alive in the handle's state.)"""
         length = self.num_ranks * self.num_ranks + info_length
         _ext.check(self._lib.moe_ep_read_start(self._ctx, meta, 4 * length, self._stream()), "read_start")
 
@@ -360,10 +363,10 @@ class NVLinkTransport(Transport):
         counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
         params = _ext.DispatchParams(
             x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(args.topk_weights),
-            rank_prefix_matrix=_ptr(handle.rank_prefix_matrix), send_list=_ptr(state.send_list), recv_x=_ptr(recv_x),
+            rank_prefix_matrix=_ptr(handle.rank_prefix_matrix), send_list=state.send_list, recv_x=_ptr(recv_x),
             recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden, x_elem_bytes=x.element_size(),
             num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
-            num_local_experts=args.num_experts // self.num_ranks, list_stride=state.send_list.shape[1],
+            num_local_experts=args.num_experts // self.num_ranks, list_stride=state.list_stride,
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
             recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
             round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
@@ -413,18 +416,18 @@ class NVLinkTransport(Transport):
         if args.handle is not None:
             self._replay_barrier(args.handle)
             return self._dispatch_rows(args, args.handle)
-        meta, send_pos, send_list = self._notify(args)
-        rpm, _ = self._split_meta(meta)
+        notified = self._notify(args)
         worst = args.num_worst_tokens > 0  # no host read, so out-of-range ids are not reported in this mode
-        handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=args.is_token_in_rank.contiguous(),
-                                send_pos=send_pos, recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
+        handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(notified),
+                                is_token_in_rank=args.is_token_in_rank.contiguous(), send_pos=notified.view(1),
+                                recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
                                 num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
                                 num_ranks=self.num_ranks,
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
-                                transport_state=_NVLinkState(send_list))
+                                transport_state=_NVLinkState(notified, notified.ptr(2), max(n, 1)))
         if worst:
             return self._dispatch_rows(args, handle)
-        read = self._start_read(meta.data_ptr(), 2)
+        read = self._start_read(notified.ptr(0), 2)
         guess = handle.num_recv_rows
         result = self._dispatch_rows(args, handle, speculative_rows=1)
         handle.transport_state.host_counts, host = self._read_info(read(), args.num_experts)
@@ -479,29 +482,30 @@ class NVLinkTransport(Transport):
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
             r = self.num_ranks
-            # notify's int32 outputs from one allocation, their views built after the launch
-            out = _Carve(self.device, (r * r + 3 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k))
+            # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows;
+            # the host reads them (and allocates, and launches permute) while it runs.
+            guess = self._recv_guess
+            # notify's int32 outputs and the guessed receive metadata (recv_src_idx, recv_slot) from one
+            # allocation; views only of what the handle exposes, built after the launch
+            out = _Carve(self.device, (r * r + 3 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k),
+                         (guess,), (guess, k))
             in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
             _ext.check(self._lib.moe_ep_notify_experts(
                 self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2), out.ptr(3),
                 _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r), self._stream()), "notify_experts")
             read = self._start_read(out.ptr(0), 3 + num_local)
-            meta, send_offset, send_pos, send_list, expert_pos = out.views()
-            rpm, info = self._split_meta(meta)
-            state = _NVLinkState(send_list, None, _ExpertState(topk_idx, expert_pos, send_offset, info))
-            # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows;
-            # the host reads them (and allocates, and launches permute) while it runs.
-            guess = self._recv_guess
-            recv_src_idx, recv_slot = _Carve(self.device, (guess,), (guess, k)).views()
-            handle = DispatchHandle(rank_prefix_matrix=rpm, is_token_in_rank=in_rank, send_pos=send_pos,
-                                    recv_src_idx=recv_src_idx, num_tokens=n, num_recv_tokens=None,
+            state = _NVLinkState(out, out.ptr(3), max(n, 1), None,
+                                 _ExpertState(topk_idx, out.ptr(4), out.ptr(1), out.ptr(0, r * r)))
+            # recv_src_idx: set once the row count is known (the kernel writes it by address)
+            handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(out), is_token_in_rank=in_rank,
+                                    send_pos=out.view(2), recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
                                     num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
                                     num_recv_rows=guess, transport_state=state)
             recv_x, recv_scales = self._recv_tensors(args, guess)
             probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
                      if args.topk_weights is not None else None)
-            self._launch_expert_dispatch(args, handle, recv_x, recv_scales, recv_slot, probs, alignment,
+            self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs, alignment,
                                          args.topk_weights, speculative_rows=1)
             host_counts, host = self._read_info(read(), num_experts)
             num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
@@ -510,22 +514,24 @@ class NVLinkTransport(Transport):
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
             if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
                 self._recv_guess = most
-                handle.recv_src_idx, recv_slot = _Carve(self.device, (num_recv,), (num_recv, k)).views()
+                again = _Carve(self.device, (num_recv,), (num_recv, k))
+                handle.recv_src_idx, recv_slot = again.view(0), again.view(1)
                 handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
                 return self._expert_dispatch(args, handle, args.topk_weights)
-            handle.recv_src_idx = handle.recv_src_idx[:num_recv]
-            handle.expert_layout = ExpertLayout(recv_slot[:num_recv], tokens_per_expert, num_rows, alignment)
-            x, _, scales = permute.permute(recv_x[:num_recv], handle.expert_layout.recv_slot, num_rows, None,
-                                           None if recv_scales is None else recv_scales[:num_recv])
+            handle.recv_src_idx = out.view(5, (num_recv,))
+            handle.expert_layout = ExpertLayout(out.view(6, (num_recv, k)), tokens_per_expert, num_rows, alignment)
+            x, _, scales = permute.permute_valid(recv_x, handle.expert_layout.recv_slot, num_recv, num_rows, None,
+                                                 recv_scales)
             return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
         return self._expert_dispatch(args, handle, None)
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, recv_x: torch.Tensor,
-                                recv_scales: Optional[torch.Tensor], recv_slot: torch.Tensor,
-                                probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
-                                speculative_rows: int = 0) -> None:
+                                recv_scales: Optional[torch.Tensor], recv_src_idx: torch.Tensor | int,
+                                recv_slot: torch.Tensor | int, probs: Optional[torch.Tensor], alignment: int,
+                                weights: Optional[torch.Tensor], speculative_rows: int = 0) -> None:
+        """The expert-major dispatch kernel; ``recv_src_idx``/``recv_slot``: tensors or their addresses."""
         expert: _ExpertState = handle.transport_state.expert
-        self._launch_dispatch(args, handle, expert.topk_idx, recv_x, recv_scales, recv_src_idx=handle.recv_src_idx,
+        self._launch_dispatch(args, handle, expert.topk_idx, recv_x, recv_scales, recv_src_idx=recv_src_idx,
                               expert_major=1, expert_pos=expert.expert_pos, send_offset=expert.send_offset,
                               expert_info=expert.info, recv_slot=recv_slot, expert_probs=probs,
                               alignment=alignment, topk_weights=weights, speculative_rows=speculative_rows)
@@ -544,9 +550,10 @@ class NVLinkTransport(Transport):
         recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
-        self._launch_expert_dispatch(args, handle, recv_x, recv_scales, layout.recv_slot, probs, layout.alignment,
-                                     weights)
-        x, _, scales = permute.permute(recv_x, layout.recv_slot, layout.num_rows, None, recv_scales)
+        self._launch_expert_dispatch(args, handle, recv_x, recv_scales, handle.recv_src_idx, layout.recv_slot, probs,
+                                     layout.alignment, weights)
+        x, _, scales = permute.permute_valid(recv_x, layout.recv_slot, handle.num_recv_rows, layout.num_rows, None,
+                                             recv_scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
