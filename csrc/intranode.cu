@@ -1159,6 +1159,9 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
     Context* mut = const_cast<Context*>(ctx);
     const int share = int(p.copy_share);
+    char* own = static_cast<char*>(moe_ep_own_region(mut));
+    if (p.x_in_region != 0 && (p.pull == 0 || p.x != own))
+        return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
     if (p.pull != 0) {
         if (share != 0 || p.num_send_warps != 0 || p.num_send_blocks != 0)
             return set_error(-1, "a pull combine has no senders and no copy-engine share");
@@ -1166,17 +1169,19 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
             return set_error(-1, "pull combine: " + std::to_string(p.num_recv_rows) + " rows do not fit a region");
         if (p.host_counts == nullptr) return set_error(-1, "a pull combine needs host_counts");
         // The rows this rank received from each peer (and their weights) into its own region at the same offsets
-        // as in x; its own tokens' rows stay in x, read there. Peers finished reading the region (the caller's start
-        // barrier); the barrier after the copies puts every rank's rows in place before anyone loads them.
-        char* own = ctx->dev.bufs[me] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes;
+        // as in x; its own tokens' rows stay in x, read there. With x_in_region the rows are there already (x is
+        // the region), only the weights move. Peers finished reading the region (the caller's start barrier); the
+        // barrier after the copies puts every rank's rows in place before anyone loads them.
         float* own_weights = reinterpret_cast<float*>(own + pull_weights_offset(ctx->dev, int(p.num_topk)));
         const char* x = static_cast<const char*>(p.x);
         int err = 0;
         for (int d = 0, first = 0; d < R && !err; first += p.host_counts[d * R + me], ++d) {
             const int count = p.host_counts[d * R + me];
             if (d == me || count == 0) continue;
-            err = check_cuda(cudaMemcpyAsync(own + first * row_bytes, x + first * row_bytes, size_t(count * row_bytes),
-                                             cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync(pull rows)");
+            if (p.x_in_region == 0)
+                err = check_cuda(cudaMemcpyAsync(own + first * row_bytes, x + first * row_bytes,
+                                                 size_t(count * row_bytes), cudaMemcpyDeviceToDevice, s),
+                                 "cudaMemcpyAsync(pull rows)");
             if (!err && p.topk_weights != nullptr)
                 err = check_cuda(cudaMemcpyAsync(own_weights + int64_t(first) * p.num_topk,
                                                  p.topk_weights + int64_t(first) * p.num_topk,

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 3
+#define MOE_EP_ABI_VERSION 4
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
@@ -99,6 +99,12 @@ typedef struct {
      * num_recv_rows * hidden * elem_bytes to fit a region below the weights area (moe_ep_pull_rows); all ranks must
      * agree on it. */
     int64_t pull;
+    /* x_in_region != 0 (pull only): x is this rank's own region (moe_ep_own_region), already holding all
+     * num_recv_rows rows at their offsets in receive order (row i at x + i * hidden * elem_bytes), so no rows are
+     * copied; the caller wrote them there after its start barrier (the expert-major combine's unpermute does) and
+     * launches no second one. topk_weights, when given, is still a separate [num_recv_rows, K] array and is still
+     * copied into the region's weights area. */
+    int64_t x_in_region;
 } moe_ep_combine_params;
 
 /* Rows of `row_bytes` a pull combine with num_topk weights per row can hold in one region. */
@@ -116,6 +122,8 @@ int moe_ep_destroy(void* ctx);
 volatile int32_t* moe_ep_error_info(void* ctx); /* host pointer to int32[4]; [0] == 0 while healthy */
 int64_t moe_ep_region_bytes(void* ctx);         /* staging bytes reserved for each source rank */
 int64_t moe_ep_staging_offset(void);            /* buffer bytes before the staging regions (header, counts, flags) */
+/* This rank's own region of its buffer (4096-byte aligned): where a pull combine's rows sit (x_in_region). */
+void* moe_ep_own_region(void* ctx);
 
 /* Host read of up to MOE_EP_READ_BYTES of device memory, started after the work enqueued on `stream` so far and
  * copied on a side stream, so the caller can enqueue more before it waits; moe_ep_read_wait blocks until the

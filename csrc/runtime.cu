@@ -196,6 +196,11 @@ int64_t moe_ep_region_bytes(void* handle) { return static_cast<Context*>(handle)
 
 int64_t moe_ep_staging_offset(void) { return kStagingOffset; }
 
+void* moe_ep_own_region(void* handle) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    return ctx->dev.bufs[ctx->dev.rank] + kStagingOffset + int64_t(ctx->dev.rank) * ctx->dev.region_bytes;
+}
+
 int moe_ep_read_start(void* handle, const void* src, int64_t bytes, void* stream) {
     Context* ctx = static_cast<Context*>(handle);
     if (bytes < 0 || bytes > MOE_EP_READ_BYTES)

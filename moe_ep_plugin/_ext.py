@@ -10,7 +10,7 @@ from typing import Optional
 
 from ._build import LIB_PATH
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -50,7 +50,7 @@ class CombineParams(ctypes.Structure):
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
                                   "num_send_warps", "num_send_blocks", "copy_share", "copy_piece_rows",
                                   "copy_streams")] + [
-        ("host_counts", _p), ("pull", _i64)]
+        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
 
 
 _lib: Optional[ctypes.CDLL] = None
@@ -93,6 +93,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_region_bytes.argtypes = [_p]
     lib.moe_ep_staging_offset.restype = _i64
     lib.moe_ep_staging_offset.argtypes = []
+    lib.moe_ep_own_region.restype = _p
+    lib.moe_ep_own_region.argtypes = [_p]
     lib.moe_ep_read_start.argtypes = [_p, _p, _i64, _p]
     lib.moe_ep_read_wait.argtypes = [_p]
     lib.moe_ep_read_buffer.restype = ctypes.POINTER(ctypes.c_int32)

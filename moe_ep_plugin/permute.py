@@ -123,6 +123,18 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     ``out[r]`` = sum over k ascending of ``y[recv_slot[r, k]]`` (slots in ``[0, M)`` only), accumulated in fp32
     from 0.0 and rounded once (rows without slots are 0): the order the nvlink combine kernel uses too.
     """
+    y, slot, kernel = unpermute_inputs(y, recv_slot)
+    if not kernel:
+        with torch.no_grad():
+            return _torch_unpermute(y, slot)
+    out = torch.empty(slot.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+    unpermute_into(y, slot, out.data_ptr())
+    return out
+
+
+def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Validate :func:`unpermute`'s arguments → ``(y, recv_slot)`` contiguous, and whether the kernel takes them
+    (else only the torch path can)."""
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise ValueError(f"y: expected a 2-D [rows, hidden] tensor, got {_describe(y)}")
     if y.dtype not in _KERNEL_DTYPES:
@@ -132,16 +144,20 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"recv_slot: expected a tensor on {y.device}, got {recv_slot.device}")
     y = y.contiguous()
     slot = recv_slot.contiguous()
-    n, k = slot.shape
     row_bytes = y.shape[1] * y.element_size()
-    if not (_kernels_for(y) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
-            and y.data_ptr() % 16 == 0):
-        with torch.no_grad():
-            return _torch_unpermute(y, slot)
-    out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
-    _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), n, k, y.shape[1], y.shape[0], _KERNEL_DTYPES[y.dtype],
-            out.data_ptr())
-    return out
+    kernel = (_kernels_for(y) and 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and row_bytes > 0 and row_bytes % 16 == 0
+              and y.data_ptr() % 16 == 0)
+    return y, slot, kernel
+
+
+def unpermute_into(y: torch.Tensor, slot: torch.Tensor, out: int) -> None:
+    """:func:`unpermute`'s kernel writing its ``[N, H]`` ``y.dtype`` rows at device address ``out`` (16-byte
+    aligned, room for N rows; e.g. the nvlink pull combine's own region, which no tensor covers). ``y`` and
+    ``slot`` as :func:`unpermute_inputs` returned them when it found the kernel takes them."""
+    if out % 16:
+        raise ValueError(f"out: the unpermute kernel needs a 16-byte aligned address, got {out:#x}")
+    _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), slot.shape[0], slot.shape[1], y.shape[1],
+            y.shape[0], _KERNEL_DTYPES[y.dtype], out)
 
 
 # --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---

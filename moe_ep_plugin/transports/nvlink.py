@@ -9,7 +9,8 @@ region while its receiver warps copy published rows into the outputs. Combine is
 that sends rows back and sums each token's copies in fp32, in source-rank order. Results equal the ``torch``
 transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order. ``dispatch_experts`` folds the
 per-expert counts into notify and ships each row's expert-major destination rows with it (then ``permute``
-expands, on all SMs); ``combine_experts`` is the shared ``unpermute`` + ``combine``.
+expands, on all SMs); ``combine_experts`` is ``unpermute`` + ``combine``, and when that combine pulls,
+``unpermute`` writes straight into the region the combine pulls from.
 
 Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel records what stalled in a
 host-mapped record, every later wait on that rank gives up at once, and the next call on this transport (or
@@ -31,7 +32,7 @@ from ..config import Config
 from ..event import current_stream_handle
 from ..handle import DispatchHandle, ExpertLayout
 from ..layout import count_invalid, invalid_ids_error
-from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport
+from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
 _DEFAULT_ROWS = 8192
@@ -117,6 +118,17 @@ class _NVLinkState:
         return (ctypes.c_int32 * len(self.host_counts))(*self.host_counts)
 
 
+@dataclass
+class _CombineLaunch:
+    """A combine ready to launch but for ``params.x``: its outputs (``out`` ``[N, H]``, ``out_weights`` ``[N, K]``
+    float32 or None) and ``keep``, what the parameters point to that must live until the launch."""
+
+    params: _ext.CombineParams
+    out: torch.Tensor
+    out_weights: Optional[torch.Tensor]
+    keep: tuple
+
+
 class NVLinkTransport(Transport):
     """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
 
@@ -136,7 +148,9 @@ class NVLinkTransport(Transport):
     received from peers into its own region, a barrier, and every warp of the combine kernel reduces, loading
     peers' rows over NVLink. Measured at 24 SMs: pulling is faster for BF16 dispatch and for combine, slower for
     a quantizing dispatch. A pull combine costs two more launches (the copy and a second barrier), which
-    host-bound small combines feel more than the GPU time saved, hence ``pull_combine_min_bytes``.
+    host-bound small combines feel more than the GPU time saved, hence ``pull_combine_min_bytes``. The
+    expert-major ``combine_experts`` skips the copy: after the start barrier its ``unpermute`` writes the
+    received rows into the own region directly (``x_in_region``), so only the second barrier remains extra.
 
     Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
     when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
@@ -210,6 +224,7 @@ class NVLinkTransport(Transport):
             _ext.check(self._lib.moe_ep_open_peers(ctx, b"".join(handles)), "opening peer buffers")
         self._error = self._lib.moe_ep_error_info(ctx)
         self.region_bytes = int(self._lib.moe_ep_region_bytes(ctx))
+        self._own_region = int(self._lib.moe_ep_own_region(ctx))  # where a pull combine's rows sit (16-byte aligned)
         self._read_buffer = self._lib.moe_ep_read_buffer(ctx)  # pinned int32 host memory of the host reads
         self._recv_guess = 0  # receive rows an expert-major dispatch allocates before it reads the count
         self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -557,34 +572,36 @@ class NVLinkTransport(Transport):
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
-    def _pull_combine(self, host_counts: list[int], x: torch.Tensor, num_topk: int) -> bool:
-        """Whether this combine pulls: the most rows any rank received carry at least ``pull_combine_min_bytes``
-        and fit every rank's own region (all ranks decide alike: each sees the whole count matrix)."""
-        row_bytes = x.shape[1] * x.element_size()
+    def _pull_combine(self, host_counts: list[int], row_bytes: int, num_topk: int) -> bool:
+        """Whether a combine of rows of ``row_bytes`` pulls: the most rows any rank received carry at least
+        ``pull_combine_min_bytes`` and fit every rank's own region (all ranks decide alike: each sees the whole
+        count matrix)."""
         most = self._most_received(host_counts)
         return (most * row_bytes >= self.pull_combine_min_bytes
                 and most <= self._lib.moe_ep_pull_rows(self._ctx, row_bytes, num_topk))
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        self.check_error()
-        hidden = x.shape[1]
+    def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
+                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
+                        ) -> _CombineLaunch:
+        """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
+        pick how rows travel (copy-engine share first, else pull or push); ``params.x`` is left for the caller."""
+        elem_bytes = dtype.itemsize
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if k > _ext.MAX_TOPK:
             raise ValueError(f"topk_weights: the nvlink kernels take at most {_ext.MAX_TOPK} columns, got {k}")
-        if (hidden * x.element_size()) % 16:
-            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
-        self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, x.element_size(), k), "x")
+        if (hidden * elem_bytes) % 16:
+            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {dtype}")
+        self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, elem_bytes, k), "x")
         rpm, send_pos = (t if t.dtype == torch.int32 and t.device == self.device and t.is_contiguous()
                          else t.to(device=self.device, dtype=torch.int32).contiguous()
                          for t in (handle.rank_prefix_matrix, handle.send_pos))
-        out = torch.empty(handle.num_tokens, hidden, dtype=x.dtype, device=self.device)
+        out = torch.empty(handle.num_tokens, hidden, dtype=dtype, device=self.device)
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
         params = _ext.CombineParams(
-            x=_ptr(x), topk_weights=_ptr(topk_weights), rank_prefix_matrix=_ptr(rpm), send_pos=_ptr(send_pos),
+            topk_weights=_ptr(topk_weights), rank_prefix_matrix=_ptr(rpm), send_pos=_ptr(send_pos),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
-            out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=x.element_size(),
+            out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=elem_bytes,
             num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
             num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config))
         state = handle.transport_state
@@ -594,17 +611,54 @@ class NVLinkTransport(Transport):
             share = 100 if self._num_sms(config) < 20 else 0
         counts = None
         if host_counts is not None and share > 0:
-            counts = state.copy_counts()  # kept alive until the launch has read it
+            counts = state.copy_counts()  # kept alive (in the result) until the launch has read it
             params.copy_share, params.copy_piece_rows, params.copy_streams = (share, self.copy_piece_rows,
                                                                               self.copy_streams)
             params.host_counts = ctypes.addressof(counts)
             if share >= 100:  # the copy engine sends everything; every warp reduces
                 params.num_send_warps = params.num_send_blocks = 0
-        elif self.combine_pull and host_counts is not None and self._pull_combine(host_counts, x, k):
+        elif (self.combine_pull and host_counts is not None
+              and self._pull_combine(host_counts, hidden * elem_bytes, k)):
             counts = state.copy_counts()  # where each peer's rows sit in x
             params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
             params.host_counts = ctypes.addressof(counts)
+        return _CombineLaunch(params, out, out_weights, (counts, rpm, send_pos, topk_weights))
+
+    def _launch_combine(self, params: _ext.CombineParams, start_barrier: bool = True) -> None:
+        """The start barrier (unless the caller launched it) and the combine kernel, on the current stream."""
         stream = self._stream()
-        _ext.check(self._lib.moe_ep_barrier(self._ctx, stream), "barrier")
+        if start_barrier:
+            _ext.check(self._lib.moe_ep_barrier(self._ctx, stream), "barrier")
         _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), stream), "combine")
-        return out, out_weights
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.check_error()
+        launch = self._combine_launch(x.shape[1], x.dtype, handle, topk_weights, bias, config)
+        launch.params.x = _ptr(x)
+        self._launch_combine(launch.params)
+        return launch.out, launch.out_weights
+
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
+                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The base class's ``unpermute`` + :meth:`combine` (same results, bit for bit), except when the combine
+        pulls: then, after the start barrier (peers are done reading this rank's own region), ``unpermute`` writes
+        the ``[N_recv, H]`` received rows straight into that region, where the pull combine's copy would put them,
+        and the combine kernel reads them there (``x_in_region``): one pass over the rows and one launch fewer."""
+        self.check_error()
+        layout: ExpertLayout = handle.expert_layout
+        weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
+        launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config)
+        params = launch.params
+        if params.pull:
+            y, slot, kernel = permute.unpermute_inputs(y, layout.recv_slot)  # validated before any launch
+            if kernel and slot.shape[0] == handle.num_recv_rows:  # C checks that num_recv_rows fit the region
+                _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+                permute.unpermute_into(y, slot, self._own_region)
+                params.x, params.x_in_region = self._own_region, 1
+                self._launch_combine(params, start_barrier=False)
+                return launch.out, launch.out_weights
+        recv_y = permute.unpermute(y, layout.recv_slot)
+        params.x = _ptr(recv_y)
+        self._launch_combine(params)
+        return launch.out, launch.out_weights
