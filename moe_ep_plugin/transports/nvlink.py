@@ -644,7 +644,8 @@ class NVLinkTransport(Transport):
         """The base class's ``unpermute`` + :meth:`combine` (same results, bit for bit), except when the combine
         pulls: then, after the start barrier (peers are done reading this rank's own region), ``unpermute`` writes
         the ``[N_recv, H]`` received rows straight into that region, where the pull combine's copy would put them,
-        and the combine kernel reads them there (``x_in_region``): one pass over the rows and one launch fewer."""
+        and the combine kernel reads them there (``x_in_region``): no row copies (one pass over the rows and R - 1
+        copy launches fewer; expert weights, if any, are still copied)."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
@@ -652,7 +653,8 @@ class NVLinkTransport(Transport):
         params = launch.params
         if params.pull:
             y, slot, kernel = permute.unpermute_inputs(y, layout.recv_slot)  # validated before any launch
-            if kernel and slot.shape[0] == handle.num_recv_rows:  # C checks that num_recv_rows fit the region
+            # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
+            if kernel and slot.shape[0] == handle.num_recv_rows:
                 _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
                 permute.unpermute_into(y, slot, self._own_region)
                 params.x, params.x_in_region = self._own_region, 1
