@@ -1,0 +1,547 @@
+"""NVLinkTransport's host logic on CPU, over a stand-in kernel library: exactly which C functions each dispatch and
+combine calls, in which order, with which addresses, sizes and flags.
+
+The transport's Python side only runs on GPUs, so nothing else in CI executes it. Here it runs on CPU tensors (their
+addresses serve the bookkeeping as well as device ones) over a fake library that records every call and answers the
+one host read of a dispatch with counts the test chooses; ``permute``'s kernels go through the same fake. What the
+kernels compute is tests/gpu's business: this pins what the host hands them.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from moe_ep_plugin import _ext, permute
+from moe_ep_plugin.config import Config
+from moe_ep_plugin.handle import DispatchHandle
+from moe_ep_plugin.transports import nvlink
+from moe_ep_plugin.transports.base import DispatchArgs
+from moe_ep_plugin.transports.nvlink import NVLinkTransport
+
+CTX = 0xC7C000  # the library context, as moe_ep_create would return it
+STREAM = 0x5EED00  # the current stream's handle, as the stream query returns it
+DEVICE_INDEX = 3
+OWN_REGION = 0x7F1230000000  # moe_ep_own_region: 4096-byte aligned, like the real one
+SENTINEL = -77  # read buffer past what a read brought: a read too long would carry it into the counts
+
+At = Callable[..., int]  # at(i, offset=0): address of element offset of part i of notify's allocation
+
+# The scenario: rank 1 of 2, 5 tokens of hidden 64 in BF16 (rows of 128 bytes), top-2 of 4 experts (2 local),
+# expert blocks aligned to 4 rows.
+R, ME, N, H, K, E, ALIGNMENT = 2, 1, 5, 64, 2, 4, 4
+L = E // R
+TOPK = [[0, 3], [2, -1], [1, 2], [3, 0], [-1, 2]]
+CONFIG = Config(num_sms=24)  # >= 20 SMs: the default combine_copy_share is 0
+# rows rank i sends to rank j (host_counts[i * R + j]) and their inclusive prefix over source ranks: rank 1 receives
+# 4 + 5 = 9 rows, rank 0 3 + 2 = 5
+COUNTS = [3, 4, 2, 5]
+PREFIX = [3, 4, 5, 9]
+NUM_RECV = 9
+TOKENS_PER_EXPERT = [8, 12]  # aligned to 4
+NUM_ROWS = 20
+INFO = [NUM_RECV, 0, NUM_ROWS] + TOKENS_PER_EXPERT  # what the read brings of info (the exact counts stay behind)
+# expert-major row of each received (row, column): every row 0..19 once but 3 and 18 (padding), -1 = not local
+RECV_SLOT = [[0, 8], [1, -1], [2, 9], [-1, 10], [4, 11], [5, 12], [6, -1], [13, 14], [15, 16]]
+
+
+class FakeLib:
+    """Stands in for the kernel library (and for permute's): every ``moe_ep_*`` call is recorded as ``(name, args)``
+    and returns 0. Parameter structs arrive by reference and are recorded as ``{field: value}`` (NULL = 0), copied at
+    the call. A host read brings ``read_values`` (as many as it asked for); ``moe_ep_pull_rows`` answers
+    ``pull_rows``. What the host hands a combine by address only (its host counts, its weights) is read at the call,
+    while it is alive, into ``combine_memory``."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self.calls: list[tuple[str, tuple]] = []
+        self.read_buffer = [SENTINEL] * (16384 // 4)  # MOE_EP_READ_BYTES of int32
+        self.read_values: list[int] = []
+        self.pull_rows = 0
+        self.combine_memory: dict[str, list] = {}
+        self._read_ints: Optional[int] = None
+
+    def __getattr__(self, name: str):
+        if not name.startswith("moe_ep_"):
+            raise AttributeError(name)
+
+        def call(*args) -> int:
+            self.calls.append((name, args))
+            return 0
+        return call
+
+    def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
+        self.calls.append(("moe_ep_read_start", (ctx, src, nbytes, stream)))
+        self._read_ints = nbytes // 4
+        return 0
+
+    def moe_ep_read_wait(self, ctx: int) -> int:
+        self.calls.append(("moe_ep_read_wait", (ctx,)))
+        assert self._read_ints is not None, "read_wait without read_start"
+        self.read_buffer[:self._read_ints] = self.read_values[:self._read_ints]
+        self._read_ints = None
+        return 0
+
+    def moe_ep_pull_rows(self, ctx: int, row_bytes: int, num_topk: int) -> int:
+        self.calls.append(("moe_ep_pull_rows", (ctx, row_bytes, num_topk)))
+        return self.pull_rows
+
+    def moe_ep_dispatch(self, ctx: int, params, stream: int) -> int:
+        self.calls.append(("moe_ep_dispatch", (ctx, _fields(params._obj), stream)))
+        return 0
+
+    def moe_ep_combine(self, ctx: int, params, stream: int) -> int:
+        p = params._obj
+        self.calls.append(("moe_ep_combine", (ctx, _fields(p), stream)))
+        r = self.num_ranks
+        self.combine_memory = {
+            "host_counts": list((ctypes.c_int32 * (r * r)).from_address(p.host_counts)) if p.host_counts else None,
+            "topk_weights": (list((ctypes.c_float * (p.num_recv_rows * p.num_topk)).from_address(p.topk_weights))
+                             if p.topk_weights else None)}
+        return 0
+
+
+def _fields(struct: ctypes.Structure) -> dict[str, int]:
+    return {name: getattr(struct, name) or 0 for name, _ in struct._fields_}
+
+
+def _params(struct: type, **fields: int) -> dict[str, int]:
+    """A parameter struct as the fake records it: every field 0 but ``fields``."""
+    params = {name: 0 for name, _ in struct._fields_}
+    assert fields.keys() <= params.keys(), fields.keys() - params.keys()
+    params.update(fields)
+    return params
+
+
+def _stream_of(index: int) -> int:
+    # the transport asks for its device's stream, permute's launch for its tensor's device (-1: a CPU tensor)
+    assert index in (DEVICE_INDEX, -1), index
+    return STREAM
+
+
+def _starts(*sizes: int) -> list[int]:
+    """Element offsets of int32 parts of these sizes in one allocation, each rounded up to 16 bytes (``_Carve``)."""
+    starts, total = [], 0
+    for size in sizes + (0,):
+        starts.append(total)
+        total += (size + 3) // 4 * 4
+    return starts
+
+
+@pytest.fixture
+def fake(monkeypatch) -> FakeLib:
+    """The fake library, reached by the transport (its ``_lib``) and by ``permute``'s launches, with CPU tensors
+    standing in for CUDA ones."""
+    lib = FakeLib(R)
+    monkeypatch.setattr(nvlink, "current_stream_handle", _stream_of)
+    monkeypatch.setattr(permute, "current_stream_handle", _stream_of)
+    monkeypatch.setattr(permute, "_kernels", lambda: lib)
+    monkeypatch.setattr(permute, "_kernels_for", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # permute._launch: already on the tensor's device
+    return lib
+
+
+def _transport(lib: FakeLib, guess: int, rank: int = ME, num_ranks: int = R) -> NVLinkTransport:
+    """An NVLinkTransport with what ``__init__`` sets (there from the process group, the library and the GPU)."""
+    t = object.__new__(NVLinkTransport)
+    t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
+    t._lib, t._index, t._ctx, t._error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
+    t.region_bytes, t._own_region, t._read_buffer = 1 << 24, OWN_REGION, lib.read_buffer
+    t._recv_guess, t._device_sms = guess, 132
+    t.dispatch_send_warps = 5  # the default equals pull_dispatch_send_warps: this tells which the host chose
+    lib.num_ranks = num_ranks
+    return t
+
+
+def _inputs(weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(N, H).to(torch.bfloat16)
+    w = torch.rand(N, K) if weights else None
+    return x, torch.tensor(TOPK, dtype=torch.int64), w
+
+
+def _args(x: torch.Tensor, topk_idx: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+          handle: Optional[DispatchHandle] = None, per_rank: Optional[torch.Tensor] = None,
+          in_rank: Optional[torch.Tensor] = None, num_experts: int = E) -> DispatchArgs:
+    return DispatchArgs(x=x, x_scales=None, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
+                        is_token_in_rank=in_rank, num_experts=num_experts, handle=handle, num_worst_tokens=0,
+                        wire_fp8=False, recv_bf16=False, round_scale=False, config=CONFIG)
+
+
+def _check_view(t: torch.Tensor, address: int, shape: tuple[int, ...], allocation: int, nbytes: int) -> None:
+    """``t``: a contiguous int32 ``shape`` at ``address`` inside the one allocation at ``allocation``."""
+    assert (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous()) == (address, shape, torch.int32, True)
+    storage = t.untyped_storage()
+    assert (storage.data_ptr(), storage.nbytes()) == (allocation, nbytes)
+
+
+def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[torch.Tensor], at: At, **fields: int
+                     ) -> dict[str, int]:
+    """The parameters of an expert-major pull dispatch of ``x`` (``at``: addresses in notify's allocation); the
+    receive side and the guess come in ``fields``."""
+    return _params(_ext.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
+                   topk_weights=0 if weights is None else weights.data_ptr(), rank_prefix_matrix=at(0),
+                   send_list=at(3), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=L,
+                   list_stride=N, num_sms=24, num_send_warps=NVLinkTransport.pull_dispatch_send_warps,
+                   send_pos=at(2), expert_major=1, expert_pos=at(4), send_offset=at(1), expert_info=at(0, R * R),
+                   alignment=ALIGNMENT, pull=1, **fields)
+
+
+def _permute_call(recv_x: int, recv_slot: int, n: int, num_rows: int, out_x: int, covered: int) -> tuple:
+    return ("moe_ep_permute", (recv_x, recv_slot, 0, 0, n, K, H * 2, 0, num_rows, out_x, 0, 0, covered, STREAM))
+
+
+def _fresh(lib: FakeLib, t: NVLinkTransport, prefix: list[int] = PREFIX, info: list[int] = INFO):
+    """A fresh ``dispatch_experts`` whose host read brings ``prefix`` + ``info`` → ``(result, x, topk_idx,
+    weights, at, nbytes)``: ``at`` in notify's allocation, ``nbytes`` its size."""
+    guess = t._recv_guess
+    x, topk_idx, weights = _inputs()
+    lib.read_values = prefix + info
+    result = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
+    name, notified = lib.calls[0]
+    assert name == "moe_ep_notify_experts"
+    base = notified[7]  # where notify wrote the rank prefix matrix: the allocation's start
+    starts = _starts(R * R + 3 + 2 * L, E, N * R, R * N, N * K, guess, guess * K)
+    return result, x, topk_idx, weights, lambda i, offset=0: base + 4 * (starts[i] + offset), 4 * starts[-1]
+
+
+def test_fresh_dispatch_experts(fake: FakeLib) -> None:
+    """notify → read start → speculative dispatch into notify's allocation → read wait → permute; the handle's
+    tensors are views of that one allocation."""
+    t = _transport(fake, guess=16)
+    result, x, topk_idx, weights, at, nbytes = _fresh(fake, t)
+    assert [at(i) - at(0) for i in range(7)] == [4 * s for s in (0, 12, 16, 28, 40, 52, 68)] and nbytes == 400
+    handle = result.handle
+    in_rank = handle.is_token_in_rank
+    assert (tuple(in_rank.shape), in_rank.dtype) == ((N, R), torch.bool)
+    dispatched = fake.calls[2][1][1]
+    recv_x, probs = dispatched["recv_x"], dispatched["expert_probs"]
+    covered = fake.calls[4][1][12]
+    assert fake.calls == [
+        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
+                                   in_rank.data_ptr(), at(4), at(1), at(0, R * R), STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=recv_x, recv_src_idx=at(5),
+                                                   recv_slot=at(6), expert_probs=probs, num_recv_rows=16,
+                                                   speculative_rows=1), STREAM)),
+        ("moe_ep_read_wait", (CTX,)),
+        _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), covered),
+    ]
+    assert 0 not in (recv_x, probs, covered)
+    assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
+    assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (probs, (NUM_ROWS,),
+                                                                                         torch.float32)
+    _check_view(handle.rank_prefix_matrix, at(0), (R, R), at(0), nbytes)
+    _check_view(handle.send_pos, at(2), (N, R), at(0), nbytes)
+    _check_view(handle.recv_src_idx, at(5), (NUM_RECV,), at(0), nbytes)
+    layout = handle.expert_layout
+    _check_view(layout.recv_slot, at(6), (NUM_RECV, K), at(0), nbytes)
+    assert (layout.tokens_per_expert, layout.num_rows, layout.alignment) == (TOKENS_PER_EXPERT, NUM_ROWS, ALIGNMENT)
+    assert (handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows) == (N, NUM_RECV, NUM_RECV)
+    assert (handle.num_experts, handle.rank, handle.num_ranks) == (E, ME, R)
+    state = handle.transport_state
+    assert (state.send_list, state.list_stride, state.host_counts) == (at(3), N, COUNTS)
+    assert (state.expert.topk_idx is topk_idx, state.expert.expert_pos, state.expert.send_offset,
+            state.expert.info) == (True, at(4), at(1), at(0, R * R))
+    assert t._recv_guess == 16  # nobody received more than the guess
+
+
+@pytest.mark.parametrize("prefix, info, most", [
+    # only the peer received more than the guess of 8 (10 rows); this rank's 7 fit
+    ([6, 3, 10, 7], [7, 0, 16, 8, 8], 10),
+    # this rank received more (9 rows)
+    ([1, 5, 3, 9], INFO, 9),
+], ids=["peer-over-guess", "own-over-guess"])
+def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, prefix: list[int], info: list[int],
+                                                              most: int) -> None:
+    """When any rank received more rows than the guess, every rank waits at a barrier and dispatches again into
+    buffers of exactly its received rows, and the guess grows to the most any rank received."""
+    t = _transport(fake, guess=8)
+    result, x, topk_idx, weights, at, _ = _fresh(fake, t, prefix, info)
+    num_recv, num_rows = info[0], info[2]
+    handle, layout = result.handle, result.handle.expert_layout
+    first, second = fake.calls[2][1][1], fake.calls[5][1][1]
+    covered = fake.calls[6][1][12]
+    assert fake.calls == [
+        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=first["recv_x"],
+                                                   recv_src_idx=at(5), recv_slot=at(6),
+                                                   expert_probs=first["expert_probs"], num_recv_rows=8,
+                                                   speculative_rows=1), STREAM)),
+        ("moe_ep_read_wait", (CTX,)),
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=second["recv_x"],
+                                                   recv_src_idx=handle.recv_src_idx.data_ptr(),
+                                                   recv_slot=layout.recv_slot.data_ptr(),
+                                                   expert_probs=result.probs.data_ptr(), num_recv_rows=num_recv),
+                             STREAM)),
+        _permute_call(second["recv_x"], layout.recv_slot.data_ptr(), num_recv, num_rows, result.x.data_ptr(),
+                      covered),
+    ]
+    assert t._recv_guess == most
+    assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
+    assert (tuple(result.x.shape), tuple(result.probs.shape)) == ((num_rows, H), (num_rows,))
+    assert (layout.tokens_per_expert, layout.num_rows) == (info[3:], num_rows)
+    # recv_src_idx and recv_slot of exactly num_recv rows, again from one allocation (not notify's)
+    again = handle.recv_src_idx.data_ptr()
+    starts = _starts(num_recv, num_recv * K)
+    _check_view(handle.recv_src_idx, again, (num_recv,), again, 4 * starts[-1])
+    _check_view(layout.recv_slot, again + 4 * starts[1], (num_recv, K), again, 4 * starts[-1])
+    _check_view(handle.rank_prefix_matrix, at(0), (R, R), at(0), 4 * _starts(11, E, N * R, R * N, N * K, 8, 16)[-1])
+
+
+def test_cached_dispatch_experts(fake: FakeLib) -> None:
+    """A cached dispatch: barrier, the dispatch kernel on the handle's layout (the forward's top-k, no weights, no
+    guess), permute; no notify, no read."""
+    t = _transport(fake, guess=16)
+    fresh, x, topk_idx, _, at, _ = _fresh(fake, t)
+    handle = fresh.handle
+    fake.calls.clear()
+    x2 = torch.randn(N, H).to(torch.bfloat16)
+    result = t.dispatch_experts(_args(x2, None, None, handle=handle, num_experts=handle.num_experts), ALIGNMENT)
+    recv_x = fake.calls[1][1][1]["recv_x"]
+    covered = fake.calls[2][1][12]
+    assert fake.calls == [
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x2, topk_idx, None, at, recv_x=recv_x, recv_src_idx=at(5),
+                                                   recv_slot=at(6), num_recv_rows=NUM_RECV), STREAM)),
+        _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), covered),
+    ]
+    assert result.handle is handle and result.probs is None and tuple(result.x.shape) == (NUM_ROWS, H)
+    assert t._recv_guess == 16
+
+
+def _combine_handle(lib: FakeLib, t: NVLinkTransport):
+    """A fresh expert-major handle whose recv_slot holds ``RECV_SLOT`` (the kernel's part), the calls cleared →
+    ``(handle, at, y [M, H] BF16, expert_weights [M], their [N_recv, K] slot weights)``."""
+    fresh, _, _, _, at, _ = _fresh(lib, t)
+    handle = fresh.handle
+    handle.expert_layout.recv_slot.copy_(torch.tensor(RECV_SLOT, dtype=torch.int32))
+    lib.calls.clear()
+    y = torch.randn(NUM_ROWS, H).to(torch.bfloat16)
+    expert_weights = torch.rand(NUM_ROWS)
+    expected = [[expert_weights[s].item() if s >= 0 else 0.0 for s in row] for row in RECV_SLOT]
+    return handle, at, y, expert_weights, sum(expected, [])
+
+
+def _combine(at: At, x: int, out: torch.Tensor, out_weights: Optional[torch.Tensor],
+             topk_weights: int, num_sms: int = 24, **fields: int) -> dict[str, int]:
+    """The parameters of a combine of the scenario's received rows at ``x``; the mode's fields in ``fields``."""
+    return _params(_ext.CombineParams, x=x, topk_weights=topk_weights, rank_prefix_matrix=at(0), send_pos=at(2),
+                   out=out.data_ptr(), out_weights=0 if out_weights is None else out_weights.data_ptr(),
+                   num_tokens=N, hidden=H, elem_bytes=2, num_topk=K if out_weights is not None else 0,
+                   num_recv_rows=NUM_RECV, num_sms=num_sms, **fields)
+
+
+def _unpermute_call(y: torch.Tensor, at: At, out: int) -> tuple:
+    return ("moe_ep_unpermute", (y.data_ptr(), at(6), NUM_RECV, K, H, NUM_ROWS, 1, out, STREAM))
+
+
+PUSH = dict(num_send_warps=NVLinkTransport.combine_send_warps, num_send_blocks=NVLinkTransport.combine_send_blocks)
+
+
+@pytest.mark.parametrize("min_bytes, pull_rows, asks", [
+    (NVLinkTransport.pull_combine_min_bytes, 1000, False),  # rows far below the pull threshold
+    (NUM_RECV * H * 2 + 1, 1000, False),  # one byte short of it
+    (0, NUM_RECV - 1, True),  # the most any rank received does not fit the region
+], ids=["below-threshold", "one-byte-short", "region-too-small"])
+def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, asks: bool) -> None:
+    """Push: unpermute into a tensor, then the start barrier and the combine of that tensor."""
+    t = _transport(fake, guess=16)
+    t.pull_combine_min_bytes, fake.pull_rows = min_bytes, pull_rows
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+    recv_y = fake.calls[asks][1][7]
+    combined = fake.calls[-1][1][1]
+    assert fake.calls == [("moe_ep_pull_rows", (CTX, H * 2, K))] * asks + [
+        _unpermute_call(y, at, recv_y),
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"], **PUSH),
+                            STREAM)),
+    ]
+    assert recv_y not in (0, OWN_REGION)
+    assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
+    assert (tuple(out.shape), out.dtype, tuple(out_weights.shape), out_weights.dtype) == (
+        (N, H), torch.bfloat16, (N, K), torch.float32)
+
+
+@pytest.mark.parametrize("min_bytes", [0, NUM_RECV * H * 2], ids=["no-threshold", "at-threshold"])
+def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> None:
+    """Pull: the start barrier, unpermute straight into the own region, the combine reading it there
+    (``x_in_region``) with no second barrier from the host; every warp reduces."""
+    t = _transport(fake, guess=16)
+    t.pull_combine_min_bytes, fake.pull_rows = min_bytes, NUM_RECV  # exactly the most any rank received fits
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+    combined = fake.calls[-1][1][1]
+    assert fake.calls == [
+        ("moe_ep_pull_rows", (CTX, H * 2, K)),
+        ("moe_ep_barrier", (CTX, STREAM)),
+        _unpermute_call(y, at, OWN_REGION),
+        ("moe_ep_combine", (CTX, _combine(at, OWN_REGION, out, out_weights, combined["topk_weights"],
+                                          host_counts=combined["host_counts"], pull=1, x_in_region=1), STREAM)),
+    ]
+    assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
+
+
+def test_combine_experts_pull_without_the_kernel(fake: FakeLib, monkeypatch) -> None:
+    """A pull combine whose rows the unpermute kernel cannot take: torch unpermutes into a tensor and the combine
+    copies it into the region itself (pull, not ``x_in_region``, and the host's start barrier)."""
+    t = _transport(fake, guess=16)
+    t.pull_combine_min_bytes, fake.pull_rows = 0, 1000
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    monkeypatch.setattr(permute, "_kernels_for", lambda t: False)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+    combined = fake.calls[-1][1][1]
+    assert fake.calls == [
+        ("moe_ep_pull_rows", (CTX, H * 2, K)),
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_combine", (CTX, _combine(at, combined["x"], out, out_weights, combined["topk_weights"],
+                                          host_counts=combined["host_counts"], pull=1), STREAM)),
+    ]
+    assert combined["x"] not in (0, OWN_REGION)
+    assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
+
+
+@pytest.mark.parametrize("share, num_sms, expected, warps", [
+    (50, 24, 50, PUSH),  # senders carry the other half
+    (None, 16, 100, dict(num_send_warps=0, num_send_blocks=0)),  # the default below 20 SMs: every warp reduces
+], ids=["share-50", "default-below-20-sms"])
+def test_combine_experts_copy_engine_before_pull(fake: FakeLib, share: Optional[int], num_sms: int, expected: int,
+                                                 warps: dict) -> None:
+    """A copy-engine share takes precedence over pulling, even where a pull would fit: unpermute into a tensor,
+    barrier, the combine with the share and the host counts (pull_rows not even asked)."""
+    t = _transport(fake, guess=16)
+    t.combine_copy_share, t.pull_combine_min_bytes, fake.pull_rows = share, 0, 1000
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, Config(num_sms=num_sms))
+    recv_y = fake.calls[0][1][7]
+    combined = fake.calls[-1][1][1]
+    assert fake.calls == [
+        _unpermute_call(y, at, recv_y),
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"],
+                                          host_counts=combined["host_counts"], copy_share=expected,
+                                          copy_piece_rows=NVLinkTransport.copy_piece_rows,
+                                          copy_streams=NVLinkTransport.copy_streams, num_sms=num_sms, **warps),
+                            STREAM)),
+    ]
+    assert recv_y not in (0, OWN_REGION)
+    assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
+
+
+@pytest.mark.parametrize("guess, prefix, info", [
+    (16, PREFIX, [NUM_RECV, 0]),
+    (8, [6, 3, 10, 7], [7, 0]),  # the peer received 10 > 8 rows: both dispatch again
+], ids=["fits-guess", "peer-over-guess"])
+def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list[int]) -> None:
+    """The normal dispatch: notify (counts, out-of-range ids) → read start → speculative dispatch → read wait (and
+    when a rank exceeded the guess, barrier → dispatch again); outputs and handle views at the launched addresses."""
+    t = _transport(fake, guess=guess)
+    x, topk_idx, weights = _inputs()
+    in_rank = torch.tensor([[any(0 <= e < E and e // L == r for e in row) for r in range(R)] for row in TOPK])
+    per_rank = in_rank.sum(0, dtype=torch.int32)
+    fake.read_values = prefix + info
+    result = t.dispatch(_args(x, topk_idx, weights, per_rank=per_rank, in_rank=in_rank))
+    num_recv, again = info[0], guess < max(prefix[R:])
+    handle = result.handle
+    notified = fake.calls[0][1]
+    base = notified[6]
+    starts = _starts(R * R + 2, N * R, R * N)
+    assert starts == [0, 8, 20, 32]
+
+    def at(i: int, offset: int = 0) -> int:
+        return base + 4 * (starts[i] + offset)
+
+    def dispatched(params: dict[str, int], rows: int, speculative: int) -> tuple:
+        return ("moe_ep_dispatch", (CTX, _params(
+            _ext.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(),
+            rank_prefix_matrix=at(0), send_list=at(2), recv_x=params["recv_x"], recv_topk_idx=params["recv_topk_idx"],
+            recv_topk_weights=params["recv_topk_weights"], recv_src_idx=params["recv_src_idx"],
+            recv_expert_count=params["recv_expert_count"], num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
+            num_local_experts=L, list_stride=N, num_recv_rows=rows, num_sms=24,
+            num_send_warps=NVLinkTransport.pull_dispatch_send_warps, send_pos=at(1), alignment=1,
+            speculative_rows=speculative, pull=1), STREAM))
+
+    first = fake.calls[2][1][1]
+    last = fake.calls[5][1][1] if again else first
+    assert fake.calls == [
+        ("moe_ep_notify_dispatch", (CTX, per_rank.data_ptr(), notified[2], in_rank.data_ptr(), N, N, at(0), at(1),
+                                    at(2), at(0, R * R), STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 2), STREAM)),
+        dispatched(first, guess, 1),
+        ("moe_ep_read_wait", (CTX,)),
+    ] + [("moe_ep_barrier", (CTX, STREAM)), dispatched(last, num_recv, 0)] * again
+    assert 0 not in (notified[2], *(last[name] for name in ("recv_x", "recv_topk_idx", "recv_topk_weights",
+                                                            "recv_src_idx", "recv_expert_count")))
+    for tensor, name, shape in ((result.recv_x, "recv_x", (num_recv, H)),
+                                (result.recv_topk_idx, "recv_topk_idx", (num_recv, K)),
+                                (result.recv_topk_weights, "recv_topk_weights", (num_recv, K)),
+                                (result.num_recv_tokens_per_expert, "recv_expert_count", (L,)),
+                                (handle.recv_src_idx, "recv_src_idx", (num_recv,))):
+        assert (tensor.data_ptr(), tuple(tensor.shape)) == (last[name], shape), name
+    assert result.recv_scales is None
+    nbytes = 4 * starts[-1]
+    _check_view(handle.rank_prefix_matrix, at(0), (R, R), at(0), nbytes)
+    _check_view(handle.send_pos, at(1), (N, R), at(0), nbytes)
+    assert handle.is_token_in_rank is in_rank and handle.expert_layout is None
+    assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
+    state = handle.transport_state
+    assert (state.send_list, state.list_stride, state.expert) == (at(2), N, None)
+    assert state.host_counts == [prefix[0], prefix[1], prefix[2] - prefix[0], prefix[3] - prefix[1]]
+    assert t._recv_guess == max(guess, max(prefix[R:]))
+
+
+def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
+    """One rank: a push dispatch (nothing to pull from), and a push combine even where a pull would fit (no count
+    matrix to decide on); no expert weights."""
+    t = _transport(fake, guess=16, rank=0, num_ranks=1)
+    t.pull_combine_min_bytes, fake.pull_rows = 0, 1000
+    x, topk_idx, _ = _inputs(weights=False)
+    local = E  # every expert is local
+    fake.read_values = [N] + [N, 0, 16, 4, 4, 4, 4]  # rows received, no bad ids, M, aligned counts per expert
+    result = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
+    handle = result.handle
+    base = fake.calls[0][1][7]
+    starts = _starts(1 + 3 + 2 * local, E, N, N, N * K, 16, 16 * K)
+    assert starts == [0, 12, 16, 24, 32, 44, 60, 92]
+
+    def at(i: int, offset: int = 0) -> int:
+        return base + 4 * (starts[i] + offset)
+
+    recv_x = fake.calls[2][1][1]["recv_x"]
+    covered = fake.calls[4][1][12]
+    assert fake.calls == [
+        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, 1), STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM)),
+        ("moe_ep_dispatch", (CTX, _params(
+            _ext.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
+            send_list=at(3), recv_x=recv_x, recv_src_idx=at(5), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
+            num_local_experts=local, list_stride=N, num_recv_rows=16, num_sms=24, num_send_warps=5, send_pos=at(2),
+            expert_major=1, expert_pos=at(4), send_offset=at(1), expert_info=at(0, 1), recv_slot=at(6),
+            alignment=ALIGNMENT, speculative_rows=1), STREAM)),
+        ("moe_ep_read_wait", (CTX,)),
+        ("moe_ep_permute", (recv_x, at(6), 0, 0, N, K, H * 2, 0, 16, result.x.data_ptr(), 0, 0, covered, STREAM)),
+    ]
+    assert result.probs is None and handle.transport_state.host_counts == [N]
+    _check_view(handle.expert_layout.recv_slot, at(6), (N, K), at(0), 4 * starts[-1])
+
+    handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [8, -1], [1, 9], [12, 2], [-1, 10]],
+                                                      dtype=torch.int32))
+    fake.calls.clear()
+    y = torch.randn(16, H).to(torch.bfloat16)
+    out, out_weights = t.combine_experts(y, handle, None, CONFIG)
+    recv_y = fake.calls[0][1][7]
+    assert fake.calls == [
+        ("moe_ep_unpermute", (y.data_ptr(), at(6), N, K, H, 16, 1, recv_y, STREAM)),
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_combine", (CTX, _params(
+            _ext.CombineParams, x=recv_y, rank_prefix_matrix=at(0), send_pos=at(2), out=out.data_ptr(),
+            num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N, num_sms=24, **PUSH), STREAM)),
+    ]
+    assert recv_y not in (0, OWN_REGION) and out_weights is None
