@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 4
+#define MOE_EP_ABI_VERSION 5
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
@@ -32,7 +32,7 @@ extern "C" {
  * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1). recv_bf16 dequantizes FP8 rows on receive.
  * Expert-major mode (expert_major != 0): instead of local top-k ids, each received (row, k) gets its row in this
  * rank's expert-major layout, send_offset[e] + expert_pos[t, k] (each local expert's block padded to `alignment`
- * rows, num_expert_rows in all): recv_slot records it and expert_probs[row] the weight (padding rows get 0);
+ * rows; notify's info holds their total): recv_slot records it and expert_probs[row] the weight (padding rows get 0);
  * recv_topk_idx, recv_topk_weights and recv_expert_count are unused. */
 typedef struct {
     const void* x;
@@ -58,8 +58,8 @@ typedef struct {
     const int32_t* send_offset;        /* [E]: first row of this rank's entries in expert e's block on its owner */
     const int32_t* expert_info;        /* notify's info [3 + 2L] (moe_ep_notify_experts) */
     int32_t* recv_slot;                /* [num_recv_rows, K]: expert-major row of each (received row, k), -1 if none */
-    float* expert_probs;               /* [num_expert_rows] or NULL */
-    int64_t num_expert_rows, alignment;
+    float* expert_probs;               /* [expert-major rows] or NULL */
+    int64_t alignment;
     /* speculative_rows != 0: num_recv_rows is the caller's guess, launched before it read the received row count;
      * when more rows arrive, receiving is skipped without an error (the caller dispatches again, all ranks alike) */
     int64_t speculative_rows;

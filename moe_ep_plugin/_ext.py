@@ -10,7 +10,7 @@ from typing import Optional
 
 from ._build import LIB_PATH
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -37,7 +37,7 @@ class DispatchParams(ctypes.Structure):
             "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
         ("send_pos", _p), ("expert_major", _i64)] + [
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
-        (name, _i64) for name in ("num_expert_rows", "alignment", "speculative_rows", "copy_share", "copy_piece_rows",
+        (name, _i64) for name in ("alignment", "speculative_rows", "copy_share", "copy_piece_rows",
                                   "copy_streams")] + [
         (name, _p) for name in ("host_counts", "outbox")] + [("pull", _i64)]
 

@@ -35,7 +35,7 @@ def count_invalid(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 def invalid_ids_error(ranks: list[int], num_experts: int) -> ValueError:
     """The error every rank raises when the count exchange reports out-of-range expert ids on ``ranks``."""
     return ValueError(f"topk_idx: expert ids must lie in [-1, {num_experts}); rank(s) {ranks} passed ids outside it "
-                      "(nothing was sent)")
+                      "(every rank raises at the count exchange; no dispatch result is returned)")
 
 
 def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -110,12 +110,15 @@ class _NVLinkState:
     list_stride: int
     host_counts: Optional[list[int]] = None
     expert: Optional[_ExpertState] = None
+    _counts_array: Optional[ctypes.Array] = field(default=None, repr=False)
 
     def copy_counts(self) -> Optional[ctypes.Array]:
-        """``host_counts`` as the C array the copy-engine mode reads, or None."""
+        """``host_counts`` as the C array the copy-engine and pull modes read (built once), or None."""
         if self.host_counts is None:
             return None
-        return (ctypes.c_int32 * len(self.host_counts))(*self.host_counts)
+        if self._counts_array is None:
+            self._counts_array = (ctypes.c_int32 * len(self.host_counts))(*self.host_counts)
+        return self._counts_array
 
 
 @dataclass
@@ -435,7 +438,7 @@ class NVLinkTransport(Transport):
         worst = args.num_worst_tokens > 0  # no host read, so out-of-range ids are not reported in this mode
         handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(notified),
                                 is_token_in_rank=args.is_token_in_rank.contiguous(), send_pos=notified.view(1),
-                                recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
+                                recv_src_idx=None,  # set by _dispatch_rows, which makes it
                                 num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
                                 num_ranks=self.num_ranks,
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
@@ -642,10 +645,12 @@ class NVLinkTransport(Transport):
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
                         config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The base class's ``unpermute`` + :meth:`combine` (same results, bit for bit), except when the combine
-        pulls: then, after the start barrier (peers are done reading this rank's own region), ``unpermute`` writes
-        the ``[N_recv, H]`` received rows straight into that region, where the pull combine's copy would put them,
-        and the combine kernel reads them there (``x_in_region``): no row copies (one pass over the rows and R - 1
-        copy launches fewer; expert weights, if any, are still copied)."""
+        pulls and the unpermute kernel serves: then, after the start barrier (peers are done reading this rank's own
+        region), ``unpermute`` writes the ``[N_recv, H]`` received rows straight into that region, where the pull
+        combine's copy would put them, and the combine kernel reads them there (``x_in_region``): no row copies (one
+        pass over the rows and R - 1 copy launches fewer; expert weights, if any, are still copied). A pulling
+        combine without the unpermute kernel copies the rows into the region inside ``moe_ep_combine``, as
+        :meth:`combine` does."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
