@@ -3,8 +3,8 @@ combine calls, in which order, with which addresses, sizes and flags.
 
 The transport's Python side only runs on GPUs, so nothing else in CI executes it. Here it runs on CPU tensors (their
 addresses serve the bookkeeping as well as device ones) over a fake library (``moe_ep_plugin.fake_kernels``) that
-records every call and answers the one host read of a dispatch with counts the test chooses; ``permute``'s kernels go through the same fake. What the
-kernels compute is tests/gpu's business: this pins what the host hands them.
+records every call and answers the one host read of a dispatch with counts the test chooses; ``permute``'s kernels go
+through the same fake. What the kernels compute is tests/gpu's business: this pins what the host hands them.
 """
 from __future__ import annotations
 
