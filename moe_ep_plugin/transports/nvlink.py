@@ -316,7 +316,7 @@ class NVLinkTransport(Transport):
     def _most_received(self, host_counts: list[int]) -> int:
         """The most rows any rank receives (every rank computes the same from the whole count matrix)."""
         r = self.num_ranks
-        return max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
+        return max(sum(host_counts[j::r]) for j in range(r))  # column j: slices, not an index per entry
 
     def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
         """Start the one host read of a dispatch: ``meta`` (the address of the rank prefix matrix, which ``info``
