@@ -260,9 +260,10 @@ class NVLinkTransport(Transport):
     def _num_sms(self, config: Config) -> int:
         return min(config.num_sms, self._device_sms)
 
-    def _send_blocks(self, blocks: int, config: Config) -> int:
-        """Whole sender blocks when the grid has room for receivers too, else 0 (warp roles)."""
-        return blocks if 0 < blocks < self._num_sms(config) else 0
+    @staticmethod
+    def _send_blocks(blocks: int, num_sms: int) -> int:
+        """Whole sender blocks when the grid of ``num_sms`` blocks has room for receivers too, else 0 (warp roles)."""
+        return blocks if 0 < blocks < num_sms else 0
 
     def _check_capacity(self, rows: int, slot_bytes: int, what: str) -> None:
         capacity = min(self.region_bytes // slot_bytes, _MAX_REGION_ROWS)
@@ -381,6 +382,7 @@ class NVLinkTransport(Transport):
         state: _NVLinkState = handle.transport_state
         pull = (self.quantizing_dispatch_pull if args.wire_fp8 else self.dispatch_pull) and self.num_ranks > 1
         counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
+        num_sms = self._num_sms(args.config)
         params = _ext.DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
@@ -389,9 +391,8 @@ class NVLinkTransport(Transport):
             num_local_experts=args.num_experts // self.num_ranks, list_stride=state.list_stride,
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
             recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
-            round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self._dispatch_send_warps(args),
-            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config),
+            round_scale=int(args.round_scale), num_sms=num_sms, num_send_warps=self._dispatch_send_warps(args),
+            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, num_sms),
             send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
         if pull:  # senders only stage rows locally; receivers load them over NVLink
             params.pull, params.num_send_warps, params.num_send_blocks = 1, self.pull_dispatch_send_warps, 0
@@ -607,16 +608,17 @@ class NVLinkTransport(Transport):
         out = torch.empty(handle.num_tokens, hidden, dtype=dtype, device=self.device)
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
+        num_sms = self._num_sms(config)
         params = _ext.CombineParams(
             topk_weights=_ptr(topk_weights), rank_prefix_matrix=rpm.data_ptr(), send_pos=send_pos.data_ptr(),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
             out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
-            elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config))
+            elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
+            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, num_sms))
         host_counts = state.host_counts if own and self.num_ranks > 1 else None
         share = self.combine_copy_share
         if share is None:
-            share = 100 if self._num_sms(config) < 20 else 0
+            share = 100 if num_sms < 20 else 0
         counts = None
         if host_counts is not None and share > 0:
             counts = state.copy_counts()  # kept alive (in the result) until the launch has read it
