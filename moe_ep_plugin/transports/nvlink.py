@@ -332,16 +332,19 @@ class NVLinkTransport(Transport):
             return self._read_buffer[:length]
         return wait
 
-    def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int]]:
-        """``(host_counts, info)`` from the values of a host read (``_start_read``); raises (on every rank alike)
-        when a rank found out-of-range expert ids."""
+    def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int], int]:
+        """``(host_counts, info, most)`` from the values of a host read (``_start_read``), ``most`` the most rows
+        any rank receives (as :meth:`_most_received`); raises (on every rank alike) when a rank found out-of-range
+        expert ids."""
         r = self.num_ranks
         self.check_error()
-        prefix, info = values[:r * r], values[r * r:]
+        rr = r * r
+        prefix, info = values[:rr], values[rr:]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
-        counts = [prefix[i] - (prefix[i - r] if i >= r else 0) for i in range(r * r)]
-        return counts, info
+        # each prefix row minus the one above; the last prefix row holds every rank's total
+        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]
+        return counts, info, max(prefix[rr - r:])
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -449,9 +452,8 @@ class NVLinkTransport(Transport):
         read = self._start_read(notified.ptr(0), 2)
         guess = handle.num_recv_rows
         result = self._dispatch_rows(args, handle, speculative_rows=1)
-        handle.transport_state.host_counts, host = self._read_info(read(), args.num_experts)
+        handle.transport_state.host_counts, host, most = self._read_info(read(), args.num_experts)
         num_recv = handle.num_recv_tokens = handle.num_recv_rows = host[0]
-        most = self._most_received(handle.transport_state.host_counts)
         if most > guess:  # some rank's rows did not fit: every rank dispatches again, with outputs that fit
             self._recv_guess = most
             self._replay_barrier(handle)
@@ -527,10 +529,8 @@ class NVLinkTransport(Transport):
                      if args.topk_weights is not None else None)
             self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs, alignment,
                                          args.topk_weights, speculative_rows=1)
-            host_counts, host = self._read_info(read(), num_experts)
+            state.host_counts, host, most = self._read_info(read(), num_experts)
             num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
-            state.host_counts = host_counts
-            most = self._most_received(host_counts)
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
             if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
                 self._recv_guess = most
