@@ -614,7 +614,8 @@ class NVLinkTransport(Transport):
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
             out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
             elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
-            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, num_sms))
+            num_send_warps=self.combine_send_warps,
+            num_send_blocks=self._send_blocks(self.combine_send_blocks, num_sms))
         host_counts = state.host_counts if own and self.num_ranks > 1 else None
         share = self.combine_copy_share
         if share is None:
