@@ -276,7 +276,7 @@ def _launch(t: torch.Tensor, function: str, *args: int) -> None:
         with torch.cuda.device(index):
             code = call(*args, current_stream_handle(index))
     if code:
-        from . import _ext  # only to raise: an import statement costs host time (about 1 us) on every call
+        from . import _ext  # only to raise: an import statement costs host time on every call (0.4 us on CPU)
         _ext.check(code, function)
 
 
