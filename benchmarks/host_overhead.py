@@ -1,25 +1,31 @@
 """Host (Python/CPU) time per call of each layer of the Megatron dispatcher path, on CPU.
 
 Run from the repository root: PYTHONPATH=. python3 benchmarks/host_overhead.py [--tokens 128 --hidden 256
---experts 16 --topk 4 --iters 2000 --repeats 3] [--profile]
+--experts 16 --topk 4 --iters 2000 --repeats 3] [--columns torch stand-in nvlink*] [--profile]
 
-One process, a gloo group of world size 1, a tiny BF16 shape. Two transports under the same ``Buffer``:
+One process, a gloo group of world size 1, a tiny BF16 shape. Three transports under the same ``Buffer``:
 
 - ``torch``: the reference transport doing its real work on CPU (torch-op layout, expert-major permute, a
   ``copy_`` in place of each all-to-all at world size 1, the count all-gather through gloo).
 - ``stand-in``: answers every call with the ``torch`` transport's results recorded once (and, like ``nvlink``,
   derives the layout from top-k itself), so what is timed is the layers above the transport alone: ``Buffer``
   validation/streams/config, the autograd functions, the Megatron-Core dispatcher's six methods.
+- ``nvlink*``: ``NVLinkTransport``'s host side on CPU tensors over ``moe_ep_plugin.fake_kernels`` (no recording):
+  the stand-in plus what the nvlink transport and ``permute`` do in Python per call (validation, allocations, the
+  ctypes parameter structs, the host read's bookkeeping). The fake kernels do nothing (their outputs hold garbage)
+  and the read brings the counts this routing implies; what the real library adds is missing: ctypes' argument
+  conversion and the CUDA launches (a few µs each on the GPU machine).
 
 Each row is ``time.perf_counter`` over ``--iters`` calls after warm-up (best of ``--repeats``), µs per call,
 cumulative (a row includes the layers below it). On CPU ``dispatch_preprocess`` runs the torch-op fallback of
 ``routing_map_to_topk`` (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
 (experts = ``rows * probs``, ``autograd.grad``). ``--profile`` adds cProfile's top cumulative entries of the
-dispatcher forward + backward on the stand-in.
+dispatcher forward + backward on ``nvlink*``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -34,11 +40,14 @@ from moe_ep_plugin import autograd as ep_autograd
 from moe_ep_plugin.buffer_cache import get_buffer
 from moe_ep_plugin.launch import free_port
 from moe_ep_plugin.config import Config
+from moe_ep_plugin.fake_kernels import FakeLib, expert_read_values, installed, nvlink_transport
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.transports.base import DispatchArgs, ExpertDispatchResult, Transport
+from moe_ep_plugin.transports.nvlink import NVLinkTransport
 from standard_shape import add_shape_arguments
 
 Timed = list[tuple[str, Callable[[], object]]]
+COLUMNS = ("torch", "stand-in", "nvlink*")
 
 
 class StandInTransport(Transport):
@@ -118,6 +127,14 @@ def stand_in(buffer: Buffer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
     return StandInTransport(buffer.transport, ExpertDispatchResult(ex, scales, probs, handle),
                             ExpertDispatchResult(cached[0], cached[1], None, handle),
                             buffer.combine_experts(ex, handle)[:2], buffer.combine_experts(ex, handle, probs)[:2])
+
+
+def nvlink_star(topk_idx: torch.Tensor, experts: int) -> NVLinkTransport:
+    """An ``NVLinkTransport`` (rank 0 of 1) over a fake library that records nothing and whose host read answers
+    what ``topk_idx`` ``[T, K]`` implies; permute's launches reach the fake installed by the caller."""
+    lib = FakeLib(1, record=False)
+    lib.read_values = expert_read_values(topk_idx, experts, 1)
+    return nvlink_transport(lib, rank=0, num_ranks=1, recv_guess=0)
 
 
 class MegatronCase:
@@ -204,7 +221,8 @@ def main() -> None:
     add_shape_arguments(p, tokens=128, hidden=256, experts=16, topk=4)
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward (stand-in)")
+    p.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS), help="transports to time")
+    p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward (nvlink*)")
     args = p.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -222,33 +240,45 @@ def main() -> None:
     except ImportError as exc:
         print(f"(megatron-core not importable, dispatcher rows skipped: {exc})")
 
+    columns = [label for label in COLUMNS if label in args.columns]  # in this order: each replaces the last
     results: dict[str, list[float]] = {}
-    for label in ("torch", "stand-in"):
-        if label == "stand-in":
-            buffer.transport = stand_in(buffer, x, idx, w, args.experts)
-            if megatron is not None:
-                b = megatron.buffer
-                b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.w.detach(), args.experts)
+    with contextlib.ExitStack() as stack:
+        for label in columns:
+            if label == "stand-in":  # recorded from the torch transport, still the buffers' own
+                buffer.transport = stand_in(buffer, x, idx, w, args.experts)
+                if megatron is not None:
+                    b = megatron.buffer
+                    b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.w.detach(),
+                                           args.experts)
+            elif label == "nvlink*":
+                buffer.transport = nvlink_star(idx, args.experts)
+                stack.enter_context(installed(buffer.transport._lib))  # kept until the profile is done
+                if megatron is not None:
+                    megatron.buffer.transport = nvlink_star(megatron.topk_idx, args.experts)
+            if megatron is not None and label != "torch":  # handles of this column's transport
                 megatron.record()
-        rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None else [])
-        for name, fn in rows:
-            results.setdefault(name, []).append(per_call_us(fn, args.iters, args.repeats))
+            rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None
+                                                                   else [])
+            for name, fn in rows:
+                results.setdefault(name, []).append(per_call_us(fn, args.iters, args.repeats))
 
-    print(f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, {args.experts} "
-          f"experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, torch {torch.__version__})")
-    print(f"| {'layer (cumulative: includes the layers below)':<46} | {'torch':>8} | {'stand-in':>8} |")
-    print(f"|{'-' * 48}|{'-' * 9}:|{'-' * 9}:|")
-    for name, (real, standin) in results.items():
-        print(f"| {name:<46} | {real:8.1f} | {standin:8.1f} |")
+        print(f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, "
+              f"{args.experts} experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, "
+              f"torch {torch.__version__})")
+        print(f"| {'layer (cumulative: includes the layers below)':<46} |"
+              + "".join(f" {label:>8} |" for label in columns))
+        print(f"|{'-' * 48}|" + f"{'-' * 9}:|" * len(columns))
+        for name, times in results.items():
+            print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" for t in times))
 
-    if args.profile and megatron is not None:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.iters):
-            megatron.step()
-        profiler.disable()
-        print(f"\ncProfile, dispatcher forward + backward on the stand-in, {args.iters} steps:")
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+        if args.profile and megatron is not None:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.iters):
+                megatron.step()
+            profiler.disable()
+            print(f"\ncProfile, dispatcher forward + backward on nvlink*, {args.iters} steps:")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     dist.destroy_process_group()
 
 

@@ -123,13 +123,7 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     ``out[r]`` = sum over k ascending of ``y[recv_slot[r, k]]`` (slots in ``[0, M)`` only), accumulated in fp32
     from 0.0 and rounded once (rows without slots are 0): the order the nvlink combine kernel uses too.
     """
-    y, slot, kernel = unpermute_inputs(y, recv_slot)
-    if not kernel:
-        with torch.no_grad():
-            return _torch_unpermute(y, slot)
-    out = torch.empty(slot.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-    unpermute_into(y, slot, out.data_ptr())
-    return out
+    return unpermute_valid(*unpermute_inputs(y, recv_slot))
 
 
 def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -144,10 +138,26 @@ def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Te
         raise ValueError(f"recv_slot: expected a tensor on {y.device}, got {recv_slot.device}")
     y = y.contiguous()
     slot = recv_slot.contiguous()
+    return y, slot, unpermute_kernel_takes(y, slot)
+
+
+def unpermute_kernel_takes(y: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether the unpermute kernel takes valid arguments (as :func:`unpermute_inputs` returns them)."""
     row_bytes = y.shape[1] * y.element_size()
-    kernel = (_kernels_for(y) and 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and row_bytes > 0 and row_bytes % 16 == 0
-              and y.data_ptr() % 16 == 0)
-    return y, slot, kernel
+    return (_kernels_for(y) and 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and row_bytes > 0 and row_bytes % 16 == 0
+            and y.data_ptr() % 16 == 0)
+
+
+def unpermute_valid(y: torch.Tensor, slot: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """:func:`unpermute` of arguments already known valid (as :func:`unpermute_inputs` returns them, ``kernel``
+    its verdict): the nvlink transport calls it on the Buffer's validated rows and its own ``recv_slot``,
+    skipping the checks (host time)."""
+    if not kernel:
+        with torch.no_grad():
+            return _torch_unpermute(y, slot)
+    out = torch.empty(slot.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+    unpermute_into(y, slot, out.data_ptr())
+    return out
 
 
 def unpermute_into(y: torch.Tensor, slot: torch.Tensor, out: int) -> None:
@@ -258,14 +268,16 @@ def _kernels_for(t: torch.Tensor) -> bool:
 def _launch(t: torch.Tensor, function: str, *args: int) -> None:
     """Calls C ``function`` with ``args`` and ``t``'s current stream, on ``t``'s device (switching device only
     when it is not the current one: the switch costs more host time than the launch)."""
-    from . import _ext
     index = t.get_device()  # an int: no torch.device object
     call = getattr(_kernels(), function)
     if index == torch.cuda.current_device():
-        _ext.check(call(*args, current_stream_handle(index)), function)
-        return
-    with torch.cuda.device(index):
-        _ext.check(call(*args, current_stream_handle(index)), function)
+        code = call(*args, current_stream_handle(index))
+    else:
+        with torch.cuda.device(index):
+            code = call(*args, current_stream_handle(index))
+    if code:
+        from . import _ext  # only to raise: an import statement costs host time on every call (0.4 us on CPU)
+        _ext.check(code, function)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

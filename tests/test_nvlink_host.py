@@ -2,30 +2,24 @@
 combine calls, in which order, with which addresses, sizes and flags.
 
 The transport's Python side only runs on GPUs, so nothing else in CI executes it. Here it runs on CPU tensors (their
-addresses serve the bookkeeping as well as device ones) over a fake library that records every call and answers the
-one host read of a dispatch with counts the test chooses; ``permute``'s kernels go through the same fake. What the
-kernels compute is tests/gpu's business: this pins what the host hands them.
+addresses serve the bookkeeping as well as device ones) over a fake library (``moe_ep_plugin.fake_kernels``) that
+records every call and answers the one host read of a dispatch with counts the test chooses; ``permute``'s kernels go
+through the same fake. What the kernels compute is tests/gpu's business: this pins what the host hands them.
 """
 from __future__ import annotations
 
-import ctypes
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+from unittest import mock
 
 import pytest
 import torch
 
 from moe_ep_plugin import _ext, permute
 from moe_ep_plugin.config import Config
+from moe_ep_plugin.fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
 from moe_ep_plugin.handle import DispatchHandle
-from moe_ep_plugin.transports import nvlink
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
-
-CTX = 0xC7C000  # the library context, as moe_ep_create would return it
-STREAM = 0x5EED00  # the current stream's handle, as the stream query returns it
-DEVICE_INDEX = 3
-OWN_REGION = 0x7F1230000000  # moe_ep_own_region: 4096-byte aligned, like the real one
-SENTINEL = -77  # read buffer past what a read brought: a read too long would carry it into the counts
 
 At = Callable[..., int]  # at(i, offset=0): address of element offset of part i of notify's allocation
 
@@ -47,78 +41,12 @@ INFO = [NUM_RECV, 0, NUM_ROWS] + TOKENS_PER_EXPERT  # what the read brings of in
 RECV_SLOT = [[0, 8], [1, -1], [2, 9], [-1, 10], [4, 11], [5, 12], [6, -1], [13, 14], [15, 16]]
 
 
-class FakeLib:
-    """Stands in for the kernel library (and for permute's): every ``moe_ep_*`` call is recorded as ``(name, args)``
-    and returns 0. Parameter structs arrive by reference and are recorded as ``{field: value}`` (NULL = 0), copied at
-    the call. A host read brings ``read_values`` (as many as it asked for); ``moe_ep_pull_rows`` answers
-    ``pull_rows``. What the host hands a combine by address only (its host counts, its weights) is read at the call,
-    while it is alive, into ``combine_memory``."""
-
-    def __init__(self, num_ranks: int) -> None:
-        self.num_ranks = num_ranks
-        self.calls: list[tuple[str, tuple]] = []
-        self.read_buffer = [SENTINEL] * (16384 // 4)  # MOE_EP_READ_BYTES of int32
-        self.read_values: list[int] = []
-        self.pull_rows = 0
-        self.combine_memory: dict[str, list] = {}
-        self._read_ints: Optional[int] = None
-
-    def __getattr__(self, name: str):
-        if not name.startswith("moe_ep_"):
-            raise AttributeError(name)
-
-        def call(*args) -> int:
-            self.calls.append((name, args))
-            return 0
-        return call
-
-    def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
-        self.calls.append(("moe_ep_read_start", (ctx, src, nbytes, stream)))
-        self._read_ints = nbytes // 4
-        return 0
-
-    def moe_ep_read_wait(self, ctx: int) -> int:
-        self.calls.append(("moe_ep_read_wait", (ctx,)))
-        assert self._read_ints is not None, "read_wait without read_start"
-        self.read_buffer[:self._read_ints] = self.read_values[:self._read_ints]
-        self._read_ints = None
-        return 0
-
-    def moe_ep_pull_rows(self, ctx: int, row_bytes: int, num_topk: int) -> int:
-        self.calls.append(("moe_ep_pull_rows", (ctx, row_bytes, num_topk)))
-        return self.pull_rows
-
-    def moe_ep_dispatch(self, ctx: int, params, stream: int) -> int:
-        self.calls.append(("moe_ep_dispatch", (ctx, _fields(params._obj), stream)))
-        return 0
-
-    def moe_ep_combine(self, ctx: int, params, stream: int) -> int:
-        p = params._obj
-        self.calls.append(("moe_ep_combine", (ctx, _fields(p), stream)))
-        r = self.num_ranks
-        self.combine_memory = {
-            "host_counts": list((ctypes.c_int32 * (r * r)).from_address(p.host_counts)) if p.host_counts else None,
-            "topk_weights": (list((ctypes.c_float * (p.num_recv_rows * p.num_topk)).from_address(p.topk_weights))
-                             if p.topk_weights else None)}
-        return 0
-
-
-def _fields(struct: ctypes.Structure) -> dict[str, int]:
-    return {name: getattr(struct, name) or 0 for name, _ in struct._fields_}
-
-
 def _params(struct: type, **fields: int) -> dict[str, int]:
     """A parameter struct as the fake records it: every field 0 but ``fields``."""
     params = {name: 0 for name, _ in struct._fields_}
     assert fields.keys() <= params.keys(), fields.keys() - params.keys()
     params.update(fields)
     return params
-
-
-def _stream_of(index: int) -> int:
-    # the transport asks for its device's stream, permute's launch for its tensor's device (-1: a CPU tensor)
-    assert index in (DEVICE_INDEX, -1), index
-    return STREAM
 
 
 def _starts(*sizes: int) -> list[int]:
@@ -131,27 +59,16 @@ def _starts(*sizes: int) -> list[int]:
 
 
 @pytest.fixture
-def fake(monkeypatch) -> FakeLib:
+def fake() -> Iterator[FakeLib]:
     """The fake library, reached by the transport (its ``_lib``) and by ``permute``'s launches, with CPU tensors
     standing in for CUDA ones."""
-    lib = FakeLib(R)
-    monkeypatch.setattr(nvlink, "current_stream_handle", _stream_of)
-    monkeypatch.setattr(permute, "current_stream_handle", _stream_of)
-    monkeypatch.setattr(permute, "_kernels", lambda: lib)
-    monkeypatch.setattr(permute, "_kernels_for", lambda t: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # permute._launch: already on the tensor's device
-    return lib
+    with installed(FakeLib(R)) as lib:
+        yield lib
 
 
 def _transport(lib: FakeLib, guess: int, rank: int = ME, num_ranks: int = R) -> NVLinkTransport:
-    """An NVLinkTransport with what ``__init__`` sets (there from the process group, the library and the GPU)."""
-    t = object.__new__(NVLinkTransport)
-    t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
-    t._lib, t._index, t._ctx, t._error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
-    t.region_bytes, t._own_region, t._read_buffer = 1 << 24, OWN_REGION, lib.read_buffer
-    t._recv_guess, t._device_sms = guess, 132
+    t = nvlink_transport(lib, rank, num_ranks, guess)
     t.dispatch_send_warps = 5  # the default equals pull_dispatch_send_warps: this tells which the host chose
-    lib.num_ranks = num_ranks
     return t
 
 
@@ -388,14 +305,14 @@ def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> 
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
 
-def test_combine_experts_pull_without_the_kernel(fake: FakeLib, monkeypatch) -> None:
+def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
     """A pull combine whose rows the unpermute kernel cannot take: torch unpermutes into a tensor and the combine
     copies it into the region itself (pull, not ``x_in_region``, and the host's start barrier)."""
     t = _transport(fake, guess=16)
     t.pull_combine_min_bytes, fake.pull_rows = 0, 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    monkeypatch.setattr(permute, "_kernels_for", lambda t: False)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+    with mock.patch.object(permute, "_kernels_for", lambda t: False):
+        out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
         ("moe_ep_pull_rows", (CTX, H * 2, K)),

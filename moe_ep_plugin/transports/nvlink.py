@@ -260,9 +260,10 @@ class NVLinkTransport(Transport):
     def _num_sms(self, config: Config) -> int:
         return min(config.num_sms, self._device_sms)
 
-    def _send_blocks(self, blocks: int, config: Config) -> int:
-        """Whole sender blocks when the grid has room for receivers too, else 0 (warp roles)."""
-        return blocks if 0 < blocks < self._num_sms(config) else 0
+    @staticmethod
+    def _send_blocks(blocks: int, num_sms: int) -> int:
+        """Whole sender blocks when the grid of ``num_sms`` blocks has room for receivers too, else 0 (warp roles)."""
+        return blocks if 0 < blocks < num_sms else 0
 
     def _check_capacity(self, rows: int, slot_bytes: int, what: str) -> None:
         capacity = min(self.region_bytes // slot_bytes, _MAX_REGION_ROWS)
@@ -316,7 +317,7 @@ class NVLinkTransport(Transport):
     def _most_received(self, host_counts: list[int]) -> int:
         """The most rows any rank receives (every rank computes the same from the whole count matrix)."""
         r = self.num_ranks
-        return max(sum(host_counts[i * r + j] for i in range(r)) for j in range(r))
+        return max(sum(host_counts[j::r]) for j in range(r))  # column j: slices, not an index per entry
 
     def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
         """Start the one host read of a dispatch: ``meta`` (the address of the rank prefix matrix, which ``info``
@@ -331,16 +332,19 @@ class NVLinkTransport(Transport):
             return self._read_buffer[:length]
         return wait
 
-    def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int]]:
-        """``(host_counts, info)`` from the values of a host read (``_start_read``); raises (on every rank alike)
-        when a rank found out-of-range expert ids."""
+    def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int], int]:
+        """``(host_counts, info, most)`` from the values of a host read (``_start_read``), ``most`` the most rows
+        any rank receives (as :meth:`_most_received`); raises (on every rank alike) when a rank found out-of-range
+        expert ids."""
         r = self.num_ranks
         self.check_error()
-        prefix, info = values[:r * r], values[r * r:]
+        rr = r * r
+        prefix, info = values[:rr], values[rr:]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
-        counts = [prefix[i] - (prefix[i - r] if i >= r else 0) for i in range(r * r)]
-        return counts, info
+        # each prefix row minus the one above; the last prefix row holds every rank's total
+        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]
+        return counts, info, max(prefix[rr - r:])
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -372,27 +376,27 @@ class NVLinkTransport(Transport):
         return recv_x, recv_scales
 
     def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: Optional[torch.Tensor],
-                         recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], **outputs) -> None:
-        """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` pointers/fields."""
+                         recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                         topk_weights: Optional[torch.Tensor], alignment: int = 1, **outputs: int) -> None:
+        """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` fields, addresses as
+        ints (passed to the struct's constructor with the rest: no attribute set per field)."""
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
         pull = (self.quantizing_dispatch_pull if args.wire_fp8 else self.dispatch_pull) and self.num_ranks > 1
         counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
+        num_sms = self._num_sms(args.config)
         params = _ext.DispatchParams(
-            x=_ptr(x), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(args.topk_weights),
-            rank_prefix_matrix=_ptr(handle.rank_prefix_matrix), send_list=state.send_list, recv_x=_ptr(recv_x),
-            recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden, x_elem_bytes=x.element_size(),
-            num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
+            x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+            rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
+            recv_x=recv_x.data_ptr(), recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden,
+            x_elem_bytes=x.element_size(), num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
             num_local_experts=args.num_experts // self.num_ranks, list_stride=state.list_stride,
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
             recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
-            round_scale=int(args.round_scale), num_sms=self._num_sms(args.config),
-            num_send_warps=self._dispatch_send_warps(args),
-            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, args.config), send_pos=_ptr(handle.send_pos),
-            alignment=1)
-        for name, value in outputs.items():
-            setattr(params, name, _ptr(value) if isinstance(value, torch.Tensor) or value is None else value)
+            round_scale=int(args.round_scale), num_sms=num_sms, num_send_warps=self._dispatch_send_warps(args),
+            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, num_sms),
+            send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
         if pull:  # senders only stage rows locally; receivers load them over NVLink
             params.pull, params.num_send_warps, params.num_send_blocks = 1, self.pull_dispatch_send_warps, 0
         if counts is not None:  # the outbox has room for every row sent, whatever the copy engine's share
@@ -448,9 +452,8 @@ class NVLinkTransport(Transport):
         read = self._start_read(notified.ptr(0), 2)
         guess = handle.num_recv_rows
         result = self._dispatch_rows(args, handle, speculative_rows=1)
-        handle.transport_state.host_counts, host = self._read_info(read(), args.num_experts)
+        handle.transport_state.host_counts, host, most = self._read_info(read(), args.num_experts)
         num_recv = handle.num_recv_tokens = handle.num_recv_rows = host[0]
-        most = self._most_received(handle.transport_state.host_counts)
         if most > guess:  # some rank's rows did not fit: every rank dispatches again, with outputs that fit
             self._recv_guess = most
             self._replay_barrier(handle)
@@ -472,9 +475,10 @@ class NVLinkTransport(Transport):
         expert_counts = (torch.zeros(args.num_experts // self.num_ranks, dtype=torch.int32, device=self.device)
                          if has_topk else None)
         recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
-        self._launch_dispatch(args, handle, args.topk_idx, recv_x, recv_scales, recv_topk_idx=recv_topk_idx,
-                              recv_topk_weights=recv_topk_weights, recv_src_idx=recv_src_idx,
-                              recv_expert_count=expert_counts, speculative_rows=speculative_rows)
+        self._launch_dispatch(args, handle, args.topk_idx, recv_x, recv_scales, args.topk_weights,
+                              recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
+                              recv_src_idx=recv_src_idx.data_ptr(), recv_expert_count=_ptr(expert_counts),
+                              speculative_rows=speculative_rows)
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
@@ -525,10 +529,8 @@ class NVLinkTransport(Transport):
                      if args.topk_weights is not None else None)
             self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs, alignment,
                                          args.topk_weights, speculative_rows=1)
-            host_counts, host = self._read_info(read(), num_experts)
+            state.host_counts, host, most = self._read_info(read(), num_experts)
             num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
-            state.host_counts = host_counts
-            most = self._most_received(host_counts)
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
             if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
                 self._recv_guess = most
@@ -544,15 +546,15 @@ class NVLinkTransport(Transport):
         return self._expert_dispatch(args, handle, None)
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, recv_x: torch.Tensor,
-                                recv_scales: Optional[torch.Tensor], recv_src_idx: torch.Tensor | int,
-                                recv_slot: torch.Tensor | int, probs: Optional[torch.Tensor], alignment: int,
-                                weights: Optional[torch.Tensor], speculative_rows: int = 0) -> None:
-        """The expert-major dispatch kernel; ``recv_src_idx``/``recv_slot``: tensors or their addresses."""
+                                recv_scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
+                                probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
+                                speculative_rows: int = 0) -> None:
+        """The expert-major dispatch kernel; ``recv_src_idx``/``recv_slot``: the addresses it writes them at."""
         expert: _ExpertState = handle.transport_state.expert
-        self._launch_dispatch(args, handle, expert.topk_idx, recv_x, recv_scales, recv_src_idx=recv_src_idx,
-                              expert_major=1, expert_pos=expert.expert_pos, send_offset=expert.send_offset,
-                              expert_info=expert.info, recv_slot=recv_slot, expert_probs=probs,
-                              alignment=alignment, topk_weights=weights, speculative_rows=speculative_rows)
+        self._launch_dispatch(args, handle, expert.topk_idx, recv_x, recv_scales, weights, alignment,
+                              recv_src_idx=recv_src_idx, expert_major=1, expert_pos=expert.expert_pos,
+                              send_offset=expert.send_offset, expert_info=expert.info, recv_slot=recv_slot,
+                              expert_probs=_ptr(probs), speculative_rows=speculative_rows)
 
     def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: Optional[torch.Tensor]
                          ) -> ExpertDispatchResult:
@@ -568,8 +570,8 @@ class NVLinkTransport(Transport):
         recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
-        self._launch_expert_dispatch(args, handle, recv_x, recv_scales, handle.recv_src_idx, layout.recv_slot, probs,
-                                     layout.alignment, weights)
+        self._launch_expert_dispatch(args, handle, recv_x, recv_scales, handle.recv_src_idx.data_ptr(),
+                                     layout.recv_slot.data_ptr(), probs, layout.alignment, weights)
         x, _, scales = permute.permute_valid(recv_x, layout.recv_slot, handle.num_recv_rows, layout.num_rows, None,
                                              recv_scales)
         return ExpertDispatchResult(x, scales, probs, handle)
@@ -595,23 +597,29 @@ class NVLinkTransport(Transport):
         if (hidden * elem_bytes) % 16:
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {dtype}")
         self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, elem_bytes, k), "x")
-        rpm, send_pos = (t if t.dtype == torch.int32 and t.device == self.device and t.is_contiguous()
-                         else t.to(device=self.device, dtype=torch.int32).contiguous()
-                         for t in (handle.rank_prefix_matrix, handle.send_pos))
+        state = handle.transport_state
+        own = isinstance(state, _NVLinkState)
+        if own:  # this transport's views of notify's int32 output: nothing to convert
+            rpm, send_pos = handle.rank_prefix_matrix, handle.send_pos
+        else:
+            rpm, send_pos = (t if t.dtype == torch.int32 and t.device == self.device and t.is_contiguous()
+                             else t.to(device=self.device, dtype=torch.int32).contiguous()
+                             for t in (handle.rank_prefix_matrix, handle.send_pos))
         out = torch.empty(handle.num_tokens, hidden, dtype=dtype, device=self.device)
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
+        num_sms = self._num_sms(config)
         params = _ext.CombineParams(
-            topk_weights=_ptr(topk_weights), rank_prefix_matrix=_ptr(rpm), send_pos=_ptr(send_pos),
-            bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0, out=_ptr(out),
-            out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden, elem_bytes=elem_bytes,
-            num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=self._num_sms(config),
-            num_send_warps=self.combine_send_warps, num_send_blocks=self._send_blocks(self.combine_send_blocks, config))
-        state = handle.transport_state
-        host_counts = state.host_counts if isinstance(state, _NVLinkState) and self.num_ranks > 1 else None
+            topk_weights=_ptr(topk_weights), rank_prefix_matrix=rpm.data_ptr(), send_pos=send_pos.data_ptr(),
+            bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
+            out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
+            elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
+            num_send_warps=self.combine_send_warps,
+            num_send_blocks=self._send_blocks(self.combine_send_blocks, num_sms))
+        host_counts = state.host_counts if own and self.num_ranks > 1 else None
         share = self.combine_copy_share
         if share is None:
-            share = 100 if self._num_sms(config) < 20 else 0
+            share = 100 if num_sms < 20 else 0
         counts = None
         if host_counts is not None and share > 0:
             counts = state.copy_counts()  # kept alive (in the result) until the launch has read it
@@ -653,19 +661,20 @@ class NVLinkTransport(Transport):
         :meth:`combine` does."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
+        slot = layout.recv_slot
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
         launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config)
         params = launch.params
-        if params.pull:
-            y, slot, kernel = permute.unpermute_inputs(y, layout.recv_slot)  # validated before any launch
-            # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
-            if kernel and slot.shape[0] == handle.num_recv_rows:
-                _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
-                permute.unpermute_into(y, slot, self._own_region)
-                params.x, params.x_in_region = self._own_region, 1
-                self._launch_combine(params, start_barrier=False)
-                return launch.out, launch.out_weights
-        recv_y = permute.unpermute(y, layout.recv_slot)
-        params.x = _ptr(recv_y)
+        # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
+        kernel = permute.unpermute_kernel_takes(y, slot)
+        # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
+        if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
+            _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+            permute.unpermute_into(y, slot, self._own_region)
+            params.x, params.x_in_region = self._own_region, 1
+            self._launch_combine(params, start_barrier=False)
+            return launch.out, launch.out_weights
+        recv_y = permute.unpermute_valid(y, slot, kernel)
+        params.x = recv_y.data_ptr()
         self._launch_combine(params)
         return launch.out, launch.out_weights

@@ -1,0 +1,148 @@
+"""A stand-in for the kernel library that records calls, for tests and host-time benchmarks on machines without a
+GPU.
+
+``NVLinkTransport``'s Python side runs on CPU tensors (their addresses serve its bookkeeping as well as device ones)
+over :class:`FakeLib`: :func:`installed` points ``permute``'s launches and both stream queries at it, and
+:func:`nvlink_transport` builds the transport without the process group, the library and the GPU its ``__init__``
+needs. The fake kernels compute nothing; the one thing they write is what the host itself reads back: the host
+read of a dispatch brings ``read_values``, and an expert-major dispatch fills ``recv_slot`` with -1 (no local
+expert), so the host's indexing with it (``slot_weights``) stays in bounds.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Iterator, Optional
+from unittest import mock
+
+import torch
+
+from . import permute
+from .handle import align_counts
+from .transports import nvlink
+from .transports.nvlink import NVLinkTransport
+
+CTX = 0xC7C000  # the library context, as moe_ep_create would return it
+STREAM = 0x5EED00  # the current stream's handle, as the stream query returns it
+DEVICE_INDEX = 3
+OWN_REGION = 0x7F1230000000  # moe_ep_own_region: 4096-byte aligned, like the real one
+SENTINEL = -77  # the read buffer past what a read brought: a read too long would carry it into the counts
+READ_INTS = 16384 // 4  # MOE_EP_READ_BYTES of int32
+
+
+class FakeLib:
+    """Stands in for the kernel library (and for permute's): every ``moe_ep_*`` call returns 0 and, with
+    ``record``, is appended to ``calls`` as ``(name, args)``; parameter structs arrive by reference and are recorded
+    as ``{field: value}`` (NULL = 0), copied at the call. A host read brings ``read_values`` (as many as it asked
+    for); ``moe_ep_pull_rows`` answers ``pull_rows``. With ``record``, what the host hands a combine by address
+    only (its host counts, its weights) is read at the call, while it is alive, into ``combine_memory``. Without
+    ``record`` (a benchmark) a call costs the Python call alone."""
+
+    def __init__(self, num_ranks: int, record: bool = True) -> None:
+        self.num_ranks = num_ranks
+        self.record = record
+        self.calls: list[tuple[str, tuple]] = []
+        self.read_buffer = [SENTINEL] * READ_INTS
+        self.read_values: list[int] = []
+        self.pull_rows = 0
+        self.combine_memory: dict[str, Optional[list]] = {}
+        self._read_ints: Optional[int] = None
+
+    def __getattr__(self, name: str):
+        if not name.startswith("moe_ep_"):
+            raise AttributeError(name)
+
+        def call(*args) -> int:
+            if self.record:
+                self.calls.append((name, args))
+            return 0
+        setattr(self, name, call)  # found on the instance from now on: no __getattr__ per call
+        return call
+
+    def _record(self, name: str, args: tuple) -> None:
+        if self.record:
+            self.calls.append((name, args))
+
+    def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
+        self._record("moe_ep_read_start", (ctx, src, nbytes, stream))
+        self._read_ints = nbytes // 4
+        return 0
+
+    def moe_ep_read_wait(self, ctx: int) -> int:
+        self._record("moe_ep_read_wait", (ctx,))
+        assert self._read_ints is not None, "read_wait without read_start"
+        self.read_buffer[:self._read_ints] = self.read_values[:self._read_ints]
+        self._read_ints = None
+        return 0
+
+    def moe_ep_pull_rows(self, ctx: int, row_bytes: int, num_topk: int) -> int:
+        self._record("moe_ep_pull_rows", (ctx, row_bytes, num_topk))
+        return self.pull_rows
+
+    def moe_ep_dispatch(self, ctx: int, params, stream: int) -> int:
+        p = params._obj
+        if self.record:
+            self.calls.append(("moe_ep_dispatch", (ctx, _fields(p), stream)))
+        if p.expert_major and p.recv_slot:
+            ctypes.memset(p.recv_slot, 0xFF, 4 * p.num_recv_rows * p.num_topk)
+        return 0
+
+    def moe_ep_combine(self, ctx: int, params, stream: int) -> int:
+        if not self.record:
+            return 0
+        p = params._obj
+        self.calls.append(("moe_ep_combine", (ctx, _fields(p), stream)))
+        r = self.num_ranks
+        self.combine_memory = {
+            "host_counts": list((ctypes.c_int32 * (r * r)).from_address(p.host_counts)) if p.host_counts else None,
+            "topk_weights": (list((ctypes.c_float * (p.num_recv_rows * p.num_topk)).from_address(p.topk_weights))
+                             if p.topk_weights else None)}
+        return 0
+
+
+def _fields(struct: ctypes.Structure) -> dict[str, int]:
+    return {name: getattr(struct, name) or 0 for name, _ in struct._fields_}
+
+
+def _stream_of(index: int) -> int:
+    # the transport asks for its device's stream, permute's launch for its tensor's device (-1: a CPU tensor)
+    assert index in (DEVICE_INDEX, -1), index
+    return STREAM
+
+
+@contextlib.contextmanager
+def installed(lib: FakeLib) -> Iterator[FakeLib]:
+    """While inside: ``permute``'s launches reach ``lib`` and take CPU tensors, and the stream queries of both
+    modules answer ``STREAM``. Restores what it replaced on exit."""
+    with contextlib.ExitStack() as stack:
+        for target, name, value in ((nvlink, "current_stream_handle", _stream_of),
+                                    (permute, "current_stream_handle", _stream_of),
+                                    (permute, "_kernels", lambda: lib),
+                                    (permute, "_kernels_for", lambda t: True),
+                                    # permute._launch: already on the tensor's device
+                                    (torch.cuda, "current_device", lambda: -1)):
+            stack.enter_context(mock.patch.object(target, name, value))
+        yield lib
+
+
+def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int) -> NVLinkTransport:
+    """An NVLinkTransport on CPU over ``lib`` with what ``__init__`` sets (there from the process group, the
+    library and the GPU); to be used inside :func:`installed`."""
+    t = object.__new__(NVLinkTransport)
+    t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
+    t._lib, t._index, t._ctx, t._error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
+    t.region_bytes, t._own_region, t._read_buffer = 1 << 24, OWN_REGION, lib.read_buffer
+    t._recv_guess, t._device_sms = recv_guess, 132
+    lib.num_ranks = num_ranks
+    return t
+
+
+def expert_read_values(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
+    """What the host read of an expert-major dispatch brings at world size 1 for ``topk_idx`` ``[N, K]`` (ids in
+    ``[0, num_experts)`` or -1): the rank prefix matrix ``[1]`` then ``info`` (csrc/moe_ep.h): rows received (the
+    tokens with an expert), no invalid ids, the expert-major rows, the aligned rows per expert."""
+    valid = topk_idx >= 0
+    counts = torch.bincount(topk_idx[valid], minlength=num_experts).tolist()
+    aligned = align_counts(counts, alignment)
+    num_recv = int(valid.any(1).sum())
+    return [num_recv, num_recv, 0, sum(aligned)] + aligned
