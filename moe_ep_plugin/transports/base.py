@@ -82,10 +82,9 @@ def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -
     column has no local expert (None stays None)."""
     if expert_weights is None:
         return None
-    # A zero appended at index M serves every -1 slot: a negative index counts from the end, so the slots index
-    # directly. torch.take (int64 only) is a plain gather: with the slots' conversion still 16 -> 12 us of host time
-    # on CPU against advanced indexing with the int32 slots (128 x 4 slots into 512 rows).
-    return torch.take(torch.cat([expert_weights, expert_weights.new_zeros(1)]), layout.recv_slot.long())
+    # A zero appended at index M serves every -1 slot: a negative index counts from the end, so the int32 slots
+    # index directly (three ops instead of six; half the host time on CPU).
+    return torch.cat([expert_weights, expert_weights.new_zeros(1)])[layout.recv_slot]
 
 
 class Transport(abc.ABC):
