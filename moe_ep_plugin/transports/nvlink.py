@@ -321,8 +321,8 @@ class NVLinkTransport(Transport):
 
     def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
         """Start the one host read of a dispatch: ``meta`` (the address of the rank prefix matrix, which ``info``
-        directly follows) up to ``info[:info_length]`` is copied to pinned memory on the library's side stream, after the work enqueued so
-        far (notify), so the caller can enqueue more before it waits. Returns the wait, which gives the values.
+        directly follows) up to ``info[:info_length]`` is copied to pinned memory on the library's side stream,
+        after the work enqueued so far (notify), so the caller can enqueue more before it waits. Returns the wait, which gives the values.
         (The memory stays alive in the handle's state.)"""
         length = self.num_ranks * self.num_ranks + info_length
         _ext.check(self._lib.moe_ep_read_start(self._ctx, meta, 4 * length, self._stream()), "read_start")
@@ -334,17 +334,15 @@ class NVLinkTransport(Transport):
 
     def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int], int]:
         """``(host_counts, info, most)`` from the values of a host read (``_start_read``), ``most`` the most rows
-        any rank receives (as :meth:`_most_received`); raises (on every rank alike) when a rank found out-of-range
+        any rank receives (:meth:`_most_received`); raises (on every rank alike) when a rank found out-of-range
         expert ids."""
         r = self.num_ranks
         self.check_error()
-        rr = r * r
-        prefix, info = values[:rr], values[rr:]
+        prefix, info = values[:r * r], values[r * r:]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
-        # each prefix row minus the one above; the last prefix row holds every rank's total
-        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]
-        return counts, info, max(prefix[rr - r:])
+        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]  # row minus the one above
+        return counts, info, self._most_received(counts)
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -418,12 +416,17 @@ class NVLinkTransport(Transport):
             return self.dispatch_send_warps
         return self.dequantizing_dispatch_send_warps if args.recv_bf16 else self.quantizing_dispatch_send_warps
 
+    def _barrier(self) -> None:
+        """The barrier that orders an operation after every rank's previous one (peers are done with this rank's
+        regions), on the current stream."""
+        _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+
     def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
-        """Start of a cached dispatch: the barrier that orders it after every rank's previous operation."""
+        """Start of a cached dispatch: :meth:`_barrier`, for a handle of this transport."""
         state = handle.transport_state
         if not isinstance(state, _NVLinkState):
             raise ValueError("handle: it was not made by the nvlink transport")
-        _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+        self._barrier()
         return state
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -637,10 +640,9 @@ class NVLinkTransport(Transport):
 
     def _launch_combine(self, params: _ext.CombineParams, start_barrier: bool = True) -> None:
         """The start barrier (unless the caller launched it) and the combine kernel, on the current stream."""
-        stream = self._stream()
         if start_barrier:
-            _ext.check(self._lib.moe_ep_barrier(self._ctx, stream), "barrier")
-        _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), stream), "combine")
+            self._barrier()
+        _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -669,7 +671,7 @@ class NVLinkTransport(Transport):
         kernel = permute.unpermute_kernel_takes(y, slot)
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
         if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
-            _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
+            self._barrier()
             permute.unpermute_into(y, slot, self._own_region)
             params.x, params.x_in_region = self._own_region, 1
             self._launch_combine(params, start_barrier=False)
