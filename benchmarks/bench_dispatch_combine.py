@@ -13,6 +13,7 @@ cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from typing import Callable
@@ -21,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import Buffer, gating
-from moe_ep_plugin.ops import fp8
+from moe_ep_plugin.config import NVLinkTuning
 from moe_ep_plugin.launch import launch
+from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.transports import DispatchArgs
-from moe_ep_plugin.transports.nvlink import NVLinkTransport
 from standard_shape import add_shape_arguments
 
 
@@ -90,8 +91,12 @@ def _shape_rows(buffer: Buffer, inputs: list, num_experts: int) -> tuple[int, in
     return total, total - own, total - own, x.shape[0]
 
 
-def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list, check: Buffer | None) -> None:
+def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list, check: Buffer | None,
+               tuning: NVLinkTuning = NVLinkTuning()) -> None:
+    """Every op on ``buffer``, timed with the default Configs at ``Buffer.num_sms`` carrying ``tuning``."""
     device = buffer.device
+    dcfg = dataclasses.replace(Buffer.get_dispatch_config(dist.get_world_size()), nvlink=tuning)
+    ccfg = dataclasses.replace(Buffer.get_combine_config(dist.get_world_size()), nvlink=tuning)
     h, e, k = args.hidden, args.experts, args.topk
     inputs = []
     for j in range(4):
@@ -107,11 +112,11 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         x, idx, w = inputs[i % 4]
         per_rank, _, per_expert, in_rank, _ = layouts[i % 4]
         return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
+                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=dcfg, **kw)
 
     def edisp(i: int, **kw):
         x, idx, w = inputs[i % 4]
-        return buffer.dispatch_experts(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
+        return buffer.dispatch_experts(x, topk_idx=idx, topk_weights=w, num_experts=e, config=dcfg, **kw)
 
     if check is not None:
         ok = True
@@ -142,25 +147,27 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         ("dispatch fp8", lambda i: disp(i, fp8_dispatch=True, fp8_out=True), fp8_row),
         ("dispatch fp8->bf16", lambda i: disp(i, fp8_dispatch=True), fp8_row),
         ("dispatch bf16", lambda i: disp(i), bf16_row),
-        ("dispatch bf16 cached", lambda i: buffer.dispatch(inputs[i % 4][0], handle=handles[i % 4]), bf16_row),
+        ("dispatch bf16 cached", lambda i: buffer.dispatch(inputs[i % 4][0], handle=handles[i % 4], config=dcfg),
+         bf16_row),
         ("dispatch fp8 worst", lambda i: disp(i, fp8_dispatch=True, fp8_out=True, num_worst_tokens=worst), fp8_row),
-        ("combine bf16", lambda i: buffer.combine(ys[i % 4], handles[i % 4]), bf16_row),
+        ("combine bf16", lambda i: buffer.combine(ys[i % 4], handles[i % 4], config=ccfg), bf16_row),
         ("experts dispatch bf16", lambda i: edisp(i), bf16_row),
         ("experts dispatch fp8->bf16", lambda i: edisp(i, fp8_dispatch=True), fp8_row),
-        ("experts combine bf16", lambda i: buffer.combine_experts(eys[i % 4], ehandles[i % 4]), bf16_row),
+        ("experts combine bf16", lambda i: buffer.combine_experts(eys[i % 4], ehandles[i % 4], config=ccfg),
+         bf16_row),
     ]
     if buffer.transport_name == "nvlink":
         # The kernels alone: straight to the transport, no Buffer validation, streams or host syncs.
-        transport, config = buffer.transport, Buffer.get_dispatch_config(dist.get_world_size())
+        transport = buffer.transport
 
         quantized = [fp8.quantize(x) for x, _, _ in inputs]  # DeepEP's FP8 dispatch takes pre-quantized rows
 
-        def cached_args(i: int, wire_fp8: bool, handle, recv_bf16: bool = False, fp8_in: bool = False) -> DispatchArgs:
+        def cached_args(i: int, wire_fp8: bool, handle, fp8_in: bool = False) -> DispatchArgs:
             x, scales = quantized[i % 4] if fp8_in else (inputs[i % 4][0], None)
             return DispatchArgs(x=x, x_scales=scales, topk_idx=None, topk_weights=None,
                                 num_tokens_per_rank=None, is_token_in_rank=None, num_experts=e, handle=handle,
-                                num_worst_tokens=0, wire_fp8=wire_fp8, recv_bf16=recv_bf16, round_scale=False,
-                                config=config)
+                                num_worst_tokens=0, wire_fp8=wire_fp8, fp8_out=True, round_scale=False,
+                                config=dcfg)
 
         def kernel_dispatch(i: int, wire_fp8: bool, fp8_in: bool = False):
             return transport.dispatch(cached_args(i, wire_fp8, handles[i % 4], fp8_in=fp8_in))
@@ -170,12 +177,12 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             ("kernel dispatch fp8", lambda i: kernel_dispatch(i, True), fp8_row),
             ("kernel dispatch fp8 input", lambda i: kernel_dispatch(i, False, fp8_in=True), fp8_row),
             ("kernel dispatch bf16", lambda i: kernel_dispatch(i, False), bf16_row),
-            ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), config), bf16_row),
+            ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), ccfg), bf16_row),
             ("kernel experts dispatch bf16", lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1),
              bf16_row),
             ("kernel experts dispatch fp8->bf16",
              lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], True), 1), fp8_row),
-            ("kernel experts combine bf16", lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, config),
+            ("kernel experts combine bf16", lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, ccfg),
              bf16_row),
         ]
     if args.quick:
@@ -199,16 +206,12 @@ def _worker(args) -> None:
     _bench_one(nvlink, args.tokens, args, 7, f"nvlink {args.sms} SMs", results, reference)
     if not args.quick:
         _bench_one(reference, args.tokens, args, 7, "torch (NCCL)", results, None)
-    transport, defaults = nvlink.transport, type(nvlink.transport)
     for sms, settings in args.variants:
         Buffer.set_num_sms(sms)
-        for name, value in settings:
-            setattr(transport, name, value)
         sub = argparse.Namespace(**{**vars(args), "quick": True})
-        what = ", ".join(f"{name}={value}" for name, value in settings)
-        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs{', ' + what if what else ''}", results, None)
-        for name, _ in settings:
-            setattr(transport, name, getattr(defaults, name))
+        what = ", ".join(f"{name}={value}" for name, value in settings.items())
+        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs{', ' + what if what else ''}", results, None,
+                   NVLinkTuning(**settings))
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
     for n in args.sweep:
@@ -231,16 +234,29 @@ def _worker(args) -> None:
     nvlink.destroy()
 
 
-def _variants(text: str) -> list[tuple[int, list[tuple[str, int]]]]:
-    """``"24:combine_copy_share=0 32"`` -> ``[(24, [("combine_copy_share", 0)]), (32, [])]``."""
+def tuning_settings(pairs: list[str], what: str) -> dict[str, object]:
+    """``["dispatch_pull=0", "combine_send_blocks=8"]`` → NVLinkTuning keyword arguments (bools for its bool
+    fields), validated by building one."""
+    fields = {f.name: f.type for f in dataclasses.fields(NVLinkTuning)}
+    settings: dict[str, object] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in fields or not value:
+            raise argparse.ArgumentTypeError(f"{what}: expected NAME=INT with an NVLinkTuning field, got {pair!r}")
+        settings[name] = bool(int(value)) if fields[name] in (bool, "bool") else int(value)
+    try:
+        NVLinkTuning(**settings)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{what}: {exc}") from None
+    return settings
+
+
+def _variants(text: str) -> list[tuple[int, dict[str, object]]]:
+    """``"24:combine_pull=0 32"`` -> ``[(24, {"combine_pull": False}), (32, {})]``."""
     out = []
     for item in text.split():
         sms, *settings = item.split(":")
-        pairs = [tuple(kv.split("=", 1)) for kv in settings]
-        unknown = [name for name, _ in pairs if not hasattr(NVLinkTransport, name)]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"--variants: NVLinkTransport has no setting {unknown[0]!r}")
-        out.append((int(sms), [(name, int(value)) for name, value in pairs]))
+        out.append((int(sms), tuning_settings(settings, "--variants")))
     return out
 
 
@@ -253,7 +269,7 @@ def main() -> None:
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
     p.add_argument("--variants", type=_variants, default="24:dispatch_pull=0:combine_pull=0 24:quantizing_dispatch_send_warps=12 12 16",
                    help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
-                        "NVLinkTransport settings (e.g. 24:combine_copy_share=100:dispatch_send_warps=8)")
+                        "NVLinkTuning fields (e.g. 24:copy_engine_combine_below_sms=32:dispatch_send_warps=8)")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

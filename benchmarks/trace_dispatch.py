@@ -5,9 +5,10 @@ Rank 0 prints the median host time of the dispatch call over ``--iters`` calls (
 last of three more calls under the profiler, every GPU activity (kernel, copy, memset) with its start relative to
 the call's first GPU activity, its duration and its stream (the barrier after the call included); with
 ``--trace PATH`` it also writes the Chrome trace (open in chrome://tracing or Perfetto). ``--set`` changes an
-``NVLinkTransport`` setting (as in ``bench_dispatch_combine.py --variants``).
+``NVLinkTuning`` field of every call's Config (as in ``bench_dispatch_combine.py --variants``).
 """
 import argparse
+import dataclasses
 import os
 import time
 
@@ -15,16 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from bench_dispatch_combine import tuning_settings
 from moe_ep_plugin import Buffer, gating
-from moe_ep_plugin.transports.nvlink import NVLinkTransport
+from moe_ep_plugin.config import NVLinkTuning
 from standard_shape import add_shape_arguments
-
-
-def _setting(text: str) -> tuple[str, int]:
-    name, _, value = text.partition("=")
-    if not hasattr(NVLinkTransport, name) or not value:
-        raise argparse.ArgumentTypeError(f"--set: expected NAME=INT with an NVLinkTransport setting, got {text!r}")
-    return name, int(value)
 
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -33,7 +28,7 @@ p.add_argument("--sms", type=int, default=24)
 p.add_argument("--iters", type=int, default=5)
 p.add_argument("--op", choices=("dispatch", "experts"), default="dispatch")
 p.add_argument("--fp8", action="store_true", help="FP8 dispatch (quantized in the send path, received as FP8)")
-p.add_argument("--set", type=_setting, action="append", default=[])
+p.add_argument("--set", action="append", default=[], help="NAME=INT: an NVLinkTuning field for every call")
 p.add_argument("--trace", default="")
 a = p.parse_args()
 rank = int(os.environ["RANK"])
@@ -42,8 +37,9 @@ torch.cuda.set_device(dev)
 dist.init_process_group("nccl", device_id=dev)
 Buffer.set_num_sms(a.sms)
 buffer = Buffer(dist.group.WORLD, transport="nvlink")
-for name, value in a.set:
-    setattr(buffer.transport, name, value)
+tuning = NVLinkTuning(**tuning_settings(a.set, "--set"))
+dcfg = dataclasses.replace(Buffer.get_dispatch_config(dist.get_world_size()), nvlink=tuning)
+ccfg = dataclasses.replace(Buffer.get_combine_config(dist.get_world_size()), nvlink=tuning)
 torch.manual_seed(1 + rank)
 logits = torch.randn(a.tokens, a.experts, device=dev)
 weights, idx = gating.group_limited_topk(logits, a.topk, score_function="sigmoid", num_groups=8, group_topk=4)
@@ -56,15 +52,16 @@ def step() -> float:
     start = time.perf_counter()
     if a.op == "experts":
         out, _, _, _, handle, _ = buffer.dispatch_experts(x, topk_idx=idx, topk_weights=weights,
-                                                          num_experts=a.experts, fp8_dispatch=a.fp8)
+                                                          num_experts=a.experts, fp8_dispatch=a.fp8, config=dcfg)
         host = time.perf_counter() - start
         rows = handle.expert_layout.num_rows
-        buffer.combine_experts(torch.ones(rows, a.hidden, dtype=torch.bfloat16, device=dev), handle)
+        buffer.combine_experts(torch.ones(rows, a.hidden, dtype=torch.bfloat16, device=dev), handle, config=ccfg)
     else:
         recv, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=a.experts,
-                                                   fp8_dispatch=a.fp8, fp8_out=a.fp8)
+                                                   fp8_dispatch=a.fp8, fp8_out=a.fp8, config=dcfg)
         host = time.perf_counter() - start
-        buffer.combine(torch.ones(handle.num_recv_rows, a.hidden, dtype=torch.bfloat16, device=dev), handle)
+        buffer.combine(torch.ones(handle.num_recv_rows, a.hidden, dtype=torch.bfloat16, device=dev), handle,
+                       config=ccfg)
     torch.cuda.synchronize()
     dist.barrier()
     return host

@@ -32,13 +32,11 @@ struct Header {
 };
 constexpr int64_t kHeaderBytes = 4096;
 
-// Copy-engine mode (the row counts are known on the host): a sender's rows go to a local outbox, and its copy
-// stream ships them to the peer in pieces with cudaMemcpyAsync, each piece gated by stream memory operations on
-// these flags. All are 0 between operations (the last step of every copy-engine operation clears them).
+// Copy-engine combine (the row counts are known on the host): the copy streams ship a rank's rows to the peer in
+// pieces with cudaMemcpyAsync, each piece flagged by a stream memory operation. All are 0 between operations (the
+// last step of every copy-engine combine clears them).
 constexpr int kMaxPieces = 32;
 struct CopyFlags {
-    int staged[kMaxRanks][kMaxPieces];     // [dst][piece]: 1 once this rank's kernel has put the piece in its outbox
-    int staged_rows[kMaxRanks][kMaxPieces];  // [dst][piece]: rows staged so far (the warp completing it sets staged)
     int arrived[kMaxRanks][kMaxPieces];    // [src][piece]: 1 once src's copy engine has landed the piece here
 };
 constexpr int64_t kCopyFlagsOffset = 1024;  // inside the header page
@@ -63,11 +61,8 @@ __device__ __forceinline__ int* expert_counts(char* buf, int src) {
     return reinterpret_cast<int*>(buf + kExpertCountsOffset) + int64_t(src) * kMaxExperts;
 }
 __device__ __forceinline__ CopyFlags* copy_flags(char* buf) { return reinterpret_cast<CopyFlags*>(buf + kCopyFlagsOffset); }
-// Of a transfer of `count` rows, the first copied_rows go by copy engine (`share` percent, whole chunks; share 0:
-// none) and the rest by SM stores, so both paths carry NVLink traffic at once.
-__host__ __device__ __forceinline__ int copied_rows(int count, int share) {
-    return share >= 100 ? count : int(int64_t(count) * share / 100) / kChunkRows * kChunkRows;
-}
+// Of a transfer of `count` rows, the rows the copy engines carry: all of them or none.
+__host__ __device__ __forceinline__ int copied_rows(int count, bool copy_engine) { return copy_engine ? count : 0; }
 // Rows per copy-engine piece for a transfer of `count` rows: at least `min_rows`, at most kMaxPieces pieces, whole
 // chunks. Sender (host) and receiver (kernel) compute it alike from the same count.
 __host__ __device__ __forceinline__ int piece_rows(int count, int min_rows) {

@@ -13,12 +13,11 @@ struct Context {
     volatile int32_t* host_err = nullptr;
     int64_t bytes = 0;
     int device = 0;
-    // copy-engine mode: the streams that ship staged rows (pieces alternate between them, so one stream's
-    // per-copy start and flag latency hides behind another's copy), fork/join events, and the driver's stream
-    // memory operations (fetched at create time; the runtime API has no wrapper for them)
+    // copy-engine combine: the streams that ship rows (pieces alternate between them, so one stream's per-copy
+    // start and flag latency hides behind another's copy), fork/join events, and the driver's stream memory write
+    // (fetched at create time; the runtime API has no wrapper for it)
     cudaStream_t copy_streams[MOE_EP_MAX_COPY_STREAMS] = {};
     cudaEvent_t fork = nullptr, lead = nullptr, joins[MOE_EP_MAX_COPY_STREAMS] = {};
-    void* wait_value32 = nullptr;
     void* write_value32 = nullptr;
     // host reads of small results (notify's counts): a side stream, its events and pinned memory
     cudaStream_t read_stream = nullptr;
@@ -27,10 +26,10 @@ struct Context {
 };
 
 // Copy-engine pipeline on the first n copy streams, forked from `stream` (after its barrier) and joined back by
-// copy_finish. copy_piece on copy stream i: optionally wait until *wait_flag >= 1 (this rank's kernel staged the
-// piece), copy `bytes` to the peer, then set *peer_flag = 1 there (the copy's bytes land first).
+// copy_finish. copy_piece on copy stream i: copy `bytes` to the peer, then set *peer_flag = 1 there (the copy's
+// bytes land first).
 int copy_begin(Context* ctx, cudaStream_t stream, int n);
-int copy_piece(Context* ctx, int i, const int* wait_flag, void* dst, const void* src, size_t bytes, int* peer_flag);
+int copy_piece(Context* ctx, int i, void* dst, const void* src, size_t bytes, int* peer_flag);
 // Copy streams 1..n-1 wait for everything enqueued on copy stream 0 so far (a prologue every piece needs).
 int copy_after_lead(Context* ctx, int n);
 // Joins the first n copy streams back into `stream` and clears this rank's CopyFlags (every piece was consumed).

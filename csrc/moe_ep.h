@@ -1,4 +1,5 @@
-/* moe_ep_plugin kernel library: the plain C ABI that moe_ep_plugin/_ext.py loads with ctypes.
+/* moe_ep_plugin kernel library: the plain C ABI that moe_ep_plugin/ops/library.py mirrors with ctypes (the one
+ * header of the library; entry points in csrc/api.cu and csrc/runtime.cu).
  *
  * No torch headers: every tensor is a raw device pointer, every stream a cudaStream_t passed as void*.
  * Functions return 0 on success, or a nonzero code with a message in moe_ep_last_error().
@@ -14,11 +15,11 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 5
+#define MOE_EP_ABI_VERSION 6
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
-#define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine mode: streams the pieces alternate between */
+#define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine combine: streams the pieces alternate between */
 
 /* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
 #define MOE_EP_ERR_BARRIER_TIMEOUT 1   /* [1] = peer rank that never arrived */
@@ -29,7 +30,8 @@ extern "C" {
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
  * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
- * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1). recv_bf16 dequantizes FP8 rows on receive.
+ * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1), arriving as FP8 + scales with fp8_out, else
+ * dequantized back to the input's dtype (fp8_out is ignored without wire_fp8).
  * Expert-major mode (expert_major != 0): instead of local top-k ids, each received (row, k) gets its row in this
  * rank's expert-major layout, send_offset[e] + expert_pos[t, k] (each local expert's block padded to `alignment`
  * rows; notify's info holds their total): recv_slot records it and expert_probs[row] the weight (padding rows get 0);
@@ -48,7 +50,7 @@ typedef struct {
     int32_t* recv_src_idx;             /* [num_recv_rows] */
     int32_t* recv_expert_count;        /* [num_local_experts], zeroed by the caller; or NULL */
     int64_t num_tokens, hidden, x_elem_bytes, num_topk, num_local_experts, list_stride, num_recv_rows;
-    int64_t wire_fp8, fp8_in, recv_bf16, round_scale, num_sms;
+    int64_t wire_fp8, fp8_in, fp8_out, round_scale, num_sms;
     int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) ... */
     int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
     const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
@@ -63,17 +65,9 @@ typedef struct {
     /* speculative_rows != 0: num_recv_rows is the caller's guess, launched before it read the received row count;
      * when more rows arrive, receiving is skipped without an error (the caller dispatches again, all ranks alike) */
     int64_t speculative_rows;
-    /* copy engine (copy_share > 0): of the rows for each peer, the first copy_share percent are staged in `outbox`
-     * (destination after destination in rank order, slot after slot) and the context's copy streams ship them in
-     * pieces of at least copy_piece_rows rows (pieces alternate between copy_streams streams,
-     * 1..MOE_EP_MAX_COPY_STREAMS), while sender warps store the rest straight into the peer. Needs the count matrix
-     * on the host: host_counts[i * R + j] = rows rank i sends to rank j. */
-    int64_t copy_share, copy_piece_rows, copy_streams;
-    const int32_t* host_counts;
-    void* outbox;
     /* pull != 0: a source whose rows for all peers fit one region stages them in its own region of its own buffer
      * (destinations in rank order) and its peers' receivers load them over NVLink; every rank decides this for
-     * every source alike from rank_prefix_matrix. Excludes copy_share. */
+     * every source alike from rank_prefix_matrix. */
     int64_t pull;
 } moe_ep_dispatch_params;
 
@@ -89,9 +83,11 @@ typedef struct {
     void* out;                         /* [num_tokens, hidden] */
     float* out_weights;                /* [num_tokens, K] or NULL */
     int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
-    /* copy engine: the copy streams ship the first copy_share percent of the rows (and their topk_weights)
-     * straight from x; sender warps (if any) the rest. Other fields as for dispatch. */
-    int64_t copy_share, copy_piece_rows, copy_streams;
+    /* copy_engine != 0: the context's copy streams ship every row (and its topk_weights) straight from x, in pieces
+     * of at least copy_piece_rows rows alternating between copy_streams streams (1..MOE_EP_MAX_COPY_STREAMS); no
+     * sender warps (num_send_warps = num_send_blocks = 0): every warp reduces. Needs the count matrix on the host:
+     * host_counts[i * R + j] = rows rank i sends to rank j (also for pull). */
+    int64_t copy_engine, copy_piece_rows, copy_streams;
     const int32_t* host_counts;
     /* pull != 0: every rank copies the rows of x (and topk_weights) it received from peers into its own region of its
      * buffer (same offsets as in x; host_counts gives them), all ranks meet at a barrier, and every warp of the kernel
@@ -114,7 +110,7 @@ int moe_ep_abi_version(void);
 const char* moe_ep_last_error(void);
 
 /* Context: one peer-visible buffer per rank (cudaMalloc, shared by CUDA IPC), a host-mapped error record, and a
- * copy stream with the events that fork it from / join it to the caller's stream (copy-engine mode). */
+ * copy stream with the events that fork it from / join it to the caller's stream (copy-engine combine). */
 void* moe_ep_create(int rank, int num_ranks, int device, int64_t buffer_bytes, int64_t timeout_ns);
 int moe_ep_ipc_handle(void* ctx, void* out_handle /* 64 bytes */);
 int moe_ep_open_peers(void* ctx, const void* handles /* num_ranks * 64 bytes, rank order */);
@@ -166,6 +162,38 @@ int moe_ep_notify_experts(void* ctx, const int64_t* topk_idx, int64_t num_tokens
 int moe_ep_barrier(void* ctx, void* stream);
 int moe_ep_dispatch(void* ctx, const moe_ep_dispatch_params* params, void* stream);
 int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream);
+
+/* Local expert-major permutation. Expert-major layout: local expert l owns output rows [base[l], base[l] +
+ * aligned[l]) where aligned[l] is the number of (received row, top-k column) pairs naming l, rounded up to
+ * `alignment`, and base is the exclusive cumsum of aligned. Inside a block, rows follow received-row order (then
+ * top-k column); padding rows end it. recv_slot [N, K] int32 holds the output row of every pair, -1 where the
+ * column names no local expert. Nothing here synchronizes with the host. */
+#define MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS 1024 /* expert_slots keeps per-warp counters of every local expert */
+#define MOE_EP_PERMUTE_MAX_TOPK 32            /* permute/unpermute keep one top-k column per lane of a warp */
+
+#define MOE_EP_PERMUTE_FP32 0
+#define MOE_EP_PERMUTE_BF16 1
+
+/* topk_idx [num_recv_rows, num_topk] local expert ids (outside [0, num_local_experts) = none) -> recv_slot.
+ * The counts are computed on the device (one cooperative kernel); workspace holds workspace_blocks *
+ * num_local_experts int32 (workspace_blocks >= 1; the number of SMs is enough). */
+int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk, int64_t num_local_experts,
+                        int64_t alignment, int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks,
+                        void* stream);
+
+/* Scatter: every received row of x (row_bytes each; row_bytes and the pointers 16-byte aligned) is read once and
+ * stored to each of its slots in out_x [num_rows, row_bytes]; weights [N, K] -> out_probs [num_rows] and scales
+ * [N, num_scales] -> out_scales [num_rows, num_scales] the same way (each may be NULL, with its output). Rows no
+ * slot names (padding) are zeroed; slots outside [0, num_rows) are ignored. covered: num_rows bytes of scratch. */
+int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,
+                   int64_t num_recv_rows, int64_t num_topk, int64_t row_bytes, int64_t num_scales, int64_t num_rows,
+                   void* out_x, float* out_probs, float* out_scales, uint8_t* covered, void* stream);
+
+/* Gather-sum: out[r] = sum over k ascending of y[recv_slot[r, k]] (slots in [0, num_rows) only), accumulated in
+ * fp32 from 0.0f and rounded once to the element type (MOE_EP_PERMUTE_FP32 / _BF16). y [num_rows, hidden],
+ * out [num_recv_rows, hidden]; hidden * element bytes and the pointers 16-byte aligned. */
+int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t hidden,
+                     int64_t num_rows, int64_t dtype, void* out, void* stream);
 
 #ifdef __cplusplus
 }

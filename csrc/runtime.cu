@@ -23,8 +23,8 @@ int check_cuda(cudaError_t err, const char* what) {
 
 int check_launch(const char* what) { return check_cuda(cudaGetLastError(), what); }
 
-// The driver's cuStreamWaitValue32 / cuStreamWriteValue32 (CUresult is an int-sized enum; flags 0 = GEQ wait /
-// plain write with its memory barrier, which orders the copy before the flag).
+// The driver's cuStreamWriteValue32 (CUresult is an int-sized enum; flags 0 = a plain write with its memory
+// barrier, which orders the copy before the flag).
 using StreamValueFn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
 
 static int driver_entry(const char* symbol, void** fn) {
@@ -46,13 +46,8 @@ int copy_begin(Context* ctx, cudaStream_t stream, int n) {
     return err;
 }
 
-int copy_piece(Context* ctx, int i, const int* wait_flag, void* dst, const void* src, size_t bytes, int* peer_flag) {
+int copy_piece(Context* ctx, int i, void* dst, const void* src, size_t bytes, int* peer_flag) {
     cudaStream_t s = ctx->copy_streams[i];
-    if (wait_flag != nullptr) {
-        const int r = reinterpret_cast<StreamValueFn>(ctx->wait_value32)(
-            s, reinterpret_cast<unsigned long long>(wait_flag), 1u, 0u);
-        if (int err = check_driver(r, "cuStreamWaitValue32")) return err;
-    }
     if (int err = check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync(peer piece)"))
         return err;
     const int r = reinterpret_cast<StreamValueFn>(ctx->write_value32)(s, reinterpret_cast<unsigned long long>(peer_flag), 1u, 0u);
@@ -128,7 +123,6 @@ void* moe_ep_create(int rank, int num_ranks, int device, int64_t buffer_bytes, i
     if (!err) err = check_cuda(cudaEventCreateWithFlags(&ctx->read_done, cudaEventDisableTiming), "cudaEventCreate(read)");
     if (!err) err = check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&ctx->read_host), MOE_EP_READ_BYTES, cudaHostAllocDefault),
                                "cudaHostAlloc(read buffer)");
-    if (!err) err = driver_entry("cuStreamWaitValue32", &ctx->wait_value32);
     if (!err) err = driver_entry("cuStreamWriteValue32", &ctx->write_value32);
     if (!err) err = check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(create)");
     if (err) {

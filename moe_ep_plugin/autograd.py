@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .buffer import Buffer
+from .config import Config
 from .handle import DispatchHandle
 
 
@@ -24,20 +25,29 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 
 
 # The dispatch Functions take their non-differentiable arguments as one ``call`` tuple ``(buffer, topk_idx,
-# num_experts, fp8_dispatch, expert_alignment)``: Function.apply does host work per argument (functorch
+# num_experts, fp8_dispatch, expert_alignment, configs)``: Function.apply does host work per argument (functorch
 # unwrapping, input bookkeeping); three arguments instead of seven took autograd.dispatch_experts from 8.2 to
-# 7.5 us per call on CPU (benchmarks/host_overhead.py).
-_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int]
+# 7.5 us per call on CPU (benchmarks/host_overhead.py). ``configs``: ``(dispatch Config, combine Config)`` for
+# the forward and the backward alike, or None for the Buffer's defaults.
+Configs = Optional[tuple[Config, Config]]
+_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int, Configs]
+
+
+def _check_configs(configs: Configs) -> None:
+    if configs is not None and not (isinstance(configs, tuple) and len(configs) == 2
+                                    and all(isinstance(c, Config) for c in configs)):
+        raise TypeError(f"configs: expected None or a (dispatch, combine) pair of moe_ep_plugin.Config, "
+                        f"got {configs!r}")
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs = call
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
-        ctx.buffer, ctx.handle = buffer, handle
+            expert_alignment=expert_alignment, config=configs and configs[0], fp8_dispatch=fp8_dispatch)
+        ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
         ctx.x_meta = (x.shape[1], x.dtype)
@@ -57,7 +67,8 @@ class _Dispatch(torch.autograd.Function):
                 grad_recv_weights = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
             # Entries for experts on other ranks were zeroed in the forward: no gradient flows through them here.
             weights_grad = grad_recv_weights.float().masked_fill(recv_idx < 0, 0.0)
-        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), handle, topk_weights=weights_grad)
+        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), handle, topk_weights=weights_grad,
+                                                     config=ctx.configs and ctx.configs[1])
         return grad_x, grad_weights, None
 
 
@@ -66,25 +77,28 @@ class _Combine(torch.autograd.Function):
     the backward is the cached dispatch of the output gradient; both dispatches return the rows first."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, buffer: Buffer, handle: DispatchHandle, experts: bool):
-        combined, _, _ = (buffer.combine_experts if experts else buffer.combine)(x, handle)
-        ctx.buffer, ctx.handle, ctx.experts = buffer, handle, experts
+    def forward(ctx, x: torch.Tensor, buffer: Buffer, handle: DispatchHandle, experts: bool, configs: Configs):
+        combine = buffer.combine_experts if experts else buffer.combine
+        combined, _, _ = combine(x, handle, config=configs and configs[1])
+        ctx.buffer, ctx.handle, ctx.experts, ctx.configs = buffer, handle, experts, configs
         return combined
 
     @staticmethod
     def backward(ctx, grad_combined):
         dispatch = ctx.buffer.dispatch_experts if ctx.experts else ctx.buffer.dispatch
-        grad_x = dispatch(grad_combined, handle=ctx.handle)[0]  # the Buffer makes its inputs contiguous
-        return grad_x, None, None, None
+        # the Buffer makes its inputs contiguous
+        grad_x = dispatch(grad_combined, handle=ctx.handle, config=ctx.configs and ctx.configs[0])[0]
+        return grad_x, None, None, None, None
 
 
 class _DispatchExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs = call
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
-            x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
-        ctx.buffer, ctx.handle = buffer, handle
+            x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,
+            config=configs and configs[0])
+        ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.has_weights = topk_weights is not None
         return expert_x, probs, tokens_per_expert, handle
 
@@ -94,44 +108,55 @@ class _DispatchExperts(torch.autograd.Function):
         # and pairs of other ranks have no row here, so nothing needs masking. The engine hands each gradient over
         # in its output's dtype (float32 probs), and the Buffer makes its inputs contiguous: no conversions here.
         expert_weights = grad_probs if ctx.has_weights else None
-        grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x, ctx.handle, expert_weights)
+        grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x, ctx.handle, expert_weights,
+                                                             config=ctx.configs and ctx.configs[1])
         return grad_x, grad_weights, None
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1
+             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1, configs: Configs = None
              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids).
 
     Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids, recv_topk_weights [N_recv, K] float32,
     num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
-    ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient).
+    ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient). ``configs``:
+    ``(dispatch, combine)`` Configs for this call and its backward (None: the Buffer's defaults).
     """
     _check_inputs(buffer, x)
-    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
+    _check_configs(configs)
+    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs))
 
 
-def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Differentiable :meth:`Buffer.combine`: ``x`` ``[N_recv, H]`` → ``[N, H]`` (fp32 sum over ranks, cast back)."""
+def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None) -> torch.Tensor:
+    """Differentiable :meth:`Buffer.combine`: ``x`` ``[N_recv, H]`` → ``[N, H]`` (fp32 sum over ranks, cast back);
+    ``configs`` as for :func:`dispatch`."""
     _check_inputs(buffer, x)
-    return _Combine.apply(x, buffer, handle, False)
+    _check_configs(configs)
+    return _Combine.apply(x, buffer, handle, False, configs)
 
 
 def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                     num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+                     num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1,
+                     configs: Configs = None) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch_experts` of BF16/FP32 ``x`` ``[N, H]``, ``topk_idx`` ``[N, K]`` global ids.
 
     Returns ``(expert_x [M, H] x.dtype, expert_probs [M] float32 or None, tokens_per_expert list[int], handle)``.
     Gradients reach ``x`` and ``topk_weights`` (padding rows get none). With ``fp8_dispatch`` rows cross the
-    wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``).
+    wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``). ``configs`` as for
+    :func:`dispatch`.
     """
     _check_inputs(buffer, x)
-    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
+    _check_configs(configs)
+    return _DispatchExperts.apply(x, topk_weights,
+                                  (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs))
 
 
-def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None
+                    ) -> torch.Tensor:
     """Differentiable :meth:`Buffer.combine_experts`: expert outputs ``y`` ``[M, H]`` → ``[N, H]`` (its gradient is
-    the cached expert-major dispatch of the output gradient; padding rows get zeros)."""
+    the cached expert-major dispatch of the output gradient; padding rows get zeros); ``configs`` as for
+    :func:`dispatch`."""
     _check_inputs(buffer, y, "y")
-    return _Combine.apply(y, buffer, handle, True)
+    _check_configs(configs)
+    return _Combine.apply(y, buffer, handle, True, configs)

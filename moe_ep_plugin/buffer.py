@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .config import Config, combine_config, dispatch_config
+from .config import Config, check_num_sms, combine_config, dispatch_config
 from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
 from .ops import fp8
@@ -140,9 +140,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """SMs the normal kernels use by default (even: two per channel)."""
-        if not isinstance(new_num_sms, int) or isinstance(new_num_sms, bool) or new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"new_num_sms: expected a positive even int, got {new_num_sms!r}")
-        Buffer.num_sms = new_num_sms
+        Buffer.num_sms = check_num_sms(new_num_sms, "new_num_sms")
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -308,7 +306,7 @@ class Buffer:
         return DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                             num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                             num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
-                            wire_fp8=fp8_dispatch, recv_bf16=fp8_dispatch and not fp8_out, round_scale=round_scale,
+                            wire_fp8=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
                             config=config, num_tokens_per_expert=num_tokens_per_expert)
 
     def _check_x(self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool

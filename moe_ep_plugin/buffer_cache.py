@@ -11,25 +11,28 @@ from typing import Optional
 import torch.distributed as dist
 
 from .buffer import Buffer
+from .config import combine_config, dispatch_config
 
 _BUFFERS: dict[tuple[dist.ProcessGroup, str], Buffer] = {}
 
 
-def nvl_bytes_hint(num_ranks: int, hidden_bytes: int) -> int:
-    """Peer-buffer bytes for rows of ``hidden_bytes`` (FP8 rows sized as BF16), over dispatch and combine configs."""
+def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: Optional[int] = None) -> int:
+    """Peer-buffer bytes for rows of ``hidden_bytes`` (FP8 rows sized as BF16), over the dispatch and combine
+    configs at ``num_sms`` SMs (None: ``Buffer.num_sms``)."""
     if hidden_bytes <= 0:
         raise ValueError(f"hidden_bytes: expected a positive byte count, got {hidden_bytes}")
-    return max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+    sms = Buffer.num_sms if num_sms is None else num_sms
+    return max(dispatch_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               combine_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
-               timeout_s: Optional[float] = None) -> Buffer:
+               timeout_s: Optional[float] = None, num_sms: Optional[int] = None) -> Buffer:
     """The shared Buffer of ``group`` and ``transport``; re-created (collectively) when rows of ``hidden_bytes``
-    no longer fit at the current SM count (``Buffer.num_sms``). Collective on first use."""
+    no longer fit at ``num_sms`` SMs (None: ``Buffer.num_sms``). Collective on first use."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
-    need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes)
+    need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes, num_sms)
     key = (group, transport)
     buffer = _BUFFERS.get(key)
     if buffer is None or buffer.num_nvl_bytes < need:

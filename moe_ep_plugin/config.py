@@ -1,10 +1,20 @@
-"""Tuning knobs of the normal kernels, with DeepEP V1's names, defaults and size hints."""
+"""Per-call tuning of the normal kernels: DeepEP V1's ``Config`` (names, defaults, size hints) and the nvlink
+transport's ``NVLinkTuning`` it carries."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _ALIGN = 128
+MAX_COPY_STREAMS = 4  # csrc/moe_ep.h MOE_EP_MAX_COPY_STREAMS
+WARPS_PER_BLOCK = 16  # csrc/intranode.cu kThreads / 32
+
+
+def check_num_sms(value: object, name: str) -> int:
+    """The one rule for an SM count, wherever it is given: a positive even int (two SMs per channel, as DeepEP)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 2:
+        raise ValueError(f"{name}: expected a positive even int, got {value!r}")
+    return value
 
 
 def _round_up(x: int, a: int) -> int:
@@ -12,11 +22,67 @@ def _round_up(x: int, a: int) -> int:
 
 
 @dataclass(frozen=True)
-class Config:
-    """Per-call kernel configuration (DeepEP ``Config``): SM count and chunk sizes in tokens.
+class NVLinkTuning:
+    """How the ``nvlink`` kernels split their roles and move rows (``transports/nvlink/plan.py`` decides from it).
+    Defaults: the fastest settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md, docs/kernels.md).
 
-    The ``torch`` transport ignores the chunk sizes; the ``nvlink`` kernels use ``num_sms`` blocks and
-    ``num_max_nvl_chunked_{send,recv}_tokens`` as their per-channel queue depths.
+    - ``*_send_warps``: of the 16 warps of every block, how many send (the rest receive); ``*_send_blocks`` > 0
+      (and below the grid's ``num_sms``): that many whole blocks send instead. A dispatch that quantizes in the
+      send path has its own warp count (``quantizing_``), and another when its receivers dequantize again
+      (``dequantizing_``).
+    - ``dispatch_pull`` / ``quantizing_dispatch_pull``: senders stage rows in their own region with
+      ``pull_dispatch_send_warps`` warps and receivers load them over NVLink (BF16/FP32 and FP8 input / quantizing).
+    - ``combine_pull``: every warp reduces, loading peers' rows over NVLink, when the most rows any rank received
+      carry at least ``pull_combine_min_bytes`` and fit the own region (its two extra launches cost small,
+      host-bound combines more than they save).
+    - ``copy_engine_combine_below_sms``: with fewer SMs than this the copy engines carry every combined row
+      (``copy_streams`` streams, pieces of at least ``copy_piece_rows`` rows) and every warp reduces; 0 = never.
+    """
+
+    dispatch_send_warps: int = 6
+    quantizing_dispatch_send_warps: int = 11
+    dequantizing_dispatch_send_warps: int = 10
+    dispatch_send_blocks: int = 0
+    combine_send_warps: int = 6
+    combine_send_blocks: int = 10
+    dispatch_pull: bool = True
+    quantizing_dispatch_pull: bool = False
+    pull_dispatch_send_warps: int = 6
+    combine_pull: bool = True
+    pull_combine_min_bytes: int = 16 << 20
+    copy_engine_combine_below_sms: int = 20
+    copy_piece_rows: int = 512
+    copy_streams: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
+                     "pull_dispatch_send_warps"):
+            _check_int(f"NVLinkTuning.{name}", getattr(self, name), 1, WARPS_PER_BLOCK - 1)
+        _check_int("NVLinkTuning.combine_send_warps", self.combine_send_warps, 1, WARPS_PER_BLOCK - 1)
+        for name in ("dispatch_send_blocks", "combine_send_blocks", "pull_combine_min_bytes",
+                     "copy_engine_combine_below_sms"):
+            _check_int(f"NVLinkTuning.{name}", getattr(self, name), 0, None)
+        _check_int("NVLinkTuning.copy_piece_rows", self.copy_piece_rows, 1, None)
+        _check_int("NVLinkTuning.copy_streams", self.copy_streams, 1, MAX_COPY_STREAMS)
+        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"NVLinkTuning.{name}: expected a bool, got {getattr(self, name)!r}")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name}: expected an int in [{low}, {'inf' if high is None else high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Per-call kernel configuration (DeepEP ``Config``): SM count, chunk sizes in tokens, and the ``nvlink``
+    transport's tuning.
+
+    ``num_sms``: blocks of the ``nvlink`` kernels (at most the device's SMs); a positive even int. The four
+    ``num_max_*_chunked_*_tokens`` fields are accepted for DeepEP compatibility and validated, but no kernel reads
+    them (the nvlink kernels move fixed 4-row chunks); ``get_nvl_buffer_size_hint`` uses
+    ``num_max_nvl_chunked_recv_tokens`` in DeepEP's formula. The ``torch`` transport ignores every field.
     """
 
     num_sms: int = 20
@@ -24,13 +90,15 @@ class Config:
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
+    nvlink: NVLinkTuning = field(default_factory=NVLinkTuning)
 
     def __post_init__(self) -> None:
-        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+        check_num_sms(self.num_sms, "Config.num_sms")
+        for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
+            _check_int(f"Config.{name}", getattr(self, name), 1, None)
+        if not isinstance(self.nvlink, NVLinkTuning):
+            raise TypeError(f"Config.nvlink: expected an NVLinkTuning, got {type(self.nvlink).__name__}")
         if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
             raise ValueError("Config.num_max_nvl_chunked_send_tokens must be < num_max_nvl_chunked_recv_tokens, got "
                              f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")

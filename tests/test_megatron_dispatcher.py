@@ -212,6 +212,7 @@ def _buffer_reuse() -> None:
 
     from moe_ep_plugin import Buffer
     from moe_ep_plugin.buffer_cache import destroy_buffers, get_buffer
+    from moe_ep_plugin.config import combine_config, dispatch_config
     from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     try:
@@ -234,6 +235,20 @@ def _buffer_reuse() -> None:
         third = dispatched_buffer(32)
         assert third is not second and third is get_buffer(d.ep_group, 32 * 4, "torch")
         assert dispatched_buffer(8) is third  # narrower rows fit the same shared buffer
+
+        # ep_plugin.num_sms travels per call on the Configs; Buffer.num_sms (DeepEP's default) stays as it was
+        default_sms = Buffer.num_sms
+        d8 = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, get_default_pg_collection(),
+                                     options=PluginOptions(transport="torch", num_sms=8))
+        transport = d8._get_buffer(32 * 4).transport
+        seen = []
+        real_dispatch, real_combine = transport.dispatch_experts, transport.combine_experts
+        transport.dispatch_experts = lambda args, align: (seen.append(args.config), real_dispatch(args, align))[1]
+        transport.combine_experts = lambda y, handle, w, cfg: (seen.append(cfg), real_combine(y, handle, w, cfg))[1]
+        rows, _ = d8.token_dispatch(*d8.dispatch_preprocess(torch.randn(5, 32), routing_map, probs))
+        d8.token_combine(rows)
+        assert seen == [dispatch_config(8, 1), combine_config(8, 1)] and Buffer.num_sms == default_sms
+        assert seen[0].num_sms == seen[1].num_sms == 8
     finally:
         ps.destroy_model_parallel()
 

@@ -1,5 +1,6 @@
 """NVLinkTransport's host logic on CPU, over a stand-in kernel library: exactly which C functions each dispatch and
-combine calls, in which order, with which addresses, sizes and flags.
+combine calls, in which order, with which sizes and flags (the ones ``plan`` decides, tested on their own at the
+end), and that every address a call is handed is one an earlier call wrote or a returned tensor covers.
 
 The transport's Python side only runs on GPUs, so nothing else in CI executes it. Here it runs on CPU tensors (their
 addresses serve the bookkeeping as well as device ones) over a fake library (``tests/fake_kernels.py``) that
@@ -8,27 +9,35 @@ through the same fake. What the kernels compute is tests/gpu's business: this pi
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterator, Optional
 from unittest import mock
 
 import pytest
 import torch
 
-from moe_ep_plugin.ops import library, permute
-from moe_ep_plugin.config import Config
 from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
+from moe_ep_plugin.config import Config, NVLinkTuning
 from moe_ep_plugin.handle import DispatchHandle
+from moe_ep_plugin.ops import library, permute
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
+from moe_ep_plugin.transports.nvlink.plan import Roles, combine_roles, dispatch_roles, most_received, send_blocks
 
-At = Callable[..., int]  # at(i, offset=0): address of element offset of part i of notify's allocation
+# at(i, offset=0): address of int32 element `offset` of notify's output i (0 rank prefix matrix, then info; 1
+# send_offset; 2 send_pos; 3 send_list; 4 expert_pos), or of the guessed receive metadata (5 recv_src_idx, 6
+# recv_slot), as the recorded calls name them
+At = Callable[..., int]
 
 # The scenario: rank 1 of 2, 5 tokens of hidden 64 in BF16 (rows of 128 bytes), top-2 of 4 experts (2 local),
 # expert blocks aligned to 4 rows.
 R, ME, N, H, K, E, ALIGNMENT = 2, 1, 5, 64, 2, 4, 4
 L = E // R
 TOPK = [[0, 3], [2, -1], [1, 2], [3, 0], [-1, 2]]
-CONFIG = Config(num_sms=24)  # >= 20 SMs: the default combine_copy_share is 0
+# 24 SMs: the copy engines stay off (below 20 by default); push dispatches get 5 sender warps, so that they differ
+# from pull_dispatch_send_warps and the record tells which the host chose
+TUNING = NVLinkTuning(dispatch_send_warps=5)
+CONFIG = Config(num_sms=24, nvlink=TUNING)
 # rows rank i sends to rank j (host_counts[i * R + j]) and their inclusive prefix over source ranks: rank 1 receives
 # 4 + 5 = 9 rows, rank 0 3 + 2 = 5
 COUNTS = [3, 4, 2, 5]
@@ -49,15 +58,6 @@ def _params(struct: type, **fields: int) -> dict[str, int]:
     return params
 
 
-def _starts(*sizes: int) -> list[int]:
-    """Element offsets of int32 parts of these sizes in one allocation, each rounded up to 16 bytes (``_Carve``)."""
-    starts, total = [], 0
-    for size in sizes + (0,):
-        starts.append(total)
-        total += (size + 3) // 4 * 4
-    return starts
-
-
 @pytest.fixture
 def fake() -> Iterator[FakeLib]:
     """The fake library, reached by the transport (its ``_lib``) and by ``permute``'s launches, with CPU tensors
@@ -67,9 +67,11 @@ def fake() -> Iterator[FakeLib]:
 
 
 def _transport(lib: FakeLib, guess: int, rank: int = ME, num_ranks: int = R) -> NVLinkTransport:
-    t = nvlink_transport(lib, rank, num_ranks, guess)
-    t.dispatch_send_warps = 5  # the default equals pull_dispatch_send_warps: this tells which the host chose
-    return t
+    return nvlink_transport(lib, rank, num_ranks, guess)
+
+
+def _config(num_sms: int = 24, **tuning: int) -> Config:
+    return Config(num_sms=num_sms, nvlink=dataclasses.replace(TUNING, **tuning))
 
 
 def _inputs(weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -84,14 +86,24 @@ def _args(x: torch.Tensor, topk_idx: Optional[torch.Tensor], weights: Optional[t
           in_rank: Optional[torch.Tensor] = None, num_experts: int = E) -> DispatchArgs:
     return DispatchArgs(x=x, x_scales=None, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
                         is_token_in_rank=in_rank, num_experts=num_experts, handle=handle, num_worst_tokens=0,
-                        wire_fp8=False, recv_bf16=False, round_scale=False, config=CONFIG)
+                        wire_fp8=False, fp8_out=False, round_scale=False, config=CONFIG)
 
 
-def _check_view(t: torch.Tensor, address: int, shape: tuple[int, ...], allocation: int, nbytes: int) -> None:
-    """``t``: a contiguous int32 ``shape`` at ``address`` inside the one allocation at ``allocation``."""
+def _check_view(t: torch.Tensor, address: int, shape: tuple[int, ...]) -> None:
+    """``t``: a contiguous int32 ``shape`` at ``address`` (where a kernel was told to write it)."""
     assert (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous()) == (address, shape, torch.int32, True)
-    storage = t.untyped_storage()
-    assert (storage.data_ptr(), storage.nbytes()) == (allocation, nbytes)
+
+
+def _notify_experts_at(lib: FakeLib, num_ranks: int = R) -> At:
+    """``at`` from the recorded ``moe_ep_notify_experts`` (first call) and the first dispatch after it. The one host
+    read takes the rank prefix matrix and info together, so info must directly follow the matrix."""
+    name, args = lib.calls[0]
+    assert name == "moe_ep_notify_experts"
+    rpm, send_pos, send_list, expert_pos, send_offset, info = args[7], args[8], args[9], args[11], args[12], args[13]
+    assert info == rpm + 4 * num_ranks * num_ranks, "info must follow the rank prefix matrix (one host read)"
+    dispatched = next(a[1] for n, a in lib.calls if n == "moe_ep_dispatch")
+    parts = [rpm, send_offset, send_pos, send_list, expert_pos, dispatched["recv_src_idx"], dispatched["recv_slot"]]
+    return lambda i, offset=0: parts[i] + 4 * offset
 
 
 def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[torch.Tensor], at: At, **fields: int
@@ -101,7 +113,7 @@ def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[
     return _params(library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
                    topk_weights=0 if weights is None else weights.data_ptr(), rank_prefix_matrix=at(0),
                    send_list=at(3), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=L,
-                   list_stride=N, num_sms=24, num_send_warps=NVLinkTransport.pull_dispatch_send_warps,
+                   list_stride=N, num_sms=24, num_send_warps=TUNING.pull_dispatch_send_warps,
                    send_pos=at(2), expert_major=1, expert_pos=at(4), send_offset=at(1), expert_info=at(0, R * R),
                    alignment=ALIGNMENT, pull=1, **fields)
 
@@ -112,24 +124,19 @@ def _permute_call(recv_x: int, recv_slot: int, n: int, num_rows: int, out_x: int
 
 def _fresh(lib: FakeLib, t: NVLinkTransport, prefix: list[int] = PREFIX, info: list[int] = INFO):
     """A fresh ``dispatch_experts`` whose host read brings ``prefix`` + ``info`` → ``(result, x, topk_idx,
-    weights, at, nbytes)``: ``at`` in notify's allocation, ``nbytes`` its size."""
-    guess = t._recv_guess
+    weights, at)``."""
     x, topk_idx, weights = _inputs()
     lib.read_values = prefix + info
     result = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
-    name, notified = lib.calls[0]
-    assert name == "moe_ep_notify_experts"
-    base = notified[7]  # where notify wrote the rank prefix matrix: the allocation's start
-    starts = _starts(R * R + 3 + 2 * L, E, N * R, R * N, N * K, guess, guess * K)
-    return result, x, topk_idx, weights, lambda i, offset=0: base + 4 * (starts[i] + offset), 4 * starts[-1]
+    return result, x, topk_idx, weights, _notify_experts_at(lib)
 
 
 def test_fresh_dispatch_experts(fake: FakeLib) -> None:
-    """notify → read start → speculative dispatch into notify's allocation → read wait → permute; the handle's
-    tensors are views of that one allocation."""
+    """notify → read start → speculative dispatch → read wait → permute; the handle's tensors lie where notify and
+    the dispatch kernel were told to write them."""
     t = _transport(fake, guess=16)
-    result, x, topk_idx, weights, at, nbytes = _fresh(fake, t)
-    assert [at(i) - at(0) for i in range(7)] == [4 * s for s in (0, 12, 16, 28, 40, 52, 68)] and nbytes == 400
+    result, x, topk_idx, weights, at = _fresh(fake, t)
+    assert len({at(i) for i in range(7)}) == 7 and 0 not in {at(i) for i in range(7)}
     handle = result.handle
     in_rank = handle.is_token_in_rank
     assert (tuple(in_rank.shape), in_rank.dtype) == ((N, R), torch.bool)
@@ -150,11 +157,11 @@ def test_fresh_dispatch_experts(fake: FakeLib) -> None:
     assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
     assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (probs, (NUM_ROWS,),
                                                                                          torch.float32)
-    _check_view(handle.rank_prefix_matrix, at(0), (R, R), at(0), nbytes)
-    _check_view(handle.send_pos, at(2), (N, R), at(0), nbytes)
-    _check_view(handle.recv_src_idx, at(5), (NUM_RECV,), at(0), nbytes)
+    _check_view(handle.rank_prefix_matrix, at(0), (R, R))
+    _check_view(handle.send_pos, at(2), (N, R))
+    _check_view(handle.recv_src_idx, at(5), (NUM_RECV,))
     layout = handle.expert_layout
-    _check_view(layout.recv_slot, at(6), (NUM_RECV, K), at(0), nbytes)
+    _check_view(layout.recv_slot, at(6), (NUM_RECV, K))
     assert (layout.tokens_per_expert, layout.num_rows, layout.alignment) == (TOKENS_PER_EXPERT, NUM_ROWS, ALIGNMENT)
     assert (handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows) == (N, NUM_RECV, NUM_RECV)
     assert (handle.num_experts, handle.rank, handle.num_ranks) == (E, ME, R)
@@ -176,7 +183,7 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     """When any rank received more rows than the guess, every rank waits at a barrier and dispatches again into
     buffers of exactly its received rows, and the guess grows to the most any rank received."""
     t = _transport(fake, guess=8)
-    result, x, topk_idx, weights, at, _ = _fresh(fake, t, prefix, info)
+    result, x, topk_idx, weights, at = _fresh(fake, t, prefix, info)
     num_recv, num_rows = info[0], info[2]
     handle, layout = result.handle, result.handle.expert_layout
     first, second = fake.calls[2][1][1], fake.calls[5][1][1]
@@ -203,19 +210,18 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
     assert (tuple(result.x.shape), tuple(result.probs.shape)) == ((num_rows, H), (num_rows,))
     assert (layout.tokens_per_expert, layout.num_rows) == (info[3:], num_rows)
-    # recv_src_idx and recv_slot of exactly num_recv rows, again from one allocation (not notify's)
-    again = handle.recv_src_idx.data_ptr()
-    starts = _starts(num_recv, num_recv * K)
-    _check_view(handle.recv_src_idx, again, (num_recv,), again, 4 * starts[-1])
-    _check_view(layout.recv_slot, again + 4 * starts[1], (num_recv, K), again, 4 * starts[-1])
-    _check_view(handle.rank_prefix_matrix, at(0), (R, R), at(0), 4 * _starts(11, E, N * R, R * N, N * K, 8, 16)[-1])
+    # recv_src_idx and recv_slot of exactly num_recv rows where the second kernel wrote them (not the guessed ones)
+    _check_view(handle.recv_src_idx, second["recv_src_idx"], (num_recv,))
+    _check_view(layout.recv_slot, second["recv_slot"], (num_recv, K))
+    assert {second["recv_src_idx"], second["recv_slot"]}.isdisjoint({at(5), at(6)})
+    _check_view(handle.rank_prefix_matrix, at(0), (R, R))
 
 
 def test_cached_dispatch_experts(fake: FakeLib) -> None:
     """A cached dispatch: barrier, the dispatch kernel on the handle's layout (the forward's top-k, no weights, no
     guess), permute; no notify, no read."""
     t = _transport(fake, guess=16)
-    fresh, x, topk_idx, _, at, _ = _fresh(fake, t)
+    fresh, x, topk_idx, _, at = _fresh(fake, t)
     handle = fresh.handle
     fake.calls.clear()
     x2 = torch.randn(N, H).to(torch.bfloat16)
@@ -235,7 +241,7 @@ def test_cached_dispatch_experts(fake: FakeLib) -> None:
 def _combine_handle(lib: FakeLib, t: NVLinkTransport):
     """A fresh expert-major handle whose recv_slot holds ``RECV_SLOT`` (the kernel's part), the calls cleared →
     ``(handle, at, y [M, H] BF16, expert_weights [M], their [N_recv, K] slot weights)``."""
-    fresh, _, _, _, at, _ = _fresh(lib, t)
+    fresh, _, _, _, at = _fresh(lib, t)
     handle = fresh.handle
     handle.expert_layout.recv_slot.copy_(torch.tensor(RECV_SLOT, dtype=torch.int32))
     lib.calls.clear()
@@ -258,20 +264,20 @@ def _unpermute_call(y: torch.Tensor, at: At, out: int) -> tuple:
     return ("moe_ep_unpermute", (y.data_ptr(), at(6), NUM_RECV, K, H, NUM_ROWS, 1, out, STREAM))
 
 
-PUSH = dict(num_send_warps=NVLinkTransport.combine_send_warps, num_send_blocks=NVLinkTransport.combine_send_blocks)
+PUSH = dict(num_send_warps=TUNING.combine_send_warps, num_send_blocks=TUNING.combine_send_blocks)
 
 
 @pytest.mark.parametrize("min_bytes, pull_rows, asks", [
-    (NVLinkTransport.pull_combine_min_bytes, 1000, False),  # rows far below the pull threshold
+    (TUNING.pull_combine_min_bytes, 1000, False),  # rows far below the pull threshold
     (NUM_RECV * H * 2 + 1, 1000, False),  # one byte short of it
     (0, NUM_RECV - 1, True),  # the most any rank received does not fit the region
 ], ids=["below-threshold", "one-byte-short", "region-too-small"])
 def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, asks: bool) -> None:
     """Push: unpermute into a tensor, then the start barrier and the combine of that tensor."""
     t = _transport(fake, guess=16)
-    t.pull_combine_min_bytes, fake.pull_rows = min_bytes, pull_rows
+    fake.pull_rows = pull_rows
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=min_bytes))
     recv_y = fake.calls[asks][1][7]
     combined = fake.calls[-1][1][1]
     assert fake.calls == [("moe_ep_pull_rows", (CTX, H * 2, K))] * asks + [
@@ -291,9 +297,9 @@ def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> 
     """Pull: the start barrier, unpermute straight into the own region, the combine reading it there
     (``x_in_region``) with no second barrier from the host; every warp reduces."""
     t = _transport(fake, guess=16)
-    t.pull_combine_min_bytes, fake.pull_rows = min_bytes, NUM_RECV  # exactly the most any rank received fits
+    fake.pull_rows = NUM_RECV  # exactly the most any rank received fits
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=min_bytes))
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
         ("moe_ep_pull_rows", (CTX, H * 2, K)),
@@ -309,10 +315,10 @@ def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
     """A pull combine whose rows the unpermute kernel cannot take: torch unpermutes into a tensor and the combine
     copies it into the region itself (pull, not ``x_in_region``, and the host's start barrier)."""
     t = _transport(fake, guess=16)
-    t.pull_combine_min_bytes, fake.pull_rows = 0, 1000
+    fake.pull_rows = 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     with mock.patch.object(permute, "_kernels_for", lambda t: False):
-        out, out_weights = t.combine_experts(y, handle, expert_weights, CONFIG)
+        out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=0))
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
         ("moe_ep_pull_rows", (CTX, H * 2, K)),
@@ -324,28 +330,25 @@ def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
 
-@pytest.mark.parametrize("share, num_sms, expected, warps", [
-    (50, 24, 50, PUSH),  # senders carry the other half
-    (None, 16, 100, dict(num_send_warps=0, num_send_blocks=0)),  # the default below 20 SMs: every warp reduces
-], ids=["share-50", "default-below-20-sms"])
-def test_combine_experts_copy_engine_before_pull(fake: FakeLib, share: Optional[int], num_sms: int, expected: int,
-                                                 warps: dict) -> None:
-    """A copy-engine share takes precedence over pulling, even where a pull would fit: unpermute into a tensor,
-    barrier, the combine with the share and the host counts (pull_rows not even asked)."""
+@pytest.mark.parametrize("num_sms, below", [(16, 20), (22, 24)], ids=["default-16-sms", "raised-threshold"])
+def test_combine_experts_copy_engine_before_pull(fake: FakeLib, num_sms: int, below: int) -> None:
+    """With fewer SMs than ``copy_engine_combine_below_sms`` the copy engines carry every row, even where a pull
+    would fit: unpermute into a tensor, barrier, the combine with the copy engine, the host counts and no sender
+    warps (pull_rows not even asked)."""
     t = _transport(fake, guess=16)
-    t.combine_copy_share, t.pull_combine_min_bytes, fake.pull_rows = share, 0, 1000
+    fake.pull_rows = 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, Config(num_sms=num_sms))
+    config = _config(num_sms, pull_combine_min_bytes=0, copy_engine_combine_below_sms=below)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, config)
     recv_y = fake.calls[0][1][7]
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
         _unpermute_call(y, at, recv_y),
         ("moe_ep_barrier", (CTX, STREAM)),
         ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"],
-                                          host_counts=combined["host_counts"], copy_share=expected,
-                                          copy_piece_rows=NVLinkTransport.copy_piece_rows,
-                                          copy_streams=NVLinkTransport.copy_streams, num_sms=num_sms, **warps),
-                            STREAM)),
+                                          host_counts=combined["host_counts"], copy_engine=1,
+                                          copy_piece_rows=TUNING.copy_piece_rows, copy_streams=TUNING.copy_streams,
+                                          num_sms=num_sms, num_send_warps=0, num_send_blocks=0), STREAM)),
     ]
     assert recv_y not in (0, OWN_REGION)
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
@@ -367,12 +370,11 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
     num_recv, again = info[0], guess < max(prefix[R:])
     handle = result.handle
     notified = fake.calls[0][1]
-    base = notified[6]
-    starts = _starts(R * R + 2, N * R, R * N)
-    assert starts == [0, 8, 20, 32]
+    parts = [notified[6], notified[7], notified[8]]  # rank prefix matrix (then info), send_pos, send_list
+    assert notified[9] == parts[0] + 4 * R * R, "info must follow the rank prefix matrix (one host read)"
 
     def at(i: int, offset: int = 0) -> int:
-        return base + 4 * (starts[i] + offset)
+        return parts[i] + 4 * offset
 
     def dispatched(params: dict[str, int], rows: int, speculative: int) -> tuple:
         return ("moe_ep_dispatch", (CTX, _params(
@@ -381,7 +383,7 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
             recv_topk_weights=params["recv_topk_weights"], recv_src_idx=params["recv_src_idx"],
             recv_expert_count=params["recv_expert_count"], num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
             num_local_experts=L, list_stride=N, num_recv_rows=rows, num_sms=24,
-            num_send_warps=NVLinkTransport.pull_dispatch_send_warps, send_pos=at(1), alignment=1,
+            num_send_warps=TUNING.pull_dispatch_send_warps, send_pos=at(1), alignment=1,
             speculative_rows=speculative, pull=1), STREAM))
 
     first = fake.calls[2][1][1]
@@ -402,9 +404,8 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
                                 (handle.recv_src_idx, "recv_src_idx", (num_recv,))):
         assert (tensor.data_ptr(), tuple(tensor.shape)) == (last[name], shape), name
     assert result.recv_scales is None
-    nbytes = 4 * starts[-1]
-    _check_view(handle.rank_prefix_matrix, at(0), (R, R), at(0), nbytes)
-    _check_view(handle.send_pos, at(1), (N, R), at(0), nbytes)
+    _check_view(handle.rank_prefix_matrix, at(0), (R, R))
+    _check_view(handle.send_pos, at(1), (N, R))
     assert handle.is_token_in_rank is in_rank and handle.expert_layout is None
     assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
     state = handle.transport_state
@@ -417,18 +418,13 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
     """One rank: a push dispatch (nothing to pull from), and a push combine even where a pull would fit (no count
     matrix to decide on); no expert weights."""
     t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    t.pull_combine_min_bytes, fake.pull_rows = 0, 1000
+    fake.pull_rows = 1000
     x, topk_idx, _ = _inputs(weights=False)
     local = E  # every expert is local
     fake.read_values = [N] + [N, 0, 16, 4, 4, 4, 4]  # rows received, no bad ids, M, aligned counts per expert
     result = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
     handle = result.handle
-    base = fake.calls[0][1][7]
-    starts = _starts(1 + 3 + 2 * local, E, N, N, N * K, 16, 16 * K)
-    assert starts == [0, 12, 16, 24, 32, 44, 60, 92]
-
-    def at(i: int, offset: int = 0) -> int:
-        return base + 4 * (starts[i] + offset)
+    at = _notify_experts_at(fake, num_ranks=1)
 
     recv_x = fake.calls[2][1][1]["recv_x"]
     covered = fake.calls[4][1][12]
@@ -446,13 +442,13 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
         ("moe_ep_permute", (recv_x, at(6), 0, 0, N, K, H * 2, 0, 16, result.x.data_ptr(), 0, 0, covered, STREAM)),
     ]
     assert result.probs is None and handle.transport_state.host_counts == [N]
-    _check_view(handle.expert_layout.recv_slot, at(6), (N, K), at(0), 4 * starts[-1])
+    _check_view(handle.expert_layout.recv_slot, at(6), (N, K))
 
     handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [8, -1], [1, 9], [12, 2], [-1, 10]],
                                                       dtype=torch.int32))
     fake.calls.clear()
     y = torch.randn(16, H).to(torch.bfloat16)
-    out, out_weights = t.combine_experts(y, handle, None, CONFIG)
+    out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
     recv_y = fake.calls[0][1][7]
     assert fake.calls == [
         ("moe_ep_unpermute", (y.data_ptr(), at(6), N, K, H, 16, 1, recv_y, STREAM)),
@@ -462,3 +458,73 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
             num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N, num_sms=24, **PUSH), STREAM)),
     ]
     assert recv_y not in (0, OWN_REGION) and out_weights is None
+
+
+# ---- plan: the decisions as plain functions ----
+
+def test_most_received_is_the_largest_column_sum() -> None:
+    for r in (1, 2, 3, 4):
+        counts = torch.randint(0, 50, (r * r,)).tolist()
+        assert most_received(counts, r) == max(sum(counts[i * r + j] for i in range(r)) for j in range(r))
+
+
+@pytest.mark.parametrize("blocks, num_sms, expected", [(0, 24, 0), (10, 24, 10), (23, 24, 23), (24, 24, 0),
+                                                        (10, 8, 0)])
+def test_send_blocks_only_when_receivers_keep_blocks(blocks: int, num_sms: int, expected: int) -> None:
+    assert send_blocks(blocks, num_sms) == expected
+
+
+@pytest.mark.parametrize("wire_fp8, fp8_out, num_ranks, expected", [
+    (False, False, 2, (True, False, 6, 0)),  # BF16 pulls
+    (False, False, 1, (False, False, 5, 0)),  # nothing crosses at world size 1: push
+    (True, True, 2, (False, False, 11, 0)),  # quantizing pushes (slower pulled)
+    (True, False, 2, (False, False, 10, 0)),  # quantizing with dequantizing receivers
+], ids=["bf16-pull", "ep1-push", "quantize", "quantize-dequantize"])
+def test_dispatch_roles(wire_fp8: bool, fp8_out: bool, num_ranks: int, expected: Roles) -> None:
+    assert dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out) == expected
+
+
+def test_dispatch_roles_follow_the_tuning() -> None:
+    tuning = dataclasses.replace(TUNING, dispatch_pull=False, dispatch_send_blocks=4, quantizing_dispatch_pull=True,
+                                 pull_dispatch_send_warps=3)
+    assert dispatch_roles(tuning, 24, 2, False, False) == (False, False, 5, 4)
+    assert dispatch_roles(tuning, 4, 2, False, False) == (False, False, 5, 0)  # 4 blocks leave no receivers
+    assert dispatch_roles(tuning, 24, 2, True, True) == (True, False, 3, 0)
+
+
+@pytest.mark.parametrize("num_sms, most, row_bytes, capacity, expected, asks", [
+    (24, 100, 1 << 18, 1000, (True, False, 0, 0), True),  # 25 MiB of rows that fit: pull
+    (24, 100, 1 << 17, 1000, (False, False, 6, 10), False),  # 12.5 MiB: below 16 MiB, push
+    (24, 128, 1 << 17, 1000, (True, False, 0, 0), True),  # exactly 16 MiB: pull
+    (24, 100, 1 << 18, 99, (False, False, 6, 10), True),  # does not fit the own region: push
+    (24, None, 1 << 18, 1000, (False, False, 6, 10), False),  # counts not on the host: push
+    (18, 100, 1 << 18, 1000, (False, True, 0, 0), False),  # below 20 SMs: copy engines, before pull
+    (18, None, 1 << 18, 1000, (False, False, 6, 10), False),  # ... which need the counts too
+    (8, 100, 16, 1000, (False, True, 0, 0), False),  # 8 SMs: copy engines; 10 send blocks would not fit
+], ids=["pull", "push-small", "pull-at-threshold", "push-no-room", "push-no-counts", "copy-engine",
+        "copy-engine-no-counts", "copy-engine-8-sms"])
+def test_combine_roles(num_sms: int, most: Optional[int], row_bytes: int, capacity: int, expected: Roles,
+                       asks: bool) -> None:
+    asked: list = []
+
+    def pull_capacity() -> int:
+        asked.append(True)
+        return capacity
+    assert combine_roles(TUNING, num_sms, most, row_bytes, pull_capacity) == expected
+    assert bool(asked) == asks  # the capacity (a library call) is asked only when the size would pull
+
+
+def test_combine_roles_follow_the_tuning() -> None:
+    off = dataclasses.replace(TUNING, copy_engine_combine_below_sms=0, combine_pull=False, combine_send_blocks=0,
+                              combine_send_warps=9)
+    assert combine_roles(off, 8, 100, 1 << 20, lambda: 10**9) == (False, False, 9, 0)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("dispatch_send_warps", 0, ValueError), ("dispatch_send_warps", 16, ValueError),
+    ("combine_send_blocks", -1, ValueError), ("copy_streams", 5, ValueError), ("copy_piece_rows", 0, ValueError),
+    ("combine_pull", 1, TypeError), ("pull_combine_min_bytes", 1.5, ValueError),
+])
+def test_tuning_is_validated(field: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=f"NVLinkTuning.{field}"):
+        NVLinkTuning(**{field: value})

@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
+from ..config import combine_config, dispatch_config
 from ..ops.routing import routing_map_to_topk
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
@@ -76,6 +77,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         # get_buffer's size computation on every call.
         self._shared_buffer: Optional[Buffer] = None
         self._shared_buffer_key: Optional[tuple] = None
+        self._configs: ep_autograd.Configs = None  # per-call (dispatch, combine) Configs; see _get_buffer
         self._clear_state()
 
     def _clear_state(self) -> None:
@@ -115,7 +117,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
         expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
             self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
-            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment)
+            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment, configs=self._configs)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._topk_idx = None
         if self.shared_experts is not None:
@@ -123,15 +125,19 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return expert_x, expert_probs
 
     def _get_buffer(self, hidden_bytes: int) -> Buffer:
-        """The shared Buffer of the EP group for rows of ``hidden_bytes`` at this dispatcher's SM count."""
+        """The shared Buffer of the EP group for rows of ``hidden_bytes`` at this dispatcher's SM count (its
+        ``num_sms``, else ``Buffer.num_sms``), which also sets ``self._configs``, the per-call Configs of that SM
+        count (None: the Buffer's defaults). Nothing global changes."""
         options = self.options
-        if options.num_sms is not None and options.num_sms != Buffer.num_sms:  # before sizing: the size hint
-            Buffer.set_num_sms(options.num_sms)                                # grows with the SM count
-        key = (hidden_bytes, Buffer.num_sms, options)
+        num_sms = Buffer.num_sms if options.num_sms is None else options.num_sms
+        key = (hidden_bytes, num_sms, options)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
-            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s)
+            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, num_sms)
             self._shared_buffer, self._shared_buffer_key = buffer, key
+            ep = buffer.group_size
+            self._configs = (None if options.num_sms is None
+                             else (dispatch_config(num_sms, ep), combine_config(num_sms, ep)))
         return buffer
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -160,7 +166,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()
-        out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle)
+        out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle, configs=self._configs)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

@@ -59,19 +59,3 @@ def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     """``[N, R]`` bool → ``[N, R]`` int32: index of token ``t`` among the tokens sent to ``r`` (token order), -1 if not sent."""
     running = is_token_in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
     return torch.where(is_token_in_rank, running, torch.full_like(running, -1))
-
-
-def localize_topk(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor | None, rank: int,
-                  num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Global expert ids of received rows → local ids (-1 where the expert lives elsewhere; its weight 0),
-    plus ``[L]`` int32 counts of rows per local expert."""
-    local = recv_topk_idx - rank * num_local_experts
-    is_local = (recv_topk_idx >= 0) & (local >= 0) & (local < num_local_experts)
-    local = torch.where(is_local, local, torch.full_like(local, -1))
-    weights = None
-    if recv_topk_weights is not None:
-        weights = torch.where(is_local, recv_topk_weights, torch.zeros_like(recv_topk_weights))
-    slot = torch.where(is_local, local, num_local_experts).reshape(-1)
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=local.device)
-    counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
-    return local, weights, counts[:num_local_experts]

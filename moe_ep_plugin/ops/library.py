@@ -1,5 +1,5 @@
 """ctypes loader of the kernel library ``moe_ep_plugin/lib/libmoe_ep_kernels.so``: the one mirror of its C ABI
-(``csrc/moe_ep.h``, ``csrc/permute.h``).
+(``csrc/moe_ep.h``).
 
 Loaded lazily on first use; nothing here imports CUDA or needs a GPU until a function is called. Only the modules
 of ``moe_ep_plugin.ops`` and the nvlink transport's runtime call it.
@@ -12,7 +12,7 @@ from typing import Optional
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -36,12 +36,10 @@ class DispatchParams(ctypes.Structure):
         "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
-            "wire_fp8", "fp8_in", "recv_bf16", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
+            "wire_fp8", "fp8_in", "fp8_out", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
         ("send_pos", _p), ("expert_major", _i64)] + [
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
-        (name, _i64) for name in ("alignment", "speculative_rows", "copy_share", "copy_piece_rows",
-                                  "copy_streams")] + [
-        (name, _p) for name in ("host_counts", "outbox")] + [("pull", _i64)]
+        (name, _i64) for name in ("alignment", "speculative_rows", "pull")]
 
 
 class CombineParams(ctypes.Structure):
@@ -50,7 +48,7 @@ class CombineParams(ctypes.Structure):
     _fields_ = [(name, _p) for name in (
         "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
-                                  "num_send_warps", "num_send_blocks", "copy_share", "copy_piece_rows",
+                                  "num_send_warps", "num_send_blocks", "copy_engine", "copy_piece_rows",
                                   "copy_streams")] + [
         ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
 

@@ -20,7 +20,7 @@ import torch
 from ..event import current_stream_handle
 from . import library
 
-# csrc/permute.h
+# csrc/moe_ep.h
 _MAX_KERNEL_LOCAL_EXPERTS = 1024
 _MAX_KERNEL_TOPK = 32
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

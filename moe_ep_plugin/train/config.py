@@ -231,10 +231,3 @@ def validate(cfg: TrainerConfig, world_size: Optional[int] = None) -> None:
     _require(o.resume in ("auto", "never") or os.path.isdir(o.resume), "output.resume",
              f"expected 'auto', 'never' or an existing checkpoint directory, got {o.resume!r}")
 
-
-def describe_markdown() -> str:
-    """The key reference table of docs/training.md."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, tname, default, doc in schema():
-        lines.append(f"| `{key}` | {tname} | `{'null' if default is None else default}` | {doc} |")
-    return "\n".join(lines)

@@ -23,9 +23,11 @@ class DispatchArgs:
     """One dispatch. ``x``: ``[N, H]`` BF16/FP32, or FP8 e4m3 with ``x_scales`` ``[N, H/128]`` float32.
 
     ``wire_fp8``: BF16 ``x`` is quantized to FP8 (1x128 blocks) before it is sent (``round_scale``: UE8M0
-    scales); ``recv_bf16``: FP8 rows are dequantized on receive (to the dtype of ``x``). ``topk_idx`` holds *global* expert ids
-    (-1 = none); with ``handle`` set it is None (cached layout). ``num_tokens_per_expert`` ``[E]`` int32: the
-    layout's per-expert counts when the caller has them (the nvlink expert-major notify exchanges them).
+    scales); ``fp8_out``: those rows arrive as FP8 with their scales, else dequantized back to the dtype of ``x``
+    (the Buffer's keyword of the same name; without ``wire_fp8`` rows arrive as they were sent). ``topk_idx``
+    holds *global* expert ids (-1 = none); with ``handle`` set it is None (cached layout).
+    ``num_tokens_per_expert`` ``[E]`` int32: the layout's per-expert counts when the caller has them (the nvlink
+    expert-major notify exchanges them).
     """
 
     x: torch.Tensor
@@ -38,7 +40,7 @@ class DispatchArgs:
     handle: Optional[DispatchHandle]
     num_worst_tokens: int
     wire_fp8: bool
-    recv_bf16: bool
+    fp8_out: bool
     round_scale: bool
     config: Config
     num_tokens_per_expert: Optional[torch.Tensor] = None

@@ -214,7 +214,7 @@ class TorchTransport(Transport):
         recv_scales = None
         if x_scales is not None:
             recv_scales = _padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
-            if args.recv_bf16:
+            if args.wire_fp8 and not args.fp8_out:
                 recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle, host_counts)
 

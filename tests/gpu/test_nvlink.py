@@ -12,6 +12,7 @@ CPU: the kernels' peer paths (IPC mappings, flags, pushes and pulls) are exercis
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -22,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import Buffer
-from moe_ep_plugin.ops import fp8, library
+from moe_ep_plugin.config import Config, NVLinkTuning
 from moe_ep_plugin.launch import spawn
+from moe_ep_plugin.ops import fp8, library
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -152,8 +154,20 @@ def _case_inputs(case: dict, mode: tuple, device: torch.device):
             torch.rand(n, k, device=device))
 
 
-def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
+# _suite: every combine that fits pulls (by default small ones push)
+PULL_ALL = NVLinkTuning(pull_combine_min_bytes=0)
+
+
+def _configs(tuning: NVLinkTuning) -> tuple[Config, Config]:
+    """The default dispatch and combine Configs at ``Buffer.num_sms``, carrying ``tuning``."""
+    world = dist.get_world_size()
+    return (dataclasses.replace(Buffer.get_dispatch_config(world), nvlink=tuning),
+            dataclasses.replace(Buffer.get_combine_config(world), nvlink=tuning))
+
+
+def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, tuning: NVLinkTuning = PULL_ALL) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    dcfg, ccfg = _configs(tuning)
     device = nv.device
     name, _, fp8_dispatch, fp8_out, round_scale, fp8_input = mode
     inputs = _case_inputs(case, mode, device)
@@ -168,7 +182,7 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
         _same(f"{tag} layout[{i}]", layout[i], ref_layout[i])
     kw = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
               topk_idx=idx, topk_weights=w, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
-    out = nv.dispatch(x, **kw)
+    out = nv.dispatch(x, config=dcfg, **kw)
     expect = ref.dispatch(x, **kw)
     for i, part in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
         _same(f"{tag} {part}", out[i], expect[i])
@@ -184,16 +198,17 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
         dtype = out[0].dtype
         y = torch.randn(handle.num_recv_rows, h, device=device).to(dtype)
         bias = torch.randn(n, h, device=device).to(dtype)
-        _same_sums(f"{tag} combine", nv.combine(y, handle, topk_weights=out[2], bias=bias),
+        _same_sums(f"{tag} combine", nv.combine(y, handle, topk_weights=out[2], bias=bias, config=ccfg),
                    ref.combine(y, ref_handle, topk_weights=expect[2], bias=bias))
 
     # cached layout (no top-k): same rows
-    cached = nv.dispatch(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    cached = nv.dispatch(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
+                         config=dcfg)
     _same(f"{tag} cached recv_x", cached[0], out[0])
 
     # num_worst_tokens: fixed rows, no host sync; the prefix is the exact result, the rest is padding
     worst = int(sum(case["tokens"](r) for r in range(world)))
-    wout = nv.dispatch(x, num_worst_tokens=worst, **kw)
+    wout = nv.dispatch(x, num_worst_tokens=worst, config=dcfg, **kw)
     wref = ref.dispatch(x, num_worst_tokens=worst, **kw)
     for i, part in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
         _same(f"{tag} worst {part}", wout[i], wref[i])
@@ -206,10 +221,12 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple) -> None:
         print(f"ok {tag}", flush=True)
 
 
-def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignment: int) -> None:
+def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignment: int,
+                       tuning: NVLinkTuning = PULL_ALL) -> None:
     """dispatch_experts / combine_experts on nvlink (layout from the notify kernel) equal the torch transport's
     composed path bit for bit."""
     rank = dist.get_rank()
+    dcfg, ccfg = _configs(tuning)
     device = nv.device
     name, _, fp8_dispatch, fp8_out, round_scale, fp8_input = mode
     inputs = _case_inputs(case, mode, device)
@@ -219,7 +236,7 @@ def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignme
     tag = f"experts {name} n={n} h={h} k={k} E={num_experts} align={alignment}"
     kw = dict(topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=alignment,
               fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
-    out = nv.dispatch_experts(x, **kw)
+    out = nv.dispatch_experts(x, config=dcfg, **kw)
     expect = ref.dispatch_experts(x, **kw)
     for i, part in enumerate(("expert_x", "expert_scales", "expert_probs")):
         _same(f"{tag} {part}", out[i], expect[i])
@@ -230,14 +247,15 @@ def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignme
     if not fp8_input and not (fp8_dispatch and fp8_out):
         y = torch.randn(handle.expert_layout.num_rows, h, device=device).to(out[0].dtype)
         ew = torch.rand(handle.expert_layout.num_rows, device=device)
-        # A pulling combine (_suite: pull_combine_min_bytes = 0, so at 2+ ranks every one that fits) has unpermute
+        # A pulling combine (PULL_ALL: pull_combine_min_bytes = 0, so at 2+ ranks every one that fits) has unpermute
         # write straight into the own region (x_in_region); with expert weights (copied to the region's weights
         # area) and without (Megatron's token_combine passes none).
         for weights in (ew, None):
             _same_sums(f"{tag} combine_experts weights={weights is not None}",
-                       nv.combine_experts(y, handle, expert_weights=weights),
+                       nv.combine_experts(y, handle, expert_weights=weights, config=ccfg),
                        ref.combine_experts(y, ref_handle, expert_weights=weights))
-    cached = nv.dispatch_experts(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    cached = nv.dispatch_experts(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
+                                 config=dcfg)
     _same(f"{tag} cached expert_x", cached[0], out[0])
     if rank == 0:
         print(f"ok {tag}", flush=True)
@@ -320,7 +338,6 @@ def _suite() -> None:
     # Beyond two ranks on one shared GPU the CPU reference sets the pace: the first case at 1024 tokens, not 4096.
     shared_many = dist.get_backend() != "nccl" and dist.get_world_size() > 2
     cases = [dict(CASES[0], tokens=lambda r: 1024)] + CASES[1:] if shared_many else CASES
-    nv.transport.pull_combine_min_bytes = 0  # every combine that fits pulls (by default small ones push)
     Buffer.set_num_sms(24)
     for case in cases:
         for mode in MODES:
@@ -331,49 +348,37 @@ def _suite() -> None:
     for case in cases:
         for mode in MODES:
             _check_case(nv, ref, case, mode)
-    # the other kernel variants: quantized rows pulled; pushing rows instead of pulling them; the copy engine carrying every row
-    # (combine without sender warps), in many small pieces on one or four streams; SM stores only (the mode
-    # without host counts) with the default roles, whole sender blocks in dispatch, warp roles in combine, and
-    # 2 SMs with one sending warp each
-    transport, defaults = nv.transport, type(nv.transport)
-    transport.quantizing_dispatch_pull = True  # quantized rows pulled too (pushed above)
+    # the other kernel variants: quantized rows pulled; pushing rows instead of pulling them; the copy engines
+    # carrying every combined row (no sender warps), in many small pieces on one or four streams; SM stores only
+    # with the default roles, at 2 SMs, whole sender blocks in dispatch, warp roles in combine, and 2 SMs with one
+    # sending warp each
+    pull_quantized = dataclasses.replace(PULL_ALL, quantizing_dispatch_pull=True)  # pushed above
     for mode in (MODES[2], MODES[3], MODES[5]):
-        _check_case(nv, ref, cases[1], mode)
-    _check_expert_case(nv, ref, cases[1], MODES[2], 16)
-    transport.dispatch_pull = transport.combine_pull = False  # rows are pushed from here on (pulled above)
-    transport.quantizing_dispatch_pull = False
-    transport.dispatch_copy_share = transport.combine_copy_share = 100
-    transport.copy_piece_rows = 8
+        _check_case(nv, ref, cases[1], mode, pull_quantized)
+    _check_expert_case(nv, ref, cases[1], MODES[2], 16, pull_quantized)
+    push = dataclasses.replace(PULL_ALL, dispatch_pull=False, combine_pull=False, copy_engine_combine_below_sms=0)
     for streams in (1, 4):
-        transport.copy_streams = streams
+        copy_engine = dataclasses.replace(push, copy_engine_combine_below_sms=1000, copy_piece_rows=8,
+                                          copy_streams=streams)
         for mode in (MODES[0], MODES[2], MODES[6]):
-            _check_case(nv, ref, cases[0], mode)
-        _check_expert_case(nv, ref, cases[2], MODES[2], 16)
-    transport.dispatch_copy_share = transport.combine_copy_share = 30
-    transport.copy_dispatch_send_warps = 1
+            _check_case(nv, ref, cases[0], mode, copy_engine)
+        _check_expert_case(nv, ref, cases[2], MODES[2], 16, copy_engine)
     Buffer.set_num_sms(2)
-    _check_case(nv, ref, cases[3], MODES[3])
+    _check_case(nv, ref, cases[3], MODES[3], push)
     Buffer.set_num_sms(24)
-    transport.dispatch_copy_share = transport.combine_copy_share = 0
     for case in (cases[0], cases[1], cases[5]):
         for mode in (MODES[0], MODES[2], MODES[3], MODES[6]):
-            _check_case(nv, ref, case, mode)
-        _check_expert_case(nv, ref, case, MODES[2], 16)
-    transport.dispatch_send_blocks, transport.combine_send_blocks = 8, 0
-    _check_expert_case(nv, ref, cases[2], MODES[0], 16)
-    _check_case(nv, ref, cases[2], MODES[0])
-    _check_case(nv, ref, cases[2], MODES[2])
-    transport.dispatch_send_blocks = 0
-    transport.dispatch_send_warps = transport.quantizing_dispatch_send_warps = transport.combine_send_warps = 1
-    transport.dequantizing_dispatch_send_warps = 1
+            _check_case(nv, ref, case, mode, push)
+        _check_expert_case(nv, ref, case, MODES[2], 16, push)
+    blocks = dataclasses.replace(push, dispatch_send_blocks=8, combine_send_blocks=0)
+    _check_expert_case(nv, ref, cases[2], MODES[0], 16, blocks)
+    _check_case(nv, ref, cases[2], MODES[0], blocks)
+    _check_case(nv, ref, cases[2], MODES[2], blocks)
+    one_warp = dataclasses.replace(push, dispatch_send_warps=1, quantizing_dispatch_send_warps=1,
+                                   dequantizing_dispatch_send_warps=1, combine_send_warps=1)
     Buffer.set_num_sms(2)
-    _check_case(nv, ref, cases[0], MODES[2])
-    _check_expert_case(nv, ref, cases[0], MODES[2], 1)
-    for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
-                 "dispatch_send_blocks", "combine_send_warps", "combine_send_blocks", "dispatch_copy_share",
-                 "combine_copy_share", "copy_piece_rows", "copy_streams", "copy_dispatch_send_warps", "combine_pull",
-                 "dispatch_pull", "quantizing_dispatch_pull", "pull_combine_min_bytes"):
-        setattr(transport, name, getattr(defaults, name))
+    _check_case(nv, ref, cases[0], MODES[2], one_warp)
+    _check_expert_case(nv, ref, cases[0], MODES[2], 1, one_warp)
     Buffer.set_num_sms(24)
     _graph_replay(nv, cached=False)
     _graph_replay(nv, cached=True)

@@ -1,8 +1,12 @@
 """What the nvlink transport's kernels are sized and launched with: staged row sizes, capacities, and the
-decisions (push or pull, sender warps and blocks) taken from the counts every rank sees alike. Pure functions of
-plain numbers: no tensors, no library."""
+decisions (push, pull or copy engine; sender warps and blocks) taken from the call's ``NVLinkTuning``
+(``Config.nvlink``) and the counts every rank sees alike. Pure functions of plain numbers: no tensors, no
+library."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
+from ...config import NVLinkTuning
 from ...ops.library import MAX_TOPK
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
@@ -41,3 +45,36 @@ def most_received(host_counts: list[int], num_ranks: int) -> int:
 def send_blocks(blocks: int, num_sms: int) -> int:
     """Whole sender blocks when the grid of ``num_sms`` blocks has room for receivers too, else 0 (warp roles)."""
     return blocks if 0 < blocks < num_sms else 0
+
+
+# How one kernel launch moves rows: ``(pull, copy_engine, num_send_warps, num_send_blocks)``: receivers load
+# peers' rows over NVLink; the copy engines carry every combined row; sender warps per block and whole sender
+# blocks (0 and 0: every warp receives or reduces). A plain tuple: built on every call (a NamedTuple costs 0.25 us).
+Roles = tuple[bool, bool, int, int]
+
+
+def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8: bool, fp8_out: bool) -> Roles:
+    """A dispatch's roles: pull when the tuning says so for this mode (never at world size 1: nothing crosses),
+    else push with the mode's sender warps (quantizing senders do more work, and dequantizing receivers too)."""
+    if (tuning.quantizing_dispatch_pull if wire_fp8 else tuning.dispatch_pull) and num_ranks > 1:
+        return True, False, tuning.pull_dispatch_send_warps, 0
+    if not wire_fp8:
+        warps = tuning.dispatch_send_warps
+    else:
+        warps = tuning.quantizing_dispatch_send_warps if fp8_out else tuning.dequantizing_dispatch_send_warps
+    return False, False, warps, send_blocks(tuning.dispatch_send_blocks, num_sms)
+
+
+def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: Optional[int], row_bytes: int,
+                  pull_capacity: Callable[[], int]) -> Roles:
+    """A combine's roles. ``most_rows``: the most rows any rank received (None when the counts are not on the host:
+    a ``num_worst_tokens`` handle, another transport's handle, or world size 1), which the copy engines and the
+    pull need; every rank decides alike. Copy engines first (below ``copy_engine_combine_below_sms``), then pull
+    (rows of at least ``pull_combine_min_bytes`` in all that fit the own region: ``pull_capacity()`` rows, asked
+    only then), else push."""
+    if most_rows is not None and num_sms < tuning.copy_engine_combine_below_sms:
+        return False, True, 0, 0
+    if (tuning.combine_pull and most_rows is not None and most_rows * row_bytes >= tuning.pull_combine_min_bytes
+            and most_rows <= pull_capacity()):
+        return True, False, 0, 0
+    return False, False, tuning.combine_send_warps, send_blocks(tuning.combine_send_blocks, num_sms)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,11 @@ from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
 from ...ops.library import MAX_EXPERTS, MAX_TOPK, CombineParams, DispatchParams
 from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
-from .plan import combine_row_bytes, dispatch_slot_bytes, most_received, send_blocks, staging_capacity
+from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, most_received,
+                   staging_capacity)
 from .runtime import NVLinkRuntime
+
+_T = TypeVar("_T")
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -92,7 +95,7 @@ class _NVLinkState:
     _counts_array: Optional[ctypes.Array] = field(default=None, repr=False)
 
     def copy_counts(self) -> Optional[ctypes.Array]:
-        """``host_counts`` as the C array the copy-engine and pull modes read (built once), or None."""
+        """``host_counts`` as the C array the copy-engine and pull combines read (built once), or None."""
         if self.host_counts is None:
             return None
         if self._counts_array is None:
@@ -114,51 +117,18 @@ class _CombineLaunch:
 class NVLinkTransport(Transport):
     """Intranode kernels over CUDA-IPC peer memory; ``num_nvl_bytes`` raises the staging size above the default.
 
-    Two ways rows cross NVLink, alone or together. Sender warps store rows into the peer's region directly (SM
-    stores). The copy engines carry ``dispatch_copy_share`` / ``combine_copy_share`` percent of each peer's rows
-    when the row counts are on the host (every dispatch but a ``num_worst_tokens`` one, and the combines of those
-    handles): dispatch senders stage those rows (quantized on the way when asked) in a local outbox and
-    ``copy_streams`` copy streams ship them with ``cudaMemcpyAsync`` in pieces of at least ``copy_piece_rows``
-    rows, each gated and flagged by stream memory operations; combine ships them straight from the expert
-    outputs, so with a share of 100 every warp of the combine kernel reduces. Measured on 2 x H200
-    (benchmarks/RESULTS.md): at 24 SMs SM stores alone are fastest; with fewer SMs the copy engine carrying all of
-    combine is 1.4-2.2x faster, hence ``combine_copy_share = None``: 100 below 20 SMs, else 0.
-
-    Pulling instead of pushing: with ``dispatch_pull`` (``quantizing_dispatch_pull`` when quantizing in the send
-    path) ``pull_dispatch_send_warps`` senders stage each source's rows in its own region and the receivers load
-    them over NVLink; with ``combine_pull`` (when the copy engine has no share) every rank copies the rows it
-    received from peers into its own region, a barrier, and every warp of the combine kernel reduces, loading
-    peers' rows over NVLink. Measured at 24 SMs: pulling is faster for BF16 dispatch and for combine, slower for
-    a quantizing dispatch. A pull combine costs two more launches (the copy and a second barrier), which
-    host-bound small combines feel more than the GPU time saved, hence ``pull_combine_min_bytes``. The
-    expert-major ``combine_experts`` skips the copy: after the start barrier its ``unpermute`` writes the
-    received rows into the own region directly (``x_in_region``), so only the second barrier remains extra.
-
-    Roles inside the kernels: ``*_send_warps`` of the 16 warps of every block send and the rest receive, or,
-    when ``0 < *_send_blocks < num_sms``, that many whole blocks send and the other blocks receive. A dispatch that
-    quantizes in the send path moves work to the senders, so it has its own warp count, and another when its
-    receivers dequantize again. Defaults: the fastest settings measured on 2 x H200 at 24 SMs
-    (benchmarks/RESULTS.md).
+    How rows cross NVLink is decided per call from ``config.nvlink`` (``NVLinkTuning``) by ``plan``: sender warps
+    storing rows into the peer's region (push), receivers loading them from the source's own region (pull), or,
+    for combine with few SMs, the copy engines. Measured on 2 x H200 (benchmarks/RESULTS.md): at 24 SMs pulling is
+    faster for BF16 dispatch and for combine, slower for a quantizing dispatch; below 20 SMs the copy engines
+    carrying all of combine are 1.4-2.2x faster than SM stores. A pull combine costs two more launches (the copy
+    into the own region and a second barrier), hence its minimum size; the expert-major ``combine_experts`` skips
+    the copy: after the start barrier its ``unpermute`` writes the received rows into the own region directly
+    (``x_in_region``).
     """
 
     name = "nvlink"
     expert_layout_from_topk = True
-    dispatch_send_warps = 6
-    quantizing_dispatch_send_warps = 11
-    dequantizing_dispatch_send_warps = 10
-    dispatch_send_blocks = 0
-    combine_send_warps = 6
-    combine_send_blocks = 10
-    dispatch_pull = True
-    quantizing_dispatch_pull = False
-    pull_dispatch_send_warps = 6
-    combine_pull = True
-    pull_combine_min_bytes = 16 << 20
-    dispatch_copy_share = 0
-    combine_copy_share: Optional[int] = None
-    copy_piece_rows = 512
-    copy_streams = 2
-    copy_dispatch_send_warps = 8
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -214,23 +184,28 @@ class NVLinkTransport(Transport):
         """The rank prefix matrix ``[R, R]`` int32 at the start of notify's first output."""
         return notified.view(0, (self.num_ranks, self.num_ranks))
 
-    def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
-        """Start the one host read of a dispatch: ``meta`` (the address of the rank prefix matrix, which ``info``
-        directly follows) up to ``info[:info_length]``, after notify; returns the wait, which gives the values.
-        (The memory stays alive in the handle's state.)"""
-        return self._rt.start_read(meta, self.num_ranks * self.num_ranks + info_length)
-
-    def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int], int]:
-        """``(host_counts, info, most)`` from the values of a host read (``_start_read``), ``most`` the most rows
-        any rank receives (``plan.most_received``); raises (on every rank alike) when a rank found out-of-range
-        expert ids."""
+    def _speculate(self, notified: int, info_length: int, num_experts: int, launch: Callable[[], _T]
+                   ) -> tuple[_T, list[int], list[int], bool]:
+        """The one host read of a fresh dispatch around its speculative kernel: start reading notify's outputs at
+        ``notified`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
+        kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far) while the read
+        runs, then wait. Returns ``(launch's result, host_counts, info, fits)``. Raises (every rank alike) when a
+        rank found out-of-range expert ids. When some rank received more rows than the guess, the guess grows to
+        that and ``fits`` is False: every rank (each sees the whole count matrix) then dispatches again."""
         r = self.num_ranks
+        guess = self._recv_guess
+        wait = self._rt.start_read(notified, r * r + info_length)
+        launched = launch()
+        values = wait()
         self.check_error()
         prefix, info = values[:r * r], values[r * r:]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
         counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]  # row minus the one above
-        return counts, info, most_received(counts, r)
+        most = most_received(counts, r)
+        if most > guess:
+            self._recv_guess = most
+        return launched, counts, info, most <= guess
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -251,7 +226,7 @@ class NVLinkTransport(Transport):
         x = args.x
         hidden = x.shape[1]
         fp8_rows = args.x_scales is not None or args.wire_fp8
-        dequant = fp8_rows and args.recv_bf16
+        dequant = args.wire_fp8 and not args.fp8_out
         if dequant:  # back to the input's dtype (BF16 for FP8 input)
             dtype = x.dtype if args.wire_fp8 else torch.bfloat16
         else:
@@ -269,9 +244,9 @@ class NVLinkTransport(Transport):
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
-        pull = (self.quantizing_dispatch_pull if args.wire_fp8 else self.dispatch_pull) and self.num_ranks > 1
-        counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
         num_sms = self._num_sms(args.config)
+        pull, _, warps, blocks = dispatch_roles(args.config.nvlink, num_sms, self.num_ranks, args.wire_fp8,
+                                                args.fp8_out)
         params = DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
@@ -279,30 +254,10 @@ class NVLinkTransport(Transport):
             x_elem_bytes=x.element_size(), num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
             num_local_experts=args.num_experts // self.num_ranks, list_stride=state.list_stride,
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
-            recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
-            round_scale=int(args.round_scale), num_sms=num_sms, num_send_warps=self._dispatch_send_warps(args),
-            num_send_blocks=send_blocks(self.dispatch_send_blocks, num_sms),
+            fp8_out=int(args.fp8_out), round_scale=int(args.round_scale), num_sms=num_sms,
+            num_send_warps=warps, num_send_blocks=blocks, pull=int(pull),
             send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
-        if pull:  # senders only stage rows locally; receivers load them over NVLink
-            params.pull, params.num_send_warps, params.num_send_blocks = 1, self.pull_dispatch_send_warps, 0
-        if counts is not None:  # the outbox has room for every row sent, whatever the copy engine's share
-            me, r = self.rank, self.num_ranks
-            sent = sum(counts[me * r + d] for d in range(r) if d != me)
-            slot = dispatch_slot_bytes(hidden, x.element_size(), args.x_scales is not None or args.wire_fp8,
-                                       params.num_topk)
-            outbox = torch.empty(max(sent, 1) * slot, dtype=torch.uint8, device=self.device)
-            params.copy_share, params.copy_piece_rows, params.copy_streams = (
-                self.dispatch_copy_share, self.copy_piece_rows, self.copy_streams)
-            params.host_counts, params.outbox = ctypes.addressof(counts), outbox.data_ptr()
-            params.num_send_warps, params.num_send_blocks = self.copy_dispatch_send_warps, 0
         self._rt.dispatch(params)
-
-    def _dispatch_send_warps(self, args: DispatchArgs) -> int:
-        """Sender warps per block of a push dispatch: quantizing senders do more work, and receivers that
-        dequantize too take more warps back."""
-        if not args.wire_fp8:
-            return self.dispatch_send_warps
-        return self.dequantizing_dispatch_send_warps if args.recv_bf16 else self.quantizing_dispatch_send_warps
 
     def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
         """Start of a cached dispatch: the runtime's barrier, for a handle of this transport."""
@@ -335,13 +290,10 @@ class NVLinkTransport(Transport):
                                 transport_state=_NVLinkState(notified, notified.ptr(2), max(n, 1)))
         if worst:
             return self._dispatch_rows(args, handle)
-        read = self._start_read(notified.ptr(0), 2)
-        guess = handle.num_recv_rows
-        result = self._dispatch_rows(args, handle, speculative_rows=1)
-        handle.transport_state.host_counts, host, most = self._read_info(read(), args.num_experts)
-        num_recv = handle.num_recv_tokens = handle.num_recv_rows = host[0]
-        if most > guess:  # some rank's rows did not fit: every rank dispatches again, with outputs that fit
-            self._recv_guess = most
+        result, handle.transport_state.host_counts, info, fits = self._speculate(
+            notified.ptr(0), 2, args.num_experts, lambda: self._dispatch_rows(args, handle, speculative_rows=1))
+        num_recv = handle.num_recv_tokens = handle.num_recv_rows = info[0]
+        if not fits:
             self._replay_barrier(handle)
             return self._dispatch_rows(args, handle)
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
@@ -390,8 +342,8 @@ class NVLinkTransport(Transport):
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
             r = self.num_ranks
-            # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows;
-            # the host reads them (and allocates, and launches permute) while it runs.
+            # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows
+            # (see _speculate).
             guess = self._recv_guess
             # notify's int32 outputs and the guessed receive metadata (recv_src_idx, recv_slot) from one
             # allocation; views only of what the handle exposes, built after the launch
@@ -401,7 +353,6 @@ class NVLinkTransport(Transport):
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
             self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2),
                                     out.ptr(3), _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r))
-            read = self._start_read(out.ptr(0), 3 + num_local)
             state = _NVLinkState(out, out.ptr(3), max(n, 1), None,
                                  _ExpertState(topk_idx, out.ptr(4), out.ptr(1), out.ptr(0, r * r)))
             # recv_src_idx: set once the row count is known (the kernel writes it by address)
@@ -409,16 +360,20 @@ class NVLinkTransport(Transport):
                                     send_pos=out.view(2), recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
                                     num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
                                     num_recv_rows=guess, transport_state=state)
-            recv_x, recv_scales = self._recv_tensors(args, guess)
-            probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
-                     if args.topk_weights is not None else None)
-            self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs, alignment,
-                                         args.topk_weights, speculative_rows=1)
-            state.host_counts, host, most = self._read_info(read(), num_experts)
-            num_recv, num_rows, tokens_per_expert = host[0], host[2], host[3:]
+
+            def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                recv_x, recv_scales = self._recv_tensors(args, guess)
+                probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
+                         if args.topk_weights is not None else None)
+                self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs,
+                                             alignment, args.topk_weights, speculative_rows=1)
+                return recv_x, recv_scales, probs
+
+            (recv_x, recv_scales, probs), state.host_counts, info, fits = self._speculate(
+                out.ptr(0), 3 + num_local, num_experts, launch)
+            num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:]
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
-            if most > guess:  # some rank's rows did not fit: every rank dispatches again, with buffers that fit
-                self._recv_guess = most
+            if not fits:
                 again = _Carve(self.device, (num_recv,), (num_recv, k))
                 handle.recv_src_idx, recv_slot = again.view(0), again.view(1)
                 handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
@@ -462,18 +417,11 @@ class NVLinkTransport(Transport):
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
-    def _pull_combine(self, host_counts: list[int], row_bytes: int, num_topk: int) -> bool:
-        """Whether a combine of rows of ``row_bytes`` pulls: the most rows any rank received carry at least
-        ``pull_combine_min_bytes`` and fit every rank's own region (all ranks decide alike: each sees the whole
-        count matrix)."""
-        most = most_received(host_counts, self.num_ranks)
-        return most * row_bytes >= self.pull_combine_min_bytes and most <= self._rt.pull_rows(row_bytes, num_topk)
-
     def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
                         topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
                         ) -> _CombineLaunch:
         """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
-        pick how rows travel (copy-engine share first, else pull or push); ``params.x`` is left for the caller."""
+        pick how rows travel (``plan.combine_roles``); ``params.x`` is left for the caller."""
         elem_bytes = dtype.itemsize
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if k > MAX_TOPK:
@@ -493,30 +441,24 @@ class NVLinkTransport(Transport):
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
         num_sms = self._num_sms(config)
+        # the counts of this transport's own handles (none at world size 1: nothing crosses)
+        host_counts = state.host_counts if own and self.num_ranks > 1 else None
+        row_bytes = hidden * elem_bytes
+        pull, copy_engine, warps, blocks = combine_roles(
+            config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
+            row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
+        # copy engine and pull: where each peer's rows sit in x (kept alive in the result until the launch)
+        counts = state.copy_counts() if copy_engine or pull else None
         params = CombineParams(
             topk_weights=_ptr(topk_weights), rank_prefix_matrix=rpm.data_ptr(), send_pos=send_pos.data_ptr(),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
             out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
             elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
-            num_send_warps=self.combine_send_warps,
-            num_send_blocks=send_blocks(self.combine_send_blocks, num_sms))
-        host_counts = state.host_counts if own and self.num_ranks > 1 else None
-        share = self.combine_copy_share
-        if share is None:
-            share = 100 if num_sms < 20 else 0
-        counts = None
-        if host_counts is not None and share > 0:
-            counts = state.copy_counts()  # kept alive (in the result) until the launch has read it
-            params.copy_share, params.copy_piece_rows, params.copy_streams = (share, self.copy_piece_rows,
-                                                                              self.copy_streams)
-            params.host_counts = ctypes.addressof(counts)
-            if share >= 100:  # the copy engine sends everything; every warp reduces
-                params.num_send_warps = params.num_send_blocks = 0
-        elif (self.combine_pull and host_counts is not None
-              and self._pull_combine(host_counts, hidden * elem_bytes, k)):
-            counts = state.copy_counts()  # where each peer's rows sit in x
-            params.pull, params.num_send_warps, params.num_send_blocks = 1, 0, 0  # every warp reduces
-            params.host_counts = ctypes.addressof(counts)
+            num_send_warps=warps, num_send_blocks=blocks,
+            host_counts=0 if counts is None else ctypes.addressof(counts), pull=int(pull))
+        if copy_engine:
+            params.copy_engine = 1
+            params.copy_piece_rows, params.copy_streams = config.nvlink.copy_piece_rows, config.nvlink.copy_streams
         return _CombineLaunch(params, out, out_weights, (counts, rpm, send_pos, topk_weights))
 
     def _launch_combine(self, params: CombineParams, start_barrier: bool = True) -> None:

@@ -1,4 +1,6 @@
-// NVLink kernels for the ranks of one host: notify (barrier + count exchange + send order), dispatch and combine.
+#pragma once
+// Device code of the NVLink kernels for the ranks of one host: notify (barrier + count exchange + send order),
+// dispatch and combine (launched from csrc/api.cu).
 //
 // Push model with worst-case sized staging: every rank owns one region per source rank in its peer-visible
 // buffer. A sender warp writes a chunk of kChunkRows rows straight into the destination's region (NVLink
@@ -18,8 +20,8 @@
 #include <string>
 #include <type_traits>
 
-#include "common.cuh"
-#include "context.h"
+#include "../common.cuh"
+#include "../moe_ep.h"
 
 namespace moe_ep {
 
@@ -81,15 +83,9 @@ __device__ __forceinline__ void copy_row(int4* wire, int4* out, const int4* src,
     }
 }
 
-#ifndef MOE_EP_PREFETCH
-#define MOE_EP_PREFETCH 1  // a build-time tuning knob (moe_ep_plugin/_build.py: MOE_EP_NVCC_FLAGS)
-#endif
-constexpr bool kPrefetch = MOE_EP_PREFETCH != 0;
-
 // Pulls rows x[t] (row_bytes each) into L2 for every set bit i of `rows` (lane i holds t), so the per-row copies
 // or quantization that follow wait on L2 rather than on HBM latency; costs no registers.
 __device__ __forceinline__ void prefetch_rows(const char* x, int64_t row_bytes, int t, uint32_t rows, int lane) {
-    if (!kPrefetch) return;
     const int lines = int((row_bytes + 127) / 128);
     for (uint32_t m = rows; m != 0; m &= m - 1) {
         const char* row = x + int64_t(__shfl_sync(0xffffffffu, t, __ffs(int(m)) - 1)) * row_bytes;
@@ -249,35 +245,13 @@ __device__ __forceinline__ void publish(int* flag, int seq, int lane) {
     }
 }
 
-// Copy-engine mode: a warp staged `rows` rows of piece `piece` bound for `dst` in this rank's outbox. The warp that
-// completes the piece (piece_total rows) sets its staged flag, on which the copy stream waits; the fences make
-// every staging warp's rows visible before that flag (the classic last-block pattern).
-__device__ __forceinline__ void publish_staged(const DevCtx& c, int dst, int piece, int rows, int piece_total, int lane) {
-    __syncwarp();
-    if (lane == 0) {
-        CopyFlags* f = copy_flags(c.bufs[c.rank]);
-        __threadfence();
-        if (atomicAdd(&f->staged_rows[dst][piece], rows) + rows == piece_total) {
-            __threadfence_system();
-            st_release_sys(&f->staged[dst][piece], 1);
-        }
-    }
-}
-
-// Copy-engine mode after an error: mark every piece staged so the copy stream, which cannot time out, runs dry
-// (it ships stale rows; the error is already recorded and raised by the host). Threads i, i + n, ... of the caller.
-__device__ __forceinline__ void release_staged(const DevCtx& c, int i, int n) {
-    CopyFlags* f = copy_flags(c.bufs[c.rank]);
-    for (; i < kMaxRanks * kMaxPieces; i += n) st_release_sys(&f->staged[0][0] + i, 1);
-}
-
 // How the rows of one transfer arrive: the first `copied` by copy engine in pieces of `piece` rows, each flagged 1
 // when it landed; the rest by SM senders in chunks, each flagged with the operation's sequence id.
 struct Arrival {
     int copied, piece;
 };
-__device__ __forceinline__ Arrival arrival_of(int count, int share, int min_piece_rows) {
-    const int copied = copied_rows(count, share);
+__device__ __forceinline__ Arrival arrival_of(int count, bool copy_engine, int min_piece_rows) {
+    const int copied = copied_rows(count, copy_engine);
     return {copied, piece_rows(copied, min_piece_rows)};
 }
 constexpr int kNotSeen = 1 << 30;
@@ -299,11 +273,12 @@ __device__ __forceinline__ bool wait_rows(const DevCtx& c, int src, int pos, con
     return __shfl_sync(0xffffffffu, ok, 0) != 0;
 }
 
-// First outbox row of the rows this rank stages for `dst` (destinations in rank order).
-__device__ __forceinline__ int64_t outbox_row(const int32_t* rpm, int R, int me, int dst, int share) {
+// Pull dispatch: first row, in source `me`'s own region, of the rows it stages for `dst` (destinations in rank
+// order; rows for itself are not staged).
+__device__ __forceinline__ int64_t staged_row(const int32_t* rpm, int R, int me, int dst) {
     int64_t row = 0;
     for (int d = 0; d < dst; ++d)
-        if (d != me) row += copied_rows(rows_from(rpm, R, me, d), share);
+        if (d != me) row += rows_from(rpm, R, me, d);
     return row;
 }
 
@@ -489,7 +464,7 @@ template <>
 struct InputType<2> { using type = float; };
 
 // Token t's k-th expert as seen by rank `owner`: local id (-1 when the expert lives elsewhere) and weight (0
-// there), as the torch transport's localize_topk computes them.
+// there), as the torch transport computes them.
 __device__ __forceinline__ void localize(const moe_ep_dispatch_params& p, int t, int owner, int k, int& idx,
                                          float& weight) {
     const int L = int(p.num_local_experts);
@@ -551,18 +526,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const bool send_topk = p.topk_idx != nullptr && K > 0;       // this rank's rows carry top-k
     const bool recv_topk = !expert && p.recv_topk_idx != nullptr && K > 0;  // received rows carry local top-k
     const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
-    const bool dequant = wire_fp8 && p.recv_bf16 != 0;
+    const bool dequant = kQuant != 0 && p.fp8_out == 0;  // FP8 input rows arrive as they are
     const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
     const int64_t out_row_bytes = dequant ? int64_t(H) * int64_t(sizeof(OutT)) : int64_t(sl.payload_bytes);
     const char* x = static_cast<const char*>(p.x);
     char* recv_x = static_cast<char*>(p.recv_x);
-    const int share = int(p.copy_share);
-    const bool ce = share > 0;
     // After an error (e.g. the notify barrier timed out) the layout in memory is not trustworthy: do nothing.
-    if (ld_volatile(&header(c.bufs[me])->abort) != 0) {
-        if (ce && blockIdx.x == 0) release_staged(c, threadIdx.x, blockDim.x);
-        return;
-    }
+    if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
     for (int i = threadIdx.x; i < L && recv_topk; i += blockDim.x) s_hist[i] = 0;
     __syncthreads();
 
@@ -576,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     // Pulling: source s stages its rows in its own region of its own buffer when all of them fit there (every rank
     // computes this alike from the rank prefix matrix), and receivers load them over NVLink.
     auto pulls = [&](int s) {
-        return p.pull != 0 && outbox_row(rpm, R, s, R, 100) * sl.slot_bytes <= c.region_bytes;
+        return p.pull != 0 && staged_row(rpm, R, s, R) * sl.slot_bytes <= c.region_bytes;
     };
 
     // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to this rank's output row r
@@ -586,8 +556,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         char* out = r < 0 ? nullptr : recv_x + r * out_row_bytes;
         if (wire == nullptr && out == nullptr) return;
         const char* src = x + int64_t(t) * in_row_bytes;
-        if constexpr (kQuant == 0) {
-            char* as_is = dequant ? nullptr : out;
+        if constexpr (kQuant == 0) {  // FP8 input rows and their scales arrive as they are
+            char* as_is = out;
             const float* xs = p.fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
             if (p.fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
                 // the scales (16-byte rows) in the same batch of loads as the payload
@@ -605,9 +575,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr,
                                        as_is ? p.recv_scales + r * S : nullptr, xs, S, lane);
             }
-            if (!p.fp8_in) return;
-            if (dequant && out != nullptr)
-                dequant_row<false>(reinterpret_cast<const uint8_t*>(src), xs, reinterpret_cast<OutT*>(out), H, lane);
         } else {
             const bool out_q = out != nullptr && !dequant;
             quantize_row<T>(reinterpret_cast<const T*>(src), H, reinterpret_cast<uint8_t*>(wire),
@@ -639,14 +606,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (rows <= 0) continue;
             if (begin + rows > cap_rows) {
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
-                if (ce) release_staged(c, lane, 32);
                 break;
             }
-            const Arrival arrival = arrival_of(count, share, int(p.copy_piece_rows));
-            const bool copied = begin < arrival.copied;  // chunks never straddle the split
-            char* first = copied      ? static_cast<char*>(p.outbox) + (outbox_row(rpm, R, me, d, share) + begin) * sl.slot_bytes
-                          : pulls(me) ? region(c, me, me) + (outbox_row(rpm, R, me, d, 100) + begin) * sl.slot_bytes
-                                      : region(c, d, me) + int64_t(begin) * sl.slot_bytes;
+            char* first = pulls(me) ? region(c, me, me) + (staged_row(rpm, R, me, d) + begin) * sl.slot_bytes
+                                    : region(c, d, me) + int64_t(begin) * sl.slot_bytes;
             const int tok = lane < rows ? __ldg(p.send_list + int64_t(d) * p.list_stride + begin + lane) : -1;
             prefetch_rows(x, in_row_bytes, tok, __ballot_sync(0xffffffffu, lane < rows), lane);
             if (send_topk)
@@ -672,12 +635,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             for (int i = 0; i < rows; ++i)
                 write_row(__shfl_sync(0xffffffffu, tok, i), first + int64_t(i) * sl.slot_bytes,
                           __shfl_sync(0xffffffffu, own_row, i));
-            if (copied) {
-                const int piece = begin / arrival.piece;
-                publish_staged(c, d, piece, rows, min(arrival.piece, arrival.copied - piece * arrival.piece), lane);
-            } else {
-                publish(flags(c.bufs[d], me) + chunk, seq, lane);
-            }
+            publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
         // ---- receive: own rows straight from x, peers' rows from the staging regions once published ----
@@ -719,10 +677,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, (own_rows >> i) & 1u ? out_first + i : -1);
                 continue;
             }
-            if (!wait_rows(c, s, begin, arrival_of(count, share, int(p.copy_piece_rows)), seq, MOE_EP_ERR_DISPATCH_TIMEOUT,
-                           seen[s], lane))
-                break;
-            const char* first = pulls(s) ? region(c, s, s) + (outbox_row(rpm, R, s, me, 100) + begin) * sl.slot_bytes
+            if (!wait_rows(c, s, begin, Arrival{0, 1} /* every row by SM stores */, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, seen[s], lane)) break;
+            const char* first = pulls(s) ? region(c, s, s) + (staged_row(rpm, R, s, me) + begin) * sl.slot_bytes
                                          : region(c, me, s) + int64_t(begin) * sl.slot_bytes;
             if (recv_topk || expert)
                 for_each_entry(rows, K, 0, lane, [&](int i, int k, int) {
@@ -794,9 +750,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 
 // ---------------------------------------------------------------------------------------------------------
 // combine: every rank pushes the rows it received back into the origin's region for it (same positions as
-// the dispatch send order; there, `count` rows of row_bytes and then their weights, [count, K] fp32), partly by
-// copy engine (the first copy_share percent, shipped straight from x by the host-side copy streams) and the rest
-// by sender warps; the origin sums each token's copies in source-rank order in fp32, then the biases.
+// the dispatch send order; there, `count` rows of row_bytes and then their weights, [count, K] fp32), by sender
+// warps or (copy_engine) all of them by the host-side copy streams, straight from x; the origin sums each token's copies in source-rank order in fp32, then the biases.
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
 template <typename T, int kRanks>
@@ -812,22 +767,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const char* x = static_cast<const char*>(p.x);
     if (ld_volatile(&header(c.bufs[me])->abort) != 0) return;
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
-    const int share = int(p.copy_share);
+    const bool ce = p.copy_engine != 0;
     const int cap_rows = int(min(c.region_bytes / (row_bytes + 4 * K), int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
 
     if (role.send) {
-        // the rows past the copy engine's share, chunk by chunk, interleaved over peers
+        // the rows chunk by chunk, interleaved over peers (none when the copy engines carry them)
         const int gw = role.gw, nw = role.nw;
         int max_chunks = 0;
         for (int d = 0; d < R; ++d) {
             const int count = rows_from(rpm, R, d, me);
-            if (d != me) max_chunks = max(max_chunks, (count - copied_rows(count, share) + kChunkRows - 1) / kChunkRows);
+            if (d != me) max_chunks = max(max_chunks, (count - copied_rows(count, ce) + kChunkRows - 1) / kChunkRows);
         }
         for (int u = gw; R > 1 && u < max_chunks * (R - 1); u += nw) {
             const int d = (me + 1 + u % (R - 1)) % R;
             const int count = rows_from(rpm, R, d, me);
-            const int begin = copied_rows(count, share) + u / (R - 1) * kChunkRows, end = min(begin + kChunkRows, count);
+            const int begin = copied_rows(count, ce) + u / (R - 1) * kChunkRows, end = min(begin + kChunkRows, count);
             if (begin >= count) continue;
             if (count > cap_rows) {
                 if (lane == 0) report_error(c, MOE_EP_ERR_CAPACITY, count, cap_rows);
@@ -861,7 +816,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     for (int r = 0; r < kRanks; ++r) {
         const int count = r < R ? rows_from(rpm, R, me, r) : 0;
         seen[r] = kNotSeen;
-        arrival[r] = arrival_of(count, share, int(p.copy_piece_rows));
+        arrival[r] = arrival_of(count, ce, int(p.copy_piece_rows));
         if (r >= R || r == me) {
             row_base[r] = nullptr;
             w_base[r] = nullptr;
@@ -947,294 +902,4 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     }
 }
 
-// Copy-engine settings of one operation.
-static int check_copy(int64_t share, int64_t piece_rows, int64_t streams, const int32_t* host_counts) {
-    if (share < 0 || share > 100 || piece_rows < 1 || streams < 1 || streams > MOE_EP_MAX_COPY_STREAMS ||
-        host_counts == nullptr)
-        return set_error(-1, "copy engine: need copy_share in [0, 100], copy_piece_rows >= 1, copy_streams in [1, " +
-                                 std::to_string(MOE_EP_MAX_COPY_STREAMS) + "] and host_counts");
-    return 0;
-}
-
-// Copy-engine mode, host side: the rows this rank sends to each peer must fit the peer's region.
-static int check_copy_rows(const Context* ctx, const int32_t* counts, bool outgoing, int64_t row_bytes, const char* what) {
-    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
-    for (int d = 0; d < R; ++d) {
-        const int64_t rows = outgoing ? counts[me * R + d] : counts[d * R + me];
-        if (d != me && (rows > kMaxRegionRows || rows * row_bytes > ctx->dev.region_bytes))
-            return set_error(-1, std::string(what) + ": " + std::to_string(rows) + " rows of " + std::to_string(row_bytes) +
-                                     " bytes do not fit a peer staging region of " + std::to_string(ctx->dev.region_bytes) +
-                                     " bytes; pass a larger num_nvl_bytes");
-    }
-    return 0;
-}
-
-// Copy-engine mode, host side: enqueue on the copy stream, piece by piece (interleaved over peers), the copy of
-// `counts(d)` rows of `row_bytes` from `src(d)` to the start of peer d's region for this rank; each piece flags
-// its arrival there. With `staged`, a piece waits until this rank's kernel staged it.
-template <typename Count, typename Src>
-static int copy_rows(Context* ctx, Count counts, Src src, int64_t row_bytes, int64_t min_piece_rows, int streams,
-                     bool staged) {
-    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
-    char* local = static_cast<char*>(ctx->local);
-    for (int j = 0; j < kMaxPieces; ++j) {
-        for (int k = 1; k < R; ++k) {
-            const int d = (me + k) % R, count = counts(d);
-            const int piece = piece_rows(count, int(min_piece_rows)), begin = j * piece;
-            if (begin >= count) continue;
-            const int64_t offset = int64_t(begin) * row_bytes;
-            char* dst = ctx->dev.bufs[d] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes + offset;
-            const int* wait = staged ? &reinterpret_cast<CopyFlags*>(local + kCopyFlagsOffset)->staged[d][j] : nullptr;
-            int* flag = &reinterpret_cast<CopyFlags*>(ctx->dev.bufs[d] + kCopyFlagsOffset)->arrived[me][j];
-            if (int err = copy_piece(ctx, j % streams, wait, dst, src(d) + offset,
-                                     size_t(std::min(piece, count - begin)) * row_bytes, flag))
-                return err;
-        }
-    }
-    return 0;
-}
-
-int64_t pull_rows(const DevCtx& c, int64_t row_bytes, int num_topk) {
-    return std::min(pull_weights_offset(c, num_topk) / row_bytes, int64_t(kMaxRegionRows));
-}
-
-int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, int64_t num_send_blocks) {
-    int device_sms = 0;
-    int err = check_cuda(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, ctx->device),
-                         "cudaDeviceGetAttribute");
-    if (err) return err;
-    if (num_sms < 1 || num_sms > device_sms)
-        return set_error(-1, "num_sms=" + std::to_string(num_sms) + " must lie in [1, " + std::to_string(device_sms) +
-                                 "] (all blocks must be resident at once)");
-    if (num_send_blocks > 0) {
-        if (num_send_blocks >= num_sms)
-            return set_error(-1, "num_send_blocks=" + std::to_string(num_send_blocks) + " must be < num_sms=" +
-                                     std::to_string(num_sms));
-    } else if (num_send_warps < 0 || num_send_warps >= kWarps)
-        return set_error(-1, "num_send_warps=" + std::to_string(num_send_warps) + " must lie in [0, " +
-                                 std::to_string(kWarps - 1) + "]");
-    return 0;
-}
-
 }  // namespace moe_ep
-
-using namespace moe_ep;
-
-// The outputs every notify writes.
-static NotifyArgs notify_outputs(int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
-                                 int64_t num_tokens, int64_t list_stride) {
-    NotifyArgs a{};
-    a.rpm = rank_prefix_matrix;
-    a.send_pos = send_pos;
-    a.send_list = send_list;
-    a.info = info;
-    a.num_tokens = int(num_tokens);
-    a.list_stride = int(list_stride);
-    return a;
-}
-
-extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
-                                      const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
-                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
-                                      void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
-    if (num_tokens_per_rank != nullptr && (num_invalid == nullptr || rank_prefix_matrix == nullptr || info == nullptr))
-        return set_error(-1, "moe_ep_notify_dispatch: a count exchange needs num_invalid, rank_prefix_matrix and info");
-    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
-    a.num_tokens_per_rank = num_tokens_per_rank;
-    a.num_invalid = num_invalid;
-    a.in_rank = is_token_in_rank;
-    notify_kernel<<<1 + ctx->dev.num_ranks, kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, a);
-    return check_launch("notify_kernel");
-}
-
-extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
-                                     int64_t num_experts, int64_t alignment, int64_t list_stride,
-                                     int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
-                                     uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset, int32_t* info,
-                                     void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const int R = ctx->dev.num_ranks;
-    if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_experts: list_stride < num_tokens");
-    if (num_experts < 1 || num_experts > kMaxExperts || num_experts % R != 0 || num_topk < 1 || alignment < 1)
-        return set_error(-1, "moe_ep_notify_experts: need num_experts a multiple of " + std::to_string(R) + " in [1, " +
-                                 std::to_string(kMaxExperts) + "], num_topk >= 1 and alignment >= 1");
-    if (num_tokens > 0 && (topk_idx == nullptr || is_token_in_rank == nullptr || expert_pos == nullptr))
-        return set_error(-1, "moe_ep_notify_experts: topk_idx, is_token_in_rank and expert_pos are required");
-    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
-    a.topk_idx = topk_idx;
-    a.in_rank_out = is_token_in_rank;
-    a.expert_pos = expert_pos;
-    a.send_offset = send_offset;
-    a.num_topk = int(num_topk);
-    a.num_experts = int(num_experts);
-    a.alignment = int(alignment);
-    a.derive = true;
-    notify_kernel<<<1 + R + int(num_experts), kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, a);
-    return check_launch("notify_kernel");
-}
-
-extern "C" int moe_ep_barrier(void* handle, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    barrier_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev);
-    return check_launch("barrier_kernel");
-}
-
-extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_dispatch_params& p = *params;
-    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
-    if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
-    if (p.expert_major != 0 && (p.send_offset == nullptr || p.expert_info == nullptr || p.num_topk < 1))
-        return set_error(-1, "expert-major dispatch needs top-k, send_offset and expert_info");
-    const bool quantize = p.wire_fp8 != 0;
-    if (quantize && p.x_elem_bytes != 2 && p.x_elem_bytes != 4)
-        return set_error(-1, "FP8 quantization in the send path needs BF16 or FP32 input");
-    const bool fp8_rows = quantize || p.fp8_in != 0;
-    if (fp8_rows && p.hidden % 128 != 0) return set_error(-1, "FP8 rows need hidden % 128 == 0");
-    SlotLayout sl;
-    sl.payload_bytes = int(fp8_rows ? p.hidden : p.hidden * p.x_elem_bytes);
-    if (sl.payload_bytes % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
-    sl.num_scales = fp8_rows ? int(p.hidden / 128) : 0;
-    sl.scales_off = sl.payload_bytes;
-    sl.idx_off = sl.scales_off + 4 * sl.num_scales;
-    sl.w_off = sl.idx_off + 4 * int(p.num_topk);
-    sl.src_off = sl.w_off + 4 * int(p.num_topk);
-    sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
-    const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
-    if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
-    const size_t smem = size_t(hist_bytes);
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int grid = int(p.num_sms);
-    Context* mut = const_cast<Context*>(ctx);
-    const int share = int(p.copy_share);
-    if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
-    if (p.pull != 0 && share > 0) return set_error(-1, "a pull dispatch takes no copy-engine share");
-    if (share > 0) {
-        if (int err = check_copy(p.copy_share, p.copy_piece_rows, p.copy_streams, p.host_counts)) return err;
-        if (p.outbox == nullptr) return set_error(-1, "copy-engine dispatch needs an outbox");
-        if (int err = check_copy_rows(ctx, p.host_counts, true, sl.slot_bytes, "dispatch")) return err;
-        if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
-    }
-    if (!quantize) {
-        dispatch_kernel<0><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
-    } else if (p.x_elem_bytes == 2) {
-        dispatch_kernel<1><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
-    } else {
-        dispatch_kernel<2><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
-    }
-    if (int err = check_launch("dispatch_kernel")) return err;
-    if (share == 0) return 0;
-    // The outbox holds the copied rows for each destination in rank order.
-    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
-    const int32_t* counts = p.host_counts;
-    auto copied = [&](int d) { return copied_rows(counts[me * R + d], share); };
-    int64_t first[kMaxRanks];
-    for (int d = 0, row = 0; d < R; ++d) {
-        first[d] = row;
-        if (d != me) row += copied(d);
-    }
-    char* outbox = static_cast<char*>(p.outbox);
-    int err = copy_rows(mut, copied,
-                        [&](int d) { return outbox + first[d] * sl.slot_bytes; }, sl.slot_bytes, p.copy_piece_rows,
-                        int(p.copy_streams), true);
-    return err ? err : copy_finish(mut, s, int(p.copy_streams));
-}
-
-extern "C" int64_t moe_ep_pull_rows(void* handle, int64_t row_bytes, int64_t num_topk) {
-    return row_bytes > 0 ? pull_rows(static_cast<const Context*>(handle)->dev, row_bytes, int(num_topk)) : 0;
-}
-
-extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_combine_params& p = *params;
-    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
-    if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
-    if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
-    if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
-    const int64_t row_bytes = p.hidden * p.elem_bytes;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int grid = int(p.num_sms);
-    const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
-    Context* mut = const_cast<Context*>(ctx);
-    const int share = int(p.copy_share);
-    char* own = static_cast<char*>(moe_ep_own_region(mut));
-    if (p.x_in_region != 0 && (p.pull == 0 || p.x != own))
-        return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
-    if (p.pull != 0) {
-        if (share != 0 || p.num_send_warps != 0 || p.num_send_blocks != 0)
-            return set_error(-1, "a pull combine has no senders and no copy-engine share");
-        if (p.num_recv_rows > moe_ep_pull_rows(mut, row_bytes, p.num_topk))
-            return set_error(-1, "pull combine: " + std::to_string(p.num_recv_rows) + " rows do not fit a region");
-        if (p.host_counts == nullptr) return set_error(-1, "a pull combine needs host_counts");
-        // The rows this rank received from each peer (and their weights) into its own region at the same offsets
-        // as in x; its own tokens' rows stay in x, read there. With x_in_region the rows are there already (x is
-        // the region), only the weights move. Peers finished reading the region (the caller's start barrier); the
-        // barrier after the copies puts every rank's rows in place before anyone loads them.
-        float* own_weights = reinterpret_cast<float*>(own + pull_weights_offset(ctx->dev, int(p.num_topk)));
-        const char* x = static_cast<const char*>(p.x);
-        int err = 0;
-        for (int d = 0, first = 0; d < R && !err; first += p.host_counts[d * R + me], ++d) {
-            const int count = p.host_counts[d * R + me];
-            if (d == me || count == 0) continue;
-            if (p.x_in_region == 0)
-                err = check_cuda(cudaMemcpyAsync(own + first * row_bytes, x + first * row_bytes,
-                                                 size_t(count * row_bytes), cudaMemcpyDeviceToDevice, s),
-                                 "cudaMemcpyAsync(pull rows)");
-            if (!err && p.topk_weights != nullptr)
-                err = check_cuda(cudaMemcpyAsync(own_weights + int64_t(first) * p.num_topk,
-                                                 p.topk_weights + int64_t(first) * p.num_topk,
-                                                 size_t(count * p.num_topk * 4), cudaMemcpyDeviceToDevice, s),
-                                 "cudaMemcpyAsync(pull weights)");
-        }
-        if (err) return err;
-        barrier_kernel<<<1, 32, 0, s>>>(ctx->dev);
-        if (int e = check_launch("barrier_kernel")) return e;
-    } else if (share < 100 && p.num_send_blocks == 0 && p.num_send_warps < 1) {
-        return set_error(-1, "combine needs sender warps unless the copy engine carries every row (copy_share 100)");
-    }
-    if (share > 0) {
-        if (int err = check_copy(p.copy_share, p.copy_piece_rows, p.copy_streams, p.host_counts)) return err;
-        if (int err = check_copy_rows(ctx, p.host_counts, false, row_bytes + 4 * p.num_topk, "combine")) return err;
-        if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
-    }
-#define MOE_EP_LAUNCH_COMBINE(T)                                                    \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);      \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
-    if (p.elem_bytes == 2) {
-        MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
-    } else {
-        MOE_EP_LAUNCH_COMBINE(float)
-    }
-#undef MOE_EP_LAUNCH_COMBINE
-    if (int err = check_launch("combine_kernel")) return err;
-    if (share == 0) return 0;
-    // Rows received from rank d sit together in x (and topk_weights) and go back in the same order: the copy
-    // engine ships its share as it is, weights first (every copy stream's pieces start after them, so the pieces'
-    // flags cover them too).
-    const int32_t* counts = p.host_counts;
-    auto count = [&](int d) { return int(counts[d * R + me]); };
-    auto copied = [&](int d) { return copied_rows(count(d), share); };
-    int64_t first[kMaxRanks];
-    for (int d = 0, row = 0; d < R; ++d) {
-        first[d] = row;
-        row += count(d);
-    }
-    for (int k = 1; k < R && p.topk_weights != nullptr; ++k) {
-        const int d = (me + k) % R;
-        if (copied(d) == 0) continue;
-        char* dst = ctx->dev.bufs[d] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes + count(d) * row_bytes;
-        if (int err = check_cuda(cudaMemcpyAsync(dst, p.topk_weights + first[d] * p.num_topk,
-                                                 size_t(copied(d)) * p.num_topk * 4, cudaMemcpyDeviceToDevice,
-                                                 ctx->copy_streams[0]), "cudaMemcpyAsync(combine weights)"))
-            return err;
-    }
-    if (p.topk_weights != nullptr)
-        if (int err = copy_after_lead(mut, int(p.copy_streams))) return err;
-    const char* x = static_cast<const char*>(p.x);
-    int err = copy_rows(mut, copied, [&](int d) { return x + first[d] * row_bytes; }, row_bytes, p.copy_piece_rows,
-                        int(p.copy_streams), false);
-    return err ? err : copy_finish(mut, s, int(p.copy_streams));
-}

@@ -1,6 +1,8 @@
-// Dispatch layout: per-rank and per-expert token counts and the token-to-rank mask, from top-k expert ids.
-#include "common.cuh"
-#include "context.h"
+// Device code of the dispatch layout (per-rank and per-expert token counts and the token-to-rank mask, from top-k
+// expert ids) and of the routing-map conversion; launched from csrc/api.cu.
+#pragma once
+
+#include "../common.cuh"
 
 namespace moe_ep {
 
@@ -69,33 +71,3 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_map_topk_kernel(const
 }
 
 }  // namespace moe_ep
-
-using namespace moe_ep;
-
-extern "C" int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
-                                          int64_t num_experts, int64_t num_ranks, int32_t* per_rank,
-                                          int32_t* per_expert, uint8_t* is_token_in_rank, void* stream) {
-    if (num_ranks < 1 || num_ranks > 32 || num_experts % num_ranks != 0 || num_experts > 12288)
-        return set_error(-1, "moe_ep_get_dispatch_layout: need num_experts divisible by 1 <= num_ranks <= 32 and "
-                             "num_experts <= 12288");
-    if (num_tokens == 0) return 0;
-    const int blocks = int((num_tokens + kLayoutThreads - 1) / kLayoutThreads < 64
-                               ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads : 64);
-    const size_t smem = size_t(num_experts + num_ranks) * sizeof(int);
-    layout_kernel<<<blocks, kLayoutThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-        topk_idx, int(num_tokens), int(num_topk), int(num_experts), int(num_ranks), per_rank, per_expert,
-        is_token_in_rank);
-    return check_launch("layout_kernel");
-}
-
-extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* probs, int64_t num_tokens,
-                                       int64_t num_experts, int64_t topk, int64_t* topk_idx, float* topk_weights,
-                                       void* stream) {
-    if (num_tokens < 0 || num_experts < 1 || topk < 1 || topk > num_experts || num_tokens * num_experts > INT32_MAX)
-        return set_error(-1, "moe_ep_routing_map_topk: need 1 <= topk <= num_experts and num_tokens * num_experts < 2^31");
-    if (num_tokens == 0) return 0;
-    const int64_t blocks = (num_tokens + kRoutingThreads / 32 - 1) / (kRoutingThreads / 32);
-    routing_map_topk_kernel<<<int(blocks < 1024 ? blocks : 1024), kRoutingThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        routing_map, probs, int(num_tokens), int(num_experts), int(topk), topk_idx, topk_weights);
-    return check_launch("routing_map_topk_kernel");
-}

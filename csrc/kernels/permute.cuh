@@ -1,5 +1,6 @@
-// Local expert-major permutation (csrc/permute.h): slot assignment, the row scatter into expert blocks and the
-// fixed-order gather-sum back. Every transport without fused dispatch/combine kernels composes its dispatch and
+#pragma once
+// Device code of the local expert-major permutation (csrc/moe_ep.h; launched from csrc/api.cu): slot assignment,
+// the row scatter into expert blocks and the fixed-order gather-sum back. Every transport without fused dispatch/combine kernels composes its dispatch and
 // combine with these.
 #include <algorithm>
 #include <atomic>
@@ -9,11 +10,11 @@
 #include <cuda_bf16.h>
 #include <string>
 
-#include "context.h"
-#include "permute.h"
+#include "../common.cuh"
+#include "../moe_ep.h"
 
 namespace moe_ep {
-namespace {
+namespace permute_kernels {
 
 namespace cg = cooperative_groups;
 
@@ -66,32 +67,16 @@ __device__ __forceinline__ void walk_entries(const int64_t* topk_idx, int64_t be
     }
 }
 
-// In-place exclusive prefix sum of s[0, n) by the whole block; warp_sums holds kWarpsPerBlock ints.
-__device__ void block_exclusive_scan(int* s, int n, int* warp_sums) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// In-place exclusive prefix sum of s[0, n) by the whole block (consecutive elements per thread, then
+// block_exclusive_sum over the threads); scratch holds 33 ints.
+__device__ void block_exclusive_scan(int* s, int n, int* scratch) {
     const int per_thread = (n + kBlockThreads - 1) / kBlockThreads;
     const int first = threadIdx.x * per_thread;
     int local = 0;
     for (int q = 0; q < per_thread; ++q)
         if (first + q < n) local += s[first + q];
-    int inclusive = local;
-    for (int offset = 1; offset < 32; offset <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, inclusive, offset);
-        if (lane >= offset) inclusive += v;
-    }
-    if (lane == 31) warp_sums[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        const int mine = lane < kWarpsPerBlock ? warp_sums[lane] : 0;
-        int prefix = mine;
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const int v = __shfl_up_sync(kFullMask, prefix, offset);
-            if (lane >= offset) prefix += v;
-        }
-        if (lane < kWarpsPerBlock) warp_sums[lane] = prefix - mine;
-    }
-    __syncthreads();
-    int running = warp_sums[warp] + inclusive - local;
+    int total;
+    int running = block_exclusive_sum(local, scratch, total);
     for (int q = 0; q < per_thread; ++q) {
         if (first + q < n) {
             const int c = s[first + q];
@@ -102,11 +87,6 @@ __device__ void block_exclusive_scan(int* s, int n, int* warp_sums) {
     __syncthreads();
 }
 
-size_t expert_slots_smem(int num_local_experts) {
-    // counters [kWarpsPerBlock][L], aligned totals [L], counts of earlier blocks [L], warp sums [kWarpsPerBlock]
-    return sizeof(int) * (size_t(kWarpsPerBlock + 2) * num_local_experts + kWarpsPerBlock);
-}
-
 __global__ void __launch_bounds__(kBlockThreads)
     expert_slots_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts,
                         int alignment, int64_t per_warp, int32_t* __restrict__ recv_slot, int32_t* block_counts) {
@@ -115,7 +95,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     int* counters = smem;                          // [warp][l]: the warp's pairs of l, then its next row of l
     int* totals = counters + kWarpsPerBlock * L;   // [l]: aligned totals, then their exclusive prefix (bases)
     int* before = totals + L;                      // [l]: pairs of l in the blocks before this one
-    int* warp_sums = before + L;
+    int* scratch = before + L;                     // [33]: the block scan's scratch
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t begin = min((int64_t(blockIdx.x) * kWarpsPerBlock + warp) * per_warp, num_entries);
     const int64_t end = min(begin + per_warp, num_entries);
@@ -159,7 +139,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int l = threadIdx.x; l < L; l += kBlockThreads)
         totals[l] = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
     __syncthreads();
-    block_exclusive_scan(totals, L, warp_sums);
+    block_exclusive_scan(totals, L, scratch);
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int next = totals[l] + before[l];
         for (int w = 0; w < kWarpsPerBlock; ++w) {
@@ -298,141 +278,5 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
 }
 
-// Blocks of `kernel` (kBlockThreads threads, smem bytes) resident on the current device at once, cached per device
-// in `cache` (one per kernel and launch site): grid-stride grids are one full wave, cooperative grids must fit.
-int resident_blocks(const void* kernel, size_t smem, std::atomic<int>* cache, int* blocks) {
-    int device = 0;
-    if (int err = check_cuda(cudaGetDevice(&device), "cudaGetDevice")) return err;
-    if (device < kMaxDevices) {
-        if (const int cached = cache[device].load(std::memory_order_relaxed)) {
-            *blocks = cached;
-            return 0;
-        }
-    }
-    int sms = 0, per_sm = 0;
-    if (int err = check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-                             "cudaDeviceGetAttribute(multiProcessorCount)"))
-        return err;
-    if (int err = check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, smem),
-                             "cudaOccupancyMaxActiveBlocksPerMultiprocessor"))
-        return err;
-    if (per_sm < 1) return set_error(-1, "permute kernels: a block does not fit on one SM");
-    *blocks = sms * per_sm;
-    if (device < kMaxDevices) cache[device].store(*blocks, std::memory_order_relaxed);
-    return 0;
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-}  // namespace
+}  // namespace permute_kernels
 }  // namespace moe_ep
-
-using namespace moe_ep;
-
-extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk,
-                                   int64_t num_local_experts, int64_t alignment, int32_t* recv_slot,
-                                   int32_t* workspace, int64_t workspace_blocks, void* stream) {
-    if (num_recv_rows < 0 || num_topk < 1 || num_local_experts < 1 ||
-        num_local_experts > MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS || alignment < 1 || alignment > INT_MAX ||
-        workspace_blocks < 1)
-        return set_error(-1, "moe_ep_expert_slots: need num_recv_rows >= 0, num_topk >= 1, 1 <= num_local_experts <= " +
-                                 std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
-                                 ", alignment >= 1 and workspace_blocks >= 1");
-    const int64_t entries = num_recv_rows * num_topk;
-    if (entries == 0) return 0;
-    if (entries > INT_MAX) return set_error(-1, "moe_ep_expert_slots: more than INT_MAX (row, top-k) entries");
-    static std::atomic<int> cache[kMaxDevices];
-    int resident = 0;
-    if (int err = resident_blocks(reinterpret_cast<const void*>(expert_slots_kernel),
-                                  expert_slots_smem(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS), cache, &resident))
-        return err;
-    const int64_t blocks = std::min<int64_t>(
-        std::min<int64_t>(ceil_div(entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks), resident);
-    const int64_t per_warp = ceil_div(ceil_div(entries, blocks * kWarpsPerBlock), 32) * 32;
-
-    cudaLaunchAttribute cooperative = {};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(blocks));
-    config.blockDim = dim3(kBlockThreads);
-    config.dynamicSmemBytes = expert_slots_smem(int(num_local_experts));
-    config.stream = static_cast<cudaStream_t>(stream);
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    return check_cuda(cudaLaunchKernelEx(&config, expert_slots_kernel, topk_idx, entries, int(num_local_experts),
-                                         int(alignment), per_warp, recv_slot, workspace),
-                      "expert_slots_kernel");
-}
-
-extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,
-                              int64_t num_recv_rows, int64_t num_topk, int64_t row_bytes, int64_t num_scales,
-                              int64_t num_rows, void* out_x, float* out_probs, float* out_scales, uint8_t* covered,
-                              void* stream) {
-    if (num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK || row_bytes < 16 ||
-        row_bytes % 16 != 0 || num_scales < 0 || num_rows < 0 || !aligned16(x) || !aligned16(out_x) ||
-        (weights == nullptr) != (out_probs == nullptr) || (scales == nullptr) != (out_scales == nullptr))
-        return set_error(-1, "moe_ep_permute: need 1 <= num_topk <= " + std::to_string(MOE_EP_PERMUTE_MAX_TOPK) +
-                                 ", row_bytes a positive multiple of 16, 16-byte aligned rows, and weights/scales "
-                                 "given together with their outputs");
-    if (num_rows == 0) return 0;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int64_t row_vecs = row_bytes / 16;
-    if (int err = check_cuda(cudaMemsetAsync(covered, 0, size_t(num_rows), s), "cudaMemsetAsync(covered)"))
-        return err;
-    if (num_recv_rows > 0) {
-        static std::atomic<int> cache[kMaxDevices];
-        int resident = 0;
-        if (int err = resident_blocks(reinterpret_cast<const void*>(permute_kernel), 0, cache, &resident)) return err;
-        const int64_t chunks_per_row = ceil_div(row_vecs, kChunkVecs);
-        const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows * chunks_per_row, kWarpsPerBlock), resident);
-        permute_kernel<<<unsigned(blocks), kBlockThreads, 0, s>>>(
-            static_cast<const int4*>(x), recv_slot, weights, scales, num_recv_rows, int(num_topk), row_vecs,
-            chunks_per_row, num_scales, num_rows, static_cast<int4*>(out_x), out_probs, out_scales, covered);
-        if (int err = check_launch("permute_kernel")) return err;
-    }
-    static std::atomic<int> cache[kMaxDevices];
-    int resident = 0;
-    if (int err = resident_blocks(reinterpret_cast<const void*>(zero_padding_kernel), 0, cache, &resident)) return err;
-    const int64_t blocks = std::min<int64_t>(ceil_div(num_rows, kWarpsPerBlock), resident);
-    zero_padding_kernel<<<unsigned(blocks), kBlockThreads, 0, s>>>(covered, num_rows, row_vecs, num_scales,
-                                                                   static_cast<int4*>(out_x), out_probs, out_scales);
-    return check_launch("zero_padding_kernel");
-}
-
-namespace {
-
-template <typename T>
-int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk,
-                     int64_t row_vecs, int64_t num_rows, void* out, cudaStream_t stream) {
-    static std::atomic<int> cache[kMaxDevices];
-    int resident = 0;
-    if (int err = resident_blocks(reinterpret_cast<const void*>(unpermute_kernel<T>), 0, cache, &resident)) return err;
-    const int64_t chunks_per_row = ceil_div(row_vecs, kChunkVecs);
-    const int64_t blocks = std::min<int64_t>(ceil_div(num_recv_rows * chunks_per_row, kWarpsPerBlock), resident);
-    unpermute_kernel<T><<<unsigned(blocks), kBlockThreads, 0, stream>>>(
-        static_cast<const int4*>(y), recv_slot, num_recv_rows, int(num_topk), row_vecs, chunks_per_row, num_rows,
-        static_cast<int4*>(out));
-    return check_launch("unpermute_kernel");
-}
-
-}  // namespace
-
-extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk,
-                                int64_t hidden, int64_t num_rows, int64_t dtype, void* out, void* stream) {
-    const int64_t elem_bytes = dtype == MOE_EP_PERMUTE_FP32 ? 4 : dtype == MOE_EP_PERMUTE_BF16 ? 2 : 0;
-    const int64_t row_bytes = hidden * elem_bytes;
-    if (elem_bytes == 0 || num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK ||
-        row_bytes < 16 || row_bytes % 16 != 0 || num_rows < 0 || !aligned16(y) || !aligned16(out))
-        return set_error(-1, "moe_ep_unpermute: need an FP32/BF16 dtype code, 1 <= num_topk <= " +
-                                 std::to_string(MOE_EP_PERMUTE_MAX_TOPK) +
-                                 ", rows a positive multiple of 16 bytes and 16-byte aligned pointers");
-    if (num_recv_rows == 0) return 0;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int64_t row_vecs = row_bytes / 16;
-    return dtype == MOE_EP_PERMUTE_FP32
-               ? launch_unpermute<float>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s)
-               : launch_unpermute<__nv_bfloat16>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s);
-}
