@@ -528,3 +528,14 @@ def test_combine_roles_follow_the_tuning() -> None:
 def test_tuning_is_validated(field: str, value: object, error: type) -> None:
     with pytest.raises(error, match=f"NVLinkTuning.{field}"):
         NVLinkTuning(**{field: value})
+
+
+@pytest.mark.parametrize("value", [0, -2, 7, 24.0, True])
+def test_one_num_sms_rule(value: object) -> None:
+    """Config and Buffer.set_num_sms reject the same SM counts (a positive even int), naming their argument."""
+    from moe_ep_plugin import Buffer
+    with pytest.raises(ValueError, match="Config.num_sms"):
+        Config(num_sms=value)
+    with pytest.raises(ValueError, match="new_num_sms"):
+        Buffer.set_num_sms(value)
+    assert Config(num_sms=8).num_sms == 8
