@@ -146,3 +146,17 @@ def test_doc_file_tables_name_existing_files(doc: str) -> None:
         match = re.match(r"\| `([^`]+)` \|", line)
         if match:
             assert os.path.exists(os.path.join(ROOT, match.group(1))), f"{doc} lists {match.group(1)}"
+
+
+def test_only_ops_and_the_nvlink_runtime_load_the_kernel_library() -> None:
+    """Integrations and transports reach the kernels through ``ops``; the nvlink runtime, which owns the library's
+    context, is the one module outside ``ops`` that loads it (its constants and structs may be imported anywhere
+    below the recipes)."""
+    loaders = set()
+    for module, rel in MODULES.items():
+        tree = ast.parse(open(os.path.join(PKG, rel)).read(), rel)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in ("load", "unavailable_reason", "check")
+                    and isinstance(node.value, ast.Name) and node.value.id == "library"):
+                loaders.add(rel)
+    assert loaders and all(rel.startswith("ops/") or rel == "transports/nvlink/runtime.py" for rel in loaders), loaders
