@@ -5,6 +5,8 @@ import functools
 from dataclasses import dataclass
 
 _ALIGN = 128
+# Seconds any wait on another rank may take before raising (the Buffer, the process group, every front door).
+DEFAULT_TIMEOUT_S = 120.0
 
 
 def _round_up(x: int, a: int) -> int:
