@@ -33,10 +33,10 @@ _DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int]
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale = call
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
+            expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch, round_scale=round_scale)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
@@ -81,9 +81,10 @@ class _Combine(torch.autograd.Function):
 class _DispatchExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale = call
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
-            x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
+            x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,
+            round_scale=round_scale)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.has_weights = topk_weights is not None
         return expert_x, probs, tokens_per_expert, handle
@@ -99,16 +100,18 @@ class _DispatchExperts(torch.autograd.Function):
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1
+             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids).
 
     Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids, recv_topk_weights [N_recv, K] float32,
     num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
-    ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient).
+    ``fp8_dispatch`` the rows cross the wire in FP8 (``round_scale``: power-of-two scales) and arrive as BF16
+    (straight-through gradient).
     """
     _check_inputs(buffer, x)
-    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
+    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
+                                             round_scale))
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -118,16 +121,18 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Te
 
 
 def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                     num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+                     num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1,
+                     round_scale: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch_experts` of BF16/FP32 ``x`` ``[N, H]``, ``topk_idx`` ``[N, K]`` global ids.
 
     Returns ``(expert_x [M, H] x.dtype, expert_probs [M] float32 or None, tokens_per_expert list[int], handle)``.
     Gradients reach ``x`` and ``topk_weights`` (padding rows get none). With ``fp8_dispatch`` rows cross the
-    wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``).
+    wire in FP8 (``round_scale``: power-of-two scales) and arrive dequantized (straight-through gradient, sent
+    back in ``x.dtype``).
     """
     _check_inputs(buffer, x)
-    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
+    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
+                                                    round_scale))
 
 
 def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -24,11 +24,14 @@ def nvl_bytes_hint(num_ranks: int, hidden_bytes: int) -> int:
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
-               timeout_s: Optional[float] = None) -> Buffer:
+               timeout_s: Optional[float] = None, num_sms: Optional[int] = None) -> Buffer:
     """The shared Buffer of ``group`` and ``transport``; re-created (collectively) when rows of ``hidden_bytes``
-    no longer fit at the current SM count (``Buffer.num_sms``). Collective on first use."""
+    no longer fit at the current SM count (``Buffer.num_sms``, first set to ``num_sms`` when given: the size
+    hint grows with it). Collective on first use."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    if num_sms is not None and num_sms != Buffer.num_sms:
+        Buffer.set_num_sms(num_sms)
     need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes)
     key = (group, transport)
     buffer = _BUFFERS.get(key)

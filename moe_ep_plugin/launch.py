@@ -45,6 +45,8 @@ def init_process_group(backend: Optional[str] = None, timeout_s: float = DEFAULT
     backend = backend or default_backend()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend: 'nccl' needs a GPU, but torch sees none (use gloo on the CPU)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))

@@ -83,3 +83,122 @@ def test_spawn_checks_its_arguments() -> None:
         launch.spawn(_fail_on, 0)
     with pytest.raises(ValueError, match="grace_s"):
         launch.spawn(_fail_on, 1, grace_s=0)
+
+
+# ---------------------------------------------------------------- config errors: one line naming the key, exit 2
+def _one_line_error(capsys, prog: str, key: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"{prog}: config error: {key}:"), err
+    return err
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.backend=nccl"], "parallel.backend"),                    # device auto on a CPU machine
+    (["parallel.transport=nvlink", "parallel.device=cpu"], "parallel.transport"),
+    (["model.seq_len=200000"], "model.seq_len"),                        # longer than the shipped corpus
+    (["parallel.nprocs=3"], "moe.num_experts"),
+])
+def test_trainer_config_errors(capsys, overrides, key) -> None:
+    from moe_ep_plugin.train import cli
+    argv = [a for o in overrides for a in ("--set", o)]
+    assert cli.main(argv + ["--dry-run"]) == 2
+    _one_line_error(capsys, "moe-ep-train", key)
+    assert cli.main(argv) == 2
+    _one_line_error(capsys, "moe-ep-train", key)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU-less machine case")
+def test_trainer_nvlink_without_cuda_fails_the_dry_run(capsys) -> None:
+    from moe_ep_plugin.train import cli
+    assert cli.main(["--set", "parallel.transport=nvlink", "--dry-run"]) == 2
+    _one_line_error(capsys, "moe-ep-train", "parallel.transport")
+
+
+def test_trainer_output_dir_naming_a_file_and_yaml_syntax(capsys, tmp_path) -> None:
+    from moe_ep_plugin.train import cli
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    assert cli.main(["--set", f"output.dir={a_file}"]) == 2
+    _one_line_error(capsys, "moe-ep-train", "output.dir")
+    assert cli.main([_write(tmp_path, "train:\n  steps: [1,\n")]) == 2
+    err = _one_line_error(capsys, "moe-ep-train", f"config: {tmp_path / 'c.yaml'}")
+    assert "not valid YAML at line 3" in err
+    assert cli.main(["--set", "train.steps=[1,"]) == 2
+    _one_line_error(capsys, "moe-ep-train", "override 'train.steps=[1,'")
+
+
+MEGATRON_CPU = os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml")
+
+
+@pytest.mark.parametrize("edit, key", [
+    ({"model": {"num_moe_experts": "8"}}, "model.num_moe_experts"),
+    ({"model": {"moe_router_topk": 9}}, "model.moe_router_topk"),
+    ({"model": {"num_moe_experts": 9, "moe_router_num_groups": 3}}, "model.num_moe_experts"),  # 9 over EP 2
+    ({"parallel": {"pipeline_model_parallel_size": 2}}, "parallel.pipeline_model_parallel_size"),
+    ({"ep_plugin": {"timeout_s": -1}}, "ep_plugin.timeout_s"),
+    ({"ep_plugin": {"fp8_dispatch": "yes"}}, "ep_plugin.fp8_dispatch"),
+    ({"train": {"global_batch_size": 12}}, "train.global_batch_size"),  # not a multiple of 4 x DP 2
+    ({"model": {"num_attention_heads": 3}}, "model.num_attention_heads"),  # a reshape error in the ranks before
+    ({"model": {"num_query_groups": 3}}, "model.num_query_groups"),
+    ({"model": {"num_layers": 0}}, "model.num_layers"),                 # a ZeroDivisionError before
+    ({"model": {"moe_layer_freq": [0, 1]}}, "model.moe_layer_freq"),
+    ({"model": {"moe_router_score_function": "relu"}}, "model"),        # Megatron's own check, wrapped
+])
+def test_megatron_launcher_config_errors(capsys, tmp_path, edit, key) -> None:
+    pytest.importorskip("megatron.core")
+    import yaml
+
+    from moe_ep_plugin import megatron as ep_megatron
+    from moe_ep_plugin.megatron import pretrain
+    raw = yaml.safe_load(open(MEGATRON_CPU))
+    for section, values in edit.items():
+        raw[section].update(values)
+    try:
+        assert pretrain.main([_write(tmp_path, yaml.safe_dump(raw))]) == 2
+    finally:
+        ep_megatron.uninstall()
+    _one_line_error(capsys, "moe-ep-pretrain", key)
+
+
+def test_megatron_launcher_yaml_syntax_and_world(capsys, tmp_path) -> None:
+    pytest.importorskip("megatron.core")
+    from moe_ep_plugin import megatron as ep_megatron
+    from moe_ep_plugin.megatron import pretrain
+    assert pretrain.main([_write(tmp_path, "model: {num_layers: 2\n")]) == 2
+    _one_line_error(capsys, "moe-ep-pretrain", f"config: {tmp_path / 'c.yaml'}")
+    try:
+        assert pretrain.main([MEGATRON_CPU, "--nprocs", "3"]) == 2
+    finally:
+        ep_megatron.uninstall()
+    _one_line_error(capsys, "moe-ep-pretrain", "--nprocs")
+
+
+def _deepspeed_cli():
+    pytest.importorskip("deepspeed")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("deepspeed_moe_example", os.path.join(ROOT, "examples",
+                                                                                         "deepspeed_moe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cli
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["deepspeed.zero_optimization=2"], "deepspeed.zero_optimization"),
+    (["moe.timeout_s=0"], "moe.timeout_s"),
+    (["moe.num_sms=3"], "moe.num_sms"),
+    (["moe.round_scale=true"], "moe.round_scale"),                      # without fp8_dispatch
+    (["moe.transport=rdma"], "moe.transport"),
+    (["moe.num_experts=7"], "moe.num_experts"),
+])
+def test_deepspeed_example_config_errors(capsys, overrides, key) -> None:
+    cli = _deepspeed_cli()
+    assert cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"), *overrides]) == 2
+    _one_line_error(capsys, "deepspeed_moe.py", key)

@@ -189,7 +189,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
         expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
             self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
-            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment)
+            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
+            round_scale=self.options.round_scale)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._topk_idx = None
         if self.shared_experts is not None:
@@ -199,12 +200,10 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     def _get_buffer(self, hidden_bytes: int) -> Buffer:
         """The shared Buffer of the EP group for rows of ``hidden_bytes`` at this dispatcher's SM count."""
         options = self.options
-        if options.num_sms is not None and options.num_sms != Buffer.num_sms:  # before sizing: the size hint
-            Buffer.set_num_sms(options.num_sms)                                # grows with the SM count
         key = (hidden_bytes, Buffer.num_sms, options)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
-            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s)
+            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, options.num_sms)
             self._shared_buffer, self._shared_buffer_key = buffer, key
         return buffer
 
