@@ -12,10 +12,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import fp8
 from .config import DEFAULT_TIMEOUT_S, Config, combine_config, dispatch_config
 from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
+from .ops import fp8
 from .transports import DispatchArgs, create_transport, resolve_transport_name
 
 XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
