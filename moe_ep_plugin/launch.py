@@ -127,10 +127,14 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = 
         for _, sender in pipes:
             sender.close()  # the child holds its own copy; EOF on the reader then means the child is gone
         deadline = None
-        while any(p.exitcode is None for p in procs):
+        while True:
+            alive = [p for p in procs if p.exitcode is None]
+            if not alive:
+                break
+            # an exited rank's sentinel stays readable, so this list is never empty and wait() always returns
             readers = [pipes[r][0] for r in range(nprocs) if r not in reports and not pipes[r][0].closed]
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            multiprocessing.connection.wait(readers + [p.sentinel for p in procs if p.exitcode is None], wait_s)
+            multiprocessing.connection.wait(readers + [p.sentinel for p in alive], wait_s)
             _collect(pipes, reports)
             _note_failures(procs, reports, failures)
             if failures and deadline is None:
