@@ -5,7 +5,8 @@
     python examples/deepspeed_moe.py --config configs/deepspeed_moe.yaml --compare       # stock, then plugin: table
     python examples/deepspeed_moe.py --config configs/deepspeed_moe.yaml moe.k=1 train.steps=50   # overrides
 
-CPU: gloo ranks (set DS_ACCELERATOR=cpu to skip DeepSpeed's accelerator probe warning). GPU: one rank per GPU, NCCL.
+CPU: gloo ranks (DS_ACCELERATOR=cpu is set here when torch sees no GPU; DeepSpeed compiles no op). GPU: one rank
+per GPU, NCCL. A config error is one line naming the key (exit code 2); a failed rank ends the others (exit code 1).
 """
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ import argparse
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if not torch.cuda.is_available():  # DeepSpeed picks its accelerator when imported, in every rank
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from moe_ep_plugin import launch  # noqa: E402
 from moe_ep_plugin.deepspeed.config import load_config  # noqa: E402
+from moe_ep_plugin.yaml_sections import config_error  # noqa: E402
+
+PROG = "deepspeed_moe.py"
 
 
 def _rank_main(config_path: str, overrides: tuple[str, ...], compare: bool) -> None:
@@ -26,18 +34,22 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], compare: bool) -> N
     main(load_config(config_path, overrides, dist.get_world_size()), compare)
 
 
-def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (configs/deepspeed_*.yaml)")
     parser.add_argument("--compare", action="store_true",
                         help="train with stock DeepSpeed MoE, then with the plugin, and print a step-time table")
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else None
-    cfg = load_config(args.config, tuple(args.overrides), world)  # a bad config fails before any rank starts
+    try:  # a bad config fails before any rank starts
+        cfg = load_config(args.config, tuple(args.overrides), world)
+    except ValueError as exc:
+        return config_error(PROG, exc)
     nprocs = world if world is not None else cfg.train.nprocs
-    launch.launch(_rank_main, nprocs, (args.config, tuple(args.overrides), args.compare), timeout_s=600)
+    return launch.run_ranks(PROG, _rank_main, nprocs, (args.config, tuple(args.overrides), args.compare),
+                            timeout_s=cfg.moe.timeout_s)
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(cli())

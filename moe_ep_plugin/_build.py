@@ -3,11 +3,14 @@
 Run as ``python -m moe_ep_plugin._build`` (CI does, so a kernel that does not compile never lands) or
 implicitly from ``setup.py``, which loads this file and ``ops/library.py`` (the library path) by path. The
 library has a plain C ABI and no torch headers, so one build serves every torch version and needs no GPU to
-compile.
+compile. It is built once: a stamp next to it (``<lib>.sha256``) holds the hash of every ``csrc/`` file and of
+the nvcc command, and a build whose stamp matches is skipped (``--force`` rebuilds anyway;
+``MOE_EP_SKIP_KERNELS=1`` makes ``setup.py`` skip the kernels altogether).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -35,9 +38,32 @@ def nvcc_command(nvcc: str, sources: list[str], output: str) -> list[str]:
             *sources, "-o", output]
 
 
-def build_kernels(output: str, required: bool = False) -> str | None:
-    """Build the kernel library at ``output`` (``ops.library.LIB_PATH`` is where it loads from); returns its path,
-    or None when there is nothing to build with.
+def build_stamp(cmd: list[str]) -> str:
+    """SHA-256 of every file in ``csrc/`` (names and bytes) and of the nvcc command ``cmd``."""
+    digest = hashlib.sha256("\0".join(cmd[1:]).encode())
+    for path in sorted(glob.glob(os.path.join(_ROOT, "csrc", "*"))):
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _stamp_path(output: str) -> str:
+    return output + ".sha256"
+
+
+def is_up_to_date(output: str, stamp: str) -> bool:
+    """``output`` exists and was built from exactly these sources and flags."""
+    try:
+        with open(_stamp_path(output), encoding="ascii") as f:
+            return os.path.isfile(output) and f.read().strip() == stamp
+    except OSError:
+        return False
+
+
+def build_kernels(output: str, required: bool = False, force: bool = False) -> str | None:
+    """Build the kernel library at ``output`` (``ops.library.LIB_PATH`` is where it loads from) unless it is up
+    to date (``force``: always); returns its path, or None when there is nothing to build with.
 
     ``required=True`` turns a missing nvcc or missing sources into an error (CI uses it).
     """
@@ -49,8 +75,14 @@ def build_kernels(output: str, required: bool = False) -> str | None:
         return None
     os.makedirs(os.path.dirname(output), exist_ok=True)
     cmd = nvcc_command(nvcc, sources, output)
+    stamp = build_stamp(cmd)
+    if not force and is_up_to_date(output, stamp):
+        print(f"[moe_ep_plugin] kernel library up to date (csrc/ unchanged): {output}", flush=True)
+        return output
     print("[moe_ep_plugin] " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
+    with open(_stamp_path(output), "w", encoding="ascii") as f:
+        f.write(stamp + "\n")
     return output
 
 
@@ -58,5 +90,5 @@ if __name__ == "__main__":
     from .ops.library import LIB_PATH
 
     out = sys.argv[sys.argv.index("--output") + 1] if "--output" in sys.argv else LIB_PATH
-    path = build_kernels(out, required="--required" in sys.argv)
+    path = build_kernels(out, required="--required" in sys.argv, force="--force" in sys.argv)
     print(f"[moe_ep_plugin] kernel library: {path}")

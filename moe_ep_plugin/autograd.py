@@ -25,12 +25,12 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 
 
 # The dispatch Functions take their non-differentiable arguments as one ``call`` tuple ``(buffer, topk_idx,
-# num_experts, fp8_dispatch, expert_alignment, configs)``: Function.apply does host work per argument (functorch
-# unwrapping, input bookkeeping); three arguments instead of seven took autograd.dispatch_experts from 8.2 to
+# num_experts, fp8_dispatch, expert_alignment, round_scale, configs)``: Function.apply does host work per argument
+# (functorch unwrapping, input bookkeeping); three arguments instead of seven took autograd.dispatch_experts from 8.2 to
 # 7.5 us per call on CPU (benchmarks/host_overhead.py). ``configs``: ``(dispatch Config, combine Config)`` for
 # the forward and the backward alike, or None for the Buffer's defaults.
 Configs = Optional[tuple[Config, Config]]
-_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int, Configs]
+_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int, bool, Configs]
 
 
 def _check_configs(configs: Configs) -> None:
@@ -43,10 +43,11 @@ def _check_configs(configs: Configs) -> None:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs = call
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, config=configs and configs[0], fp8_dispatch=fp8_dispatch)
+            expert_alignment=expert_alignment, config=configs and configs[0], fp8_dispatch=fp8_dispatch,
+            round_scale=round_scale)
         ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
@@ -94,10 +95,10 @@ class _Combine(torch.autograd.Function):
 class _DispatchExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs = call
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
             x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,
-            config=configs and configs[0])
+            round_scale=round_scale, config=configs and configs[0])
         ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.has_weights = topk_weights is not None
         return expert_x, probs, tokens_per_expert, handle
@@ -114,18 +115,21 @@ class _DispatchExperts(torch.autograd.Function):
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1, configs: Configs = None
+             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False,
+             configs: Configs = None
              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids).
 
     Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids, recv_topk_weights [N_recv, K] float32,
     num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
-    ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient). ``configs``:
-    ``(dispatch, combine)`` Configs for this call and its backward (None: the Buffer's defaults).
+    ``fp8_dispatch`` the rows cross the wire in FP8 (``round_scale``: power-of-two scales) and arrive as BF16
+    (straight-through gradient). ``configs``: ``(dispatch, combine)`` Configs for this call and its backward (None:
+    the Buffer's defaults).
     """
     _check_inputs(buffer, x)
     _check_configs(configs)
-    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs))
+    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
+                                             round_scale, configs))
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None) -> torch.Tensor:
@@ -138,18 +142,19 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs:
 
 def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                      num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1,
-                     configs: Configs = None) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+                     round_scale: bool = False, configs: Configs = None
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch_experts` of BF16/FP32 ``x`` ``[N, H]``, ``topk_idx`` ``[N, K]`` global ids.
 
     Returns ``(expert_x [M, H] x.dtype, expert_probs [M] float32 or None, tokens_per_expert list[int], handle)``.
     Gradients reach ``x`` and ``topk_weights`` (padding rows get none). With ``fp8_dispatch`` rows cross the
-    wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``). ``configs`` as for
-    :func:`dispatch`.
+    wire in FP8 (``round_scale``: power-of-two scales) and arrive dequantized (straight-through gradient, sent
+    back in ``x.dtype``). ``configs`` as for :func:`dispatch`.
     """
     _check_inputs(buffer, x)
     _check_configs(configs)
-    return _DispatchExperts.apply(x, topk_weights,
-                                  (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, configs))
+    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
+                                                    round_scale, configs))
 
 
 def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None

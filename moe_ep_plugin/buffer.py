@@ -12,13 +12,12 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .config import Config, check_num_sms, combine_config, dispatch_config
+from .config import DEFAULT_TIMEOUT_S, Config, check_num_sms, combine_config, dispatch_config
 from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
 from .ops import fp8
 from .transports import DispatchArgs, create_transport, resolve_transport_name
 
-DEFAULT_TIMEOUT_S = 100.0
 XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -86,7 +85,7 @@ class Buffer:
 
     ``transport``: ``"auto"`` (``nvlink`` kernels when CUDA, the kernel library and peer access exist, else
     ``torch``), ``"torch"`` or ``"nvlink"``; ``$MOE_EP_TRANSPORT`` overrides ``auto``. ``timeout_s`` bounds
-    every wait on another rank (``$MOE_EP_TIMEOUT_S``, default 100 s).
+    every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``, 120 s).
 
     ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group,
     else the CPU. A CUDA device with a gloo group serves several ranks that share one GPU (NCCL refuses two

@@ -11,7 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .buffer import Buffer
-from .config import combine_config, dispatch_config
+from .config import Config, combine_config, dispatch_config
 
 _BUFFERS: dict[tuple[dist.ProcessGroup, str], Buffer] = {}
 
@@ -24,6 +24,11 @@ def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: Optional[int] = N
     sms = Buffer.num_sms if num_sms is None else num_sms
     return max(dispatch_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                combine_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+
+
+def sm_configs(num_sms: Optional[int], num_ranks: int) -> Optional[tuple[Config, Config]]:
+    """The ``(dispatch, combine)`` Configs of ``num_sms`` SMs for a call (None: the Buffer's defaults)."""
+    return None if num_sms is None else (dispatch_config(num_sms, num_ranks), combine_config(num_sms, num_ranks))
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",

@@ -15,6 +15,8 @@ def check_num_sms(value: object, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 2:
         raise ValueError(f"{name}: expected a positive even int, got {value!r}")
     return value
+# Seconds any wait on another rank may take before raising (the Buffer, the process group, every front door).
+DEFAULT_TIMEOUT_S = 120.0
 
 
 def _round_up(x: int, a: int) -> int:

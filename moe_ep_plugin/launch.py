@@ -1,18 +1,29 @@
 """Start N local ranks (one process each) when not under torchrun, or join torchrun's ranks.
 
-Used by the trainers' command lines and by the multi-process tests: one mechanism for both.
+Used by every front door (``moe-ep-train``, ``moe-ep-pretrain``, the DeepSpeed example) and by the multi-process
+tests: one mechanism for all. When a spawned rank fails, the others get ``grace_s`` seconds to finish or fail on
+their own, then SIGTERM, then SIGKILL (which also ends a stopped process), so a hung rank never hangs the job.
 """
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
+import signal
 import socket
+import sys
+import time
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .config import DEFAULT_TIMEOUT_S
+
+GRACE_S = 5.0  # after the first failure: how long the other ranks may take to end on their own, then per signal
 
 
 def free_port() -> int:
@@ -29,58 +40,164 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
+def init_process_group(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """Initialise the default group from the environment (torchrun or :func:`spawn`); returns (rank, world)."""
     backend = backend or default_backend()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend: 'nccl' needs a GPU, but torch sees none (use gloo on the CPU)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world
 
 
+@dataclass
+class RankFailure:
+    """Why one spawned rank did not finish: ``reason`` is one line, ``details`` its traceback (may be empty)."""
+
+    rank: int
+    reason: str
+    details: str = ""
+
+
+class LaunchError(RuntimeError):
+    """Some spawned ranks failed; ``failures`` lists them, the first to fail first."""
+
+    def __init__(self, nprocs: int, failures: list[RankFailure]) -> None:
+        self.failures = failures
+        self.summary = "\n".join(f"rank {f.rank} {f.reason}" for f in failures)
+        details = "".join(f"--- rank {f.rank} ---\n{f.details}" for f in failures if f.details)
+        super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}" + (f"\n{details}" if details else ""))
+
+
 def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
-           errors: Any) -> None:
+           report: Any) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         init_process_group(backend, timeout_s)
         fn(*args)
-    except BaseException:  # report every rank's failure to the parent, then fail this process
-        errors.put((local_rank, traceback.format_exc()))
+    except BaseException as exc:  # tell the parent why, then fail this process (which prints the traceback)
+        report.send((f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None, timeout_s: float = 120.0) -> None:
+def _state(pid: int) -> str:
+    """The kernel's one-letter process state (``T``: stopped), or '' where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
+          timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
     """Run ``fn(*args)`` on ``nprocs`` fresh local processes joined in one default process group.
 
-    Raises ``RuntimeError`` carrying the traceback of every rank that failed.
+    Returns when every rank finished. When one fails, the others are ended within about ``3 * grace_s``
+    seconds and :class:`LaunchError` names each failed rank and why (its exception, exit code or signal, or
+    that it was stopped or still running when ended).
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs: expected an int >= 1, got {nprocs!r}")
+    if not grace_s > 0:
+        raise ValueError(f"grace_s: expected a positive number of seconds, got {grace_s!r}")
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, nprocs, port, backend or default_backend(), timeout_s, fn, args, errors),
-                         daemon=False) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures or any(p.exitcode != 0 for p in procs):
-        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-        codes = [p.exitcode for p in procs]
-        raise RuntimeError(f"{len(failures)} of {nprocs} ranks failed (exit codes {codes})\n{details}")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
+    procs = [ctx.Process(target=_entry, args=(r, nprocs, port, backend or default_backend(), timeout_s, fn, args,
+                                              pipes[r][1]), daemon=False) for r in range(nprocs)]
+    reports: dict[int, tuple[str, str]] = {}
+    failures: list[RankFailure] = []
+    try:
+        for p in procs:
+            p.start()
+        for _, sender in pipes:
+            sender.close()  # the child holds its own copy; EOF on the reader then means the child is gone
+        deadline = None
+        while True:
+            alive = [p for p in procs if p.exitcode is None]
+            if not alive:
+                break
+            # an exited rank's sentinel stays readable, so this list is never empty and wait() always returns
+            readers = [pipes[r][0] for r in range(nprocs) if r not in reports and not pipes[r][0].closed]
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            multiprocessing.connection.wait(readers + [p.sentinel for p in alive], wait_s)
+            _collect(pipes, reports)
+            _note_failures(procs, reports, failures)
+            if failures and deadline is None:
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() >= deadline:
+                failures += _end(procs, failures, grace_s)
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    _collect(pipes, reports)
+    _note_failures(procs, reports, failures)
+    if failures:
+        raise LaunchError(nprocs, failures)
 
 
-def launch(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None, timeout_s: float = 120.0) -> None:
+def _collect(pipes: list, reports: dict[int, tuple[str, str]]) -> None:
+    for r, (reader, _) in enumerate(pipes):
+        if r not in reports and not reader.closed and reader.poll():
+            try:
+                reports[r] = reader.recv()
+            except EOFError:
+                reader.close()
+
+
+def _note_failures(procs: list, reports: dict[int, tuple[str, str]], failures: list[RankFailure]) -> None:
+    """Append, in the order seen, the ranks that reported an exception or exited non-zero without one."""
+    known = {f.rank for f in failures}
+    for r in reports:
+        if r not in known:
+            reason, details = reports[r]
+            failures.append(RankFailure(r, f"failed: {reason}", details))
+            known.add(r)
+    for r, p in enumerate(procs):
+        if r not in known and p.exitcode is not None and p.exitcode != 0:
+            failures.append(RankFailure(r, _exit_reason(p.exitcode)))
+
+
+def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankFailure]:
+    """SIGTERM (with SIGCONT, so a stopped rank can act on it), then SIGKILL, the ranks still running."""
+    first, known = failures[0].rank, {f.rank for f in failures}
+    ended, alive = [], [p for p in procs if p.exitcode is None]
+    for r, p in enumerate(procs):
+        if p.exitcode is None:
+            stopped = _state(p.pid) == "T"
+            if r not in known:
+                why = "was stopped (SIGSTOP)" if stopped else "was still running"
+                ended.append(RankFailure(r, f"{why} {grace_s:g} s after rank {first} failed; ended by the launcher"))
+            p.terminate()
+            if stopped:
+                os.kill(p.pid, signal.SIGCONT)
+    limit = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, limit - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+    return ended
+
+
+def launch(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
+           timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run ``fn(*args)`` on every rank: in this process under torchrun, else on ``nprocs`` spawned ones."""
     if under_torchrun():
         init_process_group(backend, timeout_s)
@@ -90,3 +207,15 @@ def launch(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = No
             dist.destroy_process_group()
     else:
         spawn(fn, nprocs, args, backend, timeout_s)
+
+
+def run_ranks(prog: str, fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """:func:`launch` for a command line: 0 when every rank finished, else 1 with one line per failed rank on
+    stderr (each rank's own traceback is already above it)."""
+    try:
+        launch(fn, nprocs, args, backend, timeout_s)
+    except LaunchError as exc:
+        print("\n".join(f"{prog}: {line}" for line in exc.summary.splitlines()), file=sys.stderr, flush=True)
+        return 1
+    return 0

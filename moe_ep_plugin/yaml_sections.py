@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import types
 import typing
 from typing import Any, Optional
 
 import yaml
 
+CONFIG_ERROR_EXIT = 2  # what every front door exits with on a config error (argparse's usage errors use it too)
 
-def _optional_inner(hint: Any) -> Optional[Any]:
+
+def optional_inner(hint: Any) -> Optional[Any]:
     """``X`` for ``Optional[X]`` / ``X | None``, else None."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint):
         return next(a for a in typing.get_args(hint) if a is not type(None))
@@ -22,14 +25,14 @@ def _optional_inner(hint: Any) -> Optional[Any]:
 
 
 def type_name(hint: Any) -> str:
-    inner = _optional_inner(hint)
+    inner = optional_inner(hint)
     return f"{inner.__name__} or null" if inner is not None else getattr(hint, "__name__", str(hint))
 
 
 def coerce(key: str, value: Any, hint: Any) -> Any:
     """``value`` checked against the field type ``hint`` (int, float, bool, str, dict, list, Optional[...]);
     ints are accepted where floats are expected, and so are strings like ``3e-4`` (YAML 1.1 reads them as str)."""
-    inner = _optional_inner(hint)
+    inner = optional_inner(hint)
     if inner is not None:
         if value is None:
             return None
@@ -82,7 +85,8 @@ def read_yaml(path: Optional[str]) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"config: no such file {path!r}")
     with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
+        raw = _parse(f, f"config: {path}")
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config: {path} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
@@ -100,5 +104,22 @@ def apply_overrides(raw: dict, overrides: typing.Iterable[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"{'.'.join(parents[:i + 1])}: expected a mapping of keys, got {node!r}")
-        node[name] = yaml.safe_load(text)
+        node[name] = _parse(text, f"override {item!r}")
     return raw
+
+
+def _parse(text: Any, where: str) -> Any:
+    """``yaml.safe_load(text)``; a syntax error is one ``ValueError`` line naming ``where`` and the position."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{where}: not valid YAML{at}: {problem}") from None
+
+
+def config_error(prog: str, exc: Exception) -> int:
+    """Print ``exc`` as the one line ``PROG: config error: KEY: ...`` on stderr; returns the exit code, 2."""
+    print(f"{prog}: config error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+    return CONFIG_ERROR_EXIT

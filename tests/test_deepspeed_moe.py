@@ -28,13 +28,9 @@ TOL = 1e-6  # fp32, only the summation order differs: relative to each tensor's 
 
 
 def ds_init() -> None:
-    """Join DeepSpeed's comm to the process group :func:`launch.spawn` made.
-
-    DeepSpeed's CPU accelerator JIT-compiles a shared-memory allreduce op on its first init (about 30 s and a
-    C++ compiler); gloo serves these small tests, so the op is marked unavailable in DeepSpeed's own table.
-    """
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    """Join DeepSpeed's comm to the process group :func:`launch.spawn` made (no shared-memory op compiled)."""
+    from moe_ep_plugin.deepspeed.train import init_deepspeed_comm
+    init_deepspeed_comm()
 
 
 def ds_finish(*engines) -> None:

@@ -19,9 +19,9 @@ PKG = os.path.join(ROOT, "moe_ep_plugin")
 # package; the longest matching prefix decides a module's layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("build", ("_build.py",)),
-    ("recipes", ("train/", "megatron/pretrain.py")),
+    ("recipes", ("train/", "megatron/pretrain.py", "deepspeed/config.py", "deepspeed/train.py")),
     ("integrations", ("megatron/", "deepspeed/")),
-    ("MoE glue", ("autograd.py", "buffer_cache.py")),
+    ("MoE glue", ("autograd.py", "buffer_cache.py", "plugin_options.py")),
     ("buffer", ("buffer.py", "__init__.py")),
     ("transports", ("transports/",)),
     ("ops", ("ops/",)),

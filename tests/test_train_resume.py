@@ -44,7 +44,7 @@ def _assert_same(a, b, where: str) -> None:
         assert a == b, where
 
 
-def test_resume_continues_the_same_trajectory(tmp_path):
+def test_resume_continues_the_same_trajectory(tmp_path, capsys):
     config = tmp_path / "small.yaml"
     config.write_text(CONFIG)
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
@@ -67,6 +67,8 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     assert float(_rows(straight)[-1]["loss"]) < float(_rows(straight)[0]["loss"])
     if importlib.util.find_spec("matplotlib"):  # the [plots] extra
         assert all(os.path.getsize(os.path.join(straight, f)) > 10_000 for f in ("loss.png", "expert_load.png"))
-    # A checkpoint of another model is refused, naming the section that differs.
-    with pytest.raises(RuntimeError, match="moe: differs from the checkpoint"):
-        cli.main([str(config), "--set", f"output.dir={split}", "--set", "moe.expert_ffn_hidden_size=48"])
+    # A checkpoint of another model or EP size is refused before any rank starts, naming the key that differs.
+    assert cli.main([str(config), "--set", f"output.dir={split}", "--set", "moe.expert_ffn_hidden_size=48"]) == 2
+    assert capsys.readouterr().err.startswith("moe-ep-train: config error: moe: differs from the checkpoint")
+    assert cli.main([str(config), "--set", f"output.dir={split}", "--set", "parallel.nprocs=1"]) == 2
+    assert capsys.readouterr().err.startswith("moe-ep-train: config error: parallel.nprocs: the checkpoint")

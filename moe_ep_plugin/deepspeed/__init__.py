@@ -5,8 +5,8 @@
 """
 from ..buffer_cache import destroy_buffers, get_buffer
 from .layer import MoE, PluginMOELayer, convert_moe, update_expert_biases
-from .options import PluginOptions
+from .options import DeepSpeedOptions
 from .routing import GroupLimitedGate, Routes
 
-__all__ = ["MoE", "PluginMOELayer", "PluginOptions", "GroupLimitedGate", "Routes", "convert_moe",
+__all__ = ["MoE", "PluginMOELayer", "DeepSpeedOptions", "GroupLimitedGate", "Routes", "convert_moe",
            "destroy_buffers", "get_buffer", "update_expert_biases"]

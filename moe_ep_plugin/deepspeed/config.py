@@ -20,8 +20,9 @@ from typing import Any, Optional
 import torch
 
 from ..ops import fp8
+from ..train import schedule
 from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml
-from .options import PluginOptions, check_moe_args
+from .options import DeepSpeedOptions, check_moe_args
 
 DISPATCHERS = ("plugin", "deepspeed")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -39,9 +40,9 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class MoEConfig(PluginOptions):
+class MoEConfig(DeepSpeedOptions):
     """``deepspeed.moe.layer.MoE`` arguments (same names) plus the plugin's options (the inherited
-    :class:`PluginOptions` fields: router, score_function, ..., fp8_dispatch, transport; dispatcher: plugin only)."""
+    :class:`DeepSpeedOptions` fields: router, score_function, ..., fp8_dispatch, transport; dispatcher: plugin only)."""
 
     num_experts: int = 8
     ep_size: int = 2
@@ -56,27 +57,34 @@ class MoEConfig(PluginOptions):
     top2_2nd_expert_sampling: bool = True
     aux_loss_coeff: float = 0.01     # loss += coeff * sum of the layers' l_aux
 
-    def plugin_options(self) -> PluginOptions:
-        return PluginOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PluginOptions)})
+    def plugin_options(self) -> DeepSpeedOptions:
+        return DeepSpeedOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DeepSpeedOptions)})
 
     def stock(self) -> "MoEConfig":
         """The same DeepSpeed arguments with the plugin's options at their defaults (for dispatcher: deepspeed)."""
-        defaults = PluginOptions()
+        defaults = DeepSpeedOptions()
         return dataclasses.replace(self, **{f.name: getattr(defaults, f.name)
-                                            for f in dataclasses.fields(PluginOptions)})
+                                            for f in dataclasses.fields(DeepSpeedOptions)})
 
 
 @dataclass
 class TrainConfig:
     steps: int = 30
     micro_batch_size: int = 8          # sequences per rank per step
-    lr: float = 3e-3
+    lr: float = 3e-3                   # peak learning rate (AdamW)
+    min_lr: Optional[float] = None     # cosine decay to this at train.steps; null = lr (constant after warm-up)
+    lr_warmup_steps: int = 0           # linear warm-up steps (moe_ep_plugin.train.schedule, as every recipe)
     seed: int = 1234
     dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
     log_interval: int = 10
     warmup_steps: int = 5              # steps left out of the step-time median
     nprocs: int = 2                    # ranks to spawn when not started by torchrun
-    checkpoint_dir: Optional[str] = None  # save a DeepSpeed checkpoint here at the end
+    checkpoint_dir: Optional[str] = None  # save a DeepSpeed checkpoint here at the end (step_NNNNNNN/, COMPLETE)
+
+    def lr_at(self, step: int) -> float:
+        """The shared schedule's LR of 0-based ``step``."""
+        return schedule.lr_at(step, self.lr, self.lr if self.min_lr is None else self.min_lr, self.lr_warmup_steps,
+                              self.steps)
 
     def torch_dtype(self) -> torch.dtype:
         """The activation dtype: ``auto`` is BF16 when CUDA is available, else FP32."""
@@ -127,10 +135,15 @@ def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
     ranks = world_size if world_size is not None else cfg.train.nprocs
     if ranks % m.ep_size:
         raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks")
-    changed = [f.name for f in dataclasses.fields(PluginOptions)
-               if f.name != "transport" and getattr(options, f.name) != getattr(PluginOptions(), f.name)]
+    changed = [f.name for f in dataclasses.fields(DeepSpeedOptions)
+               if f.name != "transport" and getattr(options, f.name) != getattr(DeepSpeedOptions(), f.name)]
     if cfg.dispatcher == "deepspeed" and changed:
         raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
+    if not cfg.train.lr > 0 or cfg.train.lr_warmup_steps < 0:
+        raise ValueError(f"train.lr: expected > 0 with train.lr_warmup_steps >= 0, got {cfg.train.lr} and "
+                         f"{cfg.train.lr_warmup_steps}")
+    if cfg.train.min_lr is not None and not 0 <= cfg.train.min_lr <= cfg.train.lr:
+        raise ValueError(f"train.min_lr: expected 0 <= min_lr <= train.lr={cfg.train.lr}, got {cfg.train.min_lr}")
     if cfg.train.dtype not in DTYPES:
         raise ValueError(f"train.dtype: expected one of {DTYPES}, got {cfg.train.dtype!r}")
     if m.fp8_dispatch and cfg.train.torch_dtype() != torch.bfloat16:
@@ -141,7 +154,10 @@ def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
     for key, owner in _OWNED_DS_KEYS.items():
         if key in cfg.deepspeed:
             raise ValueError(f"deepspeed.{key}: set by the example from {owner}; remove it here")
-    stage = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    zero = cfg.deepspeed.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"deepspeed.zero_optimization: expected a mapping such as {{stage: 2}}, got {zero!r}")
+    stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
         raise ValueError(f"deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, got {stage}")
     return cfg

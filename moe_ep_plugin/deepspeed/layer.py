@@ -21,8 +21,9 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import autograd as ep_autograd
-from ..buffer_cache import get_buffer
-from .options import PluginOptions, check_moe_args, check_world
+from ..buffer_cache import get_buffer, sm_configs
+from ..config import DEFAULT_TIMEOUT_S
+from .options import DeepSpeedOptions, check_moe_args, check_world
 from .routing import GroupLimitedGate, route
 
 def _first(out: object) -> torch.Tensor:
@@ -39,13 +40,13 @@ class PluginMOELayer(MOELayer):
     """
 
     def __init__(self, gate: torch.nn.Module, experts: torch.nn.Module, ep_group_name: str, ep_size: int,
-                 num_local_experts: int, options: PluginOptions) -> None:
+                 num_local_experts: int, options: DeepSpeedOptions) -> None:
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
         self.options = options
         self.num_experts = ep_size * num_local_experts
 
     @classmethod
-    def from_stock(cls, layer: MOELayer, options: PluginOptions,
+    def from_stock(cls, layer: MOELayer, options: DeepSpeedOptions,
                    gate: Optional[torch.nn.Module] = None) -> "PluginMOELayer":
         """The plugin layer over ``layer``'s gate (or ``gate``), experts and EP group (if already set)."""
         plugin = cls(gate if gate is not None else layer.gate, layer.experts, layer.ep_group_name, layer.ep_size,
@@ -86,11 +87,14 @@ class PluginMOELayer(MOELayer):
         routes = route(self.gate, x, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
 
-        buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), self.options.transport)
+        options = self.options
+        buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), options.transport, options.timeout_s,
+                            options.num_sms)
+        configs = sm_configs(options.num_sms, buffer.group_size)
         self._time(FIRST_ALLTOALL_TIMER, True)
         rows, probs, counts, handle = ep_autograd.dispatch_experts(
             buffer, x, routes.topk_idx, routes.topk_weights, self.num_experts,
-            fp8_dispatch=self.options.fp8_dispatch)
+            fp8_dispatch=options.fp8_dispatch, round_scale=options.round_scale, configs=configs)
         self._time(FIRST_ALLTOALL_TIMER, False)
 
         # every local expert runs, also on zero rows, so each one's parameters get a (zero) gradient
@@ -100,7 +104,7 @@ class PluginMOELayer(MOELayer):
         weighted = (torch.cat(outputs) * probs.unsqueeze(1)).to(x.dtype)
 
         self._time(SECOND_ALLTOALL_TIMER, True)
-        out = ep_autograd.combine_experts(buffer, weighted, handle)
+        out = ep_autograd.combine_experts(buffer, weighted, handle, configs=configs)
         self._time(SECOND_ALLTOALL_TIMER, False)
         self._time(MOE_TIMER, False)
         if self.wall_clock_breakdown:
@@ -112,7 +116,7 @@ class PluginMOELayer(MOELayer):
 
 class MoE(DeepSpeedMoE):
     """``deepspeed.moe.layer.MoE`` with the plugin's dispatcher. Same constructor, plus the plugin's options
-    (keyword-only, see :class:`PluginOptions`); ``forward`` returns ``(output, l_aux, exp_counts)``.
+    (keyword-only, see :class:`DeepSpeedOptions`); ``forward`` returns ``(output, l_aux, exp_counts)``.
 
     Differences: dropless by default (``drop_tokens=False``; ``True`` keeps DeepSpeed's capacity drops);
     ``use_tutel`` and ``enable_expert_tensor_parallelism`` are refused. It is a subclass of DeepSpeed's ``MoE``,
@@ -127,11 +131,13 @@ class MoE(DeepSpeedMoE):
                  score_function: str = "softmax", use_pre_softmax: bool = False, num_groups: Optional[int] = None,
                  group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
                  expert_bias_rate: float = 0.0, fp8_dispatch: bool = False, round_scale: bool = False,
-                 transport: str = "auto") -> None:
-        options = PluginOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
-                                num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
-                                expert_bias_rate=expert_bias_rate, fp8_dispatch=fp8_dispatch,
-                                round_scale=round_scale, transport=transport)
+                 transport: str = "auto", num_sms: Optional[int] = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        options = DeepSpeedOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
+                                   num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
+                                   expert_bias_rate=expert_bias_rate, fp8_dispatch=fp8_dispatch,
+                                   round_scale=round_scale, transport=transport, num_sms=num_sms,
+                                   timeout_s=timeout_s)
         if not isinstance(expert, torch.nn.Module):
             raise TypeError(f"expert: expected a torch.nn.Module, got {type(expert).__name__}")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
@@ -154,13 +160,13 @@ class MoE(DeepSpeedMoE):
 def convert_moe(model: torch.nn.Module, *, router: str = "deepspeed", **options) -> list[str]:
     """Swap the dispatcher of every stock ``deepspeed.moe.layer.MoE`` in ``model`` for :class:`PluginMOELayer`,
     reusing its gate, experts and EP group (call before or after ``deepspeed.initialize``; before keeps
-    DeepSpeed's timers pointing at the new layers). ``options``: :class:`PluginOptions` fields. With
+    DeepSpeed's timers pointing at the new layers). ``options``: :class:`DeepSpeedOptions` fields. With
     ``router='group_limited'`` the new gate reuses the old gate's ``wg`` parameter. Returns the converted
     modules' names.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    opts = PluginOptions(router=router, **options)
+    opts = DeepSpeedOptions(router=router, **options)
     converted = []
     for name, module in model.named_modules():
         if not isinstance(module, DeepSpeedMoE) or isinstance(module.deepspeed_moe, PluginMOELayer):

@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from .. import gating
 from ..ops import fp8
+from ..plugin_options import PluginOptions
 
 ROUTERS = ("deepspeed", "group_limited")
-TRANSPORTS = ("auto", "torch", "nvlink")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -24,16 +24,14 @@ def _int(name: str, value: object, minimum: int) -> int:
 
 
 @dataclass(frozen=True)
-class PluginOptions:
-    """The plugin's options of one MoE layer.
+class DeepSpeedOptions(PluginOptions):
+    """The plugin's options of one MoE layer: the shared :class:`~moe_ep_plugin.plugin_options.PluginOptions`
+    (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``) plus the router.
 
     - ``router``: ``"deepspeed"`` keeps DeepSpeed's ``TopKGate`` (softmax top-1/top-2/top-k, capacity, RTS,
       noisy gates, ``l_aux``) bit for bit; ``"group_limited"`` routes with ``moe_ep_plugin.gating``
       (``score_function``, ``num_groups``/``group_topk`` group limit, ``scaling_factor``, ``use_pre_softmax``,
       aux-loss-free ``expert_bias_rate``), always dropless.
-    - ``fp8_dispatch``: BF16 tokens travel as FP8 (1x128 blocks, ``round_scale``: power-of-two scales) and
-      arrive as BF16; combine and all gradients stay BF16. Needs ``hidden_size % 128 == 0``.
-    - ``transport``: the ``moe_ep_plugin.Buffer`` transport (``auto`` picks the NVLink kernels when usable).
     """
 
     router: str = "deepspeed"
@@ -43,19 +41,14 @@ class PluginOptions:
     group_topk: Optional[int] = None
     scaling_factor: Optional[float] = None
     expert_bias_rate: float = 0.0
-    fp8_dispatch: bool = False
-    round_scale: bool = False
-    transport: str = "auto"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("router", ROUTERS), ("transport", TRANSPORTS), ("score_function", SCORE_FUNCTIONS)):
+        super().__post_init__()
+        for name, allowed in (("router", ROUTERS), ("score_function", SCORE_FUNCTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("use_pre_softmax", "fp8_dispatch", "round_scale"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
-        if self.round_scale and not self.fp8_dispatch:
-            raise ValueError("round_scale: only meaningful with fp8_dispatch=True")
+        if not isinstance(self.use_pre_softmax, bool):
+            raise TypeError(f"use_pre_softmax: expected a bool, got {type(self.use_pre_softmax).__name__}")
         if isinstance(self.expert_bias_rate, bool) or not isinstance(self.expert_bias_rate, (int, float)) \
                 or self.expert_bias_rate < 0:
             raise ValueError(f"expert_bias_rate: expected a number >= 0, got {self.expert_bias_rate!r}")
@@ -73,7 +66,7 @@ class PluginOptions:
 
 
 def check_moe_args(hidden_size: int, num_experts: int, ep_size: int, k: int, drop_tokens: bool, use_tutel: bool,
-                   enable_expert_tensor_parallelism: bool, options: PluginOptions) -> None:
+                   enable_expert_tensor_parallelism: bool, options: DeepSpeedOptions) -> None:
     """Reject settings the layer cannot run, naming the argument, before DeepSpeed builds anything."""
     _int("hidden_size", hidden_size, 1)
     _int("num_experts", num_experts, 1)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import TopKGate, multiplicative_jitter, top1gating, top2gating, topkgating
 
 from .. import gating
-from .options import PluginOptions
+from .options import DeepSpeedOptions
 
 
 @dataclass
@@ -70,7 +70,7 @@ class GroupLimitedGate(torch.nn.Module):
     :meth:`update_expert_bias` after each optimizer step.
     """
 
-    def __init__(self, model_dim: int, num_experts: int, k: int, options: PluginOptions,
+    def __init__(self, model_dim: int, num_experts: int, k: int, options: DeepSpeedOptions,
                  wg: Optional[torch.nn.Linear] = None) -> None:
         super().__init__()
         self.wg = wg if wg is not None else torch.nn.Linear(model_dim, num_experts, bias=False)

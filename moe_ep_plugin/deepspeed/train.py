@@ -5,11 +5,13 @@ Runs on every rank of an initialised process group (gloo on CPU, NCCL on GPUs). 
 ``moe_ep_plugin.deepspeed.MoE``), a final norm and an LM head. The data is a synthetic next-token task a
 token-wise model can learn (each token is followed by a fixed successor 90% of the time), so the loss falls
 from ln(vocab) within a few dozen steps. The optimizer is a plain ``torch.optim.AdamW`` over DeepSpeed's MoE
-parameter groups: no DeepSpeed op is compiled, on CPU or GPU.
+parameter groups, and on CPU DeepSpeed's shared-memory allreduce op is switched off (:func:`init_deepspeed_comm`):
+no DeepSpeed op is compiled, on CPU or GPU.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-from .config import RunConfig, validate
 from ..buffer_cache import cached_transports, destroy_buffers
+from ..train import checkpoint, progress, schedule
+from .config import RunConfig, validate
 from .layer import MoE, update_expert_biases
 
 SUCCESSOR_PROB = 0.9
@@ -171,6 +174,7 @@ def train_steps(engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: i
     losses, times = [], []
     for step in range(first_step, first_step + num_steps):
         tokens = batch(cfg, step, device)
+        schedule.set_lr(engine.optimizer, cfg.train.lr_at(step))
         _sync(device)
         dist.barrier()
         start = time.perf_counter()
@@ -188,9 +192,11 @@ def train_steps(engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: i
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         losses.append(float(stats[0]) / dist.get_world_size())
         times.append(float(elapsed[0]))
-        if log and dist.get_rank() == 0 and (step % cfg.train.log_interval == 0 or step == first_step + num_steps - 1):
-            print(f"[{cfg.dispatcher}] step {step:4d}  loss {losses[-1]:.4f}  step {1e3 * times[-1]:8.2f} ms",
-                  flush=True)
+        if log and dist.get_rank() == 0 and progress.due(step + 1, first_step + num_steps, cfg.train.log_interval,
+                                                         first_step):
+            print(progress.line(step + 1, first_step + num_steps, [
+                f"loss {losses[-1]:.4f}", f"lr {cfg.train.lr_at(step):.2e}", f"{1e3 * times[-1]:.2f} ms/step",
+                f"dispatcher {cfg.dispatcher}"]), flush=True)
     tokens = cfg.train.micro_batch_size * cfg.model.seq_len * dist.get_world_size()
     return TrainResult(losses, times, tokens)
 
@@ -202,7 +208,9 @@ def train(cfg: RunConfig) -> TrainResult:
     result.transport = ("padded all_to_all" if cfg.dispatcher == "deepspeed" else
                         "+".join(cached_transports()) + (" fp8" if cfg.moe.fp8_dispatch else ""))
     if cfg.train.checkpoint_dir:
-        engine.save_checkpoint(cfg.train.checkpoint_dir)
+        checkpoint.save(cfg.train.checkpoint_dir, cfg.train.steps, dataclasses.asdict(cfg),
+                        write=lambda directory: engine.save_checkpoint(os.path.dirname(directory),
+                                                                       tag=os.path.basename(directory)))
     engine.destroy()  # release the optimizer's state before the next engine or the end of the process group
     return result
 
@@ -234,9 +242,22 @@ def format_table(cfg: RunConfig, results: dict[str, TrainResult]) -> str:
     return "\n".join(lines)
 
 
+def init_deepspeed_comm() -> None:
+    """Join DeepSpeed's comm to the process group already initialised.
+
+    On gloo (CPU ranks) DeepSpeed's CPU accelerator would JIT-compile its shared-memory allreduce op
+    (``deepspeed_shm_comm``: a C++ compiler and about 60 s) on first use; gloo serves these runs, so the op is
+    marked unavailable in DeepSpeed's own table of compatible ops and nothing is compiled.
+    """
+    if dist.get_backend() == "gloo":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+
 def main(cfg: RunConfig, compare_dispatchers: bool = False) -> dict[str, TrainResult]:
     """Entry point on every rank (``examples/deepspeed_moe.py``): train (or compare), print, free buffers."""
     validate(cfg, dist.get_world_size())
+    init_deepspeed_comm()
     try:
         if compare_dispatchers:
             return compare(cfg)

@@ -52,7 +52,8 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
         raise TypeError(f"token_probs: expected float32 (as DeepEP), got {token_probs.dtype}")
     buffer = get_buffer(group, _hidden_bytes(x), _options.transport, _options.timeout_s)
     recv_x, recv_idx, recv_probs, counts, handle = ep_autograd.dispatch(
-        buffer, x.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch)
+        buffer, x.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch,
+        round_scale=_options.round_scale)
     return recv_x, recv_idx, recv_probs, torch.tensor(list(counts), dtype=torch.long), (group, buffer, handle)
 
 

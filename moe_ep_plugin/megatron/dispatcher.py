@@ -27,8 +27,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .. import Buffer
 from .. import autograd as ep_autograd
-from ..buffer_cache import get_buffer
-from ..config import combine_config, dispatch_config
+from ..buffer_cache import get_buffer, sm_configs
 from ..ops.routing import routing_map_to_topk
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
@@ -117,7 +116,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
         expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
             self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
-            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment, configs=self._configs)
+            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
+            round_scale=self.options.round_scale, configs=self._configs)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._topk_idx = None
         if self.shared_experts is not None:
@@ -135,9 +135,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
             buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, num_sms)
             self._shared_buffer, self._shared_buffer_key = buffer, key
-            ep = buffer.group_size
-            self._configs = (None if options.num_sms is None
-                             else (dispatch_config(num_sms, ep), combine_config(num_sms, ep)))
+            self._configs = sm_configs(options.num_sms, buffer.group_size)
         return buffer
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):

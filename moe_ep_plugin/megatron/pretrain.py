@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import time
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import launch
+from ..config import DEFAULT_TIMEOUT_S
+from ..train import checkpoint, progress, schedule
+from ..yaml_sections import config_error, read_yaml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,10 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _lr(step: int, train: Any) -> float:
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    return schedule.lr_at(step, train.lr, train.min_lr, train.warmup_steps, train.steps)
 
 
 def _flat_all_reduce(grads: list[torch.Tensor], group: Any) -> None:
@@ -105,38 +103,25 @@ def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
                 router.local_tokens_per_expert.zero_()
 
 
-def _checkpoint_file(directory: str, step: int, rank: int) -> str:
-    return os.path.join(directory, f"iter_{step:07d}", f"rank_{rank:05d}.pt")
-
-
-def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its own shard; rank 0 then points ``latest`` at the step (a complete checkpoint)."""
-    rank = dist.get_rank()
-    path = _checkpoint_file(directory, step, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "world_size": dist.get_world_size(), "torch_rng": torch.get_rng_state()}, path)
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
-            f.write(str(step))
+def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    config: dict[str, Any]) -> None:
+    """Collective: every rank writes its own shard; rank 0 then marks the step complete (``train.checkpoint``)."""
+    checkpoint.save(directory, step, config, state={"step": step, "model": model.state_dict(),
+                                                    "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
 
 
 def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore the step ``latest`` names; returns it (0 when the directory holds no checkpoint)."""
-    marker = os.path.join(directory, "latest")
-    if not os.path.isfile(marker):
+    """Restore the newest complete checkpoint under ``directory``; returns its step (0 when there is none)."""
+    found = checkpoint.newest(directory)
+    if found is None:
         return 0
-    with open(marker, encoding="utf-8") as f:
-        step = int(f.read().strip())
-    state = torch.load(_checkpoint_file(directory, step, dist.get_rank()), map_location="cpu", weights_only=False)
-    if state["world_size"] != dist.get_world_size():
-        raise ValueError(f"train.load_dir: checkpoint was written by {state['world_size']} ranks, this run has "
-                         f"{dist.get_world_size()}")
+    checkpoint.check_matches(checkpoint.read_meta(found, "train.load_dir"), found, {}, (), dist.get_world_size(),
+                             "train.load_dir")
+    state = checkpoint.load_rank_state(found, "train.load_dir")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    return step
+    checkpoint.set_rng_state(state["rng"])
+    return state["step"]
 
 
 def _optimizer(model: torch.nn.Module, train: Any) -> torch.optim.Optimizer:
@@ -170,17 +155,13 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
     cfg = load_pretrain_config(path)
     cfg.train = dataclasses.replace(cfg.train, **overrides)
     train, par = cfg.train, cfg.parallel
-    if par.get("pipeline_model_parallel_size", 1) != 1:
-        raise ValueError("parallel.pipeline_model_parallel_size: the launcher runs one pipeline stage; use 1")
+    saved_config = {"yaml": read_yaml(path), "overrides": overrides}
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ps.initialize_model_parallel(par.get("tensor_model_parallel_size", 1), 1,
                                  expert_model_parallel_size=par.get("expert_model_parallel_size", 1),
                                  expert_tensor_parallel_size=par.get("expert_tensor_parallel_size"))
     seed_model_parallel_rng(train.seed)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if train.global_batch_size % (train.micro_batch_size * dp):
-        raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
-                         f"micro_batch_size x data-parallel size = {train.micro_batch_size * dp}")
     num_micro = train.global_batch_size // (train.micro_batch_size * dp)
     model = build_gpt_model(cfg, device)
     optimizer = _optimizer(model, train)
@@ -200,11 +181,9 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
     metrics = open(os.path.join(train.save_dir, "metrics.jsonl"), "a", encoding="utf-8") if (
         is_logger and train.save_dir) else None
     model.train()
-    tokens_per_step = train.global_batch_size * train.seq_length
-    t_last, logged, first_loss = time.perf_counter(), start, None
+    rate, first_loss = progress.TokenRate(train.global_batch_size * train.seq_length, start), None
     for step in range(start, train.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, train)
+        schedule.set_lr(optimizer, _lr(step, train))
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=device) / num_micro)
         loss_sum = torch.zeros((), device=device)
         for micro in range(num_micro):
@@ -227,20 +206,18 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
         step_loss = float(loss_sum) / (num_micro * dp)
         first_loss = step_loss if first_loss is None else first_loss
         done = step + 1
-        if is_logger and (done % train.log_interval == 0 or done == train.steps or done == start + 1):
-            now = time.perf_counter()
-            rate = tokens_per_step * (done - logged) / (now - t_last)
-            print(f"step {done:5d}/{train.steps} | loss {step_loss:.4f} | lr {_lr(step, train):.2e} | grad norm "
-                  f"{float(grad_norm):.3f} | {rate:.0f} tok/s", flush=True)
-            t_last, logged = now, done
+        if is_logger and progress.due(done, train.steps, train.log_interval, start):
+            print(progress.line(done, train.steps, [f"loss {step_loss:.4f}", f"lr {_lr(step, train):.2e}",
+                                                    f"grad norm {float(grad_norm):.3f}",
+                                                    f"{rate.mark(done):,.0f} tok/s"]), flush=True)
         if metrics is not None:
             metrics.write(json.dumps({"step": done, "loss": step_loss, "lr": _lr(step, train),
                                       "grad_norm": float(grad_norm)}) + "\n")
             metrics.flush()
         if train.save_dir and train.save_interval and done % train.save_interval == 0:
-            save_checkpoint(train.save_dir, done, model, optimizer)
+            save_checkpoint(train.save_dir, done, model, optimizer, saved_config)
     if train.save_dir and start < train.steps and not (train.save_interval and train.steps % train.save_interval == 0):
-        save_checkpoint(train.save_dir, train.steps, model, optimizer)
+        save_checkpoint(train.save_dir, train.steps, model, optimizer, saved_config)
     if data.has_eval and start < train.steps:
         model.eval()
         with torch.no_grad():
@@ -257,21 +234,48 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
     ps.destroy_model_parallel()
 
 
+def check_world(cfg: Any, world: int, world_key: str) -> None:
+    """The parallel layout and the batch must tile ``world`` ranks (``world_key`` names where it came from);
+    raises ``ValueError`` naming the key before any rank starts."""
+    par, train = cfg.parallel, cfg.train
+    tp, ep = par.get("tensor_model_parallel_size", 1), par.get("expert_model_parallel_size", 1)
+    etp = par.get("expert_tensor_parallel_size") or tp
+    if world < 1 or world % tp:
+        raise ValueError(f"{world_key}: {world} ranks are not a multiple of parallel.tensor_model_parallel_size={tp}")
+    if world % (ep * etp):
+        raise ValueError(f"{world_key}: {world} ranks are not a multiple of parallel.expert_model_parallel_size x "
+                         f"expert_tensor_parallel_size = {ep * etp}")
+    dp = world // tp
+    if train.global_batch_size % (train.micro_batch_size * dp):
+        raise ValueError(f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
+                         f"train.micro_batch_size x data-parallel size = {train.micro_batch_size} x {dp}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from .yaml_config import load_pretrain_config
-    cfg = load_pretrain_config(args.config)  # validate before starting any rank
     overrides: dict[str, Any] = {}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.save_dir is not None:
         overrides["save_dir"] = args.save_dir
-    par = cfg.parallel
-    nprocs = args.nprocs or (par.get("tensor_model_parallel_size", 1) * par.get("pipeline_model_parallel_size", 1)
-                             * par.get("expert_model_parallel_size", 1))
-    launch.launch(_run, nprocs, args=(os.path.abspath(args.config), overrides), timeout_s=600)
-    return 0
-
+    try:  # everything the values alone decide, before any rank starts
+        cfg = load_pretrain_config(args.config)
+        cfg.train = dataclasses.replace(cfg.train, **overrides)
+        if cfg.train.steps < 1:
+            raise ValueError(f"--steps: must be >= 1, got {cfg.train.steps}")
+        par = cfg.parallel
+        if launch.under_torchrun():
+            nprocs, world_key = int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+        else:
+            nprocs = args.nprocs or (par.get("tensor_model_parallel_size", 1) * par.get("expert_model_parallel_size", 1))
+            world_key = "--nprocs" if args.nprocs else "parallel (TP x EP)"
+        check_world(cfg, nprocs, world_key)
+    except (TypeError, ValueError) as exc:
+        return config_error("moe-ep-pretrain", exc)
+    timeout_s = cfg.plugin.timeout_s if cfg.plugin is not None else DEFAULT_TIMEOUT_S
+    return launch.run_ranks("moe-ep-pretrain", _run, nprocs, (os.path.abspath(args.config), overrides),
+                            timeout_s=timeout_s)
 
 if __name__ == "__main__":
     raise SystemExit(main())

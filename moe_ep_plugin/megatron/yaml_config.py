@@ -10,7 +10,7 @@ names it:
   and ``dtype: fp32 | bf16 | fp16`` (sets ``params_dtype``/``bf16``/``fp16`` together).
   ``moe_token_dispatcher_type: ep_plugin`` selects this library's dispatcher; ``flex`` with
   ``moe_flex_dispatcher_backend: deepep`` runs Megatron's own flex dispatcher on this library.
-- ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``num_sms``, ``timeout_s``).
+- ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``).
 - ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
 - ``train``, ``data``: the launcher's own options (:class:`TrainOptions`, :class:`DataOptions`).
 """
@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..yaml_sections import build_section, check_sections, coerce, read_yaml
+from ..yaml_sections import build_section, check_sections, coerce, optional_inner, read_yaml
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -93,19 +93,51 @@ class PretrainConfig:
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
     value = raw.get(name) or {}
     if not isinstance(value, dict):
-        raise TypeError(f"{name}: expected a mapping, got {type(value).__name__}")
+        raise ValueError(f"{name}: expected a mapping, got {type(value).__name__}")
     return dict(value)
 
 
-_PLAIN = {"bool": bool, "int": int, "float": float, "str": str}
-
-
 def _model_value(key: str, spec: dataclasses.Field, value: Any) -> Any:
-    """A ``TransformerConfig`` field's YAML value, type-checked when the field is a plain bool/int/float/str
-    (Megatron's other annotations — Optional, Literal, callables — are left to its own ``__post_init__``)."""
-    annotation = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", "")
-    plain = _PLAIN.get(annotation)
-    return value if plain is None or value is None else coerce(key, value, plain)
+    """A ``TransformerConfig`` field's YAML value, type-checked when the field is a plain bool/int/float/str or
+    Optional of one (Megatron's other annotations are left to its own ``__post_init__``)."""
+    hint = optional_inner(spec.type) or spec.type
+    return coerce(key, value, spec.type) if hint in (bool, int, float, str) and value is not None else value
+
+
+def _check_shape(kwargs: dict[str, Any]) -> None:
+    """Model sizes Megatron-Core checks late or not at all (a reshape error in the ranks, a ZeroDivisionError)."""
+    for key in ("num_layers", "hidden_size", "num_attention_heads"):
+        if not isinstance(kwargs.get(key), int) or kwargs[key] < 1:
+            raise ValueError(f"model.{key}: expected an int >= 1, got {kwargs.get(key)!r}")
+    hidden, heads, groups = kwargs["hidden_size"], kwargs["num_attention_heads"], kwargs.get("num_query_groups")
+    if kwargs.get("kv_channels") is None and hidden % heads:
+        raise ValueError(f"model.num_attention_heads: model.hidden_size={hidden} is not a multiple of {heads} heads "
+                         f"(or set model.kv_channels)")
+    if groups is not None and (groups < 1 or heads % groups):
+        raise ValueError(f"model.num_query_groups: {groups} does not divide model.num_attention_heads={heads}")
+    freq = kwargs.get("moe_layer_freq")
+    if isinstance(freq, list) and len(freq) != kwargs["num_layers"]:
+        raise ValueError(f"model.moe_layer_freq: {len(freq)} entries for model.num_layers={kwargs['num_layers']}")
+
+
+def _check_experts(kwargs: dict[str, Any]) -> None:
+    """What Megatron-Core checks late or not at all (after the ranks started, or as an index error)."""
+    experts, topk = kwargs.get("num_moe_experts"), kwargs.get("moe_router_topk", 2)
+    if experts is None:
+        return
+    if experts < 1:
+        raise ValueError(f"model.num_moe_experts: must be >= 1 (or null for a dense model), got {experts}")
+    if not 1 <= topk <= experts:
+        raise ValueError(f"model.moe_router_topk: top-{topk} needs 1 <= topk <= model.num_moe_experts={experts}")
+    ep = kwargs.get("expert_model_parallel_size", 1)
+    if experts % ep:
+        raise ValueError(f"model.num_moe_experts: {experts} experts cannot be split evenly over "
+                         f"parallel.expert_model_parallel_size={ep} ranks")
+    groups, group_topk = kwargs.get("moe_router_num_groups"), kwargs.get("moe_router_group_topk")
+    if groups is not None and (groups < 1 or experts % groups):
+        raise ValueError(f"model.moe_router_num_groups: {groups} groups do not divide model.num_moe_experts={experts}")
+    if groups is not None and group_topk is not None and not 1 <= group_topk <= groups:
+        raise ValueError(f"model.moe_router_group_topk: {group_topk} is not in 1..model.moe_router_num_groups={groups}")
 
 
 def _config_class(model: dict[str, Any]) -> type:
@@ -149,6 +181,15 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
         raise ValueError(f"model: unknown key(s) {unknown} for {cls.__name__}")
     for key, value in model.items():
         kwargs[key] = _model_value(f"model.{key}", known[key], value)
+    for key in PARALLEL_KEYS[:4]:
+        if key in kwargs and kwargs[key] is not None:
+            kwargs[key] = coerce(f"parallel.{key}", kwargs[key], int)
+            if kwargs[key] < 1:
+                raise ValueError(f"parallel.{key}: must be >= 1, got {kwargs[key]}")
+    if kwargs.get("pipeline_model_parallel_size", 1) != 1:
+        raise ValueError("parallel.pipeline_model_parallel_size: the launcher runs one pipeline stage; use 1")
+    _check_shape(kwargs)
+    _check_experts(kwargs)
 
     dispatcher = model.get("moe_token_dispatcher_type", "allgather")
     serves_plugin = dispatcher == PLUGIN_DISPATCHER_TYPE or (
@@ -162,7 +203,10 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     if serves_plugin:
         from .registration import install
         install(plugin)  # idempotent; makes this config's options the defaults of the DeepEP shim
-    config = cls(**kwargs)
+    try:
+        config = cls(**kwargs)
+    except (AssertionError, TypeError, ValueError) as exc:  # Megatron's own checks name fields, not our sections
+        raise ValueError(f"model: Megatron-Core's {cls.__name__} rejects this section: {exc}") from exc
     if dispatcher == PLUGIN_DISPATCHER_TYPE:
         set_plugin_options(config, plugin or PluginOptions())
     return config
@@ -177,7 +221,7 @@ def load_pretrain_config(source: Union[str, dict[str, Any]]) -> PretrainConfig:
     else:
         raise TypeError(f"source: expected a YAML path or a mapping, got {type(source).__name__}")
     check_sections(raw, SECTIONS)
-    plugin = PluginOptions.from_dict(_section(raw, "ep_plugin")) if "ep_plugin" in raw else None
+    plugin = PluginOptions.from_dict(raw["ep_plugin"] or {}, "ep_plugin") if "ep_plugin" in raw else None
     parallel = _section(raw, "parallel")
     train = build_section("train", TrainOptions, raw.get("train"))
     data = build_section("data", DataOptions, raw.get("data"))

@@ -13,9 +13,10 @@ from typing import Optional, Sequence
 import torch
 
 from .. import launch
+from ..yaml_sections import CONFIG_ERROR_EXIT, config_error
 from . import config as config_mod
 from . import metrics
-from .trainer import resolve_backend, run
+from .trainer import preflight, run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,20 +63,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         why_not = metrics.write_plots(args.plot)
         print(f"moe-ep-train: plots not written: {why_not}" if why_not else f"wrote {args.plot}/loss.png, expert_load.png")
         return 1 if why_not else 0
+    if args.until is not None and args.until < 1:
+        print(f"moe-ep-train: --until must be >= 1, got {args.until}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     try:
         cfg = config_mod.load(args.config, tuple(args.overrides))
+        backend = preflight(cfg)
         if args.dry_run:
             print(dry_run(cfg))
             return 0
-        backend = resolve_backend(cfg)
     except ValueError as exc:
-        print(f"moe-ep-train: config error: {exc}", file=sys.stderr)
-        return 2
-    if args.until is not None and args.until < 1:
-        print(f"moe-ep-train: --until must be >= 1, got {args.until}", file=sys.stderr)
-        return 2
-    launch.launch(run, cfg.parallel.nprocs, (cfg, args.until), backend=backend, timeout_s=cfg.parallel.timeout_s)
-    return 0
+        return config_error("moe-ep-train", exc)
+    return launch.run_ranks("moe-ep-train", run, cfg.parallel.nprocs, (cfg, args.until), backend=backend,
+                            timeout_s=cfg.parallel.timeout_s)
 
 
 if __name__ == "__main__":

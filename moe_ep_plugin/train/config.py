@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
+from ..config import DEFAULT_TIMEOUT_S
 from ..transports import TRANSPORTS
 from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
 
@@ -71,7 +71,8 @@ class ParallelConfig:
                           "'torch' (torch.distributed collectives, any device) or 'nvlink'.", "auto")
     fp8_dispatch: bool = _doc("Send tokens as FP8 e4m3 with per-128-channel scales on dispatch (receive BF16); "
                               "combine and all gradients stay BF16. Needs hidden_size % 128 == 0.", False)
-    timeout_s: float = _doc("Seconds a collective may wait for a missing rank before raising.", 120.0)
+    timeout_s: float = _doc("Seconds a collective may wait for a missing rank before raising.",
+                            DEFAULT_TIMEOUT_S)
 
 
 @dataclass
@@ -228,6 +229,8 @@ def validate(cfg: TrainerConfig, world_size: Optional[int] = None) -> None:
     _require(not (p.device == "cpu" and p.backend == "nccl"), "parallel.backend", "nccl needs parallel.device: cuda")
     _require(not (p.device == "cuda" and p.backend == "gloo"), "parallel.backend",
              "gloo cannot move CUDA tensors for the Buffer; use nccl or auto")
+    _require(not os.path.exists(o.dir) or os.path.isdir(o.dir), "output.dir",
+             f"{o.dir!r} exists and is not a directory")
     _require(o.resume in ("auto", "never") or os.path.isdir(o.resume), "output.resume",
              f"expected 'auto', 'never' or an existing checkpoint directory, got {o.resume!r}")
 

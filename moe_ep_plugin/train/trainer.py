@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .. import gating
 from ..buffer import Buffer
 from ..buffer_cache import nvl_bytes_hint
-from . import checkpoint, metrics
+from . import checkpoint, metrics, progress, schedule
 from .config import TrainerConfig, validate
 from .data import TokenWindows, load_tokens
 from .model import MoETransformer
@@ -43,6 +43,26 @@ def resolve_backend(cfg: TrainerConfig) -> str:
     return "nccl" if resolve_device(cfg).type == "cuda" else "gloo"
 
 
+def preflight(cfg: TrainerConfig) -> str:
+    """Checks that need this machine or files, not the values alone, done before any rank starts: a GPU for
+    ``cuda``/``nccl``/``nvlink``, a corpus long enough for ``model.seq_len``, a checkpoint to resume that fits
+    this config. Returns the backend; raises ``ValueError`` naming the key."""
+    p = cfg.parallel
+    device = resolve_device(cfg)
+    if p.backend == "nccl" and device.type != "cuda":
+        raise ValueError("parallel.backend: 'nccl' moves CUDA tensors, but torch sees no GPU here (use auto or gloo)")
+    if p.transport == "nvlink" and device.type != "cuda":
+        raise ValueError("parallel.transport: 'nvlink' runs CUDA kernels, but the ranks run on the CPU here "
+                         "(use auto or torch)")
+    TokenWindows(load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len, cfg.data.eval_fraction,
+                 cfg.train.seed)
+    if "WORLD_SIZE" in os.environ:  # under torchrun
+        resume_dir(cfg, int(os.environ["WORLD_SIZE"]), "WORLD_SIZE")
+    else:
+        resume_dir(cfg, p.nprocs, "parallel.nprocs")
+    return resolve_backend(cfg)
+
+
 def resolve_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -52,10 +72,26 @@ def resolve_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
 def lr_at(cfg: TrainerConfig, step: int) -> float:
     """Linear warm-up to ``train.lr``, then cosine decay to ``train.min_lr`` at ``train.steps``."""
     t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return schedule.lr_at(step, t.lr, t.min_lr, t.warmup_steps, t.steps)
+
+
+def checkpoint_root(cfg: TrainerConfig) -> str:
+    return os.path.join(cfg.output.dir, "checkpoints")
+
+
+# Keys a resumed run must share with the checkpoint for the loss trajectory to continue.
+MUST_MATCH = ("model", "moe", "train.seed", "train.micro_batch_size", "data.path", "data.eval_fraction")
+
+
+def resume_dir(cfg: TrainerConfig, world: int, world_key: str) -> Optional[str]:
+    """The checkpoint ``output.resume`` asks for (None: start fresh), checked against this config and EP size."""
+    if cfg.output.resume == "never":
+        return None
+    directory = checkpoint.newest(checkpoint_root(cfg)) if cfg.output.resume == "auto" else cfg.output.resume
+    if directory is not None:
+        checkpoint.check_matches(checkpoint.read_meta(directory, "output.resume"), directory, cfg.to_dict(),
+                                 MUST_MATCH, world, world_key)
+    return directory
 
 
 def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -158,9 +194,7 @@ class Trainer:
     def optimizer_step(self, step: int, result: StepResult) -> float:
         """Clip, AdamW step at the scheduled LR, then the aux-loss-free bias update from the global loads."""
         norm = self.clip_gradients()
-        lr = lr_at(self.cfg, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        schedule.set_lr(self.optimizer, lr_at(self.cfg, step))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.cfg.moe.expert_bias:
@@ -184,10 +218,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the whole run
     def resume(self) -> Optional[str]:
-        directory = checkpoint.find_resume_dir(self.cfg)
+        directory = resume_dir(self.cfg, self.world, "parallel.nprocs")
         if directory is not None:
-            self.step, self.load_totals = checkpoint.load(directory, self.cfg, self.model, self.optimizer, self.group)
+            state = checkpoint.load_rank_state(directory, "output.resume", self.group)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            checkpoint.set_rng_state(state["rng"])
+            self.step, self.load_totals = state["step"], state["load_totals"]
         return directory
+
+    def save(self) -> str:
+        """Collective: this rank's model, optimizer, RNG, step and expert loads (see :mod:`.checkpoint`)."""
+        state = {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "rng": checkpoint.rng_state(), "load_totals": self.load_totals.cpu()}
+        return checkpoint.save(checkpoint_root(self.cfg), self.step, self.cfg.to_dict(), self.group, state=state,
+                               keep=self.cfg.output.keep_checkpoints)
 
     def train(self, until: Optional[int] = None) -> dict[str, float]:
         """Train from the resumed step to ``train.steps`` (or stop after step ``until``, checkpointing there, as a
@@ -231,11 +276,11 @@ class Trainer:
                 writer.write(last)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-                if self.step % cfg.output.log_interval == 0 or done or eval_loss is not None:
+                if progress.due(self.step, end, cfg.output.log_interval) or eval_loss is not None:
                     logger.info(_format(last, cfg.train.steps))
             interval = cfg.output.checkpoint_interval
             if done or (interval and self.step % interval == 0):
-                path = checkpoint.save(cfg, self.step, self.model, self.optimizer, self.load_totals, self.group)
+                path = self.save()
                 if lead:
                     logger.info(f"checkpoint saved: {path}")
         bar.close()
@@ -274,13 +319,12 @@ class Trainer:
 
 
 def _format(row: dict, total_steps: int) -> str:
-    width = len(str(total_steps))
-    text = (f"step {row['step']:>{width}}/{total_steps} | loss {row['loss']:.4f} (aux {row['aux_loss']:.2e}) | "
-            f"lr {row['lr']:.2e} | grad {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | "
-            f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})")
+    items = [f"loss {row['loss']:.4f} (aux {row['aux_loss']:.2e})", f"lr {row['lr']:.2e}",
+             f"grad {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s",
+             f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})"]
     if row["eval_loss"] is not None:
-        text += f" | eval {row['eval_loss']:.4f}"
-    return text
+        items.append(f"eval {row['eval_loss']:.4f}")
+    return progress.line(row["step"], total_steps, items)
 
 
 def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:

@@ -1,0 +1,204 @@
+"""Launch and front-door faults: a failed or hung spawned rank ends the job within a bound, naming the rank and
+why; config errors are one line naming the key, exit code 2, before any rank starts (all three front doors)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_ep_plugin import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _stop_rank_1() -> None:
+    """Rank 1 stops itself (SIGSTOP) before the collective; rank 0 times out waiting for it."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))
+
+
+def _fail_rank_0_while_rank_1_sleeps() -> None:
+    if dist.get_rank() == 0:
+        raise ValueError("moe.topk: rank 0 refuses")
+    time.sleep(600)
+
+
+def _fail_on(rank: int) -> None:
+    if dist.get_rank() == rank:
+        os._exit(3)  # no exception, no report: the exit code is all the launcher sees
+    dist.barrier()
+
+
+def test_a_stopped_rank_is_ended_and_named_within_a_bound() -> None:
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchError) as info:
+        launch.spawn(_stop_rank_1, 2, backend="gloo", timeout_s=3.0, grace_s=1.0)
+    elapsed = time.monotonic() - start
+    failures = {f.rank: f.reason for f in info.value.failures}
+    assert sorted(failures) == [0, 1]
+    assert info.value.failures[0].rank == 0  # the rank that failed first comes first
+    assert failures[0].startswith("failed: RuntimeError: ") and "Timed out waiting 3000ms" in failures[0]
+    assert failures[1] == "was stopped (SIGSTOP) 1 s after rank 0 failed; ended by the launcher"
+    assert elapsed < 60, f"the launcher took {elapsed:.0f} s"
+
+
+def test_a_failed_rank_ends_a_sleeping_one() -> None:
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchError) as info:
+        launch.spawn(_fail_rank_0_while_rank_1_sleeps, 2, backend="gloo", grace_s=1.0)
+    assert time.monotonic() - start < 60
+    assert [(f.rank, f.reason) for f in info.value.failures] == [
+        (0, "failed: ValueError: moe.topk: rank 0 refuses"),
+        (1, "was still running 1 s after rank 0 failed; ended by the launcher")]
+    assert "Traceback" in info.value.failures[0].details
+    assert str(info.value).startswith("2 of 2 ranks failed\nrank 0 failed: ValueError: moe.topk: rank 0 refuses\n")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_rank_exiting_without_a_report_is_named_by_its_exit_code(world: int) -> None:
+    with pytest.raises(launch.LaunchError) as info:
+        launch.spawn(_fail_on, world, args=(world - 1,), backend="gloo", timeout_s=5.0, grace_s=1.0)
+    first = info.value.failures[0]
+    assert (first.rank, first.reason) == (world - 1, "exited with code 3")
+    assert {f.rank for f in info.value.failures} <= set(range(world))
+
+
+def test_run_ranks_exits_1_with_one_line_per_failed_rank(capfd) -> None:
+    code = launch.run_ranks("prog", _fail_rank_0_while_rank_1_sleeps, 2, backend="gloo")
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "prog: rank 0 failed: ValueError: moe.topk: rank 0 refuses\n" in err
+    assert "prog: rank 1 was still running" in err
+
+
+def test_spawn_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="nprocs"):
+        launch.spawn(_fail_on, 0)
+    with pytest.raises(ValueError, match="grace_s"):
+        launch.spawn(_fail_on, 1, grace_s=0)
+
+
+# ---------------------------------------------------------------- config errors: one line naming the key, exit 2
+def _one_line_error(capsys, prog: str, key: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"{prog}: config error: {key}:"), err
+    return err
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.backend=nccl"], "parallel.backend"),                    # device auto on a CPU machine
+    (["parallel.transport=nvlink", "parallel.device=cpu"], "parallel.transport"),
+    (["model.seq_len=200000"], "model.seq_len"),                        # longer than the shipped corpus
+    (["parallel.nprocs=3"], "moe.num_experts"),
+])
+def test_trainer_config_errors(capsys, overrides, key) -> None:
+    from moe_ep_plugin.train import cli
+    argv = [a for o in overrides for a in ("--set", o)]
+    assert cli.main(argv + ["--dry-run"]) == 2
+    _one_line_error(capsys, "moe-ep-train", key)
+    assert cli.main(argv) == 2
+    _one_line_error(capsys, "moe-ep-train", key)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU-less machine case")
+def test_trainer_nvlink_without_cuda_fails_the_dry_run(capsys) -> None:
+    from moe_ep_plugin.train import cli
+    assert cli.main(["--set", "parallel.transport=nvlink", "--dry-run"]) == 2
+    _one_line_error(capsys, "moe-ep-train", "parallel.transport")
+
+
+def test_trainer_output_dir_naming_a_file_and_yaml_syntax(capsys, tmp_path) -> None:
+    from moe_ep_plugin.train import cli
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    assert cli.main(["--set", f"output.dir={a_file}"]) == 2
+    _one_line_error(capsys, "moe-ep-train", "output.dir")
+    assert cli.main([_write(tmp_path, "train:\n  steps: [1,\n")]) == 2
+    err = _one_line_error(capsys, "moe-ep-train", f"config: {tmp_path / 'c.yaml'}")
+    assert "not valid YAML at line 3" in err
+    assert cli.main(["--set", "train.steps=[1,"]) == 2
+    _one_line_error(capsys, "moe-ep-train", "override 'train.steps=[1,'")
+
+
+MEGATRON_CPU = os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml")
+
+
+@pytest.mark.parametrize("edit, key", [
+    ({"model": {"num_moe_experts": "8"}}, "model.num_moe_experts"),
+    ({"model": {"moe_router_topk": 9}}, "model.moe_router_topk"),
+    ({"model": {"num_moe_experts": 9, "moe_router_num_groups": 3}}, "model.num_moe_experts"),  # 9 over EP 2
+    ({"parallel": {"pipeline_model_parallel_size": 2}}, "parallel.pipeline_model_parallel_size"),
+    ({"ep_plugin": {"timeout_s": -1}}, "ep_plugin.timeout_s"),
+    ({"ep_plugin": {"fp8_dispatch": "yes"}}, "ep_plugin.fp8_dispatch"),
+    ({"train": {"global_batch_size": 12}}, "train.global_batch_size"),  # not a multiple of 4 x DP 2
+    ({"model": {"num_attention_heads": 3}}, "model.num_attention_heads"),  # a reshape error in the ranks before
+    ({"model": {"num_query_groups": 3}}, "model.num_query_groups"),
+    ({"model": {"num_layers": 0}}, "model.num_layers"),                 # a ZeroDivisionError before
+    ({"model": {"moe_layer_freq": [0, 1]}}, "model.moe_layer_freq"),
+    ({"model": {"moe_router_score_function": "relu"}}, "model"),        # Megatron's own check, wrapped
+])
+def test_megatron_launcher_config_errors(capsys, tmp_path, edit, key) -> None:
+    pytest.importorskip("megatron.core")
+    import yaml
+
+    from moe_ep_plugin import megatron as ep_megatron
+    from moe_ep_plugin.megatron import pretrain
+    raw = yaml.safe_load(open(MEGATRON_CPU))
+    for section, values in edit.items():
+        raw[section].update(values)
+    try:
+        assert pretrain.main([_write(tmp_path, yaml.safe_dump(raw))]) == 2
+    finally:
+        ep_megatron.uninstall()
+    _one_line_error(capsys, "moe-ep-pretrain", key)
+
+
+def test_megatron_launcher_yaml_syntax_and_world(capsys, tmp_path) -> None:
+    pytest.importorskip("megatron.core")
+    from moe_ep_plugin import megatron as ep_megatron
+    from moe_ep_plugin.megatron import pretrain
+    assert pretrain.main([_write(tmp_path, "model: {num_layers: 2\n")]) == 2
+    _one_line_error(capsys, "moe-ep-pretrain", f"config: {tmp_path / 'c.yaml'}")
+    try:
+        assert pretrain.main([MEGATRON_CPU, "--nprocs", "3"]) == 2
+    finally:
+        ep_megatron.uninstall()
+    _one_line_error(capsys, "moe-ep-pretrain", "--nprocs")
+
+
+def _deepspeed_cli():
+    pytest.importorskip("deepspeed")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("deepspeed_moe_example", os.path.join(ROOT, "examples",
+                                                                                         "deepspeed_moe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cli
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["deepspeed.zero_optimization=2"], "deepspeed.zero_optimization"),
+    (["moe.timeout_s=0"], "moe.timeout_s"),
+    (["moe.num_sms=3"], "moe.num_sms"),
+    (["moe.round_scale=true"], "moe.round_scale"),                      # without fp8_dispatch
+    (["moe.transport=rdma"], "moe.transport"),
+    (["moe.num_experts=7"], "moe.num_experts"),
+])
+def test_deepspeed_example_config_errors(capsys, overrides, key) -> None:
+    cli = _deepspeed_cli()
+    assert cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"), *overrides]) == 2
+    _one_line_error(capsys, "deepspeed_moe.py", key)
