@@ -336,6 +336,9 @@ __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blo
 struct NotifyArgs {
     const int32_t* num_tokens_per_rank;  // [R] (normal mode; null for a replay: barrier and send order only)
     const int32_t* num_invalid;          // [1] with num_tokens_per_rank
+    const int32_t* num_tokens_per_expert;  // [E] (normal mode without top-k, else null)
+    int meta[kMetaWords];                // this rank's dispatch description (check_meta)
+    bool check_meta;
     const uint8_t* in_rank;              // [N, R] (normal mode)
     const int64_t* topk_idx;             // [N, K] (expert-major mode)
     int32_t *rpm, *send_pos, *send_list, *info;
@@ -357,7 +360,7 @@ constexpr int kPositionsPerThread = 8;
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, NotifyArgs a) {
     const int R = c.num_ranks, me = c.rank;
     const bool derive = a.derive;
-    const int E = derive ? a.num_experts : 0, L = E / R;
+    const int E = derive || a.num_tokens_per_expert != nullptr ? a.num_experts : 0, L = E / R;
     __shared__ int scratch[33];
     if (blockIdx.x == 0) {
         __shared__ int s_counts[kMaxRanks * kMaxExperts];  // this rank's [E] counts, later every rank's [R][E]
@@ -380,6 +383,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
                 }
                 for (; ranks != 0; ranks &= ranks - 1) atomicAdd(&s_rank[__ffs(int(ranks)) - 1], 1);
             }
+        } else if (E > 0) {
+            for (int i = threadIdx.x; i < E; i += blockDim.x) s_counts[i] = a.num_tokens_per_expert[i];
         }
         if (!block_barrier(c)) return;  // its __syncthreads also publishes the counts above to the block
         if (!derive && a.num_tokens_per_rank == nullptr) return;
@@ -390,6 +395,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
         }
         if (threadIdx.x < R)
             *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) = derive ? s_invalid : *a.num_invalid;
+        if (a.check_meta)
+            for (int i = threadIdx.x; i < R * kMetaWords; i += blockDim.x)
+                *reinterpret_cast<volatile int*>(&header(c.bufs[i / kMetaWords])->meta[me][i % kMetaWords]) =
+                    a.meta[i % kMetaWords];
         for (int i = threadIdx.x; i < R * E; i += blockDim.x)
             reinterpret_cast<volatile int*>(expert_counts(c.bufs[i / E], me))[i % E] = s_counts[i % E];
         if (!block_barrier(c)) return;
@@ -407,8 +416,25 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
             int ranks = 0;  // bit i: rank i holds out-of-range expert ids
             for (int i = 0; i < R; ++i) ranks |= ld_volatile(&mine->invalid[i]) != 0 ? 1 << i : 0;
             a.info[1] = ranks;
+            if (a.check_meta) {  // every rank sees every rank's words, so every rank records the same error
+                int differ = 0, words = 0;
+                for (int i = 1; i < R; ++i)
+                    for (int w = 0; w < kMetaWords; ++w)
+                        if (ld_volatile(&mine->meta[i][w]) != ld_volatile(&mine->meta[0][w])) {
+                            differ |= 1 << i;
+                            words |= 1 << w;
+                        }
+                if (differ != 0) report_error(c, MOE_EP_ERR_MISMATCH, differ, words);
+            }
         }
-        if (!derive) return;
+        if (!derive) {
+            for (int l = threadIdx.x; l < L; l += blockDim.x) {  // without top-k: entries for each local expert
+                int total = 0;
+                for (int src = 0; src < R; ++src) total += ld_volatile(expert_counts(c.bufs[me], src) + me * L + l);
+                a.info[2 + l] = total;
+            }
+            return;
+        }
         for (int i = threadIdx.x; i < R * E; i += blockDim.x) s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
         __syncthreads();
         // One thread per destination rank walks its experts in order (shared-memory reads only).
@@ -1022,8 +1048,10 @@ using namespace moe_ep;
 
 // The outputs every notify writes.
 static NotifyArgs notify_outputs(int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
-                                 int64_t num_tokens, int64_t list_stride) {
+                                 int64_t num_tokens, int64_t list_stride, const int32_t* meta) {
     NotifyArgs a{};
+    a.check_meta = meta != nullptr;
+    for (int w = 0; a.check_meta && w < kMetaWords; ++w) a.meta[w] = meta[w];
     a.rpm = rank_prefix_matrix;
     a.send_pos = send_pos;
     a.send_list = send_list;
@@ -1036,12 +1064,20 @@ static NotifyArgs notify_outputs(int32_t* rank_prefix_matrix, int32_t* send_pos,
 extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
                                       const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
                                       int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
+                                      const int32_t* meta, const int32_t* num_tokens_per_expert, int64_t num_experts,
                                       void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
     if (num_tokens_per_rank != nullptr && (num_invalid == nullptr || rank_prefix_matrix == nullptr || info == nullptr))
         return set_error(-1, "moe_ep_notify_dispatch: a count exchange needs num_invalid, rank_prefix_matrix and info");
-    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
+    if (num_tokens_per_expert != nullptr &&
+        (num_tokens_per_rank == nullptr || num_experts < 1 || num_experts > kMaxExperts ||
+         num_experts % ctx->dev.num_ranks != 0))
+        return set_error(-1, "moe_ep_notify_dispatch: per-expert counts need a count exchange and num_experts a "
+                             "multiple of the ranks in [1, " + std::to_string(kMaxExperts) + "]");
+    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride, meta);
+    a.num_tokens_per_expert = num_tokens_per_expert;
+    a.num_experts = int(num_experts);
     a.num_tokens_per_rank = num_tokens_per_rank;
     a.num_invalid = num_invalid;
     a.in_rank = is_token_in_rank;
@@ -1053,7 +1089,7 @@ extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int6
                                      int64_t num_experts, int64_t alignment, int64_t list_stride,
                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
                                      uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset, int32_t* info,
-                                     void* stream) {
+                                     const int32_t* meta, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const int R = ctx->dev.num_ranks;
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_experts: list_stride < num_tokens");
@@ -1062,7 +1098,7 @@ extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int6
                                  std::to_string(kMaxExperts) + "], num_topk >= 1 and alignment >= 1");
     if (num_tokens > 0 && (topk_idx == nullptr || is_token_in_rank == nullptr || expert_pos == nullptr))
         return set_error(-1, "moe_ep_notify_experts: topk_idx, is_token_in_rank and expert_pos are required");
-    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
+    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride, meta);
     a.topk_idx = topk_idx;
     a.in_rank_out = is_token_in_rank;
     a.expert_pos = expert_pos;

@@ -24,24 +24,29 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 
 
 # The dispatch Functions take their non-differentiable arguments as one ``call`` tuple ``(buffer, topk_idx,
-# num_experts, fp8_dispatch, expert_alignment)``: Function.apply does host work per argument (functorch
+# num_experts, fp8_dispatch, expert_alignment, layout)``: Function.apply does host work per argument (functorch
 # unwrapping, input bookkeeping); three arguments instead of seven took autograd.dispatch_experts from 8.2 to
-# 7.5 us per call on CPU (benchmarks/host_overhead.py).
-_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int]
+# 7.5 us per call on CPU (benchmarks/host_overhead.py). ``layout``: the caller's ``(num_tokens_per_rank,
+# is_token_in_rank, num_tokens_per_expert)`` (a dispatch without top-k) or None.
+_Layout = Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+_DispatchCall = tuple[Buffer, Optional[torch.Tensor], Optional[int], bool, int, _Layout]
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, layout = call
+        per_rank, in_rank, per_expert = layout if layout is not None else (None, None, None)
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
             expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
-        ctx.x_meta = (x.shape[1], x.dtype)
-        ctx.mark_non_differentiable(recv_idx)
+        ctx.x_meta = (x.shape[1], x.dtype, x.device)
+        if recv_idx is not None:
+            ctx.mark_non_differentiable(recv_idx)
         return recv_x, recv_idx, recv_weights, counts, handle
 
     @staticmethod
@@ -49,8 +54,8 @@ class _Dispatch(torch.autograd.Function):
         (recv_idx,) = ctx.saved_tensors
         handle: DispatchHandle = ctx.handle
         if grad_recv_x is None:
-            hidden, dtype = ctx.x_meta
-            grad_recv_x = torch.zeros(handle.num_recv_rows, hidden, dtype=dtype, device=recv_idx.device)
+            hidden, dtype, device = ctx.x_meta
+            grad_recv_x = torch.zeros(handle.num_recv_rows, hidden, dtype=dtype, device=device)
         weights_grad = None
         if ctx.has_weights:
             if grad_recv_weights is None:
@@ -81,7 +86,7 @@ class _Combine(torch.autograd.Function):
 class _DispatchExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, _ = call
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
             x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch)
         ctx.buffer, ctx.handle = buffer, handle
@@ -98,17 +103,23 @@ class _DispatchExperts(torch.autograd.Function):
         return grad_x, grad_weights, None
 
 
-def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1
-             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
-    """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids).
+def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+             topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None, *,
+             fp8_dispatch: bool = False, expert_alignment: int = 1, num_tokens_per_rank: Optional[torch.Tensor] = None,
+             is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], list[int], DispatchHandle]:
+    """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids),
+    or without top-k from the three layout tensors (as :meth:`Buffer.dispatch` takes them).
 
-    Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids, recv_topk_weights [N_recv, K] float32,
-    num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
+    Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids or None, recv_topk_weights [N_recv, K]
+    float32 or None, num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
     ``fp8_dispatch`` the rows cross the wire in FP8 and arrive as BF16 (straight-through gradient).
     """
     _check_inputs(buffer, x)
-    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
+    layout = None
+    if num_tokens_per_rank is not None or is_token_in_rank is not None or num_tokens_per_expert is not None:
+        layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, layout))
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -127,7 +138,8 @@ def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, to
     wire in FP8 and arrive dequantized (straight-through gradient, sent back in ``x.dtype``).
     """
     _check_inputs(buffer, x)
-    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment))
+    return _DispatchExperts.apply(x, topk_weights,
+                                  (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, None))
 
 
 def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -32,7 +32,8 @@ from ..config import Config
 from ..event import current_stream_handle
 from ..handle import DispatchHandle, ExpertLayout
 from ..layout import count_invalid, invalid_ids_error
-from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
+from .base import (META_FIELDS, DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, dispatch_meta,
+                   metadata_error, slot_weights)
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
 _DEFAULT_ROWS = 8192
@@ -58,6 +59,12 @@ def combine_row_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _meta_words(args: DispatchArgs) -> ctypes.Array:
+    """``dispatch_meta(args)`` as the ``MOE_EP_META_WORDS`` int32 words notify exchanges (zero-padded)."""
+    words = dispatch_meta(args)
+    return (ctypes.c_int32 * _ext.META_WORDS)(*words, *([0] * (_ext.META_WORDS - len(words))))
 
 
 class _Carve:
@@ -250,6 +257,10 @@ class NVLinkTransport(Transport):
         if code == _ext.ERR_WORST_TOKENS:
             raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
                              "the outputs of that dispatch are incomplete")
+        if code == _ext.ERR_MISMATCH:  # sticky like every kernel-recorded error: the peer buffer's state is unknown
+            raise metadata_error([f for f in range(len(META_FIELDS)) if b >> f & 1],
+                                 [i for i in range(self.num_ranks) if a >> i & 1],
+                                 " (found by notify; this buffer is unusable now: destroy it and make a new one)")
         if code == _ext.ERR_CAPACITY:
             raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
@@ -294,19 +305,32 @@ class NVLinkTransport(Transport):
 
     # ---- dispatch ----
     def _notify(self, args: DispatchArgs) -> _Carve:
-        """Barrier + count exchange (token counts into the rank prefix matrix, and out-of-range expert ids) into
-        ``info`` (csrc/moe_ep.h); returns notify's outputs: the rank prefix matrix ``[R, R]`` directly followed by
-        ``info`` ``[2]`` (one host read brings both), ``send_pos`` ``[N, R]``, the send list ``[R, max(N, 1)]``."""
+        """Barrier + count exchange (token counts into the rank prefix matrix, out-of-range expert ids, the
+        ``dispatch_meta`` words every rank checks, and without top-k the per-expert counts) into ``info``
+        (csrc/moe_ep.h); returns notify's outputs: the rank prefix matrix ``[R, R]`` directly followed by ``info``
+        ``[2]`` (``[2 + L]`` without top-k; one host read brings both), ``send_pos`` ``[N, R]``, the send list
+        ``[R, max(N, 1)]``."""
         in_rank = args.is_token_in_rank.contiguous()
         n, r = in_rank.shape[0], self.num_ranks
-        counts = args.num_tokens_per_rank
-        if counts.dtype != torch.int32 or counts.device != self.device or not counts.is_contiguous():
-            counts = counts.to(device=self.device, dtype=torch.int32).contiguous()
+        if args.layout_given:  # derived, not trusted: a count contradicting is_token_in_rank would read past the rows
+            counts = in_rank.sum(0, dtype=torch.int32)
+        else:
+            counts = args.num_tokens_per_rank
+            if counts.dtype != torch.int32 or counts.device != self.device or not counts.is_contiguous():
+                counts = counts.to(device=self.device, dtype=torch.int32).contiguous()
         invalid = (count_invalid(args.topk_idx, args.num_experts) if args.topk_idx is not None
                    else torch.zeros(1, dtype=torch.int32, device=self.device))
-        out = _Carve(self.device, (r * r + 2,), (n, r), (r, max(n, 1)))
+        per_expert = None
+        if args.topk_idx is None:
+            if args.num_experts > _ext.MAX_EXPERTS:
+                raise ValueError(f"num_tokens_per_expert: a dispatch without top-k on nvlink exchanges at most "
+                                 f"{_ext.MAX_EXPERTS} experts' counts, got {args.num_experts}")
+            per_expert = args.num_tokens_per_expert.to(device=self.device, dtype=torch.int32).contiguous()
+        info = 2 + (args.num_experts // r if per_expert is not None else 0)
+        out = _Carve(self.device, (r * r + info,), (n, r), (r, max(n, 1)))
         _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(counts), _ptr(invalid), _ptr(in_rank), n,
                                                     max(n, 1), out.ptr(0), out.ptr(1), out.ptr(2), out.ptr(0, r * r),
+                                                    _meta_words(args), _ptr(per_expert), args.num_experts,
                                                     self._stream()), "notify_dispatch")
         return out
 
@@ -451,8 +475,9 @@ class NVLinkTransport(Transport):
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
                                 transport_state=_NVLinkState(notified, notified.ptr(2), max(n, 1)))
         if worst:
-            return self._dispatch_rows(args, handle)
-        read = self._start_read(notified.ptr(0), 2)
+            return self._without_topk_counts(args, self._dispatch_rows(args, handle), notified, None)
+        num_local = args.num_experts // self.num_ranks
+        read = self._start_read(notified.ptr(0), 2 + (num_local if args.topk_idx is None else 0))
         guess = handle.num_recv_rows
         result = self._dispatch_rows(args, handle, speculative_rows=1)
         handle.transport_state.host_counts, host, most = self._read_info(read(), args.num_experts)
@@ -460,11 +485,23 @@ class NVLinkTransport(Transport):
         if most > guess:  # some rank's rows did not fit: every rank dispatches again, with outputs that fit
             self._recv_guess = most
             self._replay_barrier(handle)
-            return self._dispatch_rows(args, handle)
+            return self._without_topk_counts(args, self._dispatch_rows(args, handle), notified, host)
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
         cut = [None if t is None else t[:num_recv]
                for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
-        return DispatchResult(*cut, result.num_recv_tokens_per_expert, handle)
+        return self._without_topk_counts(args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle),
+                                         notified, host)
+
+    def _without_topk_counts(self, args: DispatchArgs, result: DispatchResult, notified: _Carve,
+                             host: Optional[list[int]]) -> DispatchResult:
+        """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every
+        rank's ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``host``) when read."""
+        if args.topk_idx is not None:
+            return result
+        r, num_local = self.num_ranks, args.num_experts // self.num_ranks
+        result.num_recv_tokens_per_expert = notified.view(0, (r * r + 2 + num_local,))[r * r + 2:]
+        result.host_counts = None if host is None else host[2:2 + num_local]
+        return result
 
     def _dispatch_rows(self, args: DispatchArgs, handle: DispatchHandle, speculative_rows: int = 0) -> DispatchResult:
         """Outputs of ``handle.num_recv_rows`` rows and the dispatch kernel into them."""
@@ -518,7 +555,8 @@ class NVLinkTransport(Transport):
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
             _ext.check(self._lib.moe_ep_notify_experts(
                 self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2), out.ptr(3),
-                _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r), self._stream()), "notify_experts")
+                _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r), _meta_words(args), self._stream()),
+                "notify_experts")
             read = self._start_read(out.ptr(0), 3 + num_local)
             state = _NVLinkState(out, out.ptr(3), max(n, 1), None,
                                  _ExpertState(topk_idx, out.ptr(4), out.ptr(1), out.ptr(0, r * r)))
