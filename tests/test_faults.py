@@ -17,11 +17,11 @@ from reference import expected_dispatch, gather_all, routing
 TIMEOUT_S = 20.0
 
 
-def _healthy(buffer: Buffer, seed: int) -> None:
+def _healthy(buffer: Buffer, seed: int, experts_per_rank: int = 2) -> None:
     """A correct dispatch + combine after a fault: exact against the plain loop (the group is not dead)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed + rank)
-    num_experts, n = 2 * world, 5 + rank
+    num_experts, n = experts_per_rank * world, 5 + rank
     x = torch.randn(n, 32, generator=gen)
     idx = routing("random", n, 2, num_experts, gen)
     xs, idxs = zip(*gather_all((x, idx)))
@@ -31,7 +31,8 @@ def _healthy(buffer: Buffer, seed: int) -> None:
     if rows:
         assert torch.equal(recv_x, torch.stack(rows))
     combined = buffer.combine(recv_x, handle)[0]
-    copies = torch.tensor([len({e // 2 for e in row if e >= 0}) for row in idx.tolist()], dtype=x.dtype)
+    copies = torch.tensor([len({e // experts_per_rank for e in row if e >= 0}) for row in idx.tolist()],
+                          dtype=x.dtype)
     assert torch.equal(combined, x * copies.reshape(n, 1))  # each token's copies summed once per rank it went to
 
 
@@ -69,6 +70,10 @@ def _disagreeing_ranks() -> None:
     _raises_everywhere(lambda: buffer.dispatch(x.float()[:, :64] if odd else x, topk_idx=idx, num_experts=2 * world),
                        rf"disagree on hidden, x dtype: {last}")
     _healthy(buffer, 1)
+    # more experts than the count exchange carries inline (a second exchange), after a disagreement on them
+    _raises_everywhere(lambda: buffer.dispatch(x, topk_idx=idx, num_experts=(200 if odd else 150) * world),
+                       rf"disagree on num_experts: {last}")
+    _healthy(buffer, 2, experts_per_rank=150)
 
 
 def _contradicting_layouts() -> None:

@@ -1,7 +1,7 @@
 """The reference transport: variable-split ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU).
 
-A dispatch is one ``all_gather`` of per-rank counts and the words every rank checks (the ranks' agreement on
-the dispatch's shape, out-of-range ids, the layout, ``num_worst_tokens``), a second of per-expert counts, then the rows in one
+A dispatch is one fixed-size ``all_gather`` of per-rank and per-expert counts and the words every rank checks
+(the ranks' agreement on the dispatch's shape, out-of-range ids, the layout, ``num_worst_tokens``), then the rows in one
 ``all_to_all_single`` straight from an ``index_select`` of ``x`` in send order (FP8 rows as bytes), and the
 small per-row metadata (top-k ids, source index, weights, FP8 scales) in a second one. A cached-handle dispatch
 sends the rows (and FP8 scales) only. Combine sends the rows back in one ``all_to_all_single`` and sums each
@@ -23,10 +23,14 @@ from ..ops import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
 from ..ops.layout import count_invalid, dispatch_layout, invalid_ids_error, send_positions
-from .base import DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_error, meta_mismatch
+from .base import META_FIELDS, DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_error, meta_mismatch
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# Experts whose counts ride in the one fixed-size count exchange (DeepSeek-V3 has 256); more take a second one.
+INLINE_EXPERTS = 256
 
 
 @dataclass
@@ -121,10 +125,11 @@ class TorchTransport(Transport):
         and returns the handle and the received (row, local expert) pairs per local expert, ``[L]`` int32 and as a
         list.
 
-        Two exchanges: the first has the same size on every rank (per-rank counts, then the words every rank checks:
-        out-of-range ids, a contradicting layout, ``num_worst_tokens``, ``dispatch_meta``), so ranks that disagree on
-        ``num_experts`` get an error instead of mismatched collectives; the second carries the ``[E]`` per-expert
-        counts once every rank knows the others agree."""
+        The exchange has the same size on every rank (per-rank counts, the words every rank checks: out-of-range
+        ids, a contradicting layout, ``num_worst_tokens``, ``dispatch_meta``; then ``INLINE_EXPERTS`` words of
+        per-expert counts), so ranks that disagree on ``num_experts`` get an error instead of mismatched
+        collectives. With more experts than fit inline a second exchange carries the ``[E]`` counts once every
+        rank knows the others agree (a second exchange for every dispatch cost about 0.1-0.2 ms on CPU gloo)."""
         in_rank, topk = args.is_token_in_rank, args.topk_idx
         n, num_ranks = in_rank.shape
         num_experts, me = args.num_experts, self.rank
@@ -139,9 +144,13 @@ class TorchTransport(Transport):
         else:  # no top-k: the caller's per-expert counts are what the receivers count
             per_expert = args.num_tokens_per_expert.to(torch.int64)
             invalid = per_rank.new_zeros(1)
+        inline = num_experts <= INLINE_EXPERTS
         checks = [per_rank, invalid, self._layout_contradiction(args),
-                  torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64, device=per_rank.device)]
+                  torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64, device=per_rank.device),
+                  per_expert if inline else per_expert.new_zeros(0), per_expert.new_zeros(
+                      INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS)]
         gathered, read_counts = self._start_count_exchange(torch.cat(checks))
+        start = num_ranks + 3 + len(META_FIELDS)  # where the inline per-expert counts begin
 
         # Send order and combine gather map from device data only, overlapping the exchange.
         send_pos = send_positions(in_rank)
@@ -155,11 +164,14 @@ class TorchTransport(Transport):
         def finish() -> tuple[DispatchHandle, torch.Tensor, list[int]]:
             counts = read_counts()
             self._check_exchanged(counts.tolist(), num_experts)
-            gathered_experts, read_experts = self._start_count_exchange(per_expert)
-            host_experts = read_experts()  # on CPU the device copy is valid only after this wait
+            local_experts = slice(start + me * num_local, start + (me + 1) * num_local)
+            gathered_experts, host_experts = gathered, counts
+            if not inline:
+                gathered_experts, read_experts = self._start_count_exchange(per_expert)
+                host_experts = read_experts()  # on CPU the device copy is valid only after this wait
+                local_experts = slice(me * num_local, (me + 1) * num_local)
             # From the device copy: on CUDA no host→device copy is needed (and none could run without a sync).
             rank_prefix_matrix = gathered[:, :num_ranks].cumsum(0).to(torch.int32)
-            local_experts = slice(me * num_local, (me + 1) * num_local)
             expert_counts = gathered_experts[:, local_experts].sum(0)
             send_counts, recv_counts = counts[me, :num_ranks].tolist(), counts[:num_ranks, me].tolist()
             num_recv = sum(recv_counts)
@@ -190,7 +202,7 @@ class TorchTransport(Transport):
         disagree on ``dispatch_meta``, out-of-range expert ids, a contradicting layout, or a rank receiving more
         rows than its ``num_worst_tokens``."""
         r = self.num_ranks
-        error = meta_mismatch([row[r + 3:] for row in rows])
+        error = meta_mismatch([row[r + 3:r + 3 + len(META_FIELDS)] for row in rows])
         if error is not None:
             raise error
         bad = [i for i, row in enumerate(rows) if row[r]]

@@ -39,10 +39,12 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+_MetaWords = ctypes.c_int32 * META_WORDS
+
+
 def _meta_words(args: DispatchArgs) -> ctypes.Array:
     """``dispatch_meta(args)`` as the ``MOE_EP_META_WORDS`` int32 words notify exchanges (zero-padded)."""
-    words = dispatch_meta(args)
-    return (ctypes.c_int32 * META_WORDS)(*words, *([0] * (META_WORDS - len(words))))
+    return _MetaWords(*dispatch_meta(args))
 
 
 class _Carve:
