@@ -293,3 +293,43 @@ def _handle_defaults_duplicates() -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_handle_tuple_default_dtype_device_and_repeated_ids(world: int) -> None:
     spawn(_handle_defaults_duplicates, world, backend="gloo")
+
+
+# ---- the soak's round checker (tests/rounds.py): exact on random rounds, and it sees a wrong value ----
+def _rounds(seed: int) -> None:
+    import rounds
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = Buffer(transport="torch", timeout_s=60)
+    state = rounds.State()
+    entries = iter(rounds.ENTRIES * 2)
+    for i in range(len(rounds.ENTRIES) * 2):
+        rnd = rounds.draw(seed + i, world, entry=next(entries), mode=rounds.MODES[i % len(rounds.MODES)])
+        rnd.tokens = [min(t, 40) for t in rnd.tokens]
+        assert rounds.run(buffer, rnd, state, rank, world) == [], rnd.describe()
+    # a transport off by one row in combine and in the per-expert counts: the checker reports both
+    original_combine, original_dispatch = TorchTransport.combine, TorchTransport.dispatch
+
+    def bad_combine(self, *args):
+        out, weights = original_combine(self, *args)
+        return out + 1 if out.shape[0] else out, weights
+
+    def bad_dispatch(self, args):
+        result = original_dispatch(self, args)
+        if result.host_counts:
+            result.host_counts = [c + 1 for c in result.host_counts]
+        return result
+    mp = pytest.MonkeyPatch()
+    mp.setattr(TorchTransport, "combine", bad_combine)
+    mp.setattr(TorchTransport, "dispatch", bad_dispatch)
+    try:
+        rnd = rounds.draw(seed, world, entry="dispatch", mode="sync", form="bf16", topk=2)
+        rnd.tokens = [5] * world
+        errors = rounds.run(buffer, rnd, rounds.State(), rank, world)
+    finally:
+        mp.undo()
+    assert "combine" in errors and "num_recv_tokens_per_expert_list" in errors, errors
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_round_checker(world: int) -> None:
+    spawn(_rounds, world, args=(int(time.time()) % 1000 * 100,), backend="gloo")
