@@ -123,8 +123,10 @@ using namespace moe_ep::permute_kernels;
 
 // The outputs every notify writes.
 static NotifyArgs notify_outputs(int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
-                                 int64_t num_tokens, int64_t list_stride) {
+                                 int64_t num_tokens, int64_t list_stride, const int32_t* meta) {
     NotifyArgs a{};
+    a.check_meta = meta != nullptr;
+    for (int w = 0; a.check_meta && w < kMetaWords; ++w) a.meta[w] = meta[w];
     a.rpm = rank_prefix_matrix;
     a.send_pos = send_pos;
     a.send_list = send_list;
@@ -137,12 +139,20 @@ static NotifyArgs notify_outputs(int32_t* rank_prefix_matrix, int32_t* send_pos,
 extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
                                       const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
                                       int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
+                                      const int32_t* meta, const int32_t* num_tokens_per_expert, int64_t num_experts,
                                       void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
     if (num_tokens_per_rank != nullptr && (num_invalid == nullptr || rank_prefix_matrix == nullptr || info == nullptr))
         return set_error(-1, "moe_ep_notify_dispatch: a count exchange needs num_invalid, rank_prefix_matrix and info");
-    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
+    if (num_tokens_per_expert != nullptr &&
+        (num_tokens_per_rank == nullptr || num_experts < 1 || num_experts > kMaxExperts ||
+         num_experts % ctx->dev.num_ranks != 0))
+        return set_error(-1, "moe_ep_notify_dispatch: per-expert counts need a count exchange and num_experts a "
+                             "multiple of the ranks in [1, " + std::to_string(kMaxExperts) + "]");
+    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride, meta);
+    a.num_tokens_per_expert = num_tokens_per_expert;
+    a.num_experts = int(num_experts);
     a.num_tokens_per_rank = num_tokens_per_rank;
     a.num_invalid = num_invalid;
     a.in_rank = is_token_in_rank;
@@ -154,7 +164,7 @@ extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int6
                                      int64_t num_experts, int64_t alignment, int64_t list_stride,
                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
                                      uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset, int32_t* info,
-                                     void* stream) {
+                                     const int32_t* meta, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const int R = ctx->dev.num_ranks;
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_experts: list_stride < num_tokens");
@@ -163,7 +173,7 @@ extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int6
                                  std::to_string(kMaxExperts) + "], num_topk >= 1 and alignment >= 1");
     if (num_tokens > 0 && (topk_idx == nullptr || is_token_in_rank == nullptr || expert_pos == nullptr))
         return set_error(-1, "moe_ep_notify_experts: topk_idx, is_token_in_rank and expert_pos are required");
-    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride);
+    NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride, meta);
     a.topk_idx = topk_idx;
     a.in_rank_out = is_token_in_rank;
     a.expert_pos = expert_pos;

@@ -20,6 +20,7 @@ static_assert(kChunkRows >= 1 && kChunkRows <= 16, "a chunk's rows are held by t
 constexpr int kMaxRegionRows = 65536;            // rows one source may place in a peer region
 constexpr int kMaxChunks = kMaxRegionRows / kChunkRows;
 constexpr int kMaxExperts = MOE_EP_MAX_EXPERTS;
+constexpr int kMetaWords = MOE_EP_META_WORDS;
 
 // Every rank's buffer: [header | expert counts[R][kMaxExperts] | flags[R][kMaxChunks] | staging: one region per
 // source rank].
@@ -27,6 +28,7 @@ struct Header {
     int signals[kMaxRanks];            // barrier arrivals, slot r incremented by rank r
     int counts[kMaxRanks][kMaxRanks];  // counts[i][j]: tokens rank i sends to rank j (written by rank i)
     int invalid[kMaxRanks];            // invalid[i]: out-of-range expert ids rank i found (written by rank i)
+    int meta[kMaxRanks][kMetaWords];   // meta[i]: the words describing rank i's dispatch (written by rank i)
     int barrier_count;                 // barriers this rank completed; doubles as the sequence id of flags
     int abort;                         // first error code seen on this rank (sticky)
 };

@@ -20,6 +20,7 @@ extern "C" {
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
 #define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine combine: streams the pieces alternate between */
+#define MOE_EP_META_WORDS 8 /* words describing a dispatch that every rank's must equal (moe_ep_plugin META_FIELDS) */
 
 /* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
 #define MOE_EP_ERR_BARRIER_TIMEOUT 1   /* [1] = peer rank that never arrived */
@@ -27,6 +28,8 @@ extern "C" {
 #define MOE_EP_ERR_COMBINE_TIMEOUT 3   /* [1] = rank whose rows never came back, [2] = chunk */
 #define MOE_EP_ERR_WORST_TOKENS 4      /* [1] = rows received, [2] = rows allocated (num_worst_tokens) */
 #define MOE_EP_ERR_CAPACITY 5          /* [1] = rows needed in one peer region, [2] = rows it holds */
+#define MOE_EP_ERR_MISMATCH 6          /* [1] = bit mask of the ranks whose meta words differ from rank 0's,
+                                          [2] = bit mask of the words that differ */
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
  * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
@@ -143,22 +146,27 @@ int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* probs, int6
 
 /* Barrier with every peer; with num_tokens_per_rank given, also exchanges counts into rank_prefix_matrix [R, R]
  * and every rank's count of out-of-range expert ids (num_invalid, one int32), and writes info[0] = rows this rank
- * receives, info[1] = bit mask of the ranks that found out-of-range ids. Always writes send_pos [N, R] and
- * send_list [R, list_stride] from is_token_in_rank. */
+ * receives, info[1] = bit mask of the ranks that found out-of-range ids. `meta` (host memory, MOE_EP_META_WORDS
+ * words, or NULL) rides along: when any rank's differs, every rank records MOE_EP_ERR_MISMATCH (and the dispatch
+ * that follows does nothing). With num_tokens_per_expert [E] (device, E = num_experts <= MOE_EP_MAX_EXPERTS, a
+ * dispatch without top-k) those counts are exchanged too: info[2 + l] = entries every rank sends to local expert
+ * l (L = E / R). Always writes send_pos [N, R] and send_list [R, list_stride] from is_token_in_rank. */
 int moe_ep_notify_dispatch(void* ctx, const int32_t* num_tokens_per_rank, const int32_t* num_invalid,
                            const uint8_t* is_token_in_rank, int64_t num_tokens, int64_t list_stride,
                            int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list, int32_t* info,
+                           const int32_t* meta, const int32_t* num_tokens_per_expert, int64_t num_experts,
                            void* stream);
 
 /* The notify of an expert-major dispatch, straight from top-k ids [N, K] (no layout step): the same barrier, count
  * exchange, rank_prefix_matrix, send_pos and send_list, plus is_token_in_rank [N, R] (bytes), expert_pos [N, K]
  * (each entry's index among this rank's entries for its expert, -1 for none), send_offset [E] (see
  * moe_ep_dispatch_params) and info [3 + 2L] = {rows this rank receives, out-of-range-id rank mask, M = its
- * expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count}. */
+ * expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count}; `meta` as
+ * in moe_ep_notify_dispatch. */
 int moe_ep_notify_experts(void* ctx, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                           int64_t num_experts, int64_t alignment, int64_t list_stride, int32_t* rank_prefix_matrix,
                           int32_t* send_pos, int32_t* send_list, uint8_t* is_token_in_rank, int32_t* expert_pos,
-                          int32_t* send_offset, int32_t* info, void* stream);
+                          int32_t* send_offset, int32_t* info, const int32_t* meta, void* stream);
 int moe_ep_barrier(void* ctx, void* stream);
 int moe_ep_dispatch(void* ctx, const moe_ep_dispatch_params* params, void* stream);
 int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream);

@@ -25,12 +25,15 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 
 
 # The dispatch Functions take their non-differentiable arguments as one ``call`` tuple ``(buffer, topk_idx,
-# num_experts, fp8_dispatch, expert_alignment, round_scale, configs)``: Function.apply does host work per argument
-# (functorch unwrapping, input bookkeeping); three arguments instead of seven took autograd.dispatch_experts from 8.2 to
-# 7.5 us per call on CPU (benchmarks/host_overhead.py). ``configs``: ``(dispatch Config, combine Config)`` for
-# the forward and the backward alike, or None for the Buffer's defaults.
+# num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout)``: Function.apply does host work per
+# argument (functorch unwrapping, input bookkeeping); three arguments instead of seven took
+# autograd.dispatch_experts from 8.2 to 7.5 us per call on CPU (benchmarks/host_overhead.py). ``configs``:
+# ``(dispatch Config, combine Config)`` for the forward and the backward alike, or None for the Buffer's defaults.
+# ``layout``: the caller's ``(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)`` (a dispatch without
+# top-k) or None.
 Configs = Optional[tuple[Config, Config]]
-_DispatchCall = tuple[Buffer, torch.Tensor, int, bool, int, bool, Configs]
+_Layout = Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+_DispatchCall = tuple[Buffer, Optional[torch.Tensor], Optional[int], bool, int, bool, Configs, _Layout]
 
 
 def _check_configs(configs: Configs) -> None:
@@ -43,16 +46,19 @@ def _check_configs(configs: Configs) -> None:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout = call
+        per_rank, in_rank, per_expert = layout if layout is not None else (None, None, None)
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
             expert_alignment=expert_alignment, config=configs and configs[0], fp8_dispatch=fp8_dispatch,
             round_scale=round_scale)
         ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
-        ctx.x_meta = (x.shape[1], x.dtype)
-        ctx.mark_non_differentiable(recv_idx)
+        ctx.x_meta = (x.shape[1], x.dtype, x.device)
+        if recv_idx is not None:
+            ctx.mark_non_differentiable(recv_idx)
         return recv_x, recv_idx, recv_weights, counts, handle
 
     @staticmethod
@@ -60,8 +66,8 @@ class _Dispatch(torch.autograd.Function):
         (recv_idx,) = ctx.saved_tensors
         handle: DispatchHandle = ctx.handle
         if grad_recv_x is None:
-            hidden, dtype = ctx.x_meta
-            grad_recv_x = torch.zeros(handle.num_recv_rows, hidden, dtype=dtype, device=recv_idx.device)
+            hidden, dtype, device = ctx.x_meta
+            grad_recv_x = torch.zeros(handle.num_recv_rows, hidden, dtype=dtype, device=device)
         weights_grad = None
         if ctx.has_weights:
             if grad_recv_weights is None:
@@ -95,7 +101,7 @@ class _Combine(torch.autograd.Function):
 class _DispatchExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, _ = call
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
             x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,
             round_scale=round_scale, config=configs and configs[0])
@@ -114,22 +120,28 @@ class _DispatchExperts(torch.autograd.Function):
         return grad_x, grad_weights, None
 
 
-def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-             num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False,
-             configs: Configs = None
-             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
-    """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids).
+def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+             topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None, *,
+             fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None,
+             num_tokens_per_rank: Optional[torch.Tensor] = None, is_token_in_rank: Optional[torch.Tensor] = None,
+             num_tokens_per_expert: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], list[int], DispatchHandle]:
+    """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids),
+    or without top-k from the three layout tensors (as :meth:`Buffer.dispatch` takes them).
 
-    Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids, recv_topk_weights [N_recv, K] float32,
-    num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
+    Returns ``(recv_x [N_recv, H], recv_topk_idx [N_recv, K] local ids or None, recv_topk_weights [N_recv, K]
+    float32 or None, num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
     ``fp8_dispatch`` the rows cross the wire in FP8 (``round_scale``: power-of-two scales) and arrive as BF16
     (straight-through gradient). ``configs``: ``(dispatch, combine)`` Configs for this call and its backward (None:
     the Buffer's defaults).
     """
     _check_inputs(buffer, x)
     _check_configs(configs)
+    layout = None
+    if num_tokens_per_rank is not None or is_token_in_rank is not None or num_tokens_per_expert is not None:
+        layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
     return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
-                                             round_scale, configs))
+                                             round_scale, configs, layout))
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None) -> torch.Tensor:
@@ -154,7 +166,7 @@ def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, to
     _check_inputs(buffer, x)
     _check_configs(configs)
     return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
-                                                    round_scale, configs))
+                                                    round_scale, configs, None))
 
 
 def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None

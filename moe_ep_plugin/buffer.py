@@ -1,5 +1,9 @@
 """``Buffer``: DeepEP V1's normal-mode API (layout, dispatch, combine) over a pluggable transport.
 
+router (gating.py) → quantize+dispatch (Buffer.dispatch / dispatch_experts, fp8.py, transports/) →
+permute/experts/unpermute (permute.py, experts) → combine (Buffer.combine / combine_experts, transports/);
+``dispatch_experts``/``combine_experts`` are the prepare/finalize pair around the experts.
+
 The Buffer validates every input before any communication, owns the communication stream and the
 ``previous_event``/``async_finish``/``allocate_on_comm_stream`` semantics, and hands validated, contiguous
 tensors to its transport (``torch`` reference or ``nvlink`` kernels).
@@ -113,7 +117,14 @@ class Buffer:
             raise ValueError("low_latency_mode=True: the low-latency kernels are not provided yet; use normal mode")
         if not isinstance(transport, str):
             raise TypeError(f"transport: expected a str, got {type(transport).__name__}")
-        timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+        if timeout_s is None:
+            try:
+                timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+            except ValueError:
+                raise ValueError(f"$MOE_EP_TIMEOUT_S: expected a number of seconds, got "
+                                 f"{os.environ['MOE_EP_TIMEOUT_S']!r}") from None
+        elif not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
+            raise TypeError(f"timeout_s: expected a number of seconds, got {type(timeout_s).__name__}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self.group = group
@@ -166,9 +177,15 @@ class Buffer:
 
     # ---- streams ----
     def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,
-                        allocate_on_comm_stream: bool, inputs: Sequence[Optional[torch.Tensor]]) -> tuple:
+                        allocate_on_comm_stream: bool, inputs: tuple) -> tuple:
         """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream's work);
-        with ``async_finish`` the returned event marks its end, else the current stream waits for it."""
+        with ``async_finish`` the returned event marks its end, else the current stream waits for it.
+
+        ``fn`` does all of an entry point's device work, its input conversions included (they must run after
+        ``previous_event`` too), and reads every host value it returns there, on the communication stream, after
+        the work producing it: in async mode nothing after ``fn`` waits for that stream. ``inputs``: what ``fn``
+        reads of the caller's (tensors, tuples of them, handles, None); their tensors are marked as used by the
+        communication stream (found only when that stream is used: the walk costs host time)."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
@@ -185,9 +202,9 @@ class Buffer:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
             outputs = fn()
+        inputs = _tensors_in(tuple(item for item in inputs if item is not None))
         for t in inputs:
-            if t is not None:
-                t.record_stream(comm)
+            t.record_stream(comm)
         for t in _tensors_in(outputs):
             t.record_stream(compute)  # outputs are made on the comm stream and used on the compute stream
         event = torch.cuda.Event()
@@ -195,7 +212,7 @@ class Buffer:
         if not async_finish:
             compute.wait_event(event)
             return outputs + (EventOverlap(),)
-        return outputs + (EventOverlap(event, extra_tensors=tuple(t for t in inputs if t is not None)),)
+        return outputs + (EventOverlap(event, extra_tensors=tuple(inputs)),)
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
@@ -207,9 +224,9 @@ class Buffer:
         Ids outside ``[-1, num_experts)`` are left out of the counts here (checking them would cost a host sync);
         the dispatch that follows rejects them on every rank with a ``ValueError`` before any row moves."""
         self._check_num_experts(num_experts)
-        topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
+        _check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda)
         per_rank, per_expert, in_rank, event = self._on_comm_stream(
-            lambda: self.transport.get_dispatch_layout(topk_idx, num_experts), previous_event, async_finish,
+            lambda: self.transport.get_dispatch_layout(_int64(topk_idx), num_experts), previous_event, async_finish,
             allocate_on_comm_stream, (topk_idx,))
         return per_rank, None, per_expert, in_rank, event
 
@@ -230,24 +247,55 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False, *, num_experts: Optional[int] = None,
                  fp8_dispatch: bool = False, fp8_out: bool = False, round_scale: bool = False):
-        """Send each token once to every rank that hosts one of its experts.
+        """Send each token once to every rank that hosts one of its experts (or, without top-k, to every rank
+        ``is_token_in_rank`` names); rows arrive ordered by source rank, then source token.
 
-        ``x``: BF16/FP32 ``[N, H]`` or ``(float8_e4m3fn [N, H], float32 scales [N, H/128])``. Beyond DeepEP:
-        ``fp8_dispatch=True`` quantizes BF16 ``x`` to FP8 in the send path (1x128 blocks, ``round_scale`` for
-        power-of-two scales); rows arrive dequantized to BF16, or as ``(fp8, scales)`` with ``fp8_out=True``.
-        Without ``handle``, pass the layout from :meth:`get_dispatch_layout` (or just ``topk_idx`` and
-        ``num_experts``, and the layout is computed here). Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, event)``; rows are ordered by source rank, then source token.
+        Arguments:
+            x: ``torch.Tensor`` ``[N, H]`` BF16/FP32, or the FP8 pair ``(float8_e4m3fn [N, H], float32 scales
+                [N, H/128])`` (1x128 blocks).
+            handle: a handle from an earlier dispatch on this buffer: its layout is reused (no count exchange, no
+                host sync); then no layout tensor and no top-k may be given.
+            num_tokens_per_rank: ``[R]`` int32/int64, tokens sent to each rank (from :meth:`get_dispatch_layout`).
+            num_tokens_per_rdma_rank: ignored (intranode only; DeepEP's internode layout).
+            is_token_in_rank: ``[N, R]`` bool, token ``t`` goes to rank ``r``; with ``num_tokens_per_rank``.
+            num_tokens_per_expert: ``[E]`` int32/int64, (token, expert) pairs per expert; gives ``num_experts``,
+                and without top-k the returned per-expert list (summed over source ranks for the local experts).
+            topk_idx: ``[N, K]`` int64/int32 global expert ids, -1 = none; a repeated id in one row counts as two
+                (token, expert) pairs. Without it, pass all three layout tensors (DeepEP's dispatch without top-k).
+            topk_weights: ``[N, K]`` float32, travels with the rows (0 where the expert is not local); needs
+                ``topk_idx``.
+            expert_alignment: round each entry of the returned per-expert list up to a multiple of this.
+            num_worst_tokens: > 0: outputs of exactly that many rows and no host read on transports that can
+                skip it (CUDA-graph capturable on nvlink); the per-expert list is then empty. Fewer than a rank
+                receives raises ``ValueError``.
+            config: :class:`Config` (SMs and chunk sizes of the kernels); default :meth:`get_dispatch_config`.
+            previous_event: the point the communication stream waits for (else the current stream's work).
+            async_finish: return at once; the returned event marks the end (``current_stream_wait``). Every
+                returned value, the per-expert list included, is exact in every mode.
+            allocate_on_comm_stream: outputs are owned by the communication stream (needs ``previous_event``).
+            num_experts: beyond DeepEP: the expert count when no ``num_tokens_per_expert`` is given.
+            fp8_dispatch: beyond DeepEP: quantize BF16 ``x`` to FP8 in the send path; rows arrive dequantized
+                to BF16, or as ``(fp8, scales)`` with ``fp8_out=True``; ``round_scale``: power-of-two scales.
+
+        Returns ``(recv_x, recv_topk_idx [N_recv, K] int64 local ids or None, recv_topk_weights [N_recv, K]
+        float32 or None, num_recv_tokens_per_expert_list list[int], handle, event)``; ``recv_x`` as ``x`` (a pair
+        for FP8 rows).
         """
-        args = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                   topk_weights, expert_alignment, num_worst_tokens, config, num_experts, fp8_dispatch,
-                                   fp8_out, round_scale)
-        result, event = self._on_comm_stream(lambda: (self.transport.dispatch(args),), previous_event, async_finish,
-                                             allocate_on_comm_stream, _dispatch_inputs(args))
+        inputs = (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, handle)
+
+        def run() -> tuple:
+            args = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                       topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, num_experts,
+                                       fp8_dispatch, fp8_out, round_scale)
+            result = self.transport.dispatch(args)
+            counts: list[int] = []
+            if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
+                # read here, on the stream the dispatch ran on, after it (in async mode nothing later waits for it)
+                counts = align_counts(result.counts_list(), expert_alignment)
+            return result, counts
+        result, counts, event = self._on_comm_stream(run, previous_event, async_finish, allocate_on_comm_stream,
+                                                     inputs)
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
-        counts: list[int] = []
-        if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
-            counts = align_counts(result.counts_list(), expert_alignment)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
 
     def _dispatch_args(self, x: XInput, handle: Optional[DispatchHandle], num_tokens_per_rank: Optional[torch.Tensor],
@@ -259,6 +307,7 @@ class Buffer:
         given (unless ``layout`` is False: the transport derives it from top-k itself)."""
         x_data, x_scales = self._check_x(x, fp8_dispatch, fp8_out, round_scale)
         n = x_data.shape[0]
+        layout_given = num_tokens_per_rank is not None
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
@@ -275,8 +324,13 @@ class Buffer:
             num_experts = handle.num_experts
         else:
             if topk_idx is None:
-                raise ValueError("topk_idx: required when no cached handle is given")
-            topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None), self._cuda))
+                if not layout or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                    raise ValueError("topk_idx: required when no cached handle is given, unless num_tokens_per_rank, "
+                                     "is_token_in_rank and num_tokens_per_expert are all given (dispatch without top-k)")
+                if topk_weights is not None:
+                    raise ValueError("topk_weights: needs topk_idx")
+            else:
+                topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None), self._cuda))
             if topk_weights is not None:
                 topk_weights = _check("topk_weights", topk_weights, (torch.float32,), topk_idx.shape,
                                       self._cuda).contiguous()
@@ -306,7 +360,8 @@ class Buffer:
                             num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                             num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
                             wire_fp8=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
-                            config=config, num_tokens_per_expert=num_tokens_per_expert)
+                            config=config, num_tokens_per_expert=num_tokens_per_expert,
+                            layout_given=layout_given)
 
     def _check_x(self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -351,21 +406,24 @@ class Buffer:
                 allocate_on_comm_stream: bool = False):
         """Reduce received rows back to their tokens: ``x`` ``[N_recv, H]`` BF16/FP32 in dispatch order →
         ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``; sums in fp32, adds ``bias``
-        (0–2 tensors ``[N, H]``) once, casts to ``x.dtype``. Gate weights are applied by the caller before."""
+        (0–2 tensors ``[N, H]``) once, casts to ``x.dtype``. Gate weights are applied by the caller before.
+        A handle of a dispatch without top-k combines alike, with or without ``topk_weights``."""
         handle = self._check_handle(handle)
-        x = _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self._cuda).contiguous()
+        _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self._cuda)
         if topk_weights is not None:
-            topk_weights = _check("topk_weights", topk_weights, (torch.float32,), (handle.num_recv_rows, None),
-                                  self._cuda).contiguous()
+            _check("topk_weights", topk_weights, (torch.float32,), (handle.num_recv_rows, None), self._cuda)
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
         if len(biases) > 2:
             raise ValueError(f"bias: at most two tensors, got {len(biases)}")
-        biases = tuple(_check(f"bias[{i}]", b, (x.dtype,), (handle.num_tokens, x.shape[1]), self._cuda).contiguous()
-                       for i, b in enumerate(biases))
+        for i, b in enumerate(biases):
+            _check(f"bias[{i}]", b, (x.dtype,), (handle.num_tokens, x.shape[1]), self._cuda)
         config = self._check_config(config, self.get_combine_config)
-        combined, weights, event = self._on_comm_stream(
-            lambda: self.transport.combine(x, handle, topk_weights, biases, config), previous_event, async_finish,
-            allocate_on_comm_stream, (x, topk_weights) + biases)
+
+        def run() -> tuple:
+            return self.transport.combine(x.contiguous(), handle, _contiguous(topk_weights),
+                                          tuple(b.contiguous() for b in biases), config)
+        combined, weights, event = self._on_comm_stream(run, previous_event, async_finish, allocate_on_comm_stream,
+                                                        (x, topk_weights, biases, handle))
         return combined, weights, event
 
     # ---- expert-major dispatch / combine ----
@@ -375,13 +433,26 @@ class Buffer:
                          fp8_out: bool = False, round_scale: bool = False, config: Optional[Config] = None,
                          previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                          allocate_on_comm_stream: bool = False):
-        """Dispatch straight into the expert-major layout a grouped GEMM takes (docs/expert_major.md).
+        """Dispatch straight into the expert-major layout a grouped GEMM takes (docs/expert_major.md): the
+        "prepare" half of the prepare/finalize pair around the experts (:meth:`combine_experts` finalizes).
 
         Local expert ``l`` owns rows ``[base[l], base[l] + tokens_per_expert[l])`` (``base`` = exclusive cumsum),
         one row per received (token, top-k column) pair in received order (source rank, then token), each
-        block padded with zero rows to a multiple of ``expert_alignment``. ``x``, ``topk_idx`` (global ids,
-        -1 = none), ``topk_weights`` and the FP8 options are as in :meth:`dispatch`. With ``handle`` (from an
-        earlier ``dispatch_experts``) the layout is reused: no top-k, no host sync, ``expert_probs`` None.
+        block padded with zero rows to a multiple of ``expert_alignment``.
+
+        Arguments:
+            x: ``[N, H]`` BF16/FP32, or the FP8 pair ``(float8_e4m3fn [N, H], float32 scales [N, H/128])``.
+            topk_idx: ``[N, K]`` int64/int32 global expert ids, -1 = none (required without ``handle``); a
+                repeated id in one row gives that expert two rows.
+            topk_weights: ``[N, K]`` float32 or None: each row's weight lands in ``expert_probs``.
+            num_experts: the total expert count (a multiple of the EP size).
+            handle: from an earlier ``dispatch_experts``: the layout is reused (no top-k, no host sync,
+                ``expert_probs`` None).
+            expert_alignment: each expert's block is padded with zero rows to a multiple of this.
+            fp8_dispatch, fp8_out, round_scale: as in :meth:`dispatch` (with ``fp8_out`` rows stay FP8).
+            config: :class:`Config`; default :meth:`get_dispatch_config`.
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`; every returned value,
+                ``tokens_per_expert`` included, is exact in every mode.
 
         Returns ``(expert_x [M, H] (FP8 with fp8_out or FP8 input), expert_scales [M, H/128] float32 or None,
         expert_probs [M] float32 or None, tokens_per_expert list[int] (aligned, length L), handle, event)``.
@@ -392,13 +463,16 @@ class Buffer:
                 raise ValueError(f"expert_alignment: the cached handle's layout is aligned to {layout.alignment}, "
                                  f"got {expert_alignment!r}")
             expert_alignment = layout.alignment
-        args = self._dispatch_args(x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0, config,
-                                   num_experts, fp8_dispatch, fp8_out, round_scale,
-                                   layout=not self.transport.expert_layout_from_topk)
-        result, event = self._on_comm_stream(lambda: (self.transport.dispatch_experts(args, expert_alignment),),
-                                             previous_event, async_finish, allocate_on_comm_stream,
-                                             _dispatch_inputs(args))
-        tokens_per_expert = list(result.handle.expert_layout.tokens_per_expert)  # a copy: the handle's stays intact
+        def run() -> tuple:
+            args = self._dispatch_args(x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0,
+                                       config, num_experts, fp8_dispatch, fp8_out, round_scale,
+                                       layout=not self.transport.expert_layout_from_topk)
+            result = self.transport.dispatch_experts(args, expert_alignment)
+            # host values the transport read after the work producing them; a copy: the handle's stays intact
+            return result, list(result.handle.expert_layout.tokens_per_expert)
+        result, tokens_per_expert, event = self._on_comm_stream(run, previous_event, async_finish,
+                                                                allocate_on_comm_stream,
+                                                                (x, topk_idx, topk_weights, handle))
         return result.x, result.x_scales, result.probs, tokens_per_expert, result.handle, event
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor] = None,
@@ -413,14 +487,13 @@ class Buffer:
         landed in (0 where ``topk_idx[t, k]`` was -1). Gate weights are applied by the caller before.
         """
         layout = self._check_expert_handle(handle).expert_layout
-        y = _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self._cuda).contiguous()
+        _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self._cuda)
         if expert_weights is not None:
-            expert_weights = _check("expert_weights", expert_weights, (torch.float32,), (layout.num_rows,),
-                                    self._cuda).contiguous()
+            _check("expert_weights", expert_weights, (torch.float32,), (layout.num_rows,), self._cuda)
         config = self._check_config(config, self.get_combine_config)
         combined, weights, event = self._on_comm_stream(
-            lambda: self.transport.combine_experts(y, handle, expert_weights, config), previous_event, async_finish,
-            allocate_on_comm_stream, (y, expert_weights))
+            lambda: self.transport.combine_experts(y.contiguous(), handle, _contiguous(expert_weights), config),
+            previous_event, async_finish, allocate_on_comm_stream, (y, expert_weights, handle))
         return combined, weights, event
 
     def _check_expert_handle(self, handle: object) -> DispatchHandle:
@@ -431,9 +504,8 @@ class Buffer:
         return handle
 
 
-def _dispatch_inputs(args: DispatchArgs) -> tuple[Optional[torch.Tensor], ...]:
-    """The caller's tensors a dispatch reads on the communication stream."""
-    return args.x, args.x_scales, args.topk_idx, args.topk_weights
+def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
 
 
 def _tensors_in(outputs: tuple) -> list[torch.Tensor]:

@@ -66,3 +66,47 @@ class DispatchHandle:
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+    # DeepEP's intranode handle is the tuple (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+    # recv_src_idx, is_token_in_rank, send_head); code written for it indexes and unpacks it.
+    def __len__(self) -> int:
+        return len(DEEPEP_HANDLE_FIELDS)
+
+    def __getitem__(self, position: int) -> Any:
+        """DeepEP's tuple position ``position``: the same tensor where this library has it, else a
+        :class:`NoEquivalent` that raises naming the position when used."""
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(f"handle[{position!r}]: DeepEP's handle is indexed by an int in [0, 6)")
+        if not -len(self) <= position < len(self):
+            raise IndexError(f"handle[{position}]: DeepEP's intranode handle has 6 positions")
+        position %= len(self)
+        name = DEEPEP_HANDLE_FIELDS[position]
+        if name in ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank"):
+            return getattr(self, name)
+        return NoEquivalent(position, name)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+DEEPEP_HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                        "is_token_in_rank", "send_head")
+
+
+class NoEquivalent:
+    """A DeepEP handle position this library has no value for (its kernels have no channels and no ring-buffer
+    heads): unpacking works, any use raises naming the position."""
+
+    def __init__(self, position: int, name: str) -> None:
+        self._what = (f"handle[{position}] ({name}): DeepEP's per-channel kernel state has no equivalent in "
+                      "moe_ep_plugin (docs/buffer.md, 'The handle'); pass the handle itself to combine or a cached "
+                      "dispatch")
+
+    def __getattr__(self, attr: str) -> Any:
+        raise NotImplementedError(self._what)
+
+    def __repr__(self) -> str:
+        return f"<NoEquivalent: {self._what}>"
+
+    def __bool__(self) -> bool:
+        raise NotImplementedError(self._what)

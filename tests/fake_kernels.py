@@ -53,8 +53,8 @@ class FakeLib:
             raise AttributeError(name)
 
         def call(*args) -> int:
-            if self.record:
-                self.calls.append((name, args))
+            if self.record:  # host arrays (notify's meta words) as lists, copied at the call
+                self.calls.append((name, tuple(list(a) if isinstance(a, ctypes.Array) else a for a in args)))
             return 0
         setattr(self, name, call)  # found on the instance from now on: no __getattr__ per call
         return call

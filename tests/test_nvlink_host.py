@@ -122,6 +122,11 @@ def _permute_call(recv_x: int, recv_slot: int, n: int, num_rows: int, out_x: int
     return ("moe_ep_permute", (recv_x, recv_slot, 0, 0, n, K, H * 2, 0, num_rows, out_x, 0, 0, covered, STREAM))
 
 
+def _meta(weights: object) -> list[int]:
+    """The words notify exchanges for a BF16 dispatch of the test's shape (transports/base.py dispatch_meta)."""
+    return [E, H, 1, K, int(weights is not None), 0, 0, 0]
+
+
 def _fresh(lib: FakeLib, t: NVLinkTransport, prefix: list[int] = PREFIX, info: list[int] = INFO):
     """A fresh ``dispatch_experts`` whose host read brings ``prefix`` + ``info`` → ``(result, x, topk_idx,
     weights, at)``."""
@@ -145,7 +150,7 @@ def test_fresh_dispatch_experts(fake: FakeLib) -> None:
     covered = fake.calls[4][1][12]
     assert fake.calls == [
         ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   in_rank.data_ptr(), at(4), at(1), at(0, R * R), STREAM)),
+                                   in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights), STREAM)),
         ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
         ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=recv_x, recv_src_idx=at(5),
                                                    recv_slot=at(6), expert_probs=probs, num_recv_rows=16,
@@ -190,7 +195,7 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     covered = fake.calls[6][1][12]
     assert fake.calls == [
         ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), STREAM)),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights), STREAM)),
         ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
         ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=first["recv_x"],
                                                    recv_src_idx=at(5), recv_slot=at(6),
@@ -390,7 +395,7 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
     last = fake.calls[5][1][1] if again else first
     assert fake.calls == [
         ("moe_ep_notify_dispatch", (CTX, per_rank.data_ptr(), notified[2], in_rank.data_ptr(), N, N, at(0), at(1),
-                                    at(2), at(0, R * R), STREAM)),
+                                    at(2), at(0, R * R), _meta(weights), 0, E, STREAM)),
         ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 2), STREAM)),
         dispatched(first, guess, 1),
         ("moe_ep_read_wait", (CTX,)),
@@ -430,7 +435,7 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
     covered = fake.calls[4][1][12]
     assert fake.calls == [
         ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, 1), STREAM)),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, 1), _meta(None), STREAM)),
         ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM)),
         ("moe_ep_dispatch", (CTX, _params(
             library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),

@@ -311,6 +311,9 @@ __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blo
 struct NotifyArgs {
     const int32_t* num_tokens_per_rank;  // [R] (normal mode; null for a replay: barrier and send order only)
     const int32_t* num_invalid;          // [1] with num_tokens_per_rank
+    const int32_t* num_tokens_per_expert;  // [E] (normal mode without top-k, else null)
+    int meta[kMetaWords];                // this rank's dispatch description (check_meta)
+    bool check_meta;
     const uint8_t* in_rank;              // [N, R] (normal mode)
     const int64_t* topk_idx;             // [N, K] (expert-major mode)
     int32_t *rpm, *send_pos, *send_list, *info;
@@ -332,7 +335,7 @@ constexpr int kPositionsPerThread = 8;
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, NotifyArgs a) {
     const int R = c.num_ranks, me = c.rank;
     const bool derive = a.derive;
-    const int E = derive ? a.num_experts : 0, L = E / R;
+    const int E = derive || a.num_tokens_per_expert != nullptr ? a.num_experts : 0, L = E / R;
     __shared__ int scratch[33];
     if (blockIdx.x == 0) {
         __shared__ int s_counts[kMaxRanks * kMaxExperts];  // this rank's [E] counts, later every rank's [R][E]
@@ -355,6 +358,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
                 }
                 for (; ranks != 0; ranks &= ranks - 1) atomicAdd(&s_rank[__ffs(int(ranks)) - 1], 1);
             }
+        } else if (E > 0) {
+            for (int i = threadIdx.x; i < E; i += blockDim.x) s_counts[i] = a.num_tokens_per_expert[i];
         }
         if (!block_barrier(c)) return;  // its __syncthreads also publishes the counts above to the block
         if (!derive && a.num_tokens_per_rank == nullptr) return;
@@ -365,6 +370,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
         }
         if (threadIdx.x < R)
             *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) = derive ? s_invalid : *a.num_invalid;
+        if (a.check_meta)
+            for (int i = threadIdx.x; i < R * kMetaWords; i += blockDim.x)
+                *reinterpret_cast<volatile int*>(&header(c.bufs[i / kMetaWords])->meta[me][i % kMetaWords]) =
+                    a.meta[i % kMetaWords];
         for (int i = threadIdx.x; i < R * E; i += blockDim.x)
             reinterpret_cast<volatile int*>(expert_counts(c.bufs[i / E], me))[i % E] = s_counts[i % E];
         if (!block_barrier(c)) return;
@@ -382,8 +391,25 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
             int ranks = 0;  // bit i: rank i holds out-of-range expert ids
             for (int i = 0; i < R; ++i) ranks |= ld_volatile(&mine->invalid[i]) != 0 ? 1 << i : 0;
             a.info[1] = ranks;
+            if (a.check_meta) {  // every rank sees every rank's words, so every rank records the same error
+                int differ = 0, words = 0;
+                for (int i = 1; i < R; ++i)
+                    for (int w = 0; w < kMetaWords; ++w)
+                        if (ld_volatile(&mine->meta[i][w]) != ld_volatile(&mine->meta[0][w])) {
+                            differ |= 1 << i;
+                            words |= 1 << w;
+                        }
+                if (differ != 0) report_error(c, MOE_EP_ERR_MISMATCH, differ, words);
+            }
         }
-        if (!derive) return;
+        if (!derive) {
+            for (int l = threadIdx.x; l < L; l += blockDim.x) {  // without top-k: entries for each local expert
+                int total = 0;
+                for (int src = 0; src < R; ++src) total += ld_volatile(expert_counts(c.bufs[me], src) + me * L + l);
+                a.info[2 + l] = total;
+            }
+            return;
+        }
         for (int i = threadIdx.x; i < R * E; i += blockDim.x) s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
         __syncthreads();
         // One thread per destination rank walks its experts in order (shared-memory reads only).

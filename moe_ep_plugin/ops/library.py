@@ -24,6 +24,8 @@ ERR_DISPATCH_TIMEOUT = 2
 ERR_COMBINE_TIMEOUT = 3
 ERR_WORST_TOKENS = 4
 ERR_CAPACITY = 5
+ERR_MISMATCH = 6
+META_WORDS = 8  # MOE_EP_META_WORDS
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -103,8 +105,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_pull_rows.argtypes = [_p, _i64, _i64]
     lib.moe_ep_get_dispatch_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
     lib.moe_ep_routing_map_topk.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _p]
-    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p]
-    lib.moe_ep_notify_experts.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p]
+    lib.moe_ep_notify_dispatch.argtypes = [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p, _p, _i64, _p]
+    lib.moe_ep_notify_experts.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p]
     lib.moe_ep_barrier.argtypes = [_p, _p]
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]

@@ -26,8 +26,8 @@ class DispatchArgs:
     scales); ``fp8_out``: those rows arrive as FP8 with their scales, else dequantized back to the dtype of ``x``
     (the Buffer's keyword of the same name; without ``wire_fp8`` rows arrive as they were sent). ``topk_idx``
     holds *global* expert ids (-1 = none); with ``handle`` set it is None (cached layout).
-    ``num_tokens_per_expert`` ``[E]`` int32: the layout's per-expert counts when the caller has them (the nvlink
-    expert-major notify exchanges them).
+    ``num_tokens_per_expert`` ``[E]`` int32: the layout's per-expert counts when the caller has them; without
+    top-k they give the received per-expert counts.
     """
 
     x: torch.Tensor
@@ -44,6 +44,7 @@ class DispatchArgs:
     round_scale: bool
     config: Config
     num_tokens_per_expert: Optional[torch.Tensor] = None
+    layout_given: bool = False  # the layout tensors came from the caller (else the Buffer derived them from top-k)
 
 
 @dataclass
@@ -78,6 +79,44 @@ class ExpertDispatchResult:
     x_scales: Optional[torch.Tensor]
     probs: Optional[torch.Tensor]
     handle: DispatchHandle
+
+
+# The words of a dispatch every rank must agree on; each transport exchanges them with its counts (before any row
+# moves) and raises on every rank alike when they differ.
+META_FIELDS = ("num_experts", "hidden", "x dtype", "top-k width", "topk_weights given", "FP8 rows on the wire")
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float8_e4m3fn: 3}
+
+
+def dispatch_meta(args: DispatchArgs) -> list[int]:
+    """``len(META_FIELDS)`` ints describing ``args`` (a top-k width of 0: no top-k)."""
+    k = args.topk_idx.shape[1] if args.topk_idx is not None else 0
+    return [args.num_experts, args.x.shape[1], _DTYPE_CODES[args.x.dtype], k, int(args.topk_weights is not None),
+            int(args.wire_fp8 or args.x_scales is not None)]
+
+
+def meta_mismatch(rows: list[list[int]]) -> Optional[ValueError]:
+    """The error for every rank's ``dispatch_meta`` words (``rows[r]``) when they differ, else None."""
+    fields = [f for f in range(len(META_FIELDS)) if any(row[f] != rows[0][f] for row in rows)]
+    if not fields:
+        return None
+    ranks = [r for r, row in enumerate(rows) if row != rows[0]]
+    names = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPE_CODES.items()}
+    shown = "; ".join(META_FIELDS[f] + ": " + ", ".join(
+        f"rank {r} {names.get(row[f], row[f]) if f == 2 else row[f]}" for r, row in enumerate(rows)) for f in fields)
+    return metadata_error(fields, ranks, f" ({shown})")
+
+
+def metadata_error(fields: list[int], ranks: list[int], values: str = "") -> ValueError:
+    """The error every rank raises when ranks passed dispatches that differ in ``META_FIELDS[fields]``."""
+    return ValueError(f"dispatch: the ranks disagree on {', '.join(META_FIELDS[f] for f in fields)}: rank(s) {ranks} "
+                      f"differ from rank 0{values}; every rank raises before any row moves")
+
+
+def layout_error(ranks: list[int]) -> ValueError:
+    """The error every rank raises when the layout tensors of ``ranks`` contradict their top-k (or themselves)."""
+    return ValueError(f"num_tokens_per_rank/is_token_in_rank: on rank(s) {ranks} they contradict topk_idx (or "
+                      "num_tokens_per_rank is not is_token_in_rank.sum(0)); pass get_dispatch_layout's outputs, or "
+                      "only topk_idx and num_experts; every rank raises before any row moves")
 
 
 def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ...event import current_stream_handle
 from ...ops import library
+from ..base import META_FIELDS, metadata_error
 from .plan import DEFAULT_ROW_BYTES, DEFAULT_ROWS
 
 
@@ -92,6 +93,10 @@ class NVLinkRuntime:
         if code == library.ERR_WORST_TOKENS:
             raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
                              "the outputs of that dispatch are incomplete")
+        if code == library.ERR_MISMATCH:  # sticky like every kernel-recorded error: the peer buffer's state is unknown
+            raise metadata_error([f for f in range(len(META_FIELDS)) if b >> f & 1],
+                                 [i for i in range(self.num_ranks) if a >> i & 1],
+                                 " (found by notify; this buffer is unusable now: destroy it and make a new one)")
         if code == library.ERR_CAPACITY:
             raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")

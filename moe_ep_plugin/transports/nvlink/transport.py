@@ -29,8 +29,8 @@ from ...config import Config
 from ...handle import DispatchHandle, ExpertLayout
 from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
-from ...ops.library import MAX_EXPERTS, MAX_TOPK, CombineParams, DispatchParams
-from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
+from ...ops.library import MAX_EXPERTS, MAX_TOPK, META_WORDS, CombineParams, DispatchParams
+from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, dispatch_meta, slot_weights
 from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, most_received,
                    staging_capacity)
 from .runtime import NVLinkRuntime
@@ -40,6 +40,14 @@ _T = TypeVar("_T")
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+_MetaWords = ctypes.c_int32 * META_WORDS
+
+
+def _meta_words(args: DispatchArgs) -> ctypes.Array:
+    """``dispatch_meta(args)`` as the ``MOE_EP_META_WORDS`` int32 words notify exchanges (zero-padded)."""
+    return _MetaWords(*dispatch_meta(args))
 
 
 class _Carve:
@@ -165,19 +173,31 @@ class NVLinkTransport(Transport):
 
     # ---- dispatch ----
     def _notify(self, args: DispatchArgs) -> _Carve:
-        """Barrier + count exchange (token counts into the rank prefix matrix, and out-of-range expert ids) into
-        ``info`` (csrc/moe_ep.h); returns notify's outputs: the rank prefix matrix ``[R, R]`` directly followed by
-        ``info`` ``[2]`` (one host read brings both), ``send_pos`` ``[N, R]``, the send list ``[R, max(N, 1)]``."""
+        """Barrier + count exchange (token counts into the rank prefix matrix, out-of-range expert ids, the
+        ``dispatch_meta`` words every rank checks, and without top-k the per-expert counts) into ``info``
+        (csrc/moe_ep.h); returns notify's outputs: the rank prefix matrix ``[R, R]`` directly followed by ``info``
+        ``[2]`` (``[2 + L]`` without top-k; one host read brings both), ``send_pos`` ``[N, R]``, the send list
+        ``[R, max(N, 1)]``."""
         in_rank = args.is_token_in_rank.contiguous()
         n, r = in_rank.shape[0], self.num_ranks
-        counts = args.num_tokens_per_rank
-        if counts.dtype != torch.int32 or counts.device != self.device or not counts.is_contiguous():
-            counts = counts.to(device=self.device, dtype=torch.int32).contiguous()
+        if args.layout_given:  # derived, not trusted: a count contradicting is_token_in_rank would read past the rows
+            counts = in_rank.sum(0, dtype=torch.int32)
+        else:
+            counts = args.num_tokens_per_rank
+            if counts.dtype != torch.int32 or counts.device != self.device or not counts.is_contiguous():
+                counts = counts.to(device=self.device, dtype=torch.int32).contiguous()
         invalid = (count_invalid(args.topk_idx, args.num_experts) if args.topk_idx is not None
                    else torch.zeros(1, dtype=torch.int32, device=self.device))
-        out = _Carve(self.device, (r * r + 2,), (n, r), (r, max(n, 1)))
+        per_expert = None
+        if args.topk_idx is None:
+            if args.num_experts > MAX_EXPERTS:
+                raise ValueError(f"num_tokens_per_expert: a dispatch without top-k on nvlink exchanges at most "
+                                 f"{MAX_EXPERTS} experts' counts, got {args.num_experts}")
+            per_expert = args.num_tokens_per_expert.to(device=self.device, dtype=torch.int32).contiguous()
+        info = 2 + (args.num_experts // r if per_expert is not None else 0)
+        out = _Carve(self.device, (r * r + info,), (n, r), (r, max(n, 1)))
         self._rt.notify_dispatch(_ptr(counts), _ptr(invalid), _ptr(in_rank), n, max(n, 1), out.ptr(0), out.ptr(1),
-                                 out.ptr(2), out.ptr(0, r * r))
+                                 out.ptr(2), out.ptr(0, r * r), _meta_words(args), _ptr(per_expert), args.num_experts)
         return out
 
     def _prefix_matrix(self, notified: _Carve) -> torch.Tensor:
@@ -289,17 +309,31 @@ class NVLinkTransport(Transport):
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
                                 transport_state=_NVLinkState(notified, notified.ptr(2), max(n, 1)))
         if worst:
-            return self._dispatch_rows(args, handle)
+            return self._without_topk_counts(args, self._dispatch_rows(args, handle), notified, None)
+        num_local = args.num_experts // self.num_ranks
         result, handle.transport_state.host_counts, info, fits = self._speculate(
-            notified.ptr(0), 2, args.num_experts, lambda: self._dispatch_rows(args, handle, speculative_rows=1))
+            notified.ptr(0), 2 + (num_local if args.topk_idx is None else 0), args.num_experts,
+            lambda: self._dispatch_rows(args, handle, speculative_rows=1))
         num_recv = handle.num_recv_tokens = handle.num_recv_rows = info[0]
         if not fits:
             self._replay_barrier(handle)
-            return self._dispatch_rows(args, handle)
+            return self._without_topk_counts(args, self._dispatch_rows(args, handle), notified, info)
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
         cut = [None if t is None else t[:num_recv]
                for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
-        return DispatchResult(*cut, result.num_recv_tokens_per_expert, handle)
+        return self._without_topk_counts(args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle),
+                                         notified, info)
+
+    def _without_topk_counts(self, args: DispatchArgs, result: DispatchResult, notified: _Carve,
+                             info: Optional[list[int]]) -> DispatchResult:
+        """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every
+        rank's ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``info``) when read."""
+        if args.topk_idx is not None:
+            return result
+        r, num_local = self.num_ranks, args.num_experts // self.num_ranks
+        result.num_recv_tokens_per_expert = notified.view(0, (r * r + 2 + num_local,))[r * r + 2:]
+        result.host_counts = None if info is None else info[2:2 + num_local]
+        return result
 
     def _dispatch_rows(self, args: DispatchArgs, handle: DispatchHandle, speculative_rows: int = 0) -> DispatchResult:
         """Outputs of ``handle.num_recv_rows`` rows and the dispatch kernel into them."""
@@ -352,7 +386,8 @@ class NVLinkTransport(Transport):
             in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
             self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2),
-                                    out.ptr(3), _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r))
+                                    out.ptr(3), _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r),
+                                    _meta_words(args))
             state = _NVLinkState(out, out.ptr(3), max(n, 1), None,
                                  _ExpertState(topk_idx, out.ptr(4), out.ptr(1), out.ptr(0, r * r)))
             # recv_src_idx: set once the row count is known (the kernel writes it by address)

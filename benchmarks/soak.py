@@ -1,0 +1,91 @@
+"""Soak: many random dispatch/combine rounds on 2-4 ranks, every round checked against a plain loop over tokens.
+
+Run from the repository root:
+    PYTHONPATH=. python3 benchmarks/soak.py --transport torch --ranks 2 --rounds 300          # CPU, gloo
+    PYTHONPATH=. python3 benchmarks/soak.py --transport nvlink --device cuda:0 --ranks 4 --rounds 10000
+
+Each round draws (alike on every rank, from ``seed + round``) the entry point (dispatch with top-k only, with the
+layout, without top-k; a cached dispatch reusing an earlier round's handle; ``num_worst_tokens``; dispatch_experts
+fresh and cached), the stream mode (sync, async, previous_event, both, allocate_on_comm_stream), the input form
+(BF16, FP32, FP8 tuple, FP8 in the send path, with FP8 out), hidden size, top-k 1-8, experts per rank, tokens per
+rank (0 included) and routing (random with -1 entries, sparse, all tokens to one expert); ``tests/rounds.py``
+runs and checks it. With ``--device cuda:N`` the ranks share that GPU over a gloo group (``Buffer(device=...)``).
+Prints rounds, mismatches (each with the seed that replays it: ``--seed S --rounds 1``) and seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+
+from moe_ep_plugin import Buffer  # noqa: E402
+from moe_ep_plugin.launch import spawn  # noqa: E402
+import rounds  # noqa: E402
+
+
+def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float, out: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = Buffer(transport=transport, timeout_s=timeout_s, device=device)
+    state = rounds.State()
+    failures: list[str] = []
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=num_rounds, desc=f"soak {transport} x{world}", unit="round", file=sys.stderr)
+    start = time.monotonic()
+    for i in range(num_rounds):
+        rnd = rounds.draw(seed + i, world)
+        try:
+            errors = rounds.run(buffer, rnd, state, rank, world)
+        except Exception as exc:  # a raise is a failure of the round, as a mismatch is
+            errors = [f"raised {type(exc).__name__}: {exc}"]
+            state = rounds.State()
+        # every rank learns every rank's verdict, so all agree on the failures (and stay in step)
+        verdicts: list = [None] * world
+        dist.all_gather_object(verdicts, errors)
+        for r, errs in enumerate(verdicts):
+            if errs:
+                failures.append(f"rank {r}: {rnd.describe()}: {'; '.join(errs)}")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(mismatches=len(failures))
+    seconds = time.monotonic() - start
+    if bar is not None:
+        bar.close()
+    if rank == 0:
+        lines = [f"| transport | ranks | device | rounds | mismatches | seconds | first seed |",
+                 "|---|---:|---|---:|---:|---:|---:|",
+                 f"| {transport} | {world} | {device or 'cpu'} | {num_rounds} | {len(failures)} | {seconds:.1f} | {seed} |"]
+        lines += [f"MISMATCH {f}" for f in failures[:50]]
+        print("\n".join(lines), flush=True)
+        with open(out, "w") as f:
+            f.write(f"{len(failures)}\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--transport", choices=("torch", "nvlink"), default="torch")
+    p.add_argument("--device", default=None, help="cuda:N: ranks share that GPU (gloo group); default: CPU")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=None, help="first round's seed (default: from the clock)")
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    args = p.parse_args()
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000 * 100000
+    out = f"/tmp/moe_ep_soak_{os.getpid()}"
+    spawn(_soak, args.ranks, args=(args.transport, args.device, seed, args.rounds, args.timeout_s, out),
+          backend="gloo", timeout_s=max(600.0, args.timeout_s * 2))
+    with open(out) as f:
+        mismatches = int(f.read())
+    os.remove(out)
+    sys.exit(1 if mismatches else 0)
+
+
+if __name__ == "__main__":
+    main()
