@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 6
+#define MOE_EP_ABI_VERSION 7
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
