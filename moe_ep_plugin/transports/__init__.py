@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .base import DispatchArgs, DispatchResult, Transport
+from .low_latency_base import LowLatencyTransport
 from .torch_transport import TorchTransport
 
 TRANSPORTS = ("torch", "nvlink")
@@ -50,5 +51,17 @@ def create_transport(name: str, group: dist.ProcessGroup, device: torch.device, 
     return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
 
 
-__all__ = ["DispatchArgs", "DispatchResult", "Transport", "TorchTransport", "TRANSPORTS", "create_transport",
+def create_low_latency_transport(transport: Transport) -> LowLatencyTransport:
+    """The low-latency form over a Buffer's ``transport``: collectives for ``torch``; on ``nvlink`` the
+    collectives of an NCCL group until the peer-memory low-latency kernels serve it (docs/low_latency.md)."""
+    from .low_latency_torch import TorchLowLatency
+    if isinstance(transport, TorchTransport):
+        return TorchLowLatency(transport)
+    if dist.get_backend(transport.group) == "nccl":
+        return TorchLowLatency(TorchTransport(transport.group, transport.device, transport.timeout_s))
+    raise ValueError("low_latency_mode: on ranks sharing a GPU (a gloo group with CUDA tensors) low-latency mode "
+                     "needs the peer-memory kernels, which this build does not serve yet; use an NCCL group")
+
+
+__all__ = ["create_low_latency_transport", "DispatchArgs", "DispatchResult", "Transport", "TorchTransport", "TRANSPORTS", "create_transport",
            "resolve_transport_name", "nvlink_unavailable_reason"]
