@@ -138,8 +138,8 @@ class Buffer:
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
         # Low-latency mode (docs/low_latency.md): its own buffer sets; normal mode stays usable on this Buffer.
         self._low_latency = None if not low_latency_mode else LowLatencyMode(
-            create_low_latency_transport(self.transport), self.rank, self.group_size, num_rdma_bytes, self.device,
-            lambda name, t, dtypes, shape: _check(name, t, dtypes, shape, is_cuda))
+            create_low_latency_transport(self.transport, num_rdma_bytes), self.rank, self.group_size, num_rdma_bytes,
+            self.device, lambda name, t, dtypes, shape: _check(name, t, dtypes, shape, is_cuda))
 
     # ---- configuration (static, as in DeepEP) ----
     @staticmethod
@@ -167,9 +167,10 @@ class Buffer:
 
     def destroy(self) -> None:
         """Release transport resources (collective for the kernel transport)."""
-        release = getattr(self.transport, "destroy", None)
-        if release is not None:
-            release()
+        for transport in (self.transport, self._low_latency and self._low_latency.transport):
+            release = getattr(transport, "destroy", None)
+            if release is not None:
+                release()
         self.destroyed = True
 
     # ---- streams ----

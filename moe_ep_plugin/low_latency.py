@@ -15,8 +15,6 @@ from . import fp8
 from .event import EventOverlap
 from .transports.low_latency_base import DispatchRequest, LowLatencyHandle, LowLatencyTransport
 
-# The hidden sizes DeepEP's low-latency kernels are instantiated for; the kernel transport serves these only.
-KERNEL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOPK = 32
 UE8M0_PACK = 4 * fp8.BLOCK  # channels per packed int32 of UE8M0 scales
 _ALIGN = 128

@@ -31,7 +31,9 @@ def _c_compiler() -> str | None:
 
 @pytest.mark.skipif(_c_compiler() is None, reason="no C compiler to read the header's struct layout with")
 @pytest.mark.parametrize("struct, name", [(_ext.DispatchParams, "moe_ep_dispatch_params"),
-                                          (_ext.CombineParams, "moe_ep_combine_params")])
+                                          (_ext.CombineParams, "moe_ep_combine_params"),
+                                          (_ext.LLDispatchParams, "moe_ep_ll_dispatch_params"),
+                                          (_ext.LLCombineParams, "moe_ep_ll_combine_params")])
 def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None:
     """Every field of the ctypes mirror sits at the offset (and the struct has the size) the C compiler gives
     ``csrc/moe_ep.h``: a field added, dropped or reordered on one side only would hand the kernels garbage."""

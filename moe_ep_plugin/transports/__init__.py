@@ -51,16 +51,14 @@ def create_transport(name: str, group: dist.ProcessGroup, device: torch.device, 
     return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
 
 
-def create_low_latency_transport(transport: Transport) -> LowLatencyTransport:
-    """The low-latency form over a Buffer's ``transport``: collectives for ``torch``; on ``nvlink`` the
-    collectives of an NCCL group until the peer-memory low-latency kernels serve it (docs/low_latency.md)."""
-    from .low_latency_torch import TorchLowLatency
+def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> LowLatencyTransport:
+    """The low-latency form for a Buffer whose normal-mode transport is ``transport``: the peer-memory kernels
+    (``low_latency_nvlink``) beside ``nvlink``, the collectives (``low_latency_torch``) beside ``torch``."""
     if isinstance(transport, TorchTransport):
+        from .low_latency_torch import TorchLowLatency
         return TorchLowLatency(transport)
-    if dist.get_backend(transport.group) == "nccl":
-        return TorchLowLatency(TorchTransport(transport.group, transport.device, transport.timeout_s))
-    raise ValueError("low_latency_mode: on ranks sharing a GPU (a gloo group with CUDA tensors) low-latency mode "
-                     "needs the peer-memory kernels, which this build does not serve yet; use an NCCL group")
+    from .low_latency_nvlink import NVLinkLowLatency
+    return NVLinkLowLatency(transport.group, transport.device, transport.timeout_s, num_rdma_bytes)
 
 
 __all__ = ["create_low_latency_transport", "DispatchArgs", "DispatchResult", "Transport", "TorchTransport", "TRANSPORTS", "create_transport",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -68,13 +68,14 @@ class DispatchOutput:
     """Outputs of a dispatch, allocated at the call and complete after ``finish()``: ``recv_x`` ``[L, R*M, H]``
     (BF16 or FP8), ``recv_scales`` (float32 ``[L, R*M, H/128]`` or packed UE8M0 int32 ``[L, R*M, H/512]``, both
     column-major in the last two dims) or None, ``recv_count`` ``[L]`` int32, and the handle. ``finish`` waits for
-    the data (at most the timeout), unpacks it and returns the host nanoseconds it waited."""
+    the data (at most the timeout), unpacks it and returns the nanoseconds it waited: an int (host wait, added to
+    every source's entry), or an ``[R]`` int64 tensor per source rank (the kernels' device wait)."""
 
     recv_x: torch.Tensor
     recv_scales: Optional[torch.Tensor]
     recv_count: torch.Tensor
     handle: LowLatencyHandle
-    finish: Callable[[], int]
+    finish: Callable[[], Union[int, torch.Tensor]]
 
 
 class LowLatencyTransport(Protocol):
@@ -87,7 +88,7 @@ class LowLatencyTransport(Protocol):
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int
-                ) -> Callable[[], int]: ...
+                ) -> Callable[[], Union[int, torch.Tensor]]: ...
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor: ...
 
