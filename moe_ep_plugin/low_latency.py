@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import fp8
+from .ops import fp8
 from .event import EventOverlap
 from .transports.low_latency_base import DispatchRequest, LowLatencyHandle, LowLatencyTransport
 

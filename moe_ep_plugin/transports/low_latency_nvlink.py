@@ -8,15 +8,14 @@ next low-latency call (or ``clean_low_latency_buffer``) raises ``TimeoutError`` 
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import _ext, fp8
+from ..ops import fp8, library
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
-from .nvlink import NVLinkTransport
+from .nvlink.runtime import NVLinkRuntime
 
 _SIGNAL_BYTES = 16384  # csrc/low_latency.cu kLLSignalBytes, per buffer set
 
@@ -42,17 +41,15 @@ class NVLinkLowLatency:
     hidden_sizes = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_rdma_bytes: int) -> None:
-        lib = _ext.load()
         # The context: header pages, then both sets; DeepEP's size hint covers the sets' slots, the signal pages
-        # are on top (csrc/moe_ep.h: low-latency layout).
-        self.context = NVLinkTransport(group, device, timeout_s,
-                                       num_nvl_bytes=lib.moe_ep_staging_offset() + num_rdma_bytes + 2 * _SIGNAL_BYTES
-                                       + 4096 * dist.get_world_size(group))
-        self._lib, self._ctx = lib, self.context._ctx
-        self.rank, self.num_ranks, self.device = self.context.rank, self.context.num_ranks, self.context.device
+        # (and the per-rank page rounding of the allocation) come on top (csrc/moe_ep.h: low-latency mode).
+        staging_offset = library.load().moe_ep_staging_offset()
+        self.runtime = NVLinkRuntime(group, device, timeout_s, staging_offset + num_rdma_bytes + 2 * _SIGNAL_BYTES
+                                     + 4096 * dist.get_world_size(group))
+        self.rank, self.num_ranks, self.device = self.runtime.rank, self.runtime.num_ranks, self.runtime.device
 
     def dispatch(self, req: DispatchRequest) -> DispatchOutput:
-        self.context.check_error()
+        self.runtime.check_error()
         n, hidden = req.x.shape
         m, num_experts, dev = req.num_max_dispatch_tokens_per_rank, req.num_experts, self.device
         num_local, rows = num_experts // self.num_ranks, self.num_ranks * m
@@ -67,28 +64,23 @@ class NVLinkLowLatency:
         src_info = torch.empty(num_local, rows, dtype=torch.int32, device=dev)
         layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=dev)
         waited = torch.zeros(self.num_ranks, dtype=torch.int64, device=dev)
-        params = _ext.LLDispatchParams(
+        params = library.LLDispatchParams(
             x=_ptr(req.x), topk_idx=_ptr(req.topk_idx), recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
             recv_count=_ptr(recv_count), src_info=_ptr(src_info), layout_range=_ptr(layout_range),
             wait_stats=_ptr(waited), num_tokens=n, hidden=hidden, num_topk=req.topk_idx.shape[1],
             num_experts=num_experts, max_tokens=m, use_fp8=int(req.use_fp8), round_scale=int(req.round_scale),
             use_ue8m0=int(req.use_ue8m0), buffer_set=req.buffer_set)
-        _ext.check(self._lib.moe_ep_ll_dispatch_send(self._ctx, ctypes.byref(params), self.context._stream()),
-                    "low-latency dispatch (send)")
+        self.runtime.low_latency("dispatch_send", params)
         handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts, n, req.topk_idx.shape[1], self.rank,
                                   self.num_ranks)
         def finish(_inputs: tuple = (req.x, req.topk_idx)) -> torch.Tensor:  # keeps the inputs alive until then
-            _ext.check(self._lib.moe_ep_ll_dispatch_recv(self._ctx, ctypes.byref(params), self.context._stream()),
-                        "low-latency dispatch (receive)")
+            self.runtime.low_latency("dispatch_recv", params)
             return waited
         return DispatchOutput(recv_x, recv_scales, recv_count, handle, finish)
 
     def _combine_buffer_ptr(self, handle: LowLatencyHandle, buffer_set: int) -> int:
-        ptr = self._lib.moe_ep_ll_combine_buffer(self._ctx, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-                                                 handle.num_experts, buffer_set)
-        if not ptr:
-            raise ValueError("num_rdma_bytes: " + self._lib.moe_ep_last_error().decode(errors="replace"))
-        return ptr
+        return self.runtime.low_latency_combine_buffer(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                                                       handle.num_experts, buffer_set)
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor:
         shape = (handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
@@ -99,25 +91,23 @@ class NVLinkLowLatency:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int
                 ) -> Callable[[], torch.Tensor]:
-        self.context.check_error()
+        self.runtime.check_error()
         waited = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
-        params = _ext.LLCombineParams(
+        params = library.LLCombineParams(
             x=self._combine_buffer_ptr(handle, buffer_set) if zero_copy else _ptr(x), topk_idx=_ptr(topk_idx),
             topk_weights=_ptr(topk_weights), src_info=_ptr(handle.src_info), layout_range=_ptr(handle.layout_range),
             out=_ptr(out), wait_stats=_ptr(waited), num_tokens=handle.num_tokens, hidden=handle.hidden,
             num_topk=topk_idx.shape[1], num_experts=handle.num_experts,
             max_tokens=handle.num_max_dispatch_tokens_per_rank, buffer_set=buffer_set)
-        _ext.check(self._lib.moe_ep_ll_combine_send(self._ctx, ctypes.byref(params), self.context._stream()),
-                    "low-latency combine (send)")
+        self.runtime.low_latency("combine_send", params)
         def finish(_inputs: tuple = (x, topk_idx, topk_weights)) -> torch.Tensor:  # keeps the inputs alive
-            _ext.check(self._lib.moe_ep_ll_combine_recv(self._ctx, ctypes.byref(params), self.context._stream()),
-                        "low-latency combine (receive)")
+            self.runtime.low_latency("combine_recv", params)
             return waited
         return finish
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self.context.check_error()
-        _ext.check(self._lib.moe_ep_ll_clean(self._ctx, self.context._stream()), "clean_low_latency_buffer")
+        self.runtime.check_error()
+        self.runtime.low_latency_clean()
 
     def destroy(self) -> None:
-        self.context.destroy()
+        self.runtime.destroy()

@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import fp8
-from ..layout import count_invalid, invalid_ids_error
+from ..ops import fp8
+from ..ops.layout import count_invalid, invalid_ids_error
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle, elapsed_ns
 from .torch_transport import TorchTransport
 
