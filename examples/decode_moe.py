@@ -27,9 +27,10 @@ from moe_ep_plugin import Buffer, launch
 from moe_ep_plugin.train import config, trainer
 from moe_ep_plugin.train.model import Attention, MoEMLP, MoETransformer, _rotate
 
-# Decoded logits vs the normal-mode forward, relative to the largest logit: BF16 rounding of the MoE input and output
-# gives ~2e-4 on the tiny model; dropping the routed experts altogether gives ~6e-2.
-TOLERANCE = 2e-3
+# Decoded logits vs the normal-mode forward, relative to the largest logit, by model dtype. In float32 (CPU) the BF16
+# rounding of the MoE input and output gives ~2e-4 on the tiny model, and dropping the routed experts altogether
+# ~6e-2; a BF16 model (GPU) rounds every layer differently on the two paths (a guess, not measured yet).
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
 
 
 def cached_attention(attn: Attention, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor,
@@ -97,7 +98,7 @@ class Decoder:
 
 def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool) -> float:
     """Feed a random prompt, decode ``new_tokens`` greedily, compare with the normal-mode forward; returns the
-    largest logit difference relative to the largest logit (raises if above ``TOLERANCE``)."""
+    largest logit difference relative to the largest logit (raises if above ``TOLERANCE`` of the model dtype)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = trainer.resolve_device(cfg)
     dtype = trainer.resolve_dtype(cfg, device)
@@ -111,6 +112,9 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
                                                                          cfg.moe.num_experts),
                     low_latency_mode=True, num_qps_per_rank=cfg.moe.num_experts // world,
                     transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s)
+    if cuda_graph and buffer.transport_name != "nvlink":
+        raise ValueError("--cuda-graph: needs the nvlink transport's low-latency kernels (the collective form reads "
+                         "its header on the host)")
     model = MoETransformer(cfg, rank, world)
     model.initialize(cfg.train.seed)
     model.to(device=device, dtype=dtype).eval()
@@ -141,9 +145,9 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
     if rank == 0:
         print(f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'max |dlogit| / max |logit|':>27}")
     print(f"{rank:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph is not None):>5} {diff:>27.2e}")
-    if diff > TOLERANCE:
+    if diff > TOLERANCE[dtype]:
         raise AssertionError(f"rank {rank}: low-latency decode differs from the normal-mode forward by {diff:.2e} "
-                             f"of the largest logit (tolerance {TOLERANCE})")
+                             f"of the largest logit (tolerance {TOLERANCE[dtype]})")
     return diff
 
 
