@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> None:
         physical = remote * (msg + 2 * hidden) / (times["both"] * 1e-6) / 1e9
         if rank == 0:
             print(f"{n:>6} {times['dispatch']:>9.1f} {times['combine']:>8.1f} {times['both']:>8.1f} "
-                  f"{halves['d.send']:>7.1f} {halves['d.recv']:>7.1f} {halves['c.send']:>7.1f} {halves['c.recv']:>7.1f} "
-                  f"{stock_us:>8.1f} {logical:>13.1f} {physical:>14.1f} "
+                  + "".join(f"{halves[h]:>7.1f} " for h in ("d.send", "d.recv", "c.send", "c.recv"))
+                  + f"{stock_us:>8.1f} {logical:>13.1f} {physical:>14.1f} "
                   f"{f'{num_experts}+{local}/{local * world}+{n}':>14}")
 
 

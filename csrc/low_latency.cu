@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, 
         if (!wait_flag<true>(c, &mine.disp_flag(s)[l * s.R + src], seq, MOE_EP_ERR_DISPATCH_TIMEOUT, src, l)) ok = 0;
         counts[src] = ld_volatile(&mine.disp_count(s)[l * s.R + src]);
         if (p.wait_stats != nullptr)
-            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + src), (unsigned long long)(now_ns() - start));
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + src),
+                      (unsigned long long)(now_ns() - start));
     }
     __syncthreads();
     if (!ok) return;
@@ -162,7 +163,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, 
         if (p.use_ue8m0) {
             for (int64_t w = lane; w < S / 4; w += 32) {
                 uint32_t word = 0;
-                for (int b = 0; b < 4; ++b) word |= ((uint32_t(ld_volatile(scales + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
+                for (int b = 0; b < 4; ++b)
+                    word |= ((uint32_t(ld_volatile(scales + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
                 static_cast<int32_t*>(p.recv_scales)[(int64_t(l) * (S / 4) + w) * rows + j] = int32_t(word);
             }
         } else {
@@ -206,7 +208,8 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
         const int64_t e = idx[threadIdx.x];
         if (e >= 0) {
             const uint64_t start = now_ns();
-            if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), int(e))) ok = 0;
+            if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), int(e)))
+                ok = 0;
             if (p.wait_stats != nullptr)
                 atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + e / s.L),
                           (unsigned long long)(now_ns() - start));
@@ -230,7 +233,8 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
                 acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
             }
         }
-        reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.out) + int64_t(t) * s.H)[v] = Vec<__nv_bfloat16>::pack(acc);
+        int4* out = reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.out) + int64_t(t) * s.H);
+        out[v] = Vec<__nv_bfloat16>::pack(acc);
     }
 }
 

@@ -252,7 +252,8 @@ class LowLatencyMode:
 
     def _check_handle(self, handle: object) -> LowLatencyHandle:
         if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, got {type(handle).__name__}")
+            raise TypeError("handle: expected the handle returned by low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
         if handle.rank != self.rank or handle.num_ranks != self.num_ranks:
             raise ValueError("handle: it was made by a buffer on a different group")
         return handle

@@ -61,5 +61,5 @@ def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> L
     return NVLinkLowLatency(transport.group, transport.device, transport.timeout_s, num_rdma_bytes)
 
 
-__all__ = ["create_low_latency_transport", "DispatchArgs", "DispatchResult", "Transport", "TorchTransport", "TRANSPORTS", "create_transport",
-           "resolve_transport_name", "nvlink_unavailable_reason"]
+__all__ = ["DispatchArgs", "DispatchResult", "LowLatencyTransport", "Transport", "TorchTransport", "TRANSPORTS",
+           "create_low_latency_transport", "create_transport", "resolve_transport_name", "nvlink_unavailable_reason"]

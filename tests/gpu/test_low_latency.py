@@ -81,7 +81,8 @@ def _check_dispatch(got: tuple, want: tuple, use_fp8: bool) -> list[int]:
 
 def _cases() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev, ref_dev = torch.device("cuda", 0 if dist.get_backend() != "nccl" else torch.cuda.current_device()), _ref_device()
+    dev = torch.device("cuda", 0 if dist.get_backend() != "nccl" else torch.cuda.current_device())
+    ref_dev = _ref_device()
     gen = torch.Generator().manual_seed(int(time.time()) % 1000 * 10 + rank)
     for m, hidden, per_rank, k in CASES:
         num_experts = per_rank * world
