@@ -186,9 +186,13 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(DevCtx c, m
     const int begin = int(range >> 32), count = int(range & 0xffffffff);
     const int e = c.rank * int(s.L) + l;
     const int64_t rows = s.R * s.M;
-    for (int i = warp; i < count; i += kLLWarps) {
+    // A layout from a dispatch whose receive timed out is garbage: never let it address outside the slots.
+    const int valid = begin >= 0 && count >= 0 && count <= s.M && begin + count <= rows ? count : 0;
+    for (int i = warp; i < valid; i += kLLWarps) {
         const int64_t row = int64_t(l) * rows + begin + i;
-        ll_copy<false>(reinterpret_cast<int4*>(peer.comb_slot(s, e, p.src_info[row])),
+        const int t = p.src_info[row];
+        if (t < 0 || t >= s.M) continue;
+        ll_copy<false>(reinterpret_cast<int4*>(peer.comb_slot(s, e, t)),
                        static_cast<const int4*>(p.x) + row * (2 * s.H / 16), 2 * s.H / 16, lane);
     }
     __threadfence_system();
@@ -206,7 +210,7 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
     __syncthreads();
     if (threadIdx.x < p.num_topk) {
         const int64_t e = idx[threadIdx.x];
-        if (e >= 0) {
+        if (e >= 0 && e < s.E) {  // ids out of range are skipped (not checked on the host: that would sync)
             const uint64_t start = now_ns();
             if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), int(e)))
                 ok = 0;
@@ -221,7 +225,7 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int k = 0; k < p.num_topk; ++k) {
             const int64_t e = idx[k];
-            if (e < 0) continue;
+            if (e < 0 || e >= s.E) continue;
             const float w = p.topk_weights[int64_t(t) * p.num_topk + k];
             const int4 y = ld_coherent(reinterpret_cast<const int4*>(mine.comb_slot(s, int(e), t)) + v);
             const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&y);
