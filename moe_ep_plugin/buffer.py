@@ -1,4 +1,5 @@
-"""``Buffer``: DeepEP V1's normal-mode API (layout, dispatch, combine) over a pluggable transport.
+"""``Buffer``: DeepEP V1's API (layout, dispatch, combine; low-latency mode in ``low_latency.py``) over a
+pluggable transport.
 
 The Buffer validates every input before any communication, owns the communication stream and the
 ``previous_event``/``async_finish``/``allocate_on_comm_stream`` semantics, and hands validated, contiguous
@@ -83,7 +84,8 @@ def _shape_error(name: str, shape: Sequence[Optional[int]], size: torch.Size) ->
 
 
 class Buffer:
-    """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``, normal mode).
+    """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``; ``low_latency_mode``:
+    docs/low_latency.md).
 
     ``transport``: ``"auto"`` (``nvlink`` kernels when CUDA, the kernel library and peer access exist, else
     ``torch``), ``"torch"`` or ``"nvlink"``; ``$MOE_EP_TRANSPORT`` overrides ``auto``. ``timeout_s`` bounds
