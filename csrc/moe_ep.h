@@ -203,6 +203,52 @@ int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights
 int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t hidden,
                      int64_t num_rows, int64_t dtype, void* out, void* stream);
 
+/* Low-latency mode (low_latency.cu), DeepEP V1's decode kernels on CUDA-IPC peer memory. A context made for it
+ * holds, after moe_ep_staging_offset() bytes, two alternating buffer sets (moe_ep_ll_set_bytes each): per set a
+ * signal page (the set's call sequence, then per (local expert, source rank) a row count and a flag, per global
+ * expert a combine flag), fixed dispatch slots [local expert][source rank][M] of 16 + 2*hidden bytes (a header
+ * holding the source token, then the BF16 row or the FP8 row and its float32 scales), and combine slots
+ * [global expert][M] of BF16 rows, which also stage this rank's packed rows during a dispatch. Rows of one
+ * (expert, source) are placed in source-token order, so outputs are deterministic. Flags carry the set's call
+ * sequence (kept on the device, advanced by the receive half), so nothing is reset between calls and CUDA-graph
+ * replays stay correct. Every call is two launches on `stream` with no host sync: the send half
+ * (moe_ep_ll_*_send) and the receive half (moe_ep_ll_*_recv, what DeepEP's hook runs); receive waits time out
+ * into the error record (MOE_EP_ERR_DISPATCH_TIMEOUT [1] = source rank, [2] = local expert;
+ * MOE_EP_ERR_COMBINE_TIMEOUT [1] = expert rank, [2] = global expert). All ranks make the same sequence of calls. */
+typedef struct {
+    const void* x;                  /* [N, hidden] BF16 */
+    const int64_t* topk_idx;        /* [N, K] global expert ids, -1 = none (a repeated id sends one row) */
+    void* recv_x;                   /* [L, R*M, hidden] BF16, or FP8 e4m3 with use_fp8 */
+    void* recv_scales;              /* use_fp8: float32 [L, hidden/128, R*M], or with use_ue8m0 int32 [L, hidden/512,
+                                     * R*M] (four exponent bytes, lowest block lowest); else NULL */
+    int32_t* recv_count;            /* [L] */
+    int32_t* src_info;              /* [L, R*M] source token of each row */
+    int64_t* layout_range;          /* [L, R] begin << 32 | count */
+    int64_t* wait_stats;            /* [R] or NULL: += ns the receive half waited for each source */
+    int64_t num_tokens, hidden, num_topk, num_experts, max_tokens, use_fp8, round_scale, use_ue8m0, buffer_set;
+} moe_ep_ll_dispatch_params;
+
+typedef struct {
+    const void* x;                  /* [L, R*M, hidden] BF16 expert outputs in the dispatch's layout */
+    const int64_t* topk_idx;        /* [N, K] as given to the dispatch */
+    const float* topk_weights;      /* [N, K] */
+    const int32_t* src_info;        /* the dispatch's */
+    const int64_t* layout_range;    /* the dispatch's */
+    void* out;                      /* [N, hidden] BF16: sum over k ascending of weight * row, fp32, rounded once */
+    int64_t* wait_stats;            /* [R] or NULL */
+    int64_t num_tokens, hidden, num_topk, num_experts, max_tokens, buffer_set;
+} moe_ep_ll_combine_params;
+
+int64_t moe_ep_ll_set_bytes(int64_t max_tokens, int64_t hidden, int64_t num_experts);
+/* BF16 [L, R*M, hidden] view of buffer set `buffer_set`'s dispatch slots: a zero-copy combine's input. */
+void* moe_ep_ll_combine_buffer(void* ctx, int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t buffer_set);
+int moe_ep_ll_dispatch_send(void* ctx, const moe_ep_ll_dispatch_params* params, void* stream);
+int moe_ep_ll_dispatch_recv(void* ctx, const moe_ep_ll_dispatch_params* params, void* stream);
+int moe_ep_ll_combine_send(void* ctx, const moe_ep_ll_combine_params* params, void* stream);
+int moe_ep_ll_combine_recv(void* ctx, const moe_ep_ll_combine_params* params, void* stream);
+/* Zero both sets (sequences included), then a barrier with every peer. */
+int moe_ep_ll_clean(void* ctx, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -39,10 +39,13 @@ def nvcc_command(nvcc: str, sources: list[str], output: str) -> list[str]:
 
 
 def build_stamp(cmd: list[str]) -> str:
-    """SHA-256 of every file in ``csrc/`` (names and bytes) and of the nvcc command ``cmd``."""
+    """SHA-256 of every file under ``csrc/`` (paths and bytes) and of the nvcc command ``cmd``."""
     digest = hashlib.sha256("\0".join(cmd[1:]).encode())
-    for path in sorted(glob.glob(os.path.join(_ROOT, "csrc", "*"))):
-        digest.update(os.path.basename(path).encode() + b"\0")
+    csrc = os.path.join(_ROOT, "csrc")
+    for path in sorted(glob.glob(os.path.join(csrc, "**", "*"), recursive=True)):
+        if not os.path.isfile(path):
+            continue
+        digest.update(os.path.relpath(path, csrc).encode() + b"\0")
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()

@@ -1,4 +1,5 @@
-"""``Buffer``: DeepEP V1's normal-mode API (layout, dispatch, combine) over a pluggable transport.
+"""``Buffer``: DeepEP V1's API (layout, dispatch, combine; low-latency mode in ``low_latency.py``) over a
+pluggable transport.
 
 router (gating.py) → quantize+dispatch (Buffer.dispatch / dispatch_experts, fp8.py, transports/) →
 permute/experts/unpermute (permute.py, experts) → combine (Buffer.combine / combine_experts, transports/);
@@ -19,8 +20,9 @@ import torch.distributed as dist
 from .config import DEFAULT_TIMEOUT_S, Config, check_num_sms, combine_config, dispatch_config
 from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
+from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
-from .transports import DispatchArgs, create_transport, resolve_transport_name
+from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport_name
 
 XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -85,7 +87,8 @@ def _shape_error(name: str, shape: Sequence[Optional[int]], size: torch.Size) ->
 
 
 class Buffer:
-    """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``, normal mode).
+    """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``; ``low_latency_mode``:
+    docs/low_latency.md).
 
     ``transport``: ``"auto"`` (``nvlink`` kernels when CUDA, the kernel library and peer access exist, else
     ``torch``), ``"torch"`` or ``"nvlink"``; ``$MOE_EP_TRANSPORT`` overrides ``auto``. ``timeout_s`` bounds
@@ -113,8 +116,8 @@ class Buffer:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
-        if low_latency_mode:
-            raise ValueError("low_latency_mode=True: the low-latency kernels are not provided yet; use normal mode")
+        if not isinstance(num_qps_per_rank, int) or isinstance(num_qps_per_rank, bool) or num_qps_per_rank <= 0:
+            raise ValueError(f"num_qps_per_rank: expected a positive int, got {num_qps_per_rank!r}")
         if not isinstance(transport, str):
             raise TypeError(f"transport: expected a str, got {type(transport).__name__}")
         if timeout_s is None:
@@ -131,7 +134,7 @@ class Buffer:
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode = False
+        self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
         self.device = _buffer_device(group, device)
         is_cuda = self.device.type == "cuda"
@@ -145,6 +148,10 @@ class Buffer:
         self.timeout_s = timeout_s
         self._comm_stream = torch.cuda.Stream(self.device, priority=-1) if is_cuda else None
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
+        # Low-latency mode (docs/low_latency.md): its own buffer sets; normal mode stays usable on this Buffer.
+        self._low_latency = None if not low_latency_mode else LowLatencyMode(
+            create_low_latency_transport(self.transport, num_rdma_bytes), self.rank, self.group_size, num_rdma_bytes,
+            self.device, lambda name, t, dtypes, shape: _check(name, t, dtypes, shape, is_cuda))
 
     # ---- configuration (static, as in DeepEP) ----
     @staticmethod
@@ -170,9 +177,10 @@ class Buffer:
 
     def destroy(self) -> None:
         """Release transport resources (collective for the kernel transport)."""
-        release = getattr(self.transport, "destroy", None)
-        if release is not None:
-            release()
+        for transport in (self.transport, self._low_latency and self._low_latency.transport):
+            release = getattr(transport, "destroy", None)
+            if release is not None:
+                release()
         self.destroyed = True
 
     # ---- streams ----
@@ -495,6 +503,48 @@ class Buffer:
             lambda: self.transport.combine_experts(y.contiguous(), handle, _contiguous(expert_weights), config),
             previous_event, async_finish, allocate_on_comm_stream, (y, expert_weights, handle))
         return combined, weights, event
+
+    # ---- low-latency mode (DeepEP V1's signatures; semantics in moe_ep_plugin/low_latency.py) ----
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes to pass as ``num_rdma_bytes`` for low-latency calls of these shapes."""
+        return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _ll(self) -> LowLatencyMode:
+        if self._low_latency is None:
+            raise ValueError("low_latency_mode: this Buffer was made without low_latency_mode=True")
+        return self._low_latency
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """``x`` BF16 ``[N <= M, H]``, ``topk_idx`` ``[N, K]`` (-1 = none) → ``(recv_x, recv_count, handle, event,
+        hook)``: ``recv_x`` ``[L, R*M, H]`` BF16, or ``(FP8, scales)`` with float32 scales ``[L, R*M, H/128]``
+        (packed UE8M0 int32 ``[L, R*M, H/512]`` with ``use_ue8m0``); ``recv_count`` ``[L]`` int32 valid rows."""
+        return self._ll().dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                   cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                   round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: object, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Expert outputs ``x`` BF16 ``[L, R*M, H]`` → ``(combined_x [N, H] BF16, event, hook)``:
+        ``Σ_k topk_weights[t, k] · y`` over the token's experts in fp32."""
+        return self._ll().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                  return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """BF16 ``[L, R*M, H]``: write expert outputs here, then ``low_latency_combine(..., zero_copy=True)``."""
+        return self._ll().combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency buffers (collective); results still waiting for a hook are dropped."""
+        self._ll().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _check_expert_handle(self, handle: object) -> DispatchHandle:
         handle = self._check_handle(handle)

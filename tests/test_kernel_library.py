@@ -31,7 +31,9 @@ def _c_compiler() -> str | None:
 
 @pytest.mark.skipif(_c_compiler() is None, reason="no C compiler to read the header's struct layout with")
 @pytest.mark.parametrize("struct, name", [(library.DispatchParams, "moe_ep_dispatch_params"),
-                                          (library.CombineParams, "moe_ep_combine_params")])
+                                          (library.CombineParams, "moe_ep_combine_params"),
+                                          (library.LLDispatchParams, "moe_ep_ll_dispatch_params"),
+                                          (library.LLCombineParams, "moe_ep_ll_combine_params")])
 def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None:
     """Every field of the ctypes mirror sits at the offset (and the struct has the size) the C compiler gives
     ``csrc/moe_ep.h``: a field added, dropped or reordered on one side only would hand the kernels garbage."""

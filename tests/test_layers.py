@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("recipes", ("train/", "megatron/pretrain.py", "deepspeed/config.py", "deepspeed/train.py")),
     ("integrations", ("megatron/", "deepspeed/")),
     ("MoE glue", ("autograd.py", "buffer_cache.py", "plugin_options.py")),
-    ("buffer", ("buffer.py", "__init__.py")),
+    ("buffer", ("buffer.py", "low_latency.py", "__init__.py")),
     ("transports", ("transports/",)),
     ("ops", ("ops/",)),
     ("leaf", ("config.py", "handle.py", "event.py", "gating.py", "yaml_sections.py", "launch.py")),

@@ -76,7 +76,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     n, s = exponents.shape
     padded = torch.zeros(n, (s + 3) // 4 * 4, dtype=torch.int32, device=scales.device)
     padded[:, :s] = exponents
-    padded = padded.view(n, -1, 4)
+    padded = padded.view(n, (s + 3) // 4, 4)  # explicit: n may be 0
     return padded[..., 0] | (padded[..., 1] << 8) | (padded[..., 2] << 16) | (padded[..., 3] << 24)
 
 

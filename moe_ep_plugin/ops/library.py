@@ -55,6 +55,23 @@ class CombineParams(ctypes.Structure):
         ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
 
 
+class LLDispatchParams(ctypes.Structure):
+    """``moe_ep_ll_dispatch_params`` (low-latency dispatch)."""
+
+    _fields_ = [(name, _p) for name in (
+        "x", "topk_idx", "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "wait_stats")] + [(name, _i64) for name in (
+            "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "use_fp8", "round_scale", "use_ue8m0",
+            "buffer_set")]
+
+
+class LLCombineParams(ctypes.Structure):
+    """``moe_ep_ll_combine_params`` (low-latency combine)."""
+
+    _fields_ = [(name, _p) for name in (
+        "x", "topk_idx", "topk_weights", "src_info", "layout_range", "out", "wait_stats")] + [(name, _i64) for name in (
+            "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "buffer_set")]
+
+
 _lib: Optional[ctypes.CDLL] = None
 
 
@@ -113,10 +130,15 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _p]
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
+    lib.moe_ep_ll_set_bytes.restype = _i64
+    lib.moe_ep_ll_set_bytes.argtypes = [_i64, _i64, _i64]
+    lib.moe_ep_ll_combine_buffer.restype = _p
+    lib.moe_ep_ll_combine_buffer.argtypes = [_p, _i64, _i64, _i64, _i64]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
                  "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_wait",
-                 "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute"):
+                 "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute", "moe_ep_ll_dispatch_send",
+                 "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .base import DispatchArgs, DispatchResult, Transport
+from .low_latency_base import LowLatencyTransport
 from .torch_transport import TorchTransport
 
 TRANSPORTS = ("torch", "nvlink")
@@ -50,5 +51,15 @@ def create_transport(name: str, group: dist.ProcessGroup, device: torch.device, 
     return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
 
 
-__all__ = ["DispatchArgs", "DispatchResult", "Transport", "TorchTransport", "TRANSPORTS", "create_transport",
-           "resolve_transport_name", "nvlink_unavailable_reason"]
+def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> LowLatencyTransport:
+    """The low-latency form for a Buffer whose normal-mode transport is ``transport``: the peer-memory kernels
+    (``low_latency_nvlink``) beside ``nvlink``, the collectives (``low_latency_torch``) beside ``torch``."""
+    if isinstance(transport, TorchTransport):
+        from .low_latency_torch import TorchLowLatency
+        return TorchLowLatency(transport)
+    from .low_latency_nvlink import NVLinkLowLatency
+    return NVLinkLowLatency(transport.group, transport.device, transport.timeout_s, num_rdma_bytes)
+
+
+__all__ = ["DispatchArgs", "DispatchResult", "LowLatencyTransport", "Transport", "TorchTransport", "TRANSPORTS",
+           "create_low_latency_transport", "create_transport", "resolve_transport_name", "nvlink_unavailable_reason"]

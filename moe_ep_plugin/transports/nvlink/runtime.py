@@ -124,6 +124,28 @@ class NVLinkRuntime:
     def combine(self, params: library.CombineParams) -> None:
         library.check(self.lib.moe_ep_combine(self.ctx, ctypes.byref(params), self.stream()), "combine")
 
+    @staticmethod
+    def staging_offset() -> int:
+        """Bytes of a context's header pages, before its staging regions (or low-latency buffer sets)."""
+        return library.load().moe_ep_staging_offset()
+
+    def low_latency(self, name: str, params: ctypes.Structure) -> None:
+        """``moe_ep_ll_<name>`` (``dispatch_send``, ``dispatch_recv``, ``combine_send``, ``combine_recv``) on the
+        current stream (csrc/low_latency.cu)."""
+        library.check(getattr(self.lib, f"moe_ep_ll_{name}")(self.ctx, ctypes.byref(params), self.stream()),
+                      f"low-latency {name}")
+
+    def low_latency_combine_buffer(self, max_tokens: int, hidden: int, num_experts: int, buffer_set: int) -> int:
+        """Device address of buffer set ``buffer_set``'s zero-copy combine input (BF16 ``[L, R*M, H]``)."""
+        ptr = self.lib.moe_ep_ll_combine_buffer(self.ctx, max_tokens, hidden, num_experts, buffer_set)
+        if not ptr:
+            raise ValueError("num_rdma_bytes: " + self.lib.moe_ep_last_error().decode(errors="replace"))
+        return ptr
+
+    def low_latency_clean(self) -> None:
+        """Zero the low-latency buffer sets, then a barrier with every peer."""
+        library.check(self.lib.moe_ep_ll_clean(self.ctx, self.stream()), "clean_low_latency_buffer")
+
     def pull_rows(self, row_bytes: int, num_topk: int) -> int:
         """The most combined rows of ``row_bytes`` (and ``num_topk`` weights) this rank's own region holds."""
         return self.lib.moe_ep_pull_rows(self.ctx, row_bytes, num_topk)

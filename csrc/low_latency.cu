@@ -1,0 +1,341 @@
+// Low-latency dispatch/combine (DeepEP V1's decode kernels) on CUDA-IPC peer memory; layout and protocol in
+// moe_ep.h. Fixed shapes, no host sync, so a call can be captured in a CUDA graph; each call is a send half and a
+// receive half so that a hook can run the receive later (two micro-batches overlap).
+//
+// dispatch send: ll_pack_kernel writes this rank's tokens as messages (FP8-quantized on the way when asked) into
+//   its own staging; ll_dispatch_send_kernel (one block per global expert) gives every token choosing the expert
+//   its position among this rank's tokens for it (a block scan in token order), stores the messages into the
+//   owner's slots over NVLink, then publishes the count and a flag (release) in the owner's signals.
+// dispatch recv: one block per local expert acquires every source's flag (timed), packs the rows by source rank
+//   then token into recv_x / the column-major scales, and writes recv_count, src_info, layout_range, wait times.
+// combine send: one block per (local expert, source rank) stores each row back into the source's combine slot
+//   [global expert][token], then sets that source's flag for the expert.
+// combine recv: one block per token acquires its experts' flags and sums weight * row over k in fp32.
+// ll_advance_kernel then moves the set's call sequence on (all ranks alike).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <string>
+
+#include "common.cuh"
+#include "context.h"
+#include "kernels/fp8.cuh"
+
+namespace moe_ep {
+
+constexpr int64_t kLLSignalBytes = 16384;  // sequence + 3 ints per expert, up to MOE_EP_MAX_EXPERTS experts
+constexpr int kLLThreads = 512;
+constexpr int kLLWarps = kLLThreads / 32;
+static_assert(16 + 3 * 4 * int64_t(kMaxExperts) <= kLLSignalBytes, "low-latency signals too large");
+
+struct LLShape {
+    int64_t M, H, E, R, L, slot, set_bytes, comb_offset;
+};
+
+__host__ __device__ inline LLShape ll_shape(int64_t M, int64_t H, int64_t E, int64_t R) {
+    LLShape s;
+    s.M = M, s.H = H, s.E = E, s.R = R, s.L = E / R;
+    s.slot = 16 + 2 * H;  // header + the larger of a BF16 row and an FP8 row with its scales
+    s.comb_offset = kLLSignalBytes + E * M * s.slot;
+    const int64_t comb = E * M * 2 * H > M * s.slot ? E * M * 2 * H : M * s.slot;
+    s.set_bytes = s.comb_offset + comb;
+    return s;
+}
+
+// Set `set` of rank `owner`'s buffer and its parts.
+struct LLSet {
+    char* base;
+    __device__ int* seq() const { return reinterpret_cast<int*>(base); }
+    __device__ int* disp_count(const LLShape& s) const { return reinterpret_cast<int*>(base + 16); }
+    __device__ int* disp_flag(const LLShape& s) const { return reinterpret_cast<int*>(base + 16) + s.E; }
+    __device__ int* comb_flag(const LLShape& s) const { return reinterpret_cast<int*>(base + 16) + 2 * s.E; }
+    __device__ char* disp_slot(const LLShape& s, int l, int src, int i) const {
+        return base + kLLSignalBytes + ((int64_t(l) * s.R + src) * s.M + i) * s.slot;
+    }
+    __device__ char* comb_slot(const LLShape& s, int e, int t) const {
+        return base + s.comb_offset + (int64_t(e) * s.M + t) * 2 * s.H;
+    }
+    __device__ char* staging(const LLShape& s, int t) const { return base + s.comb_offset + int64_t(t) * s.slot; }
+};
+
+__device__ __forceinline__ LLSet ll_set(const DevCtx& c, int owner, const LLShape& s, int set) {
+    return LLSet{c.bufs[owner] + kStagingOffset + set * s.set_bytes};
+}
+
+// Warp-wide copy of n 16-byte vectors; kPeerWritten: src was written by another GPU (coherent loads).
+template <bool kPeerWritten>
+__device__ __forceinline__ void ll_copy(int4* dst, const int4* src, int64_t n, int lane) {
+    for (int64_t i = lane; i < n; i += 32) dst[i] = kPeerWritten ? ld_coherent(src + i) : __ldg(src + i);
+}
+
+// ---- dispatch ----
+__global__ void __launch_bounds__(256) ll_pack_kernel(DevCtx c, moe_ep_ll_dispatch_params p, LLShape s) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (t >= p.num_tokens) return;
+    char* msg = ll_set(c, c.rank, s, int(p.buffer_set)).staging(s, t);
+    const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(p.x) + int64_t(t) * s.H;
+    if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
+    if (p.use_fp8) {
+        quantize_row<__nv_bfloat16>(row, int(s.H), reinterpret_cast<uint8_t*>(msg + 16),
+                                    reinterpret_cast<float*>(msg + 16 + s.H), nullptr, nullptr, nullptr,
+                                    p.round_scale != 0, lane);
+    } else {
+        ll_copy<false>(reinterpret_cast<int4*>(msg + 16), reinterpret_cast<const int4*>(row), s.H * 2 / 16, lane);
+    }
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(DevCtx c, moe_ep_ll_dispatch_params p,
+                                                                       LLShape s) {
+    __shared__ int scratch[33];
+    __shared__ int tokens[kLLThreads];
+    const int e = blockIdx.x, owner = int(e / s.L), l = int(e % s.L);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int set = int(p.buffer_set);
+    const LLSet mine = ll_set(c, c.rank, s, set), peer = ll_set(c, owner, s, set);
+    const int seq = ld_volatile(mine.seq()) + 1;
+    const int64_t msg_vecs = (p.use_fp8 ? 16 + s.H + s.H / 32 + 15 : 16 + 2 * s.H) / 16;
+    int sent = 0;
+    for (int base = 0; base < p.num_tokens; base += kLLThreads) {
+        const int t = base + threadIdx.x;
+        int present = 0;
+        if (t < p.num_tokens)
+            for (int k = 0; k < p.num_topk; ++k) present |= p.topk_idx[int64_t(t) * p.num_topk + k] == e;
+        int total;
+        const int pos = block_exclusive_sum(present, scratch, total);
+        if (present) tokens[pos] = t;
+        __syncthreads();
+        for (int j = warp; j < total; j += kLLWarps)
+            ll_copy<false>(reinterpret_cast<int4*>(peer.disp_slot(s, l, c.rank, sent + j)),
+                           reinterpret_cast<const int4*>(mine.staging(s, tokens[j])), msg_vecs, lane);
+        sent += total;
+        __syncthreads();
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        peer.disp_count(s)[l * s.R + c.rank] = sent;
+        st_release_sys(&peer.disp_flag(s)[l * s.R + c.rank], seq);
+    }
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, moe_ep_ll_dispatch_params p,
+                                                                       LLShape s) {
+    __shared__ int counts[kMaxRanks], begins[kMaxRanks + 1], ok;
+    const int l = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const LLSet mine = ll_set(c, c.rank, s, int(p.buffer_set));
+    const int seq = ld_volatile(mine.seq()) + 1;
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    const int src = threadIdx.x;
+    if (src < s.R) {
+        const uint64_t start = now_ns();
+        if (!wait_flag<true>(c, &mine.disp_flag(s)[l * s.R + src], seq, MOE_EP_ERR_DISPATCH_TIMEOUT, src, l)) ok = 0;
+        counts[src] = ld_volatile(&mine.disp_count(s)[l * s.R + src]);
+        if (p.wait_stats != nullptr)
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + src),
+                      (unsigned long long)(now_ns() - start));
+    }
+    __syncthreads();
+    if (!ok) return;
+    if (threadIdx.x == 0) {
+        begins[0] = 0;
+        for (int r = 0; r < s.R; ++r) begins[r + 1] = begins[r] + counts[r];
+        p.recv_count[l] = begins[s.R];
+    }
+    __syncthreads();
+    if (src < s.R) p.layout_range[l * s.R + src] = (int64_t(begins[src]) << 32) | int64_t(counts[src]);
+    const int64_t rows = s.R * s.M, S = s.H / 128;
+    for (int j = warp; j < begins[s.R]; j += kLLWarps) {
+        int r = 0;
+        while (j >= begins[r + 1]) ++r;
+        const char* msg = mine.disp_slot(s, l, r, j - begins[r]);
+        const int64_t row = int64_t(l) * rows + j;
+        if (lane == 0) p.src_info[row] = ld_volatile(reinterpret_cast<const int*>(msg));
+        if (!p.use_fp8) {
+            ll_copy<true>(static_cast<int4*>(p.recv_x) + row * (2 * s.H / 16),
+                          reinterpret_cast<const int4*>(msg + 16), 2 * s.H / 16, lane);
+            continue;
+        }
+        ll_copy<true>(static_cast<int4*>(p.recv_x) + row * (s.H / 16), reinterpret_cast<const int4*>(msg + 16),
+                      s.H / 16, lane);
+        const int* scales = reinterpret_cast<const int*>(msg + 16 + s.H);
+        if (p.use_ue8m0) {
+            for (int64_t w = lane; w < S / 4; w += 32) {
+                uint32_t word = 0;
+                for (int b = 0; b < 4; ++b)
+                    word |= ((uint32_t(ld_volatile(scales + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
+                static_cast<int32_t*>(p.recv_scales)[(int64_t(l) * (S / 4) + w) * rows + j] = int32_t(word);
+            }
+        } else {
+            for (int64_t w = lane; w < S; w += 32)
+                static_cast<int32_t*>(p.recv_scales)[(int64_t(l) * S + w) * rows + j] = ld_volatile(scales + w);
+        }
+    }
+}
+
+// ---- combine ----
+__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(DevCtx c, moe_ep_ll_combine_params p,
+                                                                      LLShape s) {
+    const int l = int(blockIdx.x / s.R), dst = int(blockIdx.x % s.R);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int set = int(p.buffer_set);
+    const LLSet mine = ll_set(c, c.rank, s, set), peer = ll_set(c, dst, s, set);
+    const int seq = ld_volatile(mine.seq()) + 1;
+    const int64_t range = p.layout_range[l * s.R + dst];
+    const int begin = int(range >> 32), count = int(range & 0xffffffff);
+    const int e = c.rank * int(s.L) + l;
+    const int64_t rows = s.R * s.M;
+    // A layout from a dispatch whose receive timed out is garbage: never let it address outside the slots.
+    const int valid = begin >= 0 && count >= 0 && count <= s.M && begin + count <= rows ? count : 0;
+    for (int i = warp; i < valid; i += kLLWarps) {
+        const int64_t row = int64_t(l) * rows + begin + i;
+        const int t = p.src_info[row];
+        if (t < 0 || t >= s.M) continue;
+        ll_copy<false>(reinterpret_cast<int4*>(peer.comb_slot(s, e, t)),
+                       static_cast<const int4*>(p.x) + row * (2 * s.H / 16), 2 * s.H / 16, lane);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(&peer.comb_flag(s)[e], seq);
+}
+
+__global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_ll_combine_params p, LLShape s) {
+    __shared__ int ok;
+    const int t = blockIdx.x;
+    const LLSet mine = ll_set(c, c.rank, s, int(p.buffer_set));
+    const int seq = ld_volatile(mine.seq()) + 1;
+    const int64_t* idx = p.topk_idx + int64_t(t) * p.num_topk;
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    if (threadIdx.x < p.num_topk) {
+        const int64_t e = idx[threadIdx.x];
+        if (e >= 0 && e < s.E) {  // ids out of range are skipped (not checked on the host: that would sync)
+            const uint64_t start = now_ns();
+            if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), int(e)))
+                ok = 0;
+            if (p.wait_stats != nullptr)
+                atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + e / s.L),
+                          (unsigned long long)(now_ns() - start));
+        }
+    }
+    __syncthreads();
+    if (!ok) return;
+    for (int64_t v = threadIdx.x; v < s.H / 8; v += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < p.num_topk; ++k) {
+            const int64_t e = idx[k];
+            if (e < 0 || e >= s.E) continue;
+            const float w = p.topk_weights[int64_t(t) * p.num_topk + k];
+            const int4 y = ld_coherent(reinterpret_cast<const int4*>(mine.comb_slot(s, int(e), t)) + v);
+            const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&y);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __bfloat1622float2(b[i]);
+                // product then sum, each rounded (no FMA): the torch form's fp32 arithmetic bit for bit
+                acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
+                acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+            }
+        }
+        int4* out = reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.out) + int64_t(t) * s.H);
+        out[v] = Vec<__nv_bfloat16>::pack(acc);
+    }
+}
+
+__global__ void ll_advance_kernel(int* seq) { *seq += 1; }
+
+// ---- host side ----
+static int ll_check(const Context* ctx, const LLShape& s, int64_t set, int64_t topk, int64_t tokens) {
+    if (s.E <= 0 || s.E % s.R != 0 || s.E > kMaxExperts)
+        return set_error(-1, "low-latency: num_experts must be a positive multiple of the ranks, at most " +
+                                 std::to_string(kMaxExperts));
+    if (s.H <= 0 || s.H % 128 != 0) return set_error(-1, "low-latency: hidden must be a multiple of 128");
+    if (s.M <= 0 || tokens < 0 || tokens > s.M) return set_error(-1, "low-latency: tokens must lie in [0, max_tokens]");
+    if (topk < 1 || topk > MOE_EP_MAX_TOPK) return set_error(-1, "low-latency: num_topk out of range");
+    if (set != 0 && set != 1) return set_error(-1, "low-latency: buffer_set must be 0 or 1");
+    if (kStagingOffset + 2 * s.set_bytes > ctx->bytes)
+        return set_error(-1, "low-latency: the buffer holds " + std::to_string(ctx->bytes - kStagingOffset) +
+                                 " bytes, these shapes need " + std::to_string(2 * s.set_bytes));
+    return 0;
+}
+
+static int* ll_seq(const Context* ctx, const LLShape& s, int64_t set) {
+    return reinterpret_cast<int*>(static_cast<char*>(ctx->local) + kStagingOffset + set * s.set_bytes);
+}
+
+static int ll_advance(const Context* ctx, const LLShape& s, int64_t set, cudaStream_t stream) {
+    ll_advance_kernel<<<1, 1, 0, stream>>>(ll_seq(ctx, s, set));
+    return check_launch("ll_advance_kernel");
+}
+
+}  // namespace moe_ep
+
+using namespace moe_ep;
+
+extern "C" int64_t moe_ep_ll_set_bytes(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+    return ll_shape(max_tokens, hidden, num_experts, 1).set_bytes;
+}
+
+extern "C" void* moe_ep_ll_combine_buffer(void* handle, int64_t max_tokens, int64_t hidden, int64_t num_experts,
+                                          int64_t buffer_set) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const LLShape s = ll_shape(max_tokens, hidden, num_experts, ctx->dev.num_ranks);
+    if (ll_check(ctx, s, buffer_set, 1, 0)) return nullptr;
+    return static_cast<char*>(ctx->local) + kStagingOffset + buffer_set * s.set_bytes + kLLSignalBytes;
+}
+
+extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_dispatch_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p.num_tokens > 0) {
+        ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
+        if (int err = check_launch("ll_pack_kernel")) return err;
+    }
+    ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
+    return check_launch("ll_dispatch_send_kernel");
+}
+
+extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_dispatch_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
+    if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
+    return ll_advance(ctx, s, p.buffer_set, st);
+}
+
+extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_combine_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, p, s);
+    return check_launch("ll_combine_send_kernel");
+}
+
+extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_combine_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p.num_tokens > 0) {
+        ll_combine_recv_kernel<<<unsigned(p.num_tokens), 256, 0, st>>>(ctx->dev, p, s);
+        if (int err = check_launch("ll_combine_recv_kernel")) return err;
+    }
+    return ll_advance(ctx, s, p.buffer_set, st);
+}
+
+extern "C" int moe_ep_ll_clean(void* handle, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (int err = check_cuda(cudaMemsetAsync(static_cast<char*>(ctx->local) + kStagingOffset, 0,
+                                             size_t(ctx->bytes - kStagingOffset), st), "cudaMemsetAsync(low-latency)"))
+        return err;
+    return moe_ep_barrier(handle, stream);
+}

@@ -1,0 +1,18 @@
+"""examples/decode_moe.py on 2 CPU ranks: greedy decoding with the example model's MoE blocks on low-latency mode
+matches the normal-mode forward of the same model on the same Buffer (to the BF16 rounding of the LL wire)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from moe_ep_plugin.launch import spawn
+from moe_ep_plugin.train import config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import decode_moe  # noqa: E402  (the example script, importable from examples/)
+
+
+def test_decode_matches_normal_forward() -> None:
+    # Two MoE blocks of 8 experts over 2 ranks, 3 sequences per rank: 3 prompt tokens, 4 decoded.
+    cfg = config.load(None, ("model.num_layers=3", "parallel.nprocs=2"))
+    spawn(decode_moe.decode, 2, args=(cfg, 3, 3, 4, False), backend="gloo")
