@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .buffer import Buffer
 
-_BUFFERS: dict[tuple[dist.ProcessGroup, str], Buffer] = {}
+_BUFFERS: dict[tuple[dist.ProcessGroup, str, Optional[int]], Buffer] = {}
 
 
 def nvl_bytes_hint(num_ranks: int, hidden_bytes: int) -> int:
@@ -24,18 +24,20 @@ def nvl_bytes_hint(num_ranks: int, hidden_bytes: int) -> int:
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
-               timeout_s: Optional[float] = None) -> Buffer:
-    """The shared Buffer of ``group`` and ``transport``; re-created (collectively) when rows of ``hidden_bytes``
-    no longer fit at the current SM count (``Buffer.num_sms``). Collective on first use."""
+               timeout_s: Optional[float] = None, ranks_per_node: Optional[int] = None) -> Buffer:
+    """The shared Buffer of ``group``, ``transport`` and ``ranks_per_node`` (None: the launcher's nodes);
+    re-created (collectively) when rows of ``hidden_bytes`` no longer fit at the current SM count
+    (``Buffer.num_sms``). Collective on first use."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
     need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes)
-    key = (group, transport)
+    key = (group, transport, ranks_per_node)
     buffer = _BUFFERS.get(key)
     if buffer is None or buffer.num_nvl_bytes < need:
         if buffer is not None:
             buffer.destroy()
-        buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s)
+        buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s,
+                        ranks_per_node=ranks_per_node)
         _BUFFERS[key] = buffer
     return buffer
 

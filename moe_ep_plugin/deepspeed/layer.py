@@ -86,7 +86,8 @@ class PluginMOELayer(MOELayer):
         routes = route(self.gate, x, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
 
-        buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), self.options.transport)
+        buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), self.options.transport,
+                            ranks_per_node=self.options.ranks_per_node)
         self._time(FIRST_ALLTOALL_TIMER, True)
         rows, probs, counts, handle = ep_autograd.dispatch_experts(
             buffer, x, routes.topk_idx, routes.topk_weights, self.num_experts,
@@ -127,11 +128,11 @@ class MoE(DeepSpeedMoE):
                  score_function: str = "softmax", use_pre_softmax: bool = False, num_groups: Optional[int] = None,
                  group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
                  expert_bias_rate: float = 0.0, fp8_dispatch: bool = False, round_scale: bool = False,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", ranks_per_node: Optional[int] = None) -> None:
         options = PluginOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                 num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
                                 expert_bias_rate=expert_bias_rate, fp8_dispatch=fp8_dispatch,
-                                round_scale=round_scale, transport=transport)
+                                round_scale=round_scale, transport=transport, ranks_per_node=ranks_per_node)
         if not isinstance(expert, torch.nn.Module):
             raise TypeError(f"expert: expected a torch.nn.Module, got {type(expert).__name__}")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):

@@ -11,7 +11,7 @@ from .. import gating
 from ..ops import fp8
 
 ROUTERS = ("deepspeed", "group_limited")
-TRANSPORTS = ("auto", "torch", "nvlink")
+TRANSPORTS = ("auto", "torch", "nvlink", "hierarchical")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -33,7 +33,8 @@ class PluginOptions:
       aux-loss-free ``expert_bias_rate``), always dropless.
     - ``fp8_dispatch``: BF16 tokens travel as FP8 (1x128 blocks, ``round_scale``: power-of-two scales) and
       arrive as BF16; combine and all gradients stay BF16. Needs ``hidden_size % 128 == 0``.
-    - ``transport``: the ``moe_ep_plugin.Buffer`` transport (``auto`` picks the NVLink kernels when usable).
+    - ``transport``: the ``moe_ep_plugin.Buffer`` transport (``auto`` picks the NVLink kernels when usable, and
+      ``hierarchical`` when the EP group spans nodes); ``ranks_per_node`` emulates nodes (docs/multinode.md).
     """
 
     router: str = "deepspeed"
@@ -46,6 +47,7 @@ class PluginOptions:
     fp8_dispatch: bool = False
     round_scale: bool = False
     transport: str = "auto"
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("router", ROUTERS), ("transport", TRANSPORTS), ("score_function", SCORE_FUNCTIONS)):
@@ -54,6 +56,9 @@ class PluginOptions:
         for name in ("use_pre_softmax", "fp8_dispatch", "round_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
+                                                or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0):
+            raise ValueError(f"ranks_per_node: expected a positive int or None, got {self.ranks_per_node!r}")
         if self.round_scale and not self.fp8_dispatch:
             raise ValueError("round_scale: only meaningful with fp8_dispatch=True")
         if isinstance(self.expert_bias_rate, bool) or not isinstance(self.expert_bias_rate, (int, float)) \

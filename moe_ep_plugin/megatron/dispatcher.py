@@ -130,7 +130,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         key = (hidden_bytes, Buffer.num_sms, options)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
-            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s)
+            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s,
+                                options.ranks_per_node)
             self._shared_buffer, self._shared_buffer_key = buffer, key
         return buffer
 

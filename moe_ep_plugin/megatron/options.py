@@ -11,14 +11,16 @@ from typing import Any, Optional
 
 PLUGIN_DISPATCHER_TYPE = "ep_plugin"
 CONFIG_ATTR = "moe_ep_plugin"
-TRANSPORTS = ("auto", "torch", "nvlink")
+TRANSPORTS = ("auto", "torch", "nvlink", "hierarchical")
 
 
 @dataclass(frozen=True)
 class PluginOptions:
     """Options of the ``ep_plugin`` dispatcher (and of the ``flex`` + ``deepep`` shim).
 
-    - ``transport``: the Buffer transport, ``auto`` | ``torch`` | ``nvlink``.
+    - ``transport``: the Buffer transport, ``auto`` | ``torch`` | ``nvlink`` | ``hierarchical`` (docs/multinode.md).
+    - ``ranks_per_node``: EP ranks per node for ``hierarchical``/``auto`` (None: the launcher's nodes); setting
+      it emulates nodes on one host.
     - ``fp8_dispatch``: quantize BF16 tokens to FP8 (1x128 blocks) in the send path and dequantize to BF16 on
       receive, so BF16 experts see half the dispatch bytes; combine and all gradients stay BF16. Needs
       ``hidden_size % 128 == 0``.
@@ -31,6 +33,7 @@ class PluginOptions:
     fp8_dispatch: bool = False
     num_sms: Optional[int] = None
     timeout_s: float = 300.0
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -42,6 +45,9 @@ class PluginOptions:
             raise ValueError(f"ep_plugin.num_sms must be a positive even int or None, got {self.num_sms!r}")
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
             raise ValueError(f"ep_plugin.timeout_s must be a positive number, got {self.timeout_s!r}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
+                                                or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0):
+            raise ValueError(f"ep_plugin.ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "PluginOptions":

@@ -90,7 +90,8 @@ class Trainer:
         self.dtype = resolve_dtype(cfg, self.device)
         hidden_bytes = cfg.model.hidden_size * max(self.dtype.itemsize, 2)
         self.buffer = Buffer(self.group, num_nvl_bytes=nvl_bytes_hint(self.world, hidden_bytes),
-                             transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s)
+                             transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s,
+                             ranks_per_node=cfg.parallel.ranks_per_node)
         self.model = MoETransformer(cfg, self.rank, self.world)
         self.model.initialize(cfg.train.seed)
         self.model.to(self.device)
