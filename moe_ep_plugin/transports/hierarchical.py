@@ -161,7 +161,8 @@ class HierarchicalTransport(Transport):
                            count_invalid(topk, args.num_experts).to(torch.int64).cpu(),
                            torch.tensor(signature, dtype=torch.int64)])
         gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64)
-        if self.device.type == "cuda":  # NCCL moves device tensors only
+        nccl = dist.get_backend(self.group) == "nccl"  # NCCL moves device tensors only; gloo host tensors
+        if nccl:
             on_device = gathered.to(self.device)
             work = _all_gather_single(on_device.view(-1), local.to(self.device), group=self.group, async_op=True)
         else:
@@ -172,7 +173,7 @@ class HierarchicalTransport(Transport):
             raise TimeoutError(f"moe_ep_plugin[hierarchical] rank {self.rank}/{self.num_ranks}: the dispatch count "
                                f"exchange over the whole EP group did not complete within {self.timeout_s:g} s "
                                f"(a peer rank never joined or failed): {exc}") from exc
-        if self.device.type == "cuda":
+        if nccl:
             gathered = on_device.cpu()
         r = self.num_ranks
         bad = gathered[:, r].tolist()
