@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import launch
-from moe_ep_plugin.train.trainer import Trainer
+from moe_ep_plugin.train.trainer import Trainer, _format
 from test_train_equivalence import _config, _step
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -36,6 +36,17 @@ def _trainer_steps() -> None:
     assert g_hier.keys() == g_flat.keys()
     for name, grad in g_hier.items():
         torch.testing.assert_close(grad, g_flat[name], **TOL, msg=lambda m: f"{name}: {m}")
+    # node statistics: only across nodes; the counts of the same routing under either transport agree
+    assert r_flat.nodes is None
+    nodes = r_hier.nodes
+    assert 1.0 <= nodes.nodes_per_token_mean <= nodes.nodes_per_token_max <= 2
+    assert 0 < nodes.inter_node_bytes <= nodes.flat_inter_node_bytes
+    line = _format({"step": 1, "loss": 1.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                    "load_max_over_mean": 1.0, "load_max_over_mean_worst_layer": 1.0, "eval_loss": None,
+                    "nodes_per_token_mean": nodes.nodes_per_token_mean, "nodes_per_token_max": nodes.nodes_per_token_max,
+                    "inter_node_mb": 0.5, "flat_inter_node_mb": 0.9}, 10)
+    assert f"nodes/token {nodes.nodes_per_token_mean:.2f} (max {nodes.nodes_per_token_max})" in line
+    assert "inter-node 0.50 MB/step (flat all-to-all 0.90)" in line
 
 
 def test_trainer_hierarchical_step_equals_torch_step() -> None:
