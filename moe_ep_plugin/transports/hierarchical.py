@@ -155,8 +155,7 @@ class HierarchicalTransport(Transport):
         error on every rank if any rank passed bad ids or disagrees."""
         x, topk = args.x, args.topk_idx
         signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), topk.shape[1], args.num_experts,
-                     int(args.wire_fp8), int(args.recv_bf16), int(topk.shape[0] != x.shape[0]),
-                     int(args.topk_weights is not None)]
+                     int(args.wire_fp8), int(args.recv_bf16), int(args.topk_weights is not None)]
         local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(),
                            count_invalid(topk, args.num_experts).to(torch.int64).cpu(),
                            torch.tensor(signature, dtype=torch.int64)])
@@ -181,8 +180,7 @@ class HierarchicalTransport(Transport):
             raise invalid_ids_error([i for i, b in enumerate(bad) if b], args.num_experts)
         signatures = gathered[:, r + 1:]
         if not bool((signatures == signatures[0]).all()):
-            names = ["hidden", "dtype", "top-k width", "num_experts", "fp8_dispatch", "fp8_out", "x/topk rows",
-                     "topk_weights given"]
+            names = ["hidden", "dtype", "top-k width", "num_experts", "fp8_dispatch", "fp8_out", "topk_weights given"]
             differ = [names[j] for j in range(len(names)) if not bool((signatures[:, j] == signatures[0, j]).all())]
             raise ValueError(f"dispatch: the EP ranks disagree on {differ} (per rank: "
                              f"{signatures[:, [names.index(d) for d in differ]].tolist()}); every rank must pass the "
