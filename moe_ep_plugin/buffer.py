@@ -22,7 +22,7 @@ from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
 from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
-from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport_name
+from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport
 
 XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -90,8 +90,11 @@ class Buffer:
     """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer``; ``low_latency_mode``:
     docs/low_latency.md).
 
-    ``transport``: ``"auto"`` (``nvlink`` kernels when CUDA, the kernel library and peer access exist, else
-    ``torch``), ``"torch"`` or ``"nvlink"``; ``$MOE_EP_TRANSPORT`` overrides ``auto``. ``timeout_s`` bounds
+    ``transport``: ``"auto"`` (``hierarchical`` when the group spans nodes and ``nvlink`` serves each node;
+    ``nvlink`` kernels when CUDA, the kernel library and peer access exist on one host; else ``torch``),
+    ``"torch"``, ``"nvlink"`` or ``"hierarchical"`` (docs/multinode.md); ``$MOE_EP_TRANSPORT`` overrides ``auto``.
+    ``ranks_per_node``: EP ranks per node (group rank ``r`` on node ``r // ranks_per_node``); default torchrun's
+    ``LOCAL_WORLD_SIZE``, else the hostnames. Setting it emulates nodes on one host. ``timeout_s`` bounds
     every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``, 120 s).
 
     ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group,
@@ -107,7 +110,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
                  transport: str = "auto", timeout_s: Optional[float] = None,
-                 device: Optional[Union[torch.device, str]] = None) -> None:
+                 device: Optional[Union[torch.device, str]] = None, ranks_per_node: Optional[int] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
         group = group if group is not None else dist.group.WORLD
@@ -139,12 +142,12 @@ class Buffer:
         self.device = _buffer_device(group, device)
         is_cuda = self.device.type == "cuda"
         self._cuda = is_cuda  # what _check compares input tensors with
-        self.transport_name = resolve_transport_name(transport, group, self.device)
+        self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node)
         if is_cuda and self.transport_name == "torch" and dist.get_backend(group) != "nccl":
             raise ValueError(f"device: the torch transport moves rows with the group's collectives, and a "
                              f"{dist.get_backend(group)} group cannot carry {self.device} tensors; use an NCCL "
                              f"group or transport='nvlink'")
-        self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes)
+        self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes, split)
         self.timeout_s = timeout_s
         self._comm_stream = torch.cuda.Stream(self.device, priority=-1) if is_cuda else None
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
@@ -226,17 +229,22 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
-        """``topk_idx`` ``[N, K]`` int64/int32 (-1 = none) → ``(num_tokens_per_rank [R] int32, None,
+        """``topk_idx`` ``[N, K]`` int64/int32 (-1 = none) → ``(num_tokens_per_rank [R] int32,
+        num_tokens_per_rdma_rank [M] int32 (tokens per node on the hierarchical transport, else None),
         num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
 
         Ids outside ``[-1, num_experts)`` are left out of the counts here (checking them would cost a host sync);
         the dispatch that follows rejects them on every rank with a ``ValueError`` before any row moves."""
         self._check_num_experts(num_experts)
-        _check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda)
-        per_rank, per_expert, in_rank, event = self._on_comm_stream(
-            lambda: self.transport.get_dispatch_layout(_int64(topk_idx), num_experts), previous_event, async_finish,
-            allocate_on_comm_stream, (topk_idx,))
-        return per_rank, None, per_expert, in_rank, event
+        topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
+
+        def layout() -> tuple:
+            per_rank, per_expert, in_rank = self.transport.get_dispatch_layout(topk_idx, num_experts)
+            return per_rank, self.transport.num_tokens_per_node(in_rank), per_expert, in_rank
+
+        per_rank, per_node, per_expert, in_rank, event = self._on_comm_stream(
+            layout, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
+        return per_rank, per_node, per_expert, in_rank, event
 
     def _check_num_experts(self, num_experts: int) -> None:
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:

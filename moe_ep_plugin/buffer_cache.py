@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .buffer import Buffer
 from .config import Config, combine_config, dispatch_config
 
-_BUFFERS: dict[tuple[dist.ProcessGroup, str], Buffer] = {}
+_BUFFERS: dict[tuple[dist.ProcessGroup, str, Optional[int]], Buffer] = {}
 
 
 def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: Optional[int] = None) -> int:
@@ -32,18 +32,21 @@ def sm_configs(num_sms: Optional[int], num_ranks: int) -> Optional[tuple[Config,
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
-               timeout_s: Optional[float] = None, num_sms: Optional[int] = None) -> Buffer:
-    """The shared Buffer of ``group`` and ``transport``; re-created (collectively) when rows of ``hidden_bytes``
-    no longer fit at ``num_sms`` SMs (None: ``Buffer.num_sms``). Collective on first use."""
+               timeout_s: Optional[float] = None, num_sms: Optional[int] = None,
+               ranks_per_node: Optional[int] = None) -> Buffer:
+    """The shared Buffer of ``group``, ``transport`` and ``ranks_per_node`` (None: the launcher's nodes);
+    re-created (collectively) when rows of ``hidden_bytes`` no longer fit at ``num_sms`` SMs (None:
+    ``Buffer.num_sms``). Collective on first use."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
     need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes, num_sms)
-    key = (group, transport)
+    key = (group, transport, ranks_per_node)
     buffer = _BUFFERS.get(key)
     if buffer is None or buffer.num_nvl_bytes < need:
         if buffer is not None:
             buffer.destroy()
-        buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s)
+        buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s,
+                        ranks_per_node=ranks_per_node)
         _BUFFERS[key] = buffer
     return buffer
 

@@ -14,13 +14,15 @@ from .transports import TRANSPORTS
 class PluginOptions:
     """How the plugin moves one MoE layer's tokens.
 
-    - ``transport``: the ``moe_ep_plugin.Buffer`` transport, ``auto`` (NVLink kernels when usable) or one of
-      ``transports.TRANSPORTS``.
+    - ``transport``: the ``moe_ep_plugin.Buffer`` transport, ``auto`` (NVLink kernels when usable, ``hierarchical``
+      when the EP group spans nodes) or one of ``transports.TRANSPORTS``.
     - ``fp8_dispatch``: BF16 tokens cross the wire as FP8 (1x128 blocks) and arrive as BF16; combine and all
       gradients stay BF16. Needs ``hidden_size % 128 == 0``.
     - ``round_scale``: power-of-two (UE8M0) FP8 scales; only with ``fp8_dispatch``.
     - ``num_sms``: SMs the communication kernels may use (a positive even int; None: the Buffer's default).
     - ``timeout_s``: seconds a rank waits for its peers before raising.
+    - ``ranks_per_node``: EP ranks per node for ``hierarchical``/``auto`` (None: the launcher's nodes); setting it
+      emulates nodes on one host (docs/multinode.md).
     """
 
     transport: str = "auto"
@@ -28,6 +30,7 @@ class PluginOptions:
     round_scale: bool = False
     num_sms: Optional[int] = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto",) + TRANSPORTS:
@@ -42,6 +45,9 @@ class PluginOptions:
             raise ValueError(f"num_sms: expected a positive even int or None, got {self.num_sms!r}")
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
+                                                or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0):
+            raise ValueError(f"ranks_per_node: expected a positive int or None, got {self.ranks_per_node!r}")
 
     @classmethod
     def from_dict(cls, values: Any, section: str) -> "PluginOptions":

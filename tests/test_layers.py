@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("buffer", ("buffer.py", "low_latency.py", "__init__.py")),
     ("transports", ("transports/",)),
     ("ops", ("ops/",)),
-    ("leaf", ("config.py", "handle.py", "event.py", "gating.py", "yaml_sections.py", "launch.py")),
+    ("leaf", ("config.py", "handle.py", "event.py", "gating.py", "yaml_sections.py", "launch.py", "traffic.py")),
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
 

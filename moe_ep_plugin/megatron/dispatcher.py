@@ -133,7 +133,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         key = (hidden_bytes, num_sms, options)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
-            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, num_sms)
+            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, num_sms,
+                                options.ranks_per_node)
             self._shared_buffer, self._shared_buffer_key = buffer, key
             self._configs = sm_configs(options.num_sms, buffer.group_size)
         return buffer

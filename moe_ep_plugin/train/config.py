@@ -68,7 +68,11 @@ class ParallelConfig:
     device: str = _doc("'auto' (cuda when available), 'cpu' or 'cuda'. One GPU per rank.", "auto")
     backend: str = _doc("torch.distributed backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo' or 'nccl'.", "auto")
     transport: str = _doc("moe_ep_plugin.Buffer transport: 'auto' (NVLink kernels when built and usable, else torch), "
-                          "'torch' (torch.distributed collectives, any device) or 'nvlink'.", "auto")
+                          "'torch' (torch.distributed collectives, any device), 'nvlink' or 'hierarchical' (NVLink "
+                          "inside a node, NCCL between nodes: docs/multinode.md).", "auto")
+    ranks_per_node: Optional[int] = _doc("EP ranks per node for the hierarchical transport; null = the launcher's "
+                                         "(LOCAL_WORLD_SIZE, else hostnames). Set it to emulate nodes on one host.",
+                                         None)
     fp8_dispatch: bool = _doc("Send tokens as FP8 e4m3 with per-128-channel scales on dispatch (receive BF16); "
                               "combine and all gradients stay BF16. Needs hidden_size % 128 == 0.", False)
     timeout_s: float = _doc("Seconds a collective may wait for a missing rank before raising.",
@@ -212,6 +216,15 @@ def validate(cfg: TrainerConfig, world_size: Optional[int] = None) -> None:
              f"{e.num_groups} groups do not divide moe.num_experts={e.num_experts}")
     _require(e.group_topk <= e.num_groups, "moe.group_topk",
              f"{e.group_topk} is more than moe.num_groups={e.num_groups}")
+    if p.ranks_per_node is not None:
+        _require(p.ranks_per_node > 0 and ep % p.ranks_per_node == 0, "parallel.ranks_per_node",
+                 f"{p.ranks_per_node} does not divide the {ep} EP ranks ({ep_key}={ep})")
+        nodes = ep // p.ranks_per_node
+        # Groups map onto nodes (experts and ranks are both contiguous): with num_groups a multiple of the node
+        # count each group lies on one node, so a token reaches at most group_topk nodes.
+        _require(e.num_groups == 1 or e.num_groups % nodes == 0, "moe.num_groups",
+                 f"{e.num_groups} groups do not map onto the {nodes} nodes (parallel.ranks_per_node="
+                 f"{p.ranks_per_node}): use a multiple of the node count so each group lies on one node")
     reachable = e.group_topk * (e.num_experts // e.num_groups)
     _require(e.topk <= reachable, "moe.topk",
              f"top-{e.topk} exceeds the {reachable} experts in the {e.group_topk} allowed groups "

@@ -32,9 +32,11 @@ from .config import TrainerConfig
 @dataclass
 class MoEStats:
     """What one forward's MoE blocks report: ``counts [num_moe_blocks, E]`` int64 tokens routed to each expert
-    from this rank (detached), and ``aux_loss`` (0-d, the summed sequence balance losses, differentiable)."""
+    from this rank (detached), ``aux_loss`` (0-d, the summed sequence balance losses, differentiable) and
+    ``routes``: each MoE block's ``topk_idx [T, K]`` (detached; the trainer's node statistics)."""
     counts: torch.Tensor
     aux_loss: torch.Tensor
+    routes: list[torch.Tensor]
 
 
 def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
@@ -141,7 +143,7 @@ class MoEMLP(nn.Module):
         return weights, idx, aux
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, S, H]`` → ``(y [B, S, H], counts [E] int64, aux_loss 0-d)``."""
+        """``x [B, S, H]`` → ``(y [B, S, H], topk_idx [B*S, K] detached, aux_loss 0-d)``."""
         if self.buffer is None:
             raise RuntimeError("MoEMLP: no Buffer attached (call MoETransformer.attach(buffer) first)")
         b, s, h = x.shape
@@ -156,7 +158,7 @@ class MoEMLP(nn.Module):
         y = autograd.combine_experts(self.buffer, expert_out, handle)
         if self.shared is not None:
             y = y + self.shared(tokens)
-        return y.view(b, s, h), gating.tokens_per_expert(idx.detach(), self.num_experts), aux
+        return y.view(b, s, h), idx.detach(), aux
 
 
 class Block(nn.Module):
@@ -172,11 +174,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``x [B, S, H]`` → ``(x [B, S, H], expert counts [E] or None, aux loss or None)`` (None: dense block)."""
+        """``x [B, S, H]`` → ``(x [B, S, H], topk_idx [B*S, K] or None, aux loss or None)`` (None: dense block)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         if isinstance(self.mlp, MoEMLP):
-            y, counts, aux = self.mlp(self.mlp_norm(x))
-            return x + y, counts, aux
+            y, idx, aux = self.mlp(self.mlp_norm(x))
+            return x + y, idx, aux
         return x + self.mlp(self.mlp_norm(x)), None, None
 
 
@@ -242,12 +244,13 @@ class MoETransformer(nn.Module):
         s = ids.shape[1]
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         x = self.embed(ids)
-        counts, aux = [], x.new_zeros((), dtype=torch.float32)
+        counts, routes, aux = [], [], x.new_zeros((), dtype=torch.float32)
         for blk in self.blocks:
-            x, c, a = blk(x, cos, sin)
-            if c is not None:
-                counts.append(c)
+            x, idx, a = blk(x, cos, sin)
+            if idx is not None:
+                counts.append(gating.tokens_per_expert(idx, self.cfg.moe.num_experts))
+                routes.append(idx)
                 aux = aux + a
         logits = self.head(self.norm(x)).float()
         stacked = torch.stack(counts) if counts else torch.zeros(0, self.cfg.moe.num_experts, dtype=torch.int64)
-        return logits, MoEStats(counts=stacked, aux_loss=aux)
+        return logits, MoEStats(counts=stacked, aux_loss=aux, routes=routes)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import gating
+from ..traffic import node_traffic
 from ..buffer import Buffer
 from ..buffer_cache import nvl_bytes_hint
 from . import checkpoint, metrics, progress, schedule
@@ -108,10 +109,21 @@ class StepResult:
     lm_loss: float
     aux_loss: float
     counts: torch.Tensor
+    nodes: Optional["NodeStats"] = None  # when the EP group spans nodes
 
     @property
     def loss(self) -> float:
         return self.lm_loss + self.aux_loss
+
+
+@dataclass
+class NodeStats:
+    """One step over all ranks and MoE blocks: nodes each token reaches (mean, max), and the bytes that cross the
+    network (dispatch, combine and their backward passes) on the hierarchical transport and on a flat all-to-all."""
+    nodes_per_token_mean: float
+    nodes_per_token_max: int
+    inter_node_bytes: float
+    flat_inter_node_bytes: float
 
 
 class Trainer:
@@ -126,7 +138,10 @@ class Trainer:
         self.dtype = resolve_dtype(cfg, self.device)
         hidden_bytes = cfg.model.hidden_size * max(self.dtype.itemsize, 2)
         self.buffer = Buffer(self.group, num_nvl_bytes=nvl_bytes_hint(self.world, hidden_bytes),
-                             transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s)
+                             transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s,
+                             ranks_per_node=cfg.parallel.ranks_per_node)
+        # Node statistics when the group spans nodes (the hierarchical transport's, or the configured emulation).
+        self.ranks_per_node = getattr(self.buffer.transport, "ranks_per_node", cfg.parallel.ranks_per_node)
         self.model = MoETransformer(cfg, self.rank, self.world)
         self.model.initialize(cfg.train.seed)
         self.model.to(self.device)
@@ -151,12 +166,38 @@ class Trainer:
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def _global_mean(self, lm: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor) -> StepResult:
-        """One all-reduce for the two losses and the expert counts (float64 holds counts exactly)."""
-        packed = torch.cat([torch.stack([lm.detach(), aux.detach()]).double(), counts.to(lm.device).double().flatten()])
+    def _global_mean(self, lm: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor,
+                     routes: list[torch.Tensor]) -> StepResult:
+        """One all-reduce for the two losses, the expert counts (float64 holds counts exactly) and, across nodes,
+        the node sums (plus one all-reduce for the most nodes a token reached)."""
+        sums, most = self._node_sums(routes)
+        packed = torch.cat([torch.stack([lm.detach(), aux.detach()]).double(), sums.to(lm.device),
+                            counts.to(lm.device).double().flatten()])
         dist.all_reduce(packed, group=self.group)
+        nodes = None
+        if most is not None:
+            most = most.to(lm.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+            nodes = NodeStats(float(packed[2] / packed[3].clamp_min(1)), int(most), float(packed[4]), float(packed[5]))
         return StepResult(lm_loss=float(packed[0]) / self.world, aux_loss=float(packed[1]) / self.world,
-                          counts=packed[2:].round().long().view_as(counts).cpu())
+                          counts=packed[2 + sums.numel():].round().long().view_as(counts).cpu(), nodes=nodes)
+
+    def _node_sums(self, routes: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's ``[nodes reached summed over tokens, tokens, hierarchical network bytes, flat network
+        bytes]`` float64 over its MoE blocks, and the most nodes one token reached; empty and None on one node."""
+        if self.ranks_per_node is None or self.ranks_per_node == self.world:
+            return torch.zeros(0, dtype=torch.float64), None
+        cfg = self.cfg
+        h, elem, k = cfg.model.hidden_size, self.dtype.itemsize, cfg.moe.topk
+        dispatch_row = (h + h // 128 * 4 if cfg.parallel.fp8_dispatch else h * elem) + (2 * k + 1) * 4
+        row = dispatch_row + 3 * h * elem  # + combine, and the backward of both (rows in the compute dtype)
+        sums, most = torch.zeros(4, dtype=torch.float64), 0
+        for idx in routes:
+            t = node_traffic(idx.cpu(), cfg.moe.num_experts, self.world, self.ranks_per_node, self.rank)
+            sums += torch.tensor([t.nodes_per_token_mean * t.num_tokens, t.num_tokens, t.hier_network_rows * row,
+                                  t.flat_network_rows * row], dtype=torch.float64)
+            most = max(most, t.nodes_per_token_max)
+        return sums, torch.tensor([most], dtype=torch.int64)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """Loss on this rank's ``inputs/targets [B, S]``, gradients of the global mean loss in every ``.grad``."""
@@ -165,7 +206,7 @@ class Trainer:
         lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         ((lm + stats.aux_loss) / self.world).backward()
         self._sum_replicated_grads()
-        return self._global_mean(lm, stats.aux_loss, stats.counts)
+        return self._global_mean(lm, stats.aux_loss, stats.counts, stats.routes)
 
     def _sum_replicated_grads(self) -> None:
         if self.world == 1:
@@ -272,6 +313,11 @@ class Trainer:
                     "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
                     "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
                     "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start}
+            if result.nodes is not None:
+                last.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
+                            nodes_per_token_max=result.nodes.nodes_per_token_max,
+                            inter_node_mb=result.nodes.inter_node_bytes / 1e6,
+                            flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
             if lead:
                 writer.write(last)
                 bar.update(1)
@@ -322,6 +368,9 @@ def _format(row: dict, total_steps: int) -> str:
     items = [f"loss {row['loss']:.4f} (aux {row['aux_loss']:.2e})", f"lr {row['lr']:.2e}",
              f"grad {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s",
              f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})"]
+    if "nodes_per_token_mean" in row:
+        items += [f"nodes/token {row['nodes_per_token_mean']:.2f} (max {row['nodes_per_token_max']})",
+                  f"inter-node {row['inter_node_mb']:.2f} MB/step (flat all-to-all {row['flat_inter_node_mb']:.2f})"]
     if row["eval_loss"] is not None:
         items.append(f"eval {row['eval_loss']:.4f}")
     return progress.line(row["step"], total_steps, items)

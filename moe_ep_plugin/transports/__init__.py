@@ -1,18 +1,24 @@
-"""Transport registry: ``auto`` → ``nvlink`` kernels when usable on this group, else ``torch``."""
+"""Transport registry: ``auto`` → ``hierarchical`` when the group spans nodes and ``nvlink`` serves every node,
+``nvlink`` kernels when usable on this (one-host) group, else ``torch``."""
 from __future__ import annotations
 
 import importlib
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .base import DispatchArgs, DispatchResult, Transport
 from .low_latency_base import LowLatencyTransport
+from .hierarchical import HierarchicalTransport, NodeSplit, node_ids, split_by_node
 from .torch_transport import TorchTransport
 
-TRANSPORTS = ("torch", "nvlink")
+TRANSPORTS = ("torch", "nvlink", "hierarchical")
 ENV_VAR = "MOE_EP_TRANSPORT"
+# Test-only: the hierarchical transport's rail stage on the nvlink kernels, for ranks that emulate nodes on one
+# host (a gloo group cannot carry CUDA tensors). Never set on a real cluster: the rail ranks span hosts there.
+RAIL_ENV_VAR = "MOE_EP_TEST_RAIL_NVLINK"
 
 
 def _nvlink_class():
@@ -30,25 +36,62 @@ def nvlink_unavailable_reason(group: dist.ProcessGroup, device: torch.device) ->
     return cls.unavailable_reason(group, device)
 
 
-def resolve_transport_name(requested: str, group: dist.ProcessGroup, device: torch.device) -> str:
-    """``requested`` (or ``$MOE_EP_TRANSPORT`` when it is ``auto``) → a concrete transport name."""
+def _nvlink_on_every_node(group: dist.ProcessGroup, split: NodeSplit, device: torch.device) -> bool:
+    """Whether ``nvlink`` serves every node group; all ranks of ``group`` get the same answer."""
+    if device.type != "cuda":
+        return False  # the same on every rank: no collective needed
+    ok = torch.tensor([int(nvlink_unavailable_reason(split.node_group, device) is None)],
+                      device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok.item())
+
+
+def resolve_transport(requested: str, group: dist.ProcessGroup, device: torch.device,
+                      ranks_per_node: Optional[int] = None) -> tuple[str, Optional[NodeSplit]]:
+    """``requested`` (or ``$MOE_EP_TRANSPORT`` when it is ``auto``) → a concrete transport name, plus the node
+    split for ``hierarchical``. ``ranks_per_node`` emulates nodes (else torchrun's ``LOCAL_WORLD_SIZE`` or the
+    hostnames). Collective over ``group``."""
     name = os.environ.get(ENV_VAR, requested) if requested == "auto" else requested
     if name not in TRANSPORTS + ("auto",):
         raise ValueError(f"transport must be one of {('auto',) + TRANSPORTS}, got {name!r}")
-    if name == "auto":
-        return "nvlink" if nvlink_unavailable_reason(group, device) is None else "torch"
     if name == "nvlink":
         reason = nvlink_unavailable_reason(group, device)
         if reason is not None:
             raise ValueError(f"transport='nvlink' is not usable: {reason}")
-    return name
+        return name, None
+    if name == "torch":
+        return name, None
+    nodes = node_ids(group, ranks_per_node)
+    if name == "hierarchical":
+        return name, split_by_node(group, nodes)
+    if len(set(nodes)) > 1:
+        if device.type == "cuda":
+            split = split_by_node(group, nodes)
+            if _nvlink_on_every_node(group, split, device):
+                return "hierarchical", split
+        return "torch", None
+    return ("nvlink" if nvlink_unavailable_reason(group, device) is None else "torch"), None
 
 
 def create_transport(name: str, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
-                     num_nvl_bytes: int) -> Transport:
+                     num_nvl_bytes: int, split: Optional[NodeSplit] = None) -> Transport:
     if name == "torch":
         return TorchTransport(group, device, timeout_s)
-    return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
+    if name == "nvlink":
+        return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
+    # Inside a node: the kernels when they serve every node, else the torch transport over the node group.
+    if _nvlink_on_every_node(group, split, device):
+        intra: Transport = _nvlink_class()(split.node_group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
+    else:
+        intra = TorchTransport(split.node_group, device, timeout_s)
+    if os.environ.get(RAIL_ENV_VAR) == "1":
+        rail: Transport = _nvlink_class()(split.rail_group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
+    else:
+        rail = TorchTransport(split.rail_group, device, timeout_s)
+    if device.type == "cuda" and dist.get_backend(group) != "nccl" and "torch" in (intra.name, rail.name):
+        raise ValueError(f"device: the hierarchical transport's torch stages move rows with the group's collectives, "
+                         f"and a {dist.get_backend(group)} group cannot carry {device} tensors; use an NCCL group")
+    return HierarchicalTransport(group, device, timeout_s, split, intra, rail)
 
 
 def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> LowLatencyTransport:
@@ -57,9 +100,13 @@ def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> L
     if isinstance(transport, TorchTransport):
         from .low_latency_torch import TorchLowLatency
         return TorchLowLatency(transport)
+    if transport.name != "nvlink":
+        raise ValueError(f"low_latency_mode: served beside the torch and nvlink transports, not {transport.name!r} "
+                         f"(multi-node low-latency mode: docs/low_latency.md)")
     from .low_latency_nvlink import NVLinkLowLatency
     return NVLinkLowLatency(transport.group, transport.device, transport.timeout_s, num_rdma_bytes)
 
 
-__all__ = ["DispatchArgs", "DispatchResult", "LowLatencyTransport", "Transport", "TorchTransport", "TRANSPORTS",
-           "create_low_latency_transport", "create_transport", "resolve_transport_name", "nvlink_unavailable_reason"]
+__all__ = ["DispatchArgs", "DispatchResult", "LowLatencyTransport", "Transport", "TorchTransport",
+           "HierarchicalTransport", "TRANSPORTS", "create_low_latency_transport", "create_transport",
+           "resolve_transport", "nvlink_unavailable_reason"]

@@ -149,6 +149,11 @@ class Transport(abc.ABC):
         is_token_in_rank [N, R] bool)``. Default: plain torch ops on the tensor's device (no communication)."""
         return dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
+    def num_tokens_per_node(self, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
+        """``[M]`` int32 tokens with an expert on each node (DeepEP's ``num_tokens_per_rdma_rank``) when the
+        group spans nodes; None for one-host transports."""
+        return None
+
     @abc.abstractmethod
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         """Send row ``t`` of ``x`` once to every rank with ``is_token_in_rank[t, r]``; see ``DispatchResult``."""
