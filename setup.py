@@ -10,9 +10,9 @@ from setuptools.command.build_py import build_py
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_builder():
-    # Load moe_ep_plugin/_build.py by path: it is stdlib-only, so this works before torch is installed.
-    spec = importlib.util.spec_from_file_location("_moe_ep_build", os.path.join(_HERE, "moe_ep_plugin", "_build.py"))
+def _load(name: str, *path: str):
+    # Load a stdlib-only module of the package by path, so this works before torch is installed.
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, "moe_ep_plugin", *path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -23,7 +23,8 @@ class BuildPyWithKernels(build_py):
 
     def run(self) -> None:
         if os.environ.get("MOE_EP_SKIP_KERNELS", "0") != "1":
-            _load_builder().build_kernels(required=False)
+            library_path = _load("_moe_ep_library", "ops", "library.py").LIB_PATH
+            _load("_moe_ep_build", "_build.py").build_kernels(library_path, required=False)
         super().run()
 
 

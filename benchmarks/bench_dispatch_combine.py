@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, fp8, gating
+from moe_ep_plugin import Buffer, gating
+from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import launch
 from moe_ep_plugin.transports import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport

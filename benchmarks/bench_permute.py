@@ -1,4 +1,4 @@
-"""Time the local permute kernels (``moe_ep_plugin.permute``, csrc/permute.cu) against their torch path, one GPU.
+"""Time the local permute kernels (``moe_ep_plugin.ops.permute``, csrc/permute.cu) against their torch path, one GPU.
 
 Shapes model one receiving rank at DeepSeek-V3 size (hidden 7168, 256 experts, top-8, random routing): EP1 takes
 all experts of its 4096 tokens; EP2 and EP8 keep the rows of ``ranks x 4096`` tokens that name a local expert.
@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from moe_ep_plugin import fp8
-from moe_ep_plugin import permute as P
+from moe_ep_plugin.ops import fp8
+from moe_ep_plugin.ops import permute as P
 from standard_shape import add_shape_arguments
 
 

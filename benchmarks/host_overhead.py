@@ -10,7 +10,7 @@ One process, a gloo group of world size 1, a tiny BF16 shape. Three transports u
 - ``stand-in``: answers every call with the ``torch`` transport's results recorded once (and, like ``nvlink``,
   derives the layout from top-k itself), so what is timed is the layers above the transport alone: ``Buffer``
   validation/streams/config, the autograd functions, the Megatron-Core dispatcher's six methods.
-- ``nvlink*``: ``NVLinkTransport``'s host side on CPU tensors over ``moe_ep_plugin.fake_kernels`` (no recording):
+- ``nvlink*``: ``NVLinkTransport``'s host side on CPU tensors over ``tests/fake_kernels.py`` (no recording):
   the stand-in plus what the nvlink transport and ``permute`` do in Python per call (validation, allocations, the
   ctypes parameter structs, the host read's bookkeeping). The fake kernels do nothing (their outputs hold garbage)
   and the read brings the counts this routing implies; what the real library adds is missing: ctypes' argument
@@ -29,6 +29,7 @@ import contextlib
 import cProfile
 import os
 import pstats
+import sys
 import time
 from typing import Callable, Optional
 
@@ -40,11 +41,13 @@ from moe_ep_plugin import autograd as ep_autograd
 from moe_ep_plugin.buffer_cache import get_buffer
 from moe_ep_plugin.launch import free_port
 from moe_ep_plugin.config import Config
-from moe_ep_plugin.fake_kernels import FakeLib, expert_read_values, installed, nvlink_transport
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.transports.base import DispatchArgs, ExpertDispatchResult, Transport
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
 from standard_shape import add_shape_arguments
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+from fake_kernels import FakeLib, expert_read_values, installed, nvlink_transport  # noqa: E402  (a test double)
 
 Timed = list[tuple[str, Callable[[], object]]]
 COLUMNS = ("torch", "stand-in", "nvlink*")
@@ -252,7 +255,7 @@ def main() -> None:
                                            args.experts)
             elif label == "nvlink*":
                 buffer.transport = nvlink_star(idx, args.experts)
-                stack.enter_context(installed(buffer.transport._lib))  # kept until the profile is done
+                stack.enter_context(installed(buffer.transport._rt.lib))  # kept until the profile is done
                 if megatron is not None:
                     megatron.buffer.transport = nvlink_star(megatron.topk_idx, args.experts)
             if megatron is not None and label != "torch":  # handles of this column's transport

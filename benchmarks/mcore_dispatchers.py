@@ -55,7 +55,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 import moe_ep_plugin.megatron as ep_megatron  # noqa: E402
-from moe_ep_plugin import fp8  # noqa: E402
+from moe_ep_plugin.ops import fp8  # noqa: E402
 
 pg = moe_utils.get_default_pg_collection()
 L = a.experts // world

@@ -1,8 +1,9 @@
 """Compile csrc/*.cu into moe_ep_plugin/lib/libmoe_ep_kernels.so with nvcc (stdlib only).
 
 Run as ``python -m moe_ep_plugin._build`` (CI does, so a kernel that does not compile never lands) or
-implicitly from ``setup.py``. The library has a plain C ABI and no torch headers, so one build serves
-every torch version and needs no GPU to compile.
+implicitly from ``setup.py``, which loads this file and ``ops/library.py`` (the library path) by path. The
+library has a plain C ABI and no torch headers, so one build serves every torch version and needs no GPU to
+compile.
 """
 from __future__ import annotations
 
@@ -12,10 +13,7 @@ import shutil
 import subprocess
 import sys
 
-_PKG = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_PKG)
-LIB_NAME = "libmoe_ep_kernels.so"
-LIB_PATH = os.path.join(_PKG, "lib", LIB_NAME)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def find_nvcc() -> str | None:
@@ -37,8 +35,9 @@ def nvcc_command(nvcc: str, sources: list[str], output: str) -> list[str]:
             *sources, "-o", output]
 
 
-def build_kernels(required: bool = False, output: str = LIB_PATH) -> str | None:
-    """Build the kernel library; returns its path, or None when there is nothing to build with.
+def build_kernels(output: str, required: bool = False) -> str | None:
+    """Build the kernel library at ``output`` (``ops.library.LIB_PATH`` is where it loads from); returns its path,
+    or None when there is nothing to build with.
 
     ``required=True`` turns a missing nvcc or missing sources into an error (CI uses it).
     """
@@ -56,6 +55,8 @@ def build_kernels(required: bool = False, output: str = LIB_PATH) -> str | None:
 
 
 if __name__ == "__main__":
+    from .ops.library import LIB_PATH
+
     out = sys.argv[sys.argv.index("--output") + 1] if "--output" in sys.argv else LIB_PATH
-    path = build_kernels(required="--required" in sys.argv, output=out)
+    path = build_kernels(out, required="--required" in sys.argv)
     print(f"[moe_ep_plugin] kernel library: {path}")

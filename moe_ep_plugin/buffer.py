@@ -12,10 +12,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import fp8
 from .config import Config, combine_config, dispatch_config
 from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
+from .ops import fp8
 from .transports import DispatchArgs, create_transport, resolve_transport_name
 
 DEFAULT_TIMEOUT_S = 100.0

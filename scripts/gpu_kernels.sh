@@ -13,10 +13,10 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_kernels
 status=0
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv | tee "$LOGS/gpu.txt"
-if ! python3 -c "from moe_ep_plugin import _ext; assert _ext.unavailable_reason() is None, _ext.unavailable_reason()"; then
+if ! python3 -c "from moe_ep_plugin.ops import library; assert library.unavailable_reason() is None, library.unavailable_reason()"; then
     python3 -m moe_ep_plugin._build --required 2>&1 | tail -n 3 || exit 1
 fi
-python3 -c "from moe_ep_plugin import _ext; r = _ext.unavailable_reason(); print('kernel library:', r or 'loads'); assert r is None" || exit 1
+python3 -c "from moe_ep_plugin.ops import library; r = library.unavailable_reason(); print('kernel library:', r or 'loads'); assert r is None" || exit 1
 mps_on  # one GPU: tests/gpu runs 2-4 ranks on it
 timeout "${GPU_TESTS_LIMIT:-240}" python3 -m pytest -q -s -rs --durations=5 tests/gpu 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
 mps_off

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import fp8
+from moe_ep_plugin.ops import fp8
 
 
 def gather_all(obj):

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, Config, fp8
+from moe_ep_plugin import Buffer, Config
+from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
 from reference import expected_dispatch, gather_all, routing
 

@@ -222,7 +222,7 @@ def check_against_loop(moe, x: torch.Tensor, tol: float, what: str, fp8_wire: bo
     ``tol``: elementwise (atol = rtol) for fp32; with ``fp8_wire`` the experts see the FP8 round trip of ``x``
     and compute in BF16, so the bound is on the relative error norm ``|a - b| / |b|`` instead.
     """
-    from moe_ep_plugin import fp8
+    from moe_ep_plugin.ops import fp8
     from moe_ep_plugin.deepspeed.routing import route
 
     def close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, autograd, fp8
+from moe_ep_plugin import Buffer, autograd
+from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
 from reference import dense_reference, gather_all, routing
 

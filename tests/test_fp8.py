@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from moe_ep_plugin import fp8
+from moe_ep_plugin.ops import fp8
 
 
 def _loop_quantize(x: torch.Tensor, round_scale: bool):

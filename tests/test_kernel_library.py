@@ -2,7 +2,7 @@
 ctypes parameter structs lay out exactly like the C header's.
 
 CI builds ``csrc/`` before the tests, so a symbol dropped or renamed in C, an ABI version bump not mirrored in
-``_ext.py``, or a struct field out of step fails here, not first on the GPU machine. Skips when the library has
+``library.py``, or a struct field out of step fails here, not first on the GPU machine. Skips when the library has
 not been built (or no C compiler exists, for the layout check).
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ import subprocess
 
 import pytest
 
-from moe_ep_plugin import _ext, permute
+from moe_ep_plugin.ops import library, permute
 
 
-@pytest.mark.skipif(not os.path.isfile(_ext.library_path()),
+@pytest.mark.skipif(not os.path.isfile(library.library_path()),
                     reason="kernel library not built (python -m moe_ep_plugin._build)")
 def test_every_declared_function_is_exported() -> None:
-    lib = _ext.load()  # raises on a missing symbol or an ABI mismatch
-    assert lib.moe_ep_abi_version() == _ext.ABI_VERSION
+    lib = library.load()  # raises on a missing symbol or an ABI mismatch
+    assert lib.moe_ep_abi_version() == library.ABI_VERSION
     assert permute._kernels() is not None, "csrc/permute.cu functions missing from the library"
 
 
@@ -30,8 +30,8 @@ def _c_compiler() -> str | None:
 
 
 @pytest.mark.skipif(_c_compiler() is None, reason="no C compiler to read the header's struct layout with")
-@pytest.mark.parametrize("struct, name", [(_ext.DispatchParams, "moe_ep_dispatch_params"),
-                                          (_ext.CombineParams, "moe_ep_combine_params")])
+@pytest.mark.parametrize("struct, name", [(library.DispatchParams, "moe_ep_dispatch_params"),
+                                          (library.CombineParams, "moe_ep_combine_params")])
 def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None:
     """Every field of the ctypes mirror sits at the offset (and the struct has the size) the C compiler gives
     ``csrc/moe_ep.h``: a field added, dropped or reordered on one side only would hand the kernels garbage."""

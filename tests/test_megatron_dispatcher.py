@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from moe_ep_plugin import fp8  # noqa: E402
+from moe_ep_plugin.ops import fp8  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
 EXPERTS, TOPK = 8, 3

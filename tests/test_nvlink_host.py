@@ -2,7 +2,7 @@
 combine calls, in which order, with which addresses, sizes and flags.
 
 The transport's Python side only runs on GPUs, so nothing else in CI executes it. Here it runs on CPU tensors (their
-addresses serve the bookkeeping as well as device ones) over a fake library (``moe_ep_plugin.fake_kernels``) that
+addresses serve the bookkeeping as well as device ones) over a fake library (``tests/fake_kernels.py``) that
 records every call and answers the one host read of a dispatch with counts the test chooses; ``permute``'s kernels go
 through the same fake. What the kernels compute is tests/gpu's business: this pins what the host hands them.
 """
@@ -14,9 +14,9 @@ from unittest import mock
 import pytest
 import torch
 
-from moe_ep_plugin import _ext, permute
+from moe_ep_plugin.ops import library, permute
 from moe_ep_plugin.config import Config
-from moe_ep_plugin.fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
+from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
@@ -98,7 +98,7 @@ def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[
                      ) -> dict[str, int]:
     """The parameters of an expert-major pull dispatch of ``x`` (``at``: addresses in notify's allocation); the
     receive side and the guess come in ``fields``."""
-    return _params(_ext.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
+    return _params(library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
                    topk_weights=0 if weights is None else weights.data_ptr(), rank_prefix_matrix=at(0),
                    send_list=at(3), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=L,
                    list_stride=N, num_sms=24, num_send_warps=NVLinkTransport.pull_dispatch_send_warps,
@@ -248,7 +248,7 @@ def _combine_handle(lib: FakeLib, t: NVLinkTransport):
 def _combine(at: At, x: int, out: torch.Tensor, out_weights: Optional[torch.Tensor],
              topk_weights: int, num_sms: int = 24, **fields: int) -> dict[str, int]:
     """The parameters of a combine of the scenario's received rows at ``x``; the mode's fields in ``fields``."""
-    return _params(_ext.CombineParams, x=x, topk_weights=topk_weights, rank_prefix_matrix=at(0), send_pos=at(2),
+    return _params(library.CombineParams, x=x, topk_weights=topk_weights, rank_prefix_matrix=at(0), send_pos=at(2),
                    out=out.data_ptr(), out_weights=0 if out_weights is None else out_weights.data_ptr(),
                    num_tokens=N, hidden=H, elem_bytes=2, num_topk=K if out_weights is not None else 0,
                    num_recv_rows=NUM_RECV, num_sms=num_sms, **fields)
@@ -376,7 +376,7 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
 
     def dispatched(params: dict[str, int], rows: int, speculative: int) -> tuple:
         return ("moe_ep_dispatch", (CTX, _params(
-            _ext.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(),
+            library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(),
             rank_prefix_matrix=at(0), send_list=at(2), recv_x=params["recv_x"], recv_topk_idx=params["recv_topk_idx"],
             recv_topk_weights=params["recv_topk_weights"], recv_src_idx=params["recv_src_idx"],
             recv_expert_count=params["recv_expert_count"], num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
@@ -437,7 +437,7 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
                                    handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, 1), STREAM)),
         ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM)),
         ("moe_ep_dispatch", (CTX, _params(
-            _ext.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
+            library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
             send_list=at(3), recv_x=recv_x, recv_src_idx=at(5), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
             num_local_experts=local, list_stride=N, num_recv_rows=16, num_sms=24, num_send_warps=5, send_pos=at(2),
             expert_major=1, expert_pos=at(4), send_offset=at(1), expert_info=at(0, 1), recv_slot=at(6),
@@ -458,7 +458,7 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
         ("moe_ep_unpermute", (y.data_ptr(), at(6), N, K, H, 16, 1, recv_y, STREAM)),
         ("moe_ep_barrier", (CTX, STREAM)),
         ("moe_ep_combine", (CTX, _params(
-            _ext.CombineParams, x=recv_y, rank_prefix_matrix=at(0), send_pos=at(2), out=out.data_ptr(),
+            library.CombineParams, x=recv_y, rank_prefix_matrix=at(0), send_pos=at(2), out=out.data_ptr(),
             num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N, num_sms=24, **PUSH), STREAM)),
     ]
     assert recv_y not in (0, OWN_REGION) and out_weights is None

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from moe_ep_plugin import fp8
-from moe_ep_plugin.permute import expert_slots, permute, unpermute
+from moe_ep_plugin.ops import fp8
+from moe_ep_plugin.ops.permute import expert_slots, permute, unpermute
 
 
 def routing(kind: str, n: int, k: int, num_local: int, gen: torch.Generator) -> torch.Tensor:

@@ -9,7 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, fp8
+from moe_ep_plugin import Buffer
+from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.transports import torch_transport
 from reference import expected_dispatch, gather_all

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import fp8
+from ..ops import fp8
 from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml
 from .options import PluginOptions, check_moe_args
 

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import fp8, gating
+from .. import gating
+from ..ops import fp8
 
 ROUTERS = ("deepspeed", "group_limited")
 TRANSPORTS = ("auto", "torch", "nvlink")

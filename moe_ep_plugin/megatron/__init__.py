@@ -16,7 +16,8 @@ except ImportError as exc:  # name the missing piece: megatron.core itself impor
     raise ImportError(f"moe_ep_plugin.megatron needs megatron-core (pip install 'moe_ep_plugin[megatron]'): {exc}"
                       ) from exc
 
-from .dispatcher import EPPluginTokenDispatcher, routing_map_to_topk
+from ..ops.routing import routing_map_to_topk
+from .dispatcher import EPPluginTokenDispatcher
 from .registration import install, is_installed, uninstall
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 from .router import PortableTopKRouter

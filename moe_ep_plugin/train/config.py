@@ -18,7 +18,7 @@ from ..experts import EXPERT_COMPUTE
 from ..transports import TRANSPORTS
 from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
 
-FP8_BLOCK = 128  # FP8 dispatch quantizes per token in blocks of this many channels (moe_ep_plugin.fp8.BLOCK)
+FP8_BLOCK = 128  # FP8 dispatch quantizes per token in blocks of this many channels (moe_ep_plugin.ops.fp8.BLOCK)
 
 
 def _doc(text: str, default: Any) -> Any:

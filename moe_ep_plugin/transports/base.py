@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import permute
 from ..config import Config
 from ..handle import DispatchHandle, ExpertLayout, align_counts
+from ..ops import permute
+from ..ops.layout import dispatch_layout
 
 
 @dataclass
@@ -105,7 +106,6 @@ class Transport(abc.ABC):
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``topk_idx`` ``[N, K]`` int64 → ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool)``. Default: plain torch ops on the tensor's device (no communication)."""
-        from ..layout import dispatch_layout
         return dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     @abc.abstractmethod

@@ -18,10 +18,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import fp8, permute
+from ..ops import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
-from ..layout import count_invalid, invalid_ids_error, send_positions
+from ..ops.layout import count_invalid, invalid_ids_error, send_positions
 from .base import DispatchArgs, DispatchResult, Transport
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).

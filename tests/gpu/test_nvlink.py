@@ -21,15 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, fp8
-from moe_ep_plugin import _ext
+from moe_ep_plugin import Buffer
+from moe_ep_plugin.ops import fp8, library
 from moe_ep_plugin.launch import spawn
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
     pytest.mark.skipif(_GPUS < 1, reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_GPUS >= 1 and _ext.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {_ext.unavailable_reason()}"),
+    pytest.mark.skipif(_GPUS >= 1 and library.unavailable_reason() is not None,
+                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
 ]
 # (ranks, backend) of the multi-rank runs: one rank per GPU, or 2-4 ranks sharing the only GPU
 _RUNS = [(min(_GPUS, 8), "nccl")] if _GPUS >= 2 else [(r, "gloo") for r in (2, 3, 4)]

@@ -14,8 +14,8 @@ from typing import Optional
 import pytest
 import torch
 
-from moe_ep_plugin import _ext, fp8
-from moe_ep_plugin import permute as P
+from moe_ep_plugin.ops import fp8, library
+from moe_ep_plugin.ops import permute as P
 from test_permute import routing
 
 
@@ -23,7 +23,7 @@ def _unavailable() -> Optional[str]:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     if P._kernels() is None:
-        return f"kernel library without the permute kernels: {_ext.unavailable_reason() or 'rebuild it'}"
+        return f"kernel library without the permute kernels: {library.unavailable_reason() or 'rebuild it'}"
     return None
 
 

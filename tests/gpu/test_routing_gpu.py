@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ep_plugin import _ext
+from moe_ep_plugin.ops import library
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.cuda.is_available() and _ext.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {_ext.unavailable_reason()}"),
+    pytest.mark.skipif(torch.cuda.is_available() and library.unavailable_reason() is not None,
+                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
 ]
 
 
 @pytest.mark.parametrize("tokens,experts,topk", [(4096, 256, 8), (37, 8, 1), (0, 16, 2), (130, 64, 6)])
 def test_routing_map_to_topk_kernel_matches_plain_loop(tokens: int, experts: int, topk: int) -> None:
-    from moe_ep_plugin.megatron.dispatcher import routing_map_to_topk
+    from moe_ep_plugin.ops.routing import routing_map_to_topk
 
     device = torch.device("cuda")
     scores = torch.rand(tokens, experts, device=device)

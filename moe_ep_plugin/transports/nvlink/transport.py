@@ -12,48 +12,27 @@ per-expert counts into notify and ships each row's expert-major destination rows
 expands, on all SMs); ``combine_experts`` is ``unpermute`` + ``combine``, and when that combine pulls,
 ``unpermute`` writes straight into the region the combine pulls from.
 
-Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel records what stalled in a
-host-mapped record, every later wait on that rank gives up at once, and the next call on this transport (or
-the host read inside a normal dispatch) raises ``TimeoutError`` naming it.
+Every wait on a peer has a deadline (``timeout_s``, see ``runtime``): the next call on this transport (or the
+host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
 """
 from __future__ import annotations
 
 import ctypes
 import math
-import socket
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import _ext, permute
-from ..config import Config
-from ..event import current_stream_handle
-from ..handle import DispatchHandle, ExpertLayout
-from ..layout import count_invalid, invalid_ids_error
-from .base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
-
-# Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
-_DEFAULT_ROWS = 8192
-_DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * _ext.MAX_TOPK * 4 + 16
-_MAX_REGION_ROWS = 65536
-
-
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-def dispatch_slot_bytes(hidden: int, elem_bytes: int, fp8_rows: bool, num_topk: int) -> int:
-    """Bytes of one staged dispatch row (csrc/intranode.cu ``SlotLayout``)."""
-    payload = hidden if fp8_rows else hidden * elem_bytes
-    scales = hidden // 128 if fp8_rows else 0
-    return _round16(payload + 4 * scales + 8 * num_topk + 4)
-
-
-def combine_row_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
-    """Region bytes per combined row: the row, then (with all rows before them) its weights."""
-    return hidden * elem_bytes + 4 * num_topk
+from ...config import Config
+from ...handle import DispatchHandle, ExpertLayout
+from ...ops import permute
+from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
+from ...ops.library import MAX_EXPERTS, MAX_TOPK, CombineParams, DispatchParams
+from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
+from .plan import combine_row_bytes, dispatch_slot_bytes, most_received, send_blocks, staging_capacity
+from .runtime import NVLinkRuntime
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -126,7 +105,7 @@ class _CombineLaunch:
     """A combine ready to launch but for ``params.x``: its outputs (``out`` ``[N, H]``, ``out_weights`` ``[N, K]``
     float32 or None) and ``keep``, what the parameters point to that must live until the launch."""
 
-    params: _ext.CombineParams
+    params: CombineParams
     out: torch.Tensor
     out_weights: Optional[torch.Tensor]
     keep: tuple
@@ -184,113 +163,35 @@ class NVLinkTransport(Transport):
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
         """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
-        local = None
-        if not torch.cuda.is_available():
-            local = "CUDA is not available"
-        elif dist.get_world_size(group) > _ext.MAX_RANKS:
-            local = f"more than {_ext.MAX_RANKS} ranks"
-        else:
-            local = _ext.unavailable_reason()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        info = (socket.gethostname(), index, local)
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, info, group=group)
-        for host, _, reason in gathered:
-            if reason is not None:
-                return reason
-            if host != gathered[0][0]:
-                return "the ranks span several hosts"
-        for _, peer, _ in gathered:
-            if peer != index and not torch.cuda.can_device_access_peer(index, peer):
-                return f"GPU {index} has no peer access to GPU {peer}"
-        return None
+        return NVLinkRuntime.unavailable_reason(group, device)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int = 0) -> None:
         super().__init__(group, device, timeout_s)
-        self._lib = _ext.load()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
-        self._index = index
-        staging_offset = self._lib.moe_ep_staging_offset()  # header, expert counts and flags come first
-        nbytes = max(int(num_nvl_bytes), staging_offset + self.num_ranks * _DEFAULT_ROWS * _DEFAULT_ROW_BYTES)
-        with torch.cuda.device(self.device):
-            ctx = self._lib.moe_ep_create(self.rank, self.num_ranks, index, nbytes, int(timeout_s * 1e9))
-        if not ctx:
-            raise RuntimeError("moe_ep_plugin kernels: creating the peer buffer failed: "
-                               + self._lib.moe_ep_last_error().decode(errors="replace"))
-        self._ctx = ctx
-        handle = ctypes.create_string_buffer(64)
-        _ext.check(self._lib.moe_ep_ipc_handle(ctx, handle), "cudaIpcGetMemHandle")
-        handles: list = [None] * self.num_ranks
-        dist.all_gather_object(handles, handle.raw, group=group)
-        with torch.cuda.device(self.device):
-            _ext.check(self._lib.moe_ep_open_peers(ctx, b"".join(handles)), "opening peer buffers")
-        self._error = self._lib.moe_ep_error_info(ctx)
-        self.region_bytes = int(self._lib.moe_ep_region_bytes(ctx))
-        self._own_region = int(self._lib.moe_ep_own_region(ctx))  # where a pull combine's rows sit (16-byte aligned)
-        self._read_buffer = self._lib.moe_ep_read_buffer(ctx)  # pinned int32 host memory of the host reads
-        self._recv_guess = 0  # receive rows an expert-major dispatch allocates before it reads the count
-        self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._rt = NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
+        self.device = self._rt.device
+        self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
 
-    # ---- errors ----
     def check_error(self) -> None:
         """Raise if a kernel on this rank recorded a failure (timeouts are sticky: the transport is then unusable)."""
-        code = self._error[0]
-        if code == 0:
-            return
-        a, b = self._error[1], self._error[2]
-        where = f"moe_ep_plugin[nvlink] rank {self.rank}/{self.num_ranks}"
-        if code == _ext.ERR_BARRIER_TIMEOUT:
-            raise TimeoutError(f"{where}: rank {a} did not reach the start-of-operation barrier within "
-                               f"{self.timeout_s:g} s (it never joined, or called a different operation)")
-        if code == _ext.ERR_DISPATCH_TIMEOUT:
-            raise TimeoutError(f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
-        if code == _ext.ERR_COMBINE_TIMEOUT:
-            raise TimeoutError(f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
-        if code == _ext.ERR_WORST_TOKENS:
-            raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
-                             "the outputs of that dispatch are incomplete")
-        if code == _ext.ERR_CAPACITY:
-            raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
-        raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
-
-    def _stream(self) -> int:
-        return current_stream_handle(self._index)
+        self._rt.check_error()
 
     def _num_sms(self, config: Config) -> int:
-        return min(config.num_sms, self._device_sms)
-
-    @staticmethod
-    def _send_blocks(blocks: int, num_sms: int) -> int:
-        """Whole sender blocks when the grid of ``num_sms`` blocks has room for receivers too, else 0 (warp roles)."""
-        return blocks if 0 < blocks < num_sms else 0
+        return min(config.num_sms, self._rt.device_sms)
 
     def _check_capacity(self, rows: int, slot_bytes: int, what: str) -> None:
-        capacity = min(self.region_bytes // slot_bytes, _MAX_REGION_ROWS)
+        capacity = staging_capacity(self._rt.region_bytes, slot_bytes)
         if rows > capacity:
             raise ValueError(f"{what}: {rows} rows per rank exceed the nvlink staging capacity of {capacity} rows of "
                              f"{slot_bytes} bytes; pass a larger num_nvl_bytes to Buffer")
 
     def destroy(self) -> None:
         """Free the peer buffer after every rank is done with it (collective)."""
-        if self._ctx is None:
-            return
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-        _ext.check(self._lib.moe_ep_destroy(self._ctx), "destroy")
-        self._ctx = None
+        self._rt.destroy()
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, k = topk_idx.shape
-        counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=self.device)  # one memset
-        per_rank, per_expert = counts[:self.num_ranks], counts[self.num_ranks:]
-        in_rank = torch.empty(n, self.num_ranks, dtype=torch.bool, device=self.device)
-        _ext.check(self._lib.moe_ep_get_dispatch_layout(_ptr(topk_idx), n, k, num_experts, self.num_ranks,
-                                                        _ptr(per_rank), _ptr(per_expert), _ptr(in_rank), self._stream()),
-                   "get_dispatch_layout")
-        return per_rank, per_expert, in_rank
+        return kernel_dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     # ---- dispatch ----
     def _notify(self, args: DispatchArgs) -> _Carve:
@@ -305,36 +206,23 @@ class NVLinkTransport(Transport):
         invalid = (count_invalid(args.topk_idx, args.num_experts) if args.topk_idx is not None
                    else torch.zeros(1, dtype=torch.int32, device=self.device))
         out = _Carve(self.device, (r * r + 2,), (n, r), (r, max(n, 1)))
-        _ext.check(self._lib.moe_ep_notify_dispatch(self._ctx, _ptr(counts), _ptr(invalid), _ptr(in_rank), n,
-                                                    max(n, 1), out.ptr(0), out.ptr(1), out.ptr(2), out.ptr(0, r * r),
-                                                    self._stream()), "notify_dispatch")
+        self._rt.notify_dispatch(_ptr(counts), _ptr(invalid), _ptr(in_rank), n, max(n, 1), out.ptr(0), out.ptr(1),
+                                 out.ptr(2), out.ptr(0, r * r))
         return out
 
     def _prefix_matrix(self, notified: _Carve) -> torch.Tensor:
         """The rank prefix matrix ``[R, R]`` int32 at the start of notify's first output."""
         return notified.view(0, (self.num_ranks, self.num_ranks))
 
-    def _most_received(self, host_counts: list[int]) -> int:
-        """The most rows any rank receives (every rank computes the same from the whole count matrix)."""
-        r = self.num_ranks
-        return max(sum(host_counts[j::r]) for j in range(r))  # column j: slices, not an index per entry
-
     def _start_read(self, meta: int, info_length: int) -> Callable[[], list[int]]:
         """Start the one host read of a dispatch: ``meta`` (the address of the rank prefix matrix, which ``info``
-        directly follows) up to ``info[:info_length]`` is copied to pinned memory on the library's side stream,
-        after the work enqueued so far (notify), so the caller can enqueue more before it waits. Returns the wait, which gives the values.
+        directly follows) up to ``info[:info_length]``, after notify; returns the wait, which gives the values.
         (The memory stays alive in the handle's state.)"""
-        length = self.num_ranks * self.num_ranks + info_length
-        _ext.check(self._lib.moe_ep_read_start(self._ctx, meta, 4 * length, self._stream()), "read_start")
-
-        def wait() -> list[int]:
-            _ext.check(self._lib.moe_ep_read_wait(self._ctx), "read_wait")
-            return self._read_buffer[:length]
-        return wait
+        return self._rt.start_read(meta, self.num_ranks * self.num_ranks + info_length)
 
     def _read_info(self, values: list[int], num_experts: int) -> tuple[list[int], list[int], int]:
         """``(host_counts, info, most)`` from the values of a host read (``_start_read``), ``most`` the most rows
-        any rank receives (:meth:`_most_received`); raises (on every rank alike) when a rank found out-of-range
+        any rank receives (``plan.most_received``); raises (on every rank alike) when a rank found out-of-range
         expert ids."""
         r = self.num_ranks
         self.check_error()
@@ -342,7 +230,7 @@ class NVLinkTransport(Transport):
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
         counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]  # row minus the one above
-        return counts, info, self._most_received(counts)
+        return counts, info, most_received(counts, r)
 
     def _check_rows(self, args: DispatchArgs) -> int:
         """Validate what the kernels need of a dispatch's rows; returns the staged slot size."""
@@ -350,8 +238,8 @@ class NVLinkTransport(Transport):
         n, hidden = x.shape
         fp8_rows = args.x_scales is not None or args.wire_fp8
         k = args.topk_idx.shape[1] if args.topk_idx is not None else 0
-        if k > _ext.MAX_TOPK:
-            raise ValueError(f"topk_idx: the nvlink kernels take at most {_ext.MAX_TOPK} experts per token, got {k}")
+        if k > MAX_TOPK:
+            raise ValueError(f"topk_idx: the nvlink kernels take at most {MAX_TOPK} experts per token, got {k}")
         if (hidden * (1 if fp8_rows else x.element_size())) % 16:
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
         slot = dispatch_slot_bytes(hidden, x.element_size(), fp8_rows, k)
@@ -384,7 +272,7 @@ class NVLinkTransport(Transport):
         pull = (self.quantizing_dispatch_pull if args.wire_fp8 else self.dispatch_pull) and self.num_ranks > 1
         counts = state.copy_counts() if not pull and self.dispatch_copy_share > 0 and self.num_ranks > 1 else None
         num_sms = self._num_sms(args.config)
-        params = _ext.DispatchParams(
+        params = DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
             recv_x=recv_x.data_ptr(), recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden,
@@ -393,7 +281,7 @@ class NVLinkTransport(Transport):
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
             recv_bf16=int((args.x_scales is not None or args.wire_fp8) and args.recv_bf16),
             round_scale=int(args.round_scale), num_sms=num_sms, num_send_warps=self._dispatch_send_warps(args),
-            num_send_blocks=self._send_blocks(self.dispatch_send_blocks, num_sms),
+            num_send_blocks=send_blocks(self.dispatch_send_blocks, num_sms),
             send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
         if pull:  # senders only stage rows locally; receivers load them over NVLink
             params.pull, params.num_send_warps, params.num_send_blocks = 1, self.pull_dispatch_send_warps, 0
@@ -407,7 +295,7 @@ class NVLinkTransport(Transport):
                 self.dispatch_copy_share, self.copy_piece_rows, self.copy_streams)
             params.host_counts, params.outbox = ctypes.addressof(counts), outbox.data_ptr()
             params.num_send_warps, params.num_send_blocks = self.copy_dispatch_send_warps, 0
-        _ext.check(self._lib.moe_ep_dispatch(self._ctx, ctypes.byref(params), self._stream()), "dispatch")
+        self._rt.dispatch(params)
 
     def _dispatch_send_warps(self, args: DispatchArgs) -> int:
         """Sender warps per block of a push dispatch: quantizing senders do more work, and receivers that
@@ -416,17 +304,12 @@ class NVLinkTransport(Transport):
             return self.dispatch_send_warps
         return self.dequantizing_dispatch_send_warps if args.recv_bf16 else self.quantizing_dispatch_send_warps
 
-    def _barrier(self) -> None:
-        """The barrier that orders an operation after every rank's previous one (peers are done with this rank's
-        regions), on the current stream."""
-        _ext.check(self._lib.moe_ep_barrier(self._ctx, self._stream()), "barrier")
-
     def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
-        """Start of a cached dispatch: :meth:`_barrier`, for a handle of this transport."""
+        """Start of a cached dispatch: the runtime's barrier, for a handle of this transport."""
         state = handle.transport_state
         if not isinstance(state, _NVLinkState):
             raise ValueError("handle: it was not made by the nvlink transport")
-        self._barrier()
+        self._rt.barrier()
         return state
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -500,8 +383,8 @@ class NVLinkTransport(Transport):
         handle = args.handle
         if handle is None:
             num_experts = args.num_experts
-            if num_experts > _ext.MAX_EXPERTS:
-                raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {_ext.MAX_EXPERTS} "
+            if num_experts > MAX_EXPERTS:
+                raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {MAX_EXPERTS} "
                                  f"experts, got {num_experts}")
             topk_idx = args.topk_idx
             k = topk_idx.shape[1]
@@ -516,9 +399,8 @@ class NVLinkTransport(Transport):
                          (guess,), (guess, k))
             in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
-            _ext.check(self._lib.moe_ep_notify_experts(
-                self._ctx, _ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2), out.ptr(3),
-                _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r), self._stream()), "notify_experts")
+            self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2),
+                                    out.ptr(3), _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r))
             read = self._start_read(out.ptr(0), 3 + num_local)
             state = _NVLinkState(out, out.ptr(3), max(n, 1), None,
                                  _ExpertState(topk_idx, out.ptr(4), out.ptr(1), out.ptr(0, r * r)))
@@ -584,9 +466,8 @@ class NVLinkTransport(Transport):
         """Whether a combine of rows of ``row_bytes`` pulls: the most rows any rank received carry at least
         ``pull_combine_min_bytes`` and fit every rank's own region (all ranks decide alike: each sees the whole
         count matrix)."""
-        most = self._most_received(host_counts)
-        return (most * row_bytes >= self.pull_combine_min_bytes
-                and most <= self._lib.moe_ep_pull_rows(self._ctx, row_bytes, num_topk))
+        most = most_received(host_counts, self.num_ranks)
+        return most * row_bytes >= self.pull_combine_min_bytes and most <= self._rt.pull_rows(row_bytes, num_topk)
 
     def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
                         topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
@@ -595,8 +476,8 @@ class NVLinkTransport(Transport):
         pick how rows travel (copy-engine share first, else pull or push); ``params.x`` is left for the caller."""
         elem_bytes = dtype.itemsize
         k = topk_weights.shape[1] if topk_weights is not None else 0
-        if k > _ext.MAX_TOPK:
-            raise ValueError(f"topk_weights: the nvlink kernels take at most {_ext.MAX_TOPK} columns, got {k}")
+        if k > MAX_TOPK:
+            raise ValueError(f"topk_weights: the nvlink kernels take at most {MAX_TOPK} columns, got {k}")
         if (hidden * elem_bytes) % 16:
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {dtype}")
         self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, elem_bytes, k), "x")
@@ -612,13 +493,13 @@ class NVLinkTransport(Transport):
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
         num_sms = self._num_sms(config)
-        params = _ext.CombineParams(
+        params = CombineParams(
             topk_weights=_ptr(topk_weights), rank_prefix_matrix=rpm.data_ptr(), send_pos=send_pos.data_ptr(),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
             out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
             elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
             num_send_warps=self.combine_send_warps,
-            num_send_blocks=self._send_blocks(self.combine_send_blocks, num_sms))
+            num_send_blocks=send_blocks(self.combine_send_blocks, num_sms))
         host_counts = state.host_counts if own and self.num_ranks > 1 else None
         share = self.combine_copy_share
         if share is None:
@@ -638,11 +519,11 @@ class NVLinkTransport(Transport):
             params.host_counts = ctypes.addressof(counts)
         return _CombineLaunch(params, out, out_weights, (counts, rpm, send_pos, topk_weights))
 
-    def _launch_combine(self, params: _ext.CombineParams, start_barrier: bool = True) -> None:
+    def _launch_combine(self, params: CombineParams, start_barrier: bool = True) -> None:
         """The start barrier (unless the caller launched it) and the combine kernel, on the current stream."""
         if start_barrier:
-            self._barrier()
-        _ext.check(self._lib.moe_ep_combine(self._ctx, ctypes.byref(params), self._stream()), "combine")
+            self._rt.barrier()
+        self._rt.combine(params)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -671,9 +552,9 @@ class NVLinkTransport(Transport):
         kernel = permute.unpermute_kernel_takes(y, slot)
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
         if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
-            self._barrier()
-            permute.unpermute_into(y, slot, self._own_region)
-            params.x, params.x_in_region = self._own_region, 1
+            self._rt.barrier()
+            permute.unpermute_into(y, slot, self._rt.own_region)
+            params.x, params.x_in_region = self._rt.own_region, 1
             self._launch_combine(params, start_barrier=False)
             return launch.out, launch.out_weights
         recv_y = permute.unpermute_valid(y, slot, kernel)

@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from .event import current_stream_handle
+from ..event import current_stream_handle
+from . import library
 
 # csrc/permute.h
 _MAX_KERNEL_LOCAL_EXPERTS = 1024
@@ -242,23 +243,11 @@ def _dump_invalid(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> Optional[ctypes.CDLL]:
-    """The kernel library with this module's functions declared, or None when it is missing, stale or was built
-    without ``csrc/permute.cu``."""
-    # Imported here, not at the top: the package imports this module, and `python -m moe_ep_plugin._build` warns
-    # when the package has already imported _build (through _ext).
-    from . import _ext
+    """The kernel library, or None when it is missing or stale."""
     try:
-        lib = _ext.load()
-        functions = (lib.moe_ep_expert_slots, lib.moe_ep_permute, lib.moe_ep_unpermute)
-    except (OSError, AttributeError):
+        return library.load()
+    except OSError:
         return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.moe_ep_expert_slots.argtypes = [p, i64, i64, i64, i64, p, p, i64, p]
-    lib.moe_ep_permute.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, p]
-    lib.moe_ep_unpermute.argtypes = [p, p, i64, i64, i64, i64, i64, p, p]
-    for function in functions:
-        function.restype = ctypes.c_int
-    return lib
 
 
 def _kernels_for(t: torch.Tensor) -> bool:
@@ -276,8 +265,7 @@ def _launch(t: torch.Tensor, function: str, *args: int) -> None:
         with torch.cuda.device(index):
             code = call(*args, current_stream_handle(index))
     if code:
-        from . import _ext  # only to raise: an import statement costs host time on every call (0.4 us on CPU)
-        _ext.check(code, function)
+        library.check(code, function)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

@@ -1,7 +1,10 @@
-"""Dispatch layout from top-k expert ids: pure tensor ops, no host sync, any device."""
+"""Dispatch layout from top-k expert ids: pure tensor ops, no host sync, any device (or one kernel on CUDA)."""
 from __future__ import annotations
 
 import torch
+
+from ..event import current_stream_handle
+from . import library
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
@@ -24,6 +27,20 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     is_token_in_rank = in_rank[:, :num_ranks].contiguous()
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
     return num_tokens_per_rank, per_expert[:num_experts].contiguous(), is_token_in_rank
+
+
+def kernel_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dispatch_layout` in one kernel (csrc/layout.cu), same results, for a contiguous CUDA ``topk_idx``
+    with the kernel library loaded (the nvlink transport's inputs)."""
+    n, k = topk_idx.shape
+    counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one memset
+    per_rank, per_expert = counts[:num_ranks], counts[num_ranks:]
+    in_rank = torch.empty(n, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    library.check(library.load().moe_ep_get_dispatch_layout(
+        topk_idx.data_ptr(), n, k, num_experts, num_ranks, per_rank.data_ptr(), per_expert.data_ptr(),
+        in_rank.data_ptr(), current_stream_handle(topk_idx.get_device())), "get_dispatch_layout")
+    return per_rank, per_expert, in_rank
 
 
 def count_invalid(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

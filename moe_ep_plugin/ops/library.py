@@ -1,6 +1,8 @@
-"""ctypes loader of the kernel library ``moe_ep_plugin/lib/libmoe_ep_kernels.so`` (C ABI of ``csrc/moe_ep.h``).
+"""ctypes loader of the kernel library ``moe_ep_plugin/lib/libmoe_ep_kernels.so``: the one mirror of its C ABI
+(``csrc/moe_ep.h``, ``csrc/permute.h``).
 
-Loaded lazily on first use; nothing here imports CUDA or needs a GPU until a function is called.
+Loaded lazily on first use; nothing here imports CUDA or needs a GPU until a function is called. Only the modules
+of ``moe_ep_plugin.ops`` and the nvlink transport's runtime call it.
 """
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import ctypes
 import os
 from typing import Optional
 
-from ._build import LIB_PATH
-
+LIB_NAME = "libmoe_ep_kernels.so"
+LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
 ABI_VERSION = 5
 MAX_RANKS = 8
 MAX_TOPK = 32
@@ -108,9 +110,13 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_barrier.argtypes = [_p, _p]
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
+    lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _p]
+    lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
+    lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
-                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_wait"):
+                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_wait",
+                 "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

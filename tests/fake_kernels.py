@@ -2,9 +2,9 @@
 GPU.
 
 ``NVLinkTransport``'s Python side runs on CPU tensors (their addresses serve its bookkeeping as well as device ones)
-over :class:`FakeLib`: :func:`installed` points ``permute``'s launches and both stream queries at it, and
-:func:`nvlink_transport` builds the transport without the process group, the library and the GPU its ``__init__``
-needs. The fake kernels compute nothing; the one thing they write is what the host itself reads back: the host
+over :class:`FakeLib`: :func:`installed` points ``ops.permute``'s launches and both stream queries at it, and
+:func:`nvlink_transport` builds the transport and its runtime without the process group, the library and the GPU
+their ``__init__`` needs. The fake kernels compute nothing; the one thing they write is what the host itself reads back: the host
 read of a dispatch brings ``read_values``, and an expert-major dispatch fills ``recv_slot`` with -1 (no local
 expert), so the host's indexing with it (``slot_weights``) stays in bounds.
 """
@@ -17,10 +17,10 @@ from unittest import mock
 
 import torch
 
-from . import permute
-from .handle import align_counts
-from .transports import nvlink
-from .transports.nvlink import NVLinkTransport
+from moe_ep_plugin.handle import align_counts
+from moe_ep_plugin.ops import permute
+from moe_ep_plugin.transports.nvlink import NVLinkTransport, runtime
+from moe_ep_plugin.transports.nvlink.runtime import NVLinkRuntime
 
 CTX = 0xC7C000  # the library context, as moe_ep_create would return it
 STREAM = 0x5EED00  # the current stream's handle, as the stream query returns it
@@ -115,7 +115,7 @@ def installed(lib: FakeLib) -> Iterator[FakeLib]:
     """While inside: ``permute``'s launches reach ``lib`` and take CPU tensors, and the stream queries of both
     modules answer ``STREAM``. Restores what it replaced on exit."""
     with contextlib.ExitStack() as stack:
-        for target, name, value in ((nvlink, "current_stream_handle", _stream_of),
+        for target, name, value in ((runtime, "current_stream_handle", _stream_of),
                                     (permute, "current_stream_handle", _stream_of),
                                     (permute, "_kernels", lambda: lib),
                                     (permute, "_kernels_for", lambda t: True),
@@ -126,13 +126,15 @@ def installed(lib: FakeLib) -> Iterator[FakeLib]:
 
 
 def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int) -> NVLinkTransport:
-    """An NVLinkTransport on CPU over ``lib`` with what ``__init__`` sets (there from the process group, the
-    library and the GPU); to be used inside :func:`installed`."""
+    """An NVLinkTransport on CPU over ``lib`` with what the ``__init__`` of it and of its runtime set (there from
+    the process group, the library and the GPU); to be used inside :func:`installed`."""
+    rt = object.__new__(NVLinkRuntime)
+    rt.group, rt.rank, rt.num_ranks, rt.device, rt.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
+    rt.lib, rt.index, rt.ctx, rt.error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
+    rt.region_bytes, rt.own_region, rt.read_buffer, rt.device_sms = 1 << 24, OWN_REGION, lib.read_buffer, 132
     t = object.__new__(NVLinkTransport)
     t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
-    t._lib, t._index, t._ctx, t._error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
-    t.region_bytes, t._own_region, t._read_buffer = 1 << 24, OWN_REGION, lib.read_buffer
-    t._recv_guess, t._device_sms = recv_guess, 132
+    t._rt, t._recv_guess = rt, recv_guess
     lib.num_ranks = num_ranks
     return t
 

@@ -1,0 +1,87 @@
+"""Megatron-Core's multi-hot routing map → top-k expert ids and weights, the form dispatch takes.
+
+CUDA float32 probs go through one kernel (csrc/layout.cu ``moe_ep_routing_map_topk``) when the kernel library
+loads, everything else through four torch ops; both give the same ids and weights.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..event import current_stream_handle
+from . import library
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-hot ``routing_map`` ``[T, E]`` bool and ``probs`` ``[T, E]`` → ``(topk_idx [T, K] int64,
+    topk_weights [T, K] float32)``; slots beyond a token's selected experts (dropped tokens) hold -1 and weight 0.
+
+    Experts are taken from ``routing_map``, not from the largest probs, so dense or tied probs cannot change
+    which experts a token reaches. Differentiable in ``probs``.
+    """
+    if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise ValueError(f"routing_map: expected a 2-D bool [tokens, experts] tensor, got {routing_map.dtype} "
+                         f"{tuple(routing_map.shape)}")
+    if probs.shape != routing_map.shape:
+        raise ValueError(f"probs: expected shape {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
+    if not 1 <= topk <= routing_map.shape[1]:
+        raise ValueError(f"topk must be in [1, {routing_map.shape[1]}], got {topk}")
+    if _ROUTING_KERNEL.usable(routing_map, probs):
+        return _RoutingMapTopK.apply(probs, routing_map, topk)
+    # Four kernels for fp32 probs (topk, gather, two wheres; other dtypes add a cast): the bool map is
+    # reinterpreted as uint8 without a copy so topk ranks a token's selected experts (value 1) first; the 0/1
+    # values, reinterpreted back as bool, mark the slots past its selected experts (id -1, weight 0).
+    selected, idx = torch.topk(routing_map.view(torch.uint8), topk, dim=1, sorted=False)
+    valid = selected.view(torch.bool)
+    weights = probs.gather(1, idx)
+    if weights.dtype != torch.float32:  # .float() costs host time even when it returns its input
+        weights = weights.float()
+    return torch.where(valid, idx, -1), torch.where(valid, weights, 0.0)
+
+
+class _RoutingKernel:
+    """Whether the one-kernel CUDA path (csrc/layout.cu ``moe_ep_routing_map_topk``) serves a call: CUDA tensors,
+    float32 probs, contiguous rows, and the kernel library loads (checked once)."""
+
+    def __init__(self) -> None:
+        self._loaded: Optional[bool] = None
+
+    def usable(self, routing_map: torch.Tensor, probs: torch.Tensor) -> bool:
+        if not (routing_map.is_cuda and probs.dtype == torch.float32 and routing_map.is_contiguous()
+                and probs.is_contiguous()):
+            return False
+        if self._loaded is None:
+            self._loaded = library.unavailable_reason() is None
+        return self._loaded
+
+
+_ROUTING_KERNEL = _RoutingKernel()
+
+
+class _RoutingMapTopK(torch.autograd.Function):
+    """One kernel: each token's selected experts in ascending order with their probs; the gradient of the
+    weights scatters back into the ``[T, E]`` probs (zero where no expert was selected)."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
+        n, num_experts = routing_map.shape
+        idx = torch.empty(n, topk, dtype=torch.int64, device=probs.device)
+        weights = torch.empty(n, topk, dtype=torch.float32, device=probs.device)
+        # The kernel reads the bool map as bytes through its pointer: no uint8 view needed.
+        library.check(library.load().moe_ep_routing_map_topk(
+            routing_map.data_ptr(), probs.data_ptr(), n, num_experts, topk, idx.data_ptr(), weights.data_ptr(),
+            current_stream_handle(probs.get_device())), "routing_map_topk")
+        ctx.save_for_backward(idx)
+        ctx.num_experts = num_experts
+        ctx.mark_non_differentiable(idx)
+        return idx, weights
+
+    @staticmethod
+    def backward(ctx, grad_idx, grad_weights):
+        (idx,) = ctx.saved_tensors
+        grad = torch.zeros(idx.shape[0], ctx.num_experts, dtype=torch.float32, device=idx.device)
+        # -1 slots are sent to column 0 with a zero gradient (an add, so they cannot overwrite a real one)
+        grad.scatter_add_(1, idx.clamp(min=0), torch.where(idx >= 0, grad_weights, 0.0))
+        return grad, None, None

@@ -1,0 +1,144 @@
+"""One rank's side of the nvlink transport's peer memory: availability, CUDA-IPC set-up, the library calls on its
+context (barriers, notify, dispatch, combine), the host reads, the error record and destroy.
+
+Every rank owns one peer-visible buffer (``cudaMalloc``, mapped into the other ranks with CUDA IPC) with a
+staging region per source rank. Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel
+records what stalled in a host-mapped record, every later wait on that rank gives up at once, and
+:meth:`NVLinkRuntime.check_error` raises ``TimeoutError`` naming it.
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...event import current_stream_handle
+from ...ops import library
+from .plan import DEFAULT_ROW_BYTES, DEFAULT_ROWS
+
+
+class NVLinkRuntime:
+    """The library context of one rank of ``group`` on ``device``: a peer buffer of at least ``num_nvl_bytes``
+    (the default staging when smaller), opened by every peer. Collective to create and to :meth:`destroy`."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int) -> None:
+        self.rank, self.num_ranks, self.timeout_s = dist.get_rank(group), dist.get_world_size(group), timeout_s
+        self.group = group
+        self.lib = library.load()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.index = index
+        staging_offset = self.lib.moe_ep_staging_offset()  # header, expert counts and flags come first
+        nbytes = max(int(num_nvl_bytes), staging_offset + self.num_ranks * DEFAULT_ROWS * DEFAULT_ROW_BYTES)
+        with torch.cuda.device(self.device):
+            ctx = self.lib.moe_ep_create(self.rank, self.num_ranks, index, nbytes, int(timeout_s * 1e9))
+        if not ctx:
+            raise RuntimeError("moe_ep_plugin kernels: creating the peer buffer failed: "
+                               + self.lib.moe_ep_last_error().decode(errors="replace"))
+        self.ctx = ctx
+        handle = ctypes.create_string_buffer(64)
+        library.check(self.lib.moe_ep_ipc_handle(ctx, handle), "cudaIpcGetMemHandle")
+        handles: list = [None] * self.num_ranks
+        dist.all_gather_object(handles, handle.raw, group=group)
+        with torch.cuda.device(self.device):
+            library.check(self.lib.moe_ep_open_peers(ctx, b"".join(handles)), "opening peer buffers")
+        self.error = self.lib.moe_ep_error_info(ctx)
+        self.region_bytes = int(self.lib.moe_ep_region_bytes(ctx))
+        self.own_region = int(self.lib.moe_ep_own_region(ctx))  # where a pull combine's rows sit (16-byte aligned)
+        self.read_buffer = self.lib.moe_ep_read_buffer(ctx)  # pinned int32 host memory of the host reads
+        self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    @staticmethod
+    def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+        """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
+        local = None
+        if not torch.cuda.is_available():
+            local = "CUDA is not available"
+        elif dist.get_world_size(group) > library.MAX_RANKS:
+            local = f"more than {library.MAX_RANKS} ranks"
+        else:
+            local = library.unavailable_reason()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        info = (socket.gethostname(), index, local)
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, info, group=group)
+        for host, _, reason in gathered:
+            if reason is not None:
+                return reason
+            if host != gathered[0][0]:
+                return "the ranks span several hosts"
+        for _, peer, _ in gathered:
+            if peer != index and not torch.cuda.can_device_access_peer(index, peer):
+                return f"GPU {index} has no peer access to GPU {peer}"
+        return None
+
+    def check_error(self) -> None:
+        """Raise if a kernel on this rank recorded a failure (timeouts are sticky: the transport is then unusable)."""
+        code = self.error[0]
+        if code == 0:
+            return
+        a, b = self.error[1], self.error[2]
+        where = f"moe_ep_plugin[nvlink] rank {self.rank}/{self.num_ranks}"
+        if code == library.ERR_BARRIER_TIMEOUT:
+            raise TimeoutError(f"{where}: rank {a} did not reach the start-of-operation barrier within "
+                               f"{self.timeout_s:g} s (it never joined, or called a different operation)")
+        if code == library.ERR_DISPATCH_TIMEOUT:
+            raise TimeoutError(f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
+        if code == library.ERR_COMBINE_TIMEOUT:
+            raise TimeoutError(f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
+        if code == library.ERR_WORST_TOKENS:
+            raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
+                             "the outputs of that dispatch are incomplete")
+        if code == library.ERR_CAPACITY:
+            raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
+        raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
+
+    def stream(self) -> int:
+        """The current stream of this rank's device, as the handle the library takes."""
+        return current_stream_handle(self.index)
+
+    def barrier(self) -> None:
+        """The barrier that orders an operation after every rank's previous one (peers are done with this rank's
+        regions), on the current stream."""
+        library.check(self.lib.moe_ep_barrier(self.ctx, self.stream()), "barrier")
+
+    def notify_dispatch(self, *args: int) -> None:
+        """``moe_ep_notify_dispatch`` on this context and the current stream (arguments as csrc/moe_ep.h)."""
+        library.check(self.lib.moe_ep_notify_dispatch(self.ctx, *args, self.stream()), "notify_dispatch")
+
+    def notify_experts(self, *args: int) -> None:
+        """``moe_ep_notify_experts`` on this context and the current stream (arguments as csrc/moe_ep.h)."""
+        library.check(self.lib.moe_ep_notify_experts(self.ctx, *args, self.stream()), "notify_experts")
+
+    def dispatch(self, params: library.DispatchParams) -> None:
+        library.check(self.lib.moe_ep_dispatch(self.ctx, ctypes.byref(params), self.stream()), "dispatch")
+
+    def combine(self, params: library.CombineParams) -> None:
+        library.check(self.lib.moe_ep_combine(self.ctx, ctypes.byref(params), self.stream()), "combine")
+
+    def pull_rows(self, row_bytes: int, num_topk: int) -> int:
+        """The most combined rows of ``row_bytes`` (and ``num_topk`` weights) this rank's own region holds."""
+        return self.lib.moe_ep_pull_rows(self.ctx, row_bytes, num_topk)
+
+    def start_read(self, src: int, length: int) -> Callable[[], list[int]]:
+        """Start a host read of ``length`` int32 at device address ``src``: copied to pinned memory on the
+        library's side stream after the work enqueued so far, so the caller can enqueue more before it waits.
+        Returns the wait, which gives the values (the memory must stay alive until then)."""
+        library.check(self.lib.moe_ep_read_start(self.ctx, src, 4 * length, self.stream()), "read_start")
+
+        def wait() -> list[int]:
+            library.check(self.lib.moe_ep_read_wait(self.ctx), "read_wait")
+            return self.read_buffer[:length]
+        return wait
+
+    def destroy(self) -> None:
+        """Free the peer buffer after every rank is done with it (collective)."""
+        if self.ctx is None:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        library.check(self.lib.moe_ep_destroy(self.ctx), "destroy")
+        self.ctx = None
