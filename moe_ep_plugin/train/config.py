@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import DEFAULT_TIMEOUT_S
+from ..experts import EXPERT_COMPUTE
 from ..transports import TRANSPORTS
 from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
 
@@ -59,6 +60,10 @@ class MoEConfig:
     bias_update_rate: float = _doc("Per step, bias += rate * sign(mean load - expert load) (DeepSeek-V3: 1e-3 over "
                                    "far more steps than the tiny run).", 1e-2)
     seq_aux_loss_coeff: float = _doc("Weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4); 0 disables.", 1e-4)
+    expert_compute: str = _doc("Routed experts' GEMMs: 'grouped' (torch's grouped matmul, one kernel per projection), "
+                               "'loop' (one matmul per local expert) or 'auto' (grouped where torch runs it without "
+                               "a host sync: BF16 on SM90+ GPUs, or CPU; else loop). See moe_ep_plugin.experts.",
+                               "auto")
 
 
 @dataclass
@@ -114,6 +119,9 @@ class OutputConfig:
     plots: bool = _doc("Write loss.png and expert_load.png at the end (needs matplotlib: pip install "
                        "'moe_ep_plugin[plots]').", True)
     progress_bar: bool = _doc("Show a tqdm progress bar on rank 0.", True)
+    peak_tflops: Optional[float] = _doc("Peak TFLOP/s of one device for the logged MFU; null = the dense BF16 "
+                                        "datasheet figure of an H100/H200 computing in BF16 (989.4), else MFU n/a.",
+                                        None)
 
 
 @dataclass
@@ -133,6 +141,7 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 _CHOICES = {
     "model.dtype": ("auto", "bfloat16", "float32"),
     "moe.score_function": ("sigmoid", "softmax"),
+    "moe.expert_compute": EXPERT_COMPUTE,
     "parallel.device": ("auto", "cpu", "cuda"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.transport": ("auto",) + TRANSPORTS,
@@ -244,6 +253,8 @@ def validate(cfg: TrainerConfig, world_size: Optional[int] = None) -> None:
              "gloo cannot move CUDA tensors for the Buffer; use nccl or auto")
     _require(not os.path.exists(o.dir) or os.path.isdir(o.dir), "output.dir",
              f"{o.dir!r} exists and is not a directory")
+    _require(o.peak_tflops is None or o.peak_tflops > 0, "output.peak_tflops",
+             f"must be > 0 or null, got {o.peak_tflops}")
     _require(o.resume in ("auto", "never") or os.path.isdir(o.resume), "output.resume",
              f"expected 'auto', 'never' or an existing checkpoint directory, got {o.resume!r}")
 

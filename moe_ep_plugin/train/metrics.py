@@ -10,8 +10,14 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from .config import TrainerConfig
+
 COLUMNS = ("step", "loss", "lm_loss", "aux_loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
-           "load_max_over_mean", "load_max_over_mean_worst_layer", "elapsed_s")
+           "load_max_over_mean", "load_max_over_mean_worst_layer", "elapsed_s", "mfu")
+
+# Dense BF16 tensor-core peak per device from the vendor datasheets (H200 SXM has the H100 SXM's compute); MFU
+# is reported against these, the usual convention. A measured 8192^3 BF16 matmul on one H200 reaches ~790 TFLOP/s.
+DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
 
 
 class _TqdmHandler(logging.Handler):
@@ -38,6 +44,41 @@ def make_logger(out_dir: str, to_console: bool) -> logging.Logger:
         console.setFormatter(fmt)
         logger.addHandler(console)
     return logger
+
+
+def train_flops_per_token(cfg: TrainerConfig) -> float:
+    """Model FLOPs of one training step per token: 3 x the forward (backward = 2 x forward), 2 FLOPs per
+    multiply-add, counting the matmuls a token takes part in: attention projections ``4 H^2`` and causal scores
+    ``2 S H`` (QK^T and AV over on average S/2 keys) per block, each dense MLP ``3 H F``, each MoE block's router
+    ``E H``, shared experts ``3 H F_e n_shared`` and ``K`` routed experts ``3 H F_e`` each, and the LM head ``H V``.
+    Norms, softmax and elementwise work are left out."""
+    m, e = cfg.model, cfg.moe
+    h, blocks, moe_blocks = m.hidden_size, m.num_layers, m.num_layers - m.num_dense_layers
+    weights = blocks * 4 * h * h + m.num_dense_layers * 3 * h * m.ffn_hidden_size + h * m.vocab_size
+    weights += moe_blocks * (e.num_experts * h + 3 * h * e.expert_ffn_hidden_size * (e.num_shared_experts + e.topk))
+    forward = 2 * weights + blocks * 2 * m.seq_len * h
+    return 3.0 * forward
+
+
+def peak_flops(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) -> tuple[Optional[float], str]:
+    """Peak FLOP/s of one device for MFU and where it came from: ``output.peak_tflops`` when set, else the
+    datasheet dense BF16 figure of a known GPU computing in BF16, else None (MFU not reported)."""
+    if cfg.output.peak_tflops is not None:
+        return cfg.output.peak_tflops * 1e12, f"{cfg.output.peak_tflops:g} TFLOP/s (output.peak_tflops)"
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        name = torch.cuda.get_device_name(device)
+        for model, tflops in DATASHEET_BF16_TFLOPS.items():
+            if model in name:
+                return tflops * 1e12, f"{tflops:g} TFLOP/s ({name} dense BF16 datasheet)"
+        return None, f"n/a (no datasheet peak for {name}; set output.peak_tflops)"
+    return None, f"n/a (no peak known for {device.type} {str(dtype).replace('torch.', '')}; set output.peak_tflops)"
+
+
+def mfu(tokens_per_s: float, num_devices: int, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over its peak (None without a peak)."""
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (num_devices * peak)
 
 
 def load_balance(counts: torch.Tensor) -> tuple[float, float]:

@@ -6,8 +6,8 @@ R = EP ranks, L = E / R local experts, F = expert inner width.
 Blocks ``0 .. num_dense_layers-1`` use a dense SwiGLU MLP; the others an MoE MLP: one (or more) always-on shared
 expert(s) plus E routed experts picked by group-limited gating (``moe_ep_plugin.gating``). Tokens travel to the
 ranks owning their experts through ``moe_ep_plugin.autograd.dispatch_experts``, which lands them expert-major so
-each local expert runs one matmul over a contiguous slice of the batched weights ``[L, ...]``, and the expert
-outputs come back through ``combine_experts``.
+the local experts run as grouped matmuls over contiguous slices of the batched weights ``[L, ...]``
+(``moe_ep_plugin.experts``), and the expert outputs come back through ``combine_experts``.
 
 Weights are made so that they do not depend on the EP size: every replicated parameter comes from one seeded
 generator in a fixed order, and routed expert ``e`` of block ``b`` from its own generator seeded by
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import autograd, gating
+from .. import autograd, experts, gating
 from ..buffer import Buffer
 from .config import TrainerConfig
 
@@ -83,20 +83,20 @@ class RoutedExperts(nn.Module):
     """The L routed experts this rank owns, as batched SwiGLU weights ``gate_up [L, H, 2F]``, ``down [L, F, H]``.
 
     ``forward(x [M, H], tokens_per_expert list[int] of length L summing to M)``: rows are expert-major
-    (``dispatch_experts``' layout), expert ``l`` runs on its contiguous slice — a grouped matmul.
+    (``dispatch_experts``' layout); ``impl`` (``moe.expert_compute``) picks torch's grouped matmul or one matmul
+    per expert (``moe_ep_plugin.experts``).
     """
 
-    def __init__(self, num_local: int, hidden: int, inner: int) -> None:
+    def __init__(self, num_local: int, hidden: int, inner: int, impl: str = "auto") -> None:
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * inner))
         self.down = nn.Parameter(torch.empty(num_local, inner, hidden))
+        self.impl = impl
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        outputs = []
-        for l, rows in enumerate(torch.split(x, tokens_per_expert)):
-            gate, up = (rows @ self.gate_up[l]).chunk(2, dim=-1)
-            outputs.append((F.silu(gate) * up) @ self.down[l])
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+        # under autocast the weights are cast once here, so both paths multiply in the compute dtype
+        dtype = x.dtype
+        return experts.swiglu_experts(x, self.gate_up.to(dtype), self.down.to(dtype), tokens_per_expert, self.impl)
 
 
 class MoEMLP(nn.Module):
@@ -117,7 +117,7 @@ class MoEMLP(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e.num_experts), persistent=True)
         self.shared = (SwiGLU(m.hidden_size, e.expert_ffn_hidden_size * e.num_shared_experts)
                        if e.num_shared_experts else None)
-        self.experts = RoutedExperts(self.num_local, m.hidden_size, e.expert_ffn_hidden_size)
+        self.experts = RoutedExperts(self.num_local, m.hidden_size, e.expert_ffn_hidden_size, e.expert_compute)
         self.buffer: Optional[Buffer] = None  # set by MoETransformer.attach (not a module: never saved)
         self.fp8_dispatch = cfg.parallel.fp8_dispatch
 

@@ -156,6 +156,8 @@ class Trainer:
                                            lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
         self.data = TokenWindows(load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len,
                                  cfg.data.eval_fraction, t.seed)
+        self.flops_per_token = metrics.train_flops_per_token(cfg)
+        self.peak_flops, self.peak_source = metrics.peak_flops(cfg, self.device, self.dtype)
         self.step = 0
         self.load_totals = torch.zeros(len(self.model.moe_layers()), cfg.moe.num_experts, dtype=torch.int64)
 
@@ -312,7 +314,8 @@ class Trainer:
             last = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
                     "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
                     "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
-                    "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start}
+                    "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
+                    "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
             if result.nodes is not None:
                 last.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
                             nodes_per_token_max=result.nodes.nodes_per_token_max,
@@ -349,6 +352,9 @@ class Trainer:
         logger.info(f"data: {len(self.data.train):,} training tokens ({cfg.data.path or 'shipped corpus'}); "
                     f"global batch {self.world * cfg.train.micro_batch_size} x {cfg.model.seq_len} tokens; "
                     f"output in {cfg.output.dir}")
+        logger.info(f"MFU: {self.flops_per_token / 1e9:.3f} GFLOP per token per training step "
+                    f"(docs/training.md), peak per device {self.peak_source}; "
+                    f"moe.expert_compute={cfg.moe.expert_compute}")
         if resumed:
             logger.info(f"resumed from {resumed} at step {self.step}")
 
@@ -368,6 +374,7 @@ def _format(row: dict, total_steps: int) -> str:
     items = [f"loss {row['loss']:.4f} (aux {row['aux_loss']:.2e})", f"lr {row['lr']:.2e}",
              f"grad {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s",
              f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})"]
+    items.append("MFU n/a" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%")
     if "nodes_per_token_mean" in row:
         items += [f"nodes/token {row['nodes_per_token_mean']:.2f} (max {row['nodes_per_token_max']})",
                   f"inter-node {row['inter_node_mb']:.2f} MB/step (flat all-to-all {row['flat_inter_node_mb']:.2f})"]
