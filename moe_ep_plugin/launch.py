@@ -85,6 +85,12 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The rank's work is done. Leave without the interpreter's teardown: gloo's background threads can still be
+    # joinable after a collective that timed out on a peer, and their C++ destructors then abort the process
+    # ("terminate called without an active exception"), turning a finished rank into a SIGABRT.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _state(pid: int) -> str:

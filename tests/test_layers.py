@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("build", ("_build.py",)),
     ("recipes", ("train/", "megatron/pretrain.py", "deepspeed/config.py", "deepspeed/train.py")),
     ("integrations", ("megatron/", "deepspeed/")),
-    ("MoE glue", ("autograd.py", "buffer_cache.py", "plugin_options.py")),
+    ("MoE glue", ("autograd.py", "buffer_cache.py", "plugin_options.py", "experts.py")),
     ("buffer", ("buffer.py", "low_latency.py", "__init__.py")),
     ("transports", ("transports/",)),
     ("ops", ("ops/",)),

@@ -155,7 +155,7 @@ class HierarchicalTransport(Transport):
         error on every rank if any rank passed bad ids or disagrees."""
         x, topk = args.x, args.topk_idx
         signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), topk.shape[1], args.num_experts,
-                     int(args.wire_fp8), int(args.recv_bf16), int(args.topk_weights is not None)]
+                     int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None)]
         local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(),
                            count_invalid(topk, args.num_experts).to(torch.int64).cpu(),
                            torch.tensor(signature, dtype=torch.int64)])
@@ -218,7 +218,7 @@ class HierarchicalTransport(Transport):
             rail_args = DispatchArgs(
                 x=x, x_scales=x_scales, topk_idx=args.topk_idx, topk_weights=args.topk_weights,
                 num_tokens_per_rank=in_node.sum(0, dtype=torch.int32), is_token_in_rank=in_node,
-                num_experts=args.num_experts, handle=None, num_worst_tokens=0, wire_fp8=False, recv_bf16=False,
+                num_experts=args.num_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
                 round_scale=False, config=args.config)
         rail = self._stage("inter-node (rail group) dispatch", self.rail_ranks, self.rail.dispatch, rail_args)
 
@@ -230,7 +230,7 @@ class HierarchicalTransport(Transport):
             node_args = DispatchArgs(
                 x=rail.recv_x, x_scales=rail.recv_scales, topk_idx=rail.recv_topk_idx,
                 topk_weights=rail.recv_topk_weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                num_experts=node_experts, handle=None, num_worst_tokens=0, wire_fp8=False, recv_bf16=False,
+                num_experts=node_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
                 round_scale=False, config=args.config, num_tokens_per_expert=per_expert)
         node = self._stage("intra-node (node group) dispatch", self.node_ranks, self.intra.dispatch, node_args)
 
@@ -262,7 +262,7 @@ class HierarchicalTransport(Transport):
 
         recv_x = _reordered(node.recv_x, state.to_flat, rows, 0)
         recv_scales = None if node.recv_scales is None else _reordered(node.recv_scales, state.to_flat, rows, 0)
-        if recv_scales is not None and args.recv_bf16:
+        if recv_scales is not None and args.wire_fp8 and not args.fp8_out:
             recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
         recv_idx = recv_w = expert_counts = host_counts = None
         if not cached:
@@ -293,7 +293,7 @@ def _cached_args(x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: Disp
     """A sub-stage replay of ``handle``'s layout: rows (and FP8 scales) only."""
     return DispatchArgs(x=x, x_scales=x_scales, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
                         is_token_in_rank=None, num_experts=handle.num_experts, handle=handle, num_worst_tokens=0,
-                        wire_fp8=False, recv_bf16=False, round_scale=False, config=config)
+                        wire_fp8=False, fp8_out=False, round_scale=False, config=config)
 
 
 def _reordered(t: torch.Tensor, to_flat: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
