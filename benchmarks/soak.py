@@ -59,7 +59,7 @@ def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeou
     if bar is not None:
         bar.close()
     if rank == 0:
-        lines = [f"| transport | ranks | device | rounds | mismatches | seconds | first seed |",
+        lines = ["| transport | ranks | device | rounds | mismatches | seconds | first seed |",
                  "|---|---:|---|---:|---:|---:|---:|",
                  f"| {transport} | {world} | {device or 'cpu'} | {num_rounds} | {len(failures)} | {seconds:.1f} | {seed} |"]
         lines += [f"MISMATCH {f}" for f in failures[:50]]
