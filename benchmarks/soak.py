@@ -28,7 +28,8 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 import rounds  # noqa: E402
 
 
-def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float, out: str) -> None:
+def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float, max_seconds: float,
+          out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     buffer = Buffer(transport=transport, timeout_s=timeout_s, device=device)
     state = rounds.State()
@@ -36,9 +37,11 @@ def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeou
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=num_rounds, desc=f"soak {transport} x{world}", unit="round", file=sys.stderr)
+        bar = tqdm(total=num_rounds, desc=f"soak {transport} x{world}", unit="round", file=sys.stderr, mininterval=10)
     start = time.monotonic()
+    done = 0
     for i in range(num_rounds):
+        # every rank stops at the same round: rank 0's clock decides, carried by the verdict exchange below
         rnd = rounds.draw(seed + i, world)
         try:
             errors = rounds.run(buffer, rnd, state, rank, world)
@@ -47,20 +50,24 @@ def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeou
             state = rounds.State()
         # every rank learns every rank's verdict, so all agree on the failures (and stay in step)
         verdicts: list = [None] * world
-        dist.all_gather_object(verdicts, errors)
-        for r, errs in enumerate(verdicts):
+        stop = rank == 0 and time.monotonic() - start > max_seconds
+        dist.all_gather_object(verdicts, (errors, stop))
+        for r, (errs, _) in enumerate(verdicts):
             if errs:
                 failures.append(f"rank {r}: {rnd.describe()}: {'; '.join(errs)}")
+        done += 1
         if bar is not None:
             bar.update(1)
             bar.set_postfix(mismatches=len(failures))
+        if verdicts[0][1]:
+            break
     seconds = time.monotonic() - start
     if bar is not None:
         bar.close()
     if rank == 0:
         lines = ["| transport | ranks | device | rounds | mismatches | seconds | first seed |",
                  "|---|---:|---|---:|---:|---:|---:|",
-                 f"| {transport} | {world} | {device or 'cpu'} | {num_rounds} | {len(failures)} | {seconds:.1f} | {seed} |"]
+                 f"| {transport} | {world} | {device or 'cpu'} | {done} | {len(failures)} | {seconds:.1f} | {seed} |"]
         lines += [f"MISMATCH {f}" for f in failures[:50]]
         print("\n".join(lines), flush=True)
         with open(out, "w") as f:
@@ -75,10 +82,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10000)
     p.add_argument("--seed", type=int, default=None, help="first round's seed (default: from the clock)")
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--max-seconds", type=float, default=float("inf"),
+                   help="stop after the round that passes this many seconds (the table says how many rounds ran)")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else int(time.time()) % 100000 * 100000
     out = f"/tmp/moe_ep_soak_{os.getpid()}"
-    spawn(_soak, args.ranks, args=(args.transport, args.device, seed, args.rounds, args.timeout_s, out),
+    spawn(_soak, args.ranks, args=(args.transport, args.device, seed, args.rounds, args.timeout_s, args.max_seconds,
+                             out),
           backend="gloo", timeout_s=max(600.0, args.timeout_s * 2))
     with open(out) as f:
         mismatches = int(f.read())
