@@ -162,11 +162,11 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
 
         quantized = [fp8.quantize(x) for x, _, _ in inputs]  # DeepEP's FP8 dispatch takes pre-quantized rows
 
-        def cached_args(i: int, wire_fp8: bool, handle, fp8_in: bool = False) -> DispatchArgs:
+        def cached_args(i: int, wire_fp8: bool, handle, fp8_in: bool = False, fp8_out: bool = True) -> DispatchArgs:
             x, scales = quantized[i % 4] if fp8_in else (inputs[i % 4][0], None)
             return DispatchArgs(x=x, x_scales=scales, topk_idx=None, topk_weights=None,
                                 num_tokens_per_rank=None, is_token_in_rank=None, num_experts=e, handle=handle,
-                                num_worst_tokens=0, wire_fp8=wire_fp8, fp8_out=True, round_scale=False,
+                                num_worst_tokens=0, wire_fp8=wire_fp8, fp8_out=fp8_out, round_scale=False,
                                 config=dcfg)
 
         def kernel_dispatch(i: int, wire_fp8: bool, fp8_in: bool = False):
@@ -181,7 +181,7 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             ("kernel experts dispatch bf16", lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1),
              bf16_row),
             ("kernel experts dispatch fp8->bf16",
-             lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], True), 1), fp8_row),
+             lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], fp8_out=False), 1), fp8_row),
             ("kernel experts combine bf16", lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, ccfg),
              bf16_row),
         ]
