@@ -80,6 +80,43 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
     return 0;
 }
 
+// The dispatch kernel's launch cases (DeepEP's SWITCH_* macros): each binds a template parameter `name` to the
+// mode at hand and runs the statement that follows. With MOE_EP_SPECIALIZED_DISPATCH every mode is a
+// compile-time constant (one kernel per combination, each with only its own mode's code and registers); without
+// it, the default, `name` is kRunTime and the kernel reads the mode from its parameters.
+#ifdef MOE_EP_SPECIALIZED_DISPATCH
+#define SWITCH_MODE(name, on, ...)  \
+    do {                            \
+        if (on) {                   \
+            constexpr int name = 1; \
+            __VA_ARGS__;            \
+        } else {                    \
+            constexpr int name = 0; \
+            __VA_ARGS__;            \
+        }                           \
+    } while (false)
+#define SWITCH_TOPK(name, topk, ...)          \
+    do {                                      \
+        if ((topk) == kExpertTopk) {          \
+            constexpr int name = kExpertTopk; \
+            __VA_ARGS__;                      \
+        } else if ((topk) == kLocalTopk) {    \
+            constexpr int name = kLocalTopk;  \
+            __VA_ARGS__;                      \
+        } else {                              \
+            constexpr int name = kNoTopk;     \
+            __VA_ARGS__;                      \
+        }                                     \
+    } while (false)
+#else
+#define SWITCH_MODE(name, on, ...)     \
+    do {                               \
+        constexpr int name = kRunTime; \
+        __VA_ARGS__;                   \
+    } while (false)
+#define SWITCH_TOPK(name, topk, ...) SWITCH_MODE(name, topk, __VA_ARGS__)
+#endif
+
 namespace permute_kernels {
 
 size_t expert_slots_smem(int num_local_experts) {
@@ -220,13 +257,20 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const int grid = int(p.num_sms);
     if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
+#define DISPATCH_LAUNCH_CASE(kQuant)                                                                                \
+    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                             \
+                SWITCH_TOPK(kTopk, dispatch_topk(p),                                                                \
+                            SWITCH_MODE(kPull, p.pull != 0,                                                         \
+                                        dispatch_kernel<kQuant, kFp8Out, kTopk, kPull>                              \
+                                        <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))))
     if (!quantize) {
-        dispatch_kernel<0><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
+        DISPATCH_LAUNCH_CASE(0);
     } else if (p.x_elem_bytes == 2) {
-        dispatch_kernel<1><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
+        DISPATCH_LAUNCH_CASE(1);
     } else {
-        dispatch_kernel<2><<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes);
+        DISPATCH_LAUNCH_CASE(2);
     }
+#undef DISPATCH_LAUNCH_CASE
     return check_launch("dispatch_kernel");
 }
 

@@ -367,7 +367,25 @@ __global__ void barrier_kernel(DevCtx c) { block_barrier(c); }
 
 // ---------------------------------------------------------------------------------------------------------
 // dispatch. kQuant: 0 = rows travel as they are (BF16/FP32, or FP8 with its scales); 1 = BF16 rows and
-// 2 = FP32 rows quantized to FP8 in the send path.
+// 2 = FP32 rows quantized to FP8 in the send path. The other data-path modes are template parameters too:
+// kFp8Out (received rows are FP8 + scales: FP8 input rows when kQuant is 0, else not dequantized), kTopk (what
+// travels with the rows: nothing, local top-k ids, expert-major rows) and kPull (pull dispatch allowed). Each is
+// 0/1 (kTopk: a DispatchTopk) when fixed, which compiles the other modes' code out, or kRunTime: read from the
+// parameters. The default build launches one kernel per kQuant with every other mode kRunTime; the
+// MOE_EP_SPECIALIZED_DISPATCH build one per combination (csrc/api.cu's SWITCH_* launch cases), so that each
+// specialisation gets only the registers its own mode needs.
+constexpr int kRunTime = -1;
+enum DispatchTopk : int { kNoTopk = 0, kLocalTopk = 1, kExpertTopk = 2 };
+// A dispatch's modes as its parameters give them: the launch picks the specialisation from these, and a kRunTime
+// kernel reads them the same way.
+__host__ __device__ __forceinline__ int dispatch_topk(const moe_ep_dispatch_params& p) {
+    if (p.expert_major != 0) return kExpertTopk;
+    return (p.topk_idx != nullptr || p.recv_topk_idx != nullptr) && p.num_topk > 0 ? kLocalTopk : kNoTopk;
+}
+__host__ __device__ __forceinline__ bool dispatch_fp8_out(const moe_ep_dispatch_params& p, bool quantize) {
+    return (quantize ? p.fp8_out : p.fp8_in) != 0;
+}
+
 template <int kQuant>
 struct InputType { using type = uint8_t; };
 template <>
@@ -422,7 +440,7 @@ __device__ __forceinline__ void for_each_entry(int rows, int K, int tok, int lan
     }
 }
 
-template <int kQuant>
+template <int kQuant, int kFp8Out, int kTopk, int kPull>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl,
                                                                int hist_bytes) {
     using T = typename InputType<kQuant>::type;
@@ -434,11 +452,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
-    const bool expert = p.expert_major != 0;                     // top-k travels as expert-major rows
-    const bool send_topk = p.topk_idx != nullptr && K > 0;       // this rank's rows carry top-k
-    const bool recv_topk = !expert && p.recv_topk_idx != nullptr && K > 0;  // received rows carry local top-k
-    const bool wire_fp8 = kQuant != 0 || p.fp8_in != 0;
-    const bool dequant = kQuant != 0 && p.fp8_out == 0;  // FP8 input rows arrive as they are
+    // Each mode a constant in a specialisation, so the code of the others folds away.
+    const int topk = kTopk == kRunTime ? dispatch_topk(p) : kTopk;
+    const bool expert = topk == kExpertTopk;                                   // top-k travels as expert-major rows
+    const bool send_topk = topk != kNoTopk && p.topk_idx != nullptr && K > 0;  // this rank's rows carry top-k
+    const bool recv_topk = topk == kLocalTopk && p.recv_topk_idx != nullptr && K > 0;  // received: local top-k
+    const bool fp8_out = kFp8Out == kRunTime ? dispatch_fp8_out(p, kQuant != 0) : kFp8Out != 0;
+    const bool fp8_in = kQuant == 0 && fp8_out;
+    const bool wire_fp8 = kQuant != 0 || fp8_out;
+    const bool dequant = kQuant != 0 && !fp8_out;  // FP8 input rows arrive as they are
+    const bool pull = kPull == kRunTime ? p.pull != 0 : kPull != 0;
     const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
     const int64_t out_row_bytes = dequant ? int64_t(H) * int64_t(sizeof(OutT)) : int64_t(sl.payload_bytes);
     const char* x = static_cast<const char*>(p.x);
@@ -458,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     // Pulling: source s stages its rows in its own region of its own buffer when all of them fit there (every rank
     // computes this alike from the rank prefix matrix), and receivers load them over NVLink.
     auto pulls = [&](int s) {
-        return p.pull != 0 && staged_row(rpm, R, s, R) * sl.slot_bytes <= c.region_bytes;
+        return pull && staged_row(rpm, R, s, R) * sl.slot_bytes <= c.region_bytes;
     };
 
     // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to this rank's output row r
@@ -470,8 +493,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         const char* src = x + int64_t(t) * in_row_bytes;
         if constexpr (kQuant == 0) {  // FP8 input rows and their scales arrive as they are
             char* as_is = out;
-            const float* xs = p.fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
-            if (p.fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
+            const float* xs = fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
+            if (fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
                 // the scales (16-byte rows) in the same batch of loads as the payload
                 if (wire != nullptr || as_is != nullptr)
                     copy_row<false>(reinterpret_cast<int4*>(wire), reinterpret_cast<int4*>(as_is),
@@ -482,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 if (wire != nullptr || as_is != nullptr)
                     copy_row<false>(reinterpret_cast<int4*>(wire), reinterpret_cast<int4*>(as_is),
                                     reinterpret_cast<const int4*>(src), sl.payload_bytes / 16, lane);
-                if (!p.fp8_in) return;
+                if (!fp8_in) return;
                 if (wire != nullptr || as_is != nullptr)
                     copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr,
                                        as_is ? p.recv_scales + r * S : nullptr, xs, S, lane);
