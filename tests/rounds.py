@@ -158,19 +158,22 @@ def run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list
         if not ok:
             errors.append(what)
 
+    # host copies read once per round (the loops below index them per token)
+    idx_lists = [e[1].tolist() for e in everyone]
+    in_rank_lists = [e[3].tolist() for e in everyone]
+
     def sent_to(src: int, t: int, d: int) -> bool:
         if no_topk:
-            return bool(everyone[src][3][t, d])
-        return any(e >= 0 and e // local == d for e in everyone[src][1][t].tolist())
+            return in_rank_lists[src][t][d]
+        return any(e >= 0 and e // local == d for e in idx_lists[src][t])
 
-    plain = [x_ if not isinstance(x_, tuple) else fp8.dequantize(*x_, torch.bfloat16) for x_, *_ in everyone]
     rows = [(src, t) for src in range(world) for t in range(rnd.tokens[src]) if sent_to(src, t, rank)]
+    # every source's rows as a receiver gets them (quantization is per row, so row t of the whole is row t alone)
+    received = [e[0] if isinstance(e[0], tuple) else _received_form(rnd, e[0]) for e in everyone]
 
     def expected_row(src: int, t: int):
-        x_ = everyone[src][0]
-        if isinstance(x_, tuple):
-            return x_[0][t:t + 1], x_[1][t:t + 1]
-        return _received_form(rnd, x_[t:t + 1])
+        r_ = received[src]
+        return (r_[0][t:t + 1], r_[1][t:t + 1]) if isinstance(r_, tuple) else r_[t:t + 1]
 
     def stacked(parts: list):
         if not parts:
@@ -191,8 +194,7 @@ def run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list
         alignment = handle.expert_layout.alignment
         blocks, block_w, counts = [], [], []
         for l in range(local):
-            pairs = [(src, t, k) for src, t in rows for k, e in enumerate(everyone[src][1][t].tolist())
-                     if e == rank * local + l]
+            pairs = [(src, t, k) for src, t in rows for k, e in enumerate(idx_lists[src][t]) if e == rank * local + l]
             counts.append(len(pairs))
             blocks += [expected_row(src, t) for src, t, _ in pairs]
             block_w += [float(everyone[src][2][t, k]) for src, t, k in pairs]
@@ -210,8 +212,9 @@ def run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list
         y = _grid(expert_x if expert_scales is None else fp8.dequantize(expert_x, expert_scales)).to(_ydtype(rnd))
         ew = torch.rand(y.shape[0], generator=torch.Generator().manual_seed(rnd.seed)).to(device)
         combined, combined_w, _ = _wait(buffer.combine_experts(y, handle, ew, **_mode(buffer, rnd.mode)))
-        ref = torch.stack([_grid(plain_row(rnd, plain, rank, t, everyone)) * sum(
-            1 for e in idx[t].tolist() if e >= 0) for t in range(x_rows(x))]) if x_rows(x) else None
+        snapped = _grid(plain_rows(rnd, everyone[rank][0]))
+        ref = torch.stack([snapped[t] * sum(1 for e in idx_lists[rank][t] if e >= 0)
+                           for t in range(x_rows(x))]) if x_rows(x) else None
         if ref is not None:
             check("combine_experts", torch.equal(combined.cpu().float(), ref))
         check("combine_experts weights shape", combined_w is not None and tuple(combined_w.shape) == tuple(idx.shape))
@@ -279,7 +282,7 @@ def run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list
     n = x_rows(x)
     if n:
         copies = torch.tensor([sum(sent_to(rank, t, d) for d in range(world)) for t in range(n)], dtype=torch.float32)
-        ref = torch.stack([_grid(plain_row(rnd, plain, rank, t, everyone)) for t in range(n)]) * copies[:, None]
+        ref = _grid(plain_rows(rnd, everyone[rank][0])) * copies[:, None]
         check("combine", torch.equal(combined.cpu().float(), ref))
         if weights is not None and not no_topk:
             want_cw = torch.where(idx >= 0, w, 0.0)
@@ -295,15 +298,11 @@ def x_rows(x) -> int:
     return (x[0] if isinstance(x, tuple) else x).shape[0]
 
 
-def plain_row(rnd: Round, plain: list, rank: int, t: int, everyone: list) -> torch.Tensor:
-    """Token ``t`` of ``rank`` as every receiver sees it, as float32 (what combine's inputs are snapped from)."""
-    x_ = everyone[rank][0]
-    if isinstance(x_, tuple):  # FP8 rows are snapped from their BF16 dequantization, as the receivers do
-        return fp8.dequantize(x_[0][t:t + 1], x_[1][t:t + 1])[0].float()
-    got = _received_form(rnd, x_[t:t + 1])
-    if isinstance(got, tuple):
-        return fp8.dequantize(*got)[0].float()
-    return got[0].float()
+def plain_rows(rnd: Round, x) -> torch.Tensor:
+    """A rank's tokens ``x`` as every receiver sees them, as float32 ``[N, H]`` (what combine's inputs are snapped
+    from): FP8 rows from their dequantization, as the receivers do."""
+    got = x if isinstance(x, tuple) else _received_form(rnd, x)
+    return (fp8.dequantize(*got) if isinstance(got, tuple) else got).float()
 
 
 def _zeros_like_row(row, rnd: Round, pad: int):
