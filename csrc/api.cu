@@ -10,6 +10,7 @@
 #include "context.h"
 #include "kernels/intranode.cuh"
 #include "kernels/layout.cuh"
+#include "kernels/low_latency.cuh"
 #include "kernels/permute.cuh"
 #include "moe_ep.h"
 
@@ -506,4 +507,100 @@ extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t
     return dtype == MOE_EP_PERMUTE_FP32
                ? launch_unpermute<float>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s)
                : launch_unpermute<__nv_bfloat16>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s);
+}
+
+// Low-latency kernels, host side: shape checks and the buffer set's call sequence.
+namespace moe_ep {
+
+static int ll_check(const Context* ctx, const LLShape& s, int64_t set, int64_t topk, int64_t tokens) {
+    if (s.E <= 0 || s.E % s.R != 0 || s.E > kMaxExperts)
+        return set_error(-1, "low-latency: num_experts must be a positive multiple of the ranks, at most " +
+                                 std::to_string(kMaxExperts));
+    if (s.H <= 0 || s.H % 128 != 0) return set_error(-1, "low-latency: hidden must be a multiple of 128");
+    if (s.M <= 0 || tokens < 0 || tokens > s.M) return set_error(-1, "low-latency: tokens must lie in [0, max_tokens]");
+    if (topk < 1 || topk > MOE_EP_MAX_TOPK) return set_error(-1, "low-latency: num_topk out of range");
+    if (set != 0 && set != 1) return set_error(-1, "low-latency: buffer_set must be 0 or 1");
+    if (kStagingOffset + 2 * s.set_bytes > ctx->bytes)
+        return set_error(-1, "low-latency: the buffer holds " + std::to_string(ctx->bytes - kStagingOffset) +
+                                 " bytes, these shapes need " + std::to_string(2 * s.set_bytes));
+    return 0;
+}
+
+static int* ll_seq(const Context* ctx, const LLShape& s, int64_t set) {
+    return reinterpret_cast<int*>(static_cast<char*>(ctx->local) + kStagingOffset + set * s.set_bytes);
+}
+
+static int ll_advance(const Context* ctx, const LLShape& s, int64_t set, cudaStream_t stream) {
+    ll_advance_kernel<<<1, 1, 0, stream>>>(ll_seq(ctx, s, set));
+    return check_launch("ll_advance_kernel");
+}
+
+}  // namespace moe_ep
+
+extern "C" int64_t moe_ep_ll_set_bytes(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+    return ll_shape(max_tokens, hidden, num_experts, 1).set_bytes;
+}
+
+extern "C" void* moe_ep_ll_combine_buffer(void* handle, int64_t max_tokens, int64_t hidden, int64_t num_experts,
+                                          int64_t buffer_set) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const LLShape s = ll_shape(max_tokens, hidden, num_experts, ctx->dev.num_ranks);
+    if (ll_check(ctx, s, buffer_set, 1, 0)) return nullptr;
+    return static_cast<char*>(ctx->local) + kStagingOffset + buffer_set * s.set_bytes + kLLSignalBytes;
+}
+
+extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_dispatch_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p.num_tokens > 0) {
+        ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
+        if (int err = check_launch("ll_pack_kernel")) return err;
+    }
+    ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
+    return check_launch("ll_dispatch_send_kernel");
+}
+
+extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_dispatch_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
+    if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
+    return ll_advance(ctx, s, p.buffer_set, st);
+}
+
+extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_combine_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, p, s);
+    return check_launch("ll_combine_send_kernel");
+}
+
+extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const moe_ep_ll_combine_params& p = *params;
+    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p.num_tokens > 0) {
+        ll_combine_recv_kernel<<<unsigned(p.num_tokens), 256, 0, st>>>(ctx->dev, p, s);
+        if (int err = check_launch("ll_combine_recv_kernel")) return err;
+    }
+    return ll_advance(ctx, s, p.buffer_set, st);
+}
+
+extern "C" int moe_ep_ll_clean(void* handle, void* stream) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (int err = check_cuda(cudaMemsetAsync(static_cast<char*>(ctx->local) + kStagingOffset, 0,
+                                             size_t(ctx->bytes - kStagingOffset), st), "cudaMemsetAsync(low-latency)"))
+        return err;
+    return moe_ep_barrier(handle, stream);
 }

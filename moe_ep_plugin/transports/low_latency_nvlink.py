@@ -1,4 +1,4 @@
-"""Low-latency dispatch/combine with the kernels of ``csrc/low_latency.cu`` on CUDA-IPC peer memory (one host).
+"""Low-latency dispatch/combine with the kernels of ``csrc/kernels/low_latency.cuh`` on CUDA-IPC peer memory (one host).
 
 A second kernel context (its own peer-visible buffer of ``num_rdma_bytes`` plus signal pages, shared by CUDA IPC
 like the normal kernels' one) holds the two buffer sets. A call launches its send half at once; its receive half
@@ -17,7 +17,7 @@ from ..ops import fp8, library
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
 from .nvlink.runtime import NVLinkRuntime
 
-_SIGNAL_BYTES = 16384  # csrc/low_latency.cu kLLSignalBytes, per buffer set
+_SIGNAL_BYTES = 16384  # csrc/kernels/low_latency.cuh kLLSignalBytes, per buffer set
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

@@ -1,4 +1,4 @@
-"""Low-latency mode on the peer-memory kernels (``csrc/low_latency.cu``) against the torch transport's collective
+"""Low-latency mode on the peer-memory kernels (``csrc/kernels/low_latency.cuh``) against the torch transport's collective
 form on the same inputs: BF16 rows bit-exact, FP8 bytes and scales equal (float32 and packed UE8M0), recv_count,
 src_info and layout_range exact, combine bit for bit (both sum weight * row over k ascending in fp32, no FMA). Also
 the hook, zero-copy, ``out=``, normal and low-latency calls alternating on one Buffer, CUDA-graph replay of

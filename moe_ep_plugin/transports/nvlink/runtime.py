@@ -131,7 +131,7 @@ class NVLinkRuntime:
 
     def low_latency(self, name: str, params: ctypes.Structure) -> None:
         """``moe_ep_ll_<name>`` (``dispatch_send``, ``dispatch_recv``, ``combine_send``, ``combine_recv``) on the
-        current stream (csrc/low_latency.cu)."""
+        current stream (csrc/kernels/low_latency.cuh)."""
         library.check(getattr(self.lib, f"moe_ep_ll_{name}")(self.ctx, ctypes.byref(params), self.stream()),
                       f"low-latency {name}")
 

@@ -1,6 +1,8 @@
-// Low-latency dispatch/combine (DeepEP V1's decode kernels) on CUDA-IPC peer memory; layout and protocol in
-// moe_ep.h. Fixed shapes, no host sync, so a call can be captured in a CUDA graph; each call is a send half and a
-// receive half so that a hook can run the receive later (two micro-batches overlap).
+#pragma once
+// Device code of the low-latency dispatch/combine (DeepEP V1's decode kernels) on CUDA-IPC peer memory, launched
+// from csrc/api.cu; layout and protocol in moe_ep.h. Fixed shapes, no host sync, so a call can be captured in a CUDA
+// graph; each call is a send half and a receive half so that a hook can run the receive later (two micro-batches
+// overlap).
 //
 // dispatch send: ll_pack_kernel writes this rank's tokens as messages (FP8-quantized on the way when asked) into
 //   its own staging; ll_dispatch_send_kernel (one block per global expert) gives every token choosing the expert
@@ -15,11 +17,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <string>
+#include <cstdint>
 
-#include "common.cuh"
-#include "context.h"
-#include "kernels/fp8.cuh"
+#include "../common.cuh"
+#include "../context.h"
+#include "fp8.cuh"
 
 namespace moe_ep {
 
@@ -244,98 +246,4 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
 
 __global__ void ll_advance_kernel(int* seq) { *seq += 1; }
 
-// ---- host side ----
-static int ll_check(const Context* ctx, const LLShape& s, int64_t set, int64_t topk, int64_t tokens) {
-    if (s.E <= 0 || s.E % s.R != 0 || s.E > kMaxExperts)
-        return set_error(-1, "low-latency: num_experts must be a positive multiple of the ranks, at most " +
-                                 std::to_string(kMaxExperts));
-    if (s.H <= 0 || s.H % 128 != 0) return set_error(-1, "low-latency: hidden must be a multiple of 128");
-    if (s.M <= 0 || tokens < 0 || tokens > s.M) return set_error(-1, "low-latency: tokens must lie in [0, max_tokens]");
-    if (topk < 1 || topk > MOE_EP_MAX_TOPK) return set_error(-1, "low-latency: num_topk out of range");
-    if (set != 0 && set != 1) return set_error(-1, "low-latency: buffer_set must be 0 or 1");
-    if (kStagingOffset + 2 * s.set_bytes > ctx->bytes)
-        return set_error(-1, "low-latency: the buffer holds " + std::to_string(ctx->bytes - kStagingOffset) +
-                                 " bytes, these shapes need " + std::to_string(2 * s.set_bytes));
-    return 0;
-}
-
-static int* ll_seq(const Context* ctx, const LLShape& s, int64_t set) {
-    return reinterpret_cast<int*>(static_cast<char*>(ctx->local) + kStagingOffset + set * s.set_bytes);
-}
-
-static int ll_advance(const Context* ctx, const LLShape& s, int64_t set, cudaStream_t stream) {
-    ll_advance_kernel<<<1, 1, 0, stream>>>(ll_seq(ctx, s, set));
-    return check_launch("ll_advance_kernel");
-}
-
 }  // namespace moe_ep
-
-using namespace moe_ep;
-
-extern "C" int64_t moe_ep_ll_set_bytes(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
-    return ll_shape(max_tokens, hidden, num_experts, 1).set_bytes;
-}
-
-extern "C" void* moe_ep_ll_combine_buffer(void* handle, int64_t max_tokens, int64_t hidden, int64_t num_experts,
-                                          int64_t buffer_set) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const LLShape s = ll_shape(max_tokens, hidden, num_experts, ctx->dev.num_ranks);
-    if (ll_check(ctx, s, buffer_set, 1, 0)) return nullptr;
-    return static_cast<char*>(ctx->local) + kStagingOffset + buffer_set * s.set_bytes + kLLSignalBytes;
-}
-
-extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_dispatch_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p.num_tokens > 0) {
-        ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
-        if (int err = check_launch("ll_pack_kernel")) return err;
-    }
-    ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
-    return check_launch("ll_dispatch_send_kernel");
-}
-
-extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_dispatch_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
-    if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
-    return ll_advance(ctx, s, p.buffer_set, st);
-}
-
-extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_combine_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
-    ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, p, s);
-    return check_launch("ll_combine_send_kernel");
-}
-
-extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_combine_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p.num_tokens > 0) {
-        ll_combine_recv_kernel<<<unsigned(p.num_tokens), 256, 0, st>>>(ctx->dev, p, s);
-        if (int err = check_launch("ll_combine_recv_kernel")) return err;
-    }
-    return ll_advance(ctx, s, p.buffer_set, st);
-}
-
-extern "C" int moe_ep_ll_clean(void* handle, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (int err = check_cuda(cudaMemsetAsync(static_cast<char*>(ctx->local) + kStagingOffset, 0,
-                                             size_t(ctx->bytes - kStagingOffset), st), "cudaMemsetAsync(low-latency)"))
-        return err;
-    return moe_ep_barrier(handle, stream);
-}
