@@ -530,6 +530,13 @@ static int* ll_seq(const Context* ctx, const LLShape& s, int64_t set) {
     return reinterpret_cast<int*>(static_cast<char*>(ctx->local) + kStagingOffset + set * s.set_bytes);
 }
 
+// The shape of one call's parameters (dispatch or combine), checked.
+template <typename Params>
+static int ll_begin(const Context* ctx, const Params& p, LLShape* s) {
+    *s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
+    return ll_check(ctx, *s, p.buffer_set, p.num_topk, p.num_tokens);
+}
+
 static int ll_advance(const Context* ctx, const LLShape& s, int64_t set, cudaStream_t stream) {
     ll_advance_kernel<<<1, 1, 0, stream>>>(ll_seq(ctx, s, set));
     return check_launch("ll_advance_kernel");
@@ -552,8 +559,8 @@ extern "C" void* moe_ep_ll_combine_buffer(void* handle, int64_t max_tokens, int6
 extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_ll_dispatch_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    LLShape s;
+    if (int err = ll_begin(ctx, p, &s)) return err;
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (p.num_tokens > 0) {
         ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
@@ -566,8 +573,8 @@ extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_pa
 extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_ll_dispatch_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    LLShape s;
+    if (int err = ll_begin(ctx, p, &s)) return err;
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
     if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
@@ -577,8 +584,8 @@ extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_pa
 extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_ll_combine_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    LLShape s;
+    if (int err = ll_begin(ctx, p, &s)) return err;
     ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, p, s);
     return check_launch("ll_combine_send_kernel");
 }
@@ -586,8 +593,8 @@ extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_para
 extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_ll_combine_params& p = *params;
-    const LLShape s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    if (int err = ll_check(ctx, s, p.buffer_set, p.num_topk, p.num_tokens)) return err;
+    LLShape s;
+    if (int err = ll_begin(ctx, p, &s)) return err;
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (p.num_tokens > 0) {
         ll_combine_recv_kernel<<<unsigned(p.num_tokens), 256, 0, st>>>(ctx->dev, p, s);
