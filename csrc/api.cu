@@ -596,10 +596,9 @@ extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_para
     LLShape s;
     if (int err = ll_begin(ctx, p, &s)) return err;
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p.num_tokens > 0) {
-        ll_combine_recv_kernel<<<unsigned(p.num_tokens), 256, 0, st>>>(ctx->dev, p, s);
-        if (int err = check_launch("ll_combine_recv_kernel")) return err;
-    }
+    // at least one block: the receive is also a barrier, with or without tokens
+    ll_combine_recv_kernel<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev, p, s);
+    if (int err = check_launch("ll_combine_recv_kernel")) return err;
     return ll_advance(ctx, s, p.buffer_set, st);
 }
 

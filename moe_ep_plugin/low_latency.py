@@ -121,6 +121,9 @@ class LowLatencyMode:
         self._check = check
         self.sets = BufferSets()
         self._calls = 0
+        # (M, hidden, experts) the buffer's slots and signals are laid out for: set by the first call or by
+        # clean_low_latency_buffer; the kernels place signals by these shapes, so another shape needs a clean
+        self._layout: Optional[tuple[int, int, int]] = None
 
     # ---- validation ----
     def _check_shapes(self, m: int, hidden: int, num_experts: int) -> None:
@@ -138,6 +141,16 @@ class LowLatencyMode:
         if self.num_rdma_bytes < need:
             raise ValueError(f"num_rdma_bytes: the buffer has {self.num_rdma_bytes} bytes, these shapes need {need} "
                              f"(Buffer.get_low_latency_rdma_size_hint({m}, {hidden}, {self.num_ranks}, {num_experts}))")
+
+    def _check_layout(self, name: str, m: int, hidden: int, num_experts: int) -> None:
+        """Fix the buffer's layout at the first call; later calls must keep it (or clean first)."""
+        if self._layout is None:
+            self._layout = (m, hidden, num_experts)
+        elif self._layout != (m, hidden, num_experts):
+            lm, lh, le = self._layout
+            raise ValueError(f"{name}: the low-latency buffer is laid out for num_max_dispatch_tokens_per_rank={lm}, "
+                             f"hidden={lh}, num_experts={le}, this call has {m}, {hidden}, {num_experts}; call "
+                             f"clean_low_latency_buffer({m}, {hidden}, {num_experts}) on every rank first")
 
     def _check_topk(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
         topk_idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None))
@@ -169,6 +182,7 @@ class LowLatencyMode:
         n, hidden = x.shape
         m = num_max_dispatch_tokens_per_rank
         self._check_shapes(m, hidden, num_experts)
+        self._check_layout("x", m, hidden, num_experts)
         if n > m:
             raise ValueError(f"x: {n} tokens exceed num_max_dispatch_tokens_per_rank={m}")
         topk_idx = self._check_topk(topk_idx, n)
@@ -208,6 +222,7 @@ class LowLatencyMode:
                 use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
                 out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor]) -> tuple:
         handle = self._check_handle(handle)
+        self._check_layout("handle", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if use_logfmt:
             raise ValueError("use_logfmt: LogFMT-10 combine is not built in this library; combine in BF16 "
                              "(use_logfmt=False)")
@@ -249,6 +264,7 @@ class LowLatencyMode:
         self._check_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.transport.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.sets.clean()
+        self._layout = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _check_handle(self, handle: object) -> LowLatencyHandle:
         if not isinstance(handle, LowLatencyHandle):

@@ -98,3 +98,24 @@ def test_clean_and_errors_reach_the_library_in_order() -> None:
         with pytest.raises(TimeoutError, match="from rank 0"):
             mode.dispatch(torch.zeros(1, H).bfloat16(), torch.zeros(1, 1, dtype=torch.int64), M, E, None, None,
                           True, False, False, False, False)
+
+
+def test_another_shape_needs_a_clean_first() -> None:
+    """The kernels place a set's slots and signals by (M, hidden, experts): a call with other shapes is refused
+    before anything is sent until clean_low_latency_buffer lays the buffer out for them."""
+    lib = FakeLib(2)
+    with installed(lib):
+        mode = _mode(lib)
+        x, idx = torch.zeros(2, H).bfloat16(), torch.zeros(2, 1, dtype=torch.int64)
+        handle = mode.dispatch(x, idx, M, E, None, None, False, False, False, False, False)[2]
+        sent = len(lib.calls)
+        for m, e in ((2 * M, E), (M, 2 * E)):
+            with pytest.raises(ValueError, match=rf"x: the low-latency buffer is laid out for .*={M}, .*clean_low"):
+                mode.dispatch(x, idx, m, e, None, None, False, False, False, False, False)
+        assert len(lib.calls) == sent
+        mode.clean(2 * M, H, E)
+        with pytest.raises(ValueError, match="handle: the low-latency buffer is laid out for"):
+            mode.combine(torch.zeros(E // 2, 2 * M, H).bfloat16(), idx, torch.ones(2, 1), handle, False, False,
+                         False, False, None, None)
+        mode.dispatch(x, idx, 2 * M, E, None, None, False, False, False, False, False)
+        assert _ll_calls(lib)[-2:] == ["moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv"]

@@ -12,7 +12,8 @@
 //   then token into recv_x / the column-major scales, and writes recv_count, src_info, layout_range, wait times.
 // combine send: one block per (local expert, source rank) stores each row back into the source's combine slot
 //   [global expert][token], then sets that source's flag for the expert.
-// combine recv: one block per token acquires its experts' flags and sums weight * row over k in fp32.
+// combine recv: one block per token acquires its experts' flags and sums weight * row over k in fp32; block 0
+//   also waits for every expert's flag (a barrier, see the kernel).
 // ll_advance_kernel then moves the set's call sequence on (all ranks alike).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -133,7 +134,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, 
     if (src < s.R) {
         const uint64_t start = now_ns();
         if (!wait_flag<true>(c, &mine.disp_flag(s)[l * s.R + src], seq, MOE_EP_ERR_DISPATCH_TIMEOUT, src, l)) ok = 0;
-        counts[src] = ld_volatile(&mine.disp_count(s)[l * s.R + src]);
+        // a count beyond the slots (never sent by a healthy peer) must not address outside them
+        counts[src] = min(max(ld_volatile(&mine.disp_count(s)[l * s.R + src]), 0), int(s.M));
         if (p.wait_stats != nullptr)
             atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + src),
                       (unsigned long long)(now_ns() - start));
@@ -207,9 +209,16 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
     const int t = blockIdx.x;
     const LLSet mine = ll_set(c, c.rank, s, int(p.buffer_set));
     const int seq = ld_volatile(mine.seq()) + 1;
-    const int64_t* idx = p.topk_idx + int64_t(t) * p.num_topk;
     if (threadIdx.x == 0) ok = 1;
     __syncthreads();
+    // Every rank's combine send flags every expert on every rank, so block 0 waiting for all of them makes the
+    // receive a barrier: without it a rank whose tokens need no peer (or that has none) would run ahead into its
+    // next dispatch and overwrite slots a peer's previous dispatch receive may still be reading.
+    if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e < s.E; e += blockDim.x)
+            if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), e)) ok = 0;
+    if (t >= p.num_tokens) return;  // the barrier block of a rank without tokens
+    const int64_t* idx = p.topk_idx + int64_t(t) * p.num_topk;
     if (threadIdx.x < p.num_topk) {
         const int64_t e = idx[threadIdx.x];
         if (e >= 0 && e < s.E) {  // ids out of range are skipped (not checked on the host: that would sync)
