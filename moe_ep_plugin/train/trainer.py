@@ -8,11 +8,12 @@ experts computes on the whole batch (the EP=1 ≡ EP=R property the tests check)
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -277,6 +278,39 @@ class Trainer:
         return checkpoint.save(checkpoint_root(self.cfg), self.step, self.cfg.to_dict(), self.group, state=state,
                                keep=self.cfg.output.keep_checkpoints)
 
+    def iter_steps(self, end: int) -> Iterator[dict[str, Any]]:
+        """Train from ``self.step`` up to step ``end``, yielding each step's metrics row as it finishes: the
+        columns of ``metrics.csv`` (``metrics.COLUMNS``), plus the node statistics when the group spans nodes.
+        The step time covers forward, backward and the optimizer step only, so whatever the caller does between
+        rows (logging, checkpoints) stays out of it; the evaluation due at a step runs after its timing too."""
+        cfg = self.cfg
+        tokens_per_step = self.world * cfg.train.micro_batch_size * cfg.model.seq_len
+        start = time.perf_counter()
+        while self.step < end:
+            t0 = time.perf_counter()
+            result = self.forward_backward(*self.batch(self.step))
+            norm = self.optimizer_step(self.step, result)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.step += 1
+            eval_loss = None
+            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0
+                                                                   or self.step == cfg.train.steps):
+                eval_loss = self.evaluate()
+            balance, worst = metrics.load_balance(result.counts)
+            row = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
+                   "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
+                   "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
+                   "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
+            if result.nodes is not None:
+                row.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
+                           nodes_per_token_max=result.nodes.nodes_per_token_max,
+                           inter_node_mb=result.nodes.inter_node_bytes / 1e6,
+                           flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
+            yield row
+
     def train(self, until: Optional[int] = None) -> dict[str, float]:
         """Train from the resumed step to ``train.steps`` (or stop after step ``until``, checkpointing there, as a
         time-boxed job would); rank 0 writes the log, metrics.csv and plots. Returns the last metrics row."""
@@ -289,46 +323,22 @@ class Trainer:
         resumed = self.resume()
         writer = metrics.MetricsWriter(out, self.step, cfg.output.tensorboard) if lead else None
         if lead:
-            self._log_header(logger, resumed)
+            self.log_header(logger, resumed)
             if self.step >= cfg.train.steps:
                 logger.info(f"nothing to train: the checkpoint is at train.steps={cfg.train.steps} (raise it to go on)")
-        tokens_per_step = self.world * cfg.train.micro_batch_size * cfg.model.seq_len
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (lead and cfg.output.progress_bar),
                    unit="step", dynamic_ncols=True)
-        start, last = time.perf_counter(), {}
         end = cfg.train.steps if until is None else min(until, cfg.train.steps)
-        while self.step < end:
-            t0 = time.perf_counter()
-            result = self.forward_backward(*self.batch(self.step))
-            norm = self.optimizer_step(self.step, result)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            self.step += 1
-            done = self.step == end
-            eval_loss = None
-            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0
-                                                                   or self.step == cfg.train.steps):
-                eval_loss = self.evaluate()
-            balance, worst = metrics.load_balance(result.counts)
-            last = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
-                    "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
-                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
-                    "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
-                    "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
-            if result.nodes is not None:
-                last.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
-                            nodes_per_token_max=result.nodes.nodes_per_token_max,
-                            inter_node_mb=result.nodes.inter_node_bytes / 1e6,
-                            flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
+        last: dict = {}
+        for last in self.iter_steps(end):
             if lead:
                 writer.write(last)
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-                if progress.due(self.step, end, cfg.output.log_interval) or eval_loss is not None:
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}")
+                if progress.due(self.step, end, cfg.output.log_interval) or last["eval_loss"] is not None:
                     logger.info(_format(last, cfg.train.steps))
             interval = cfg.output.checkpoint_interval
-            if done or (interval and self.step % interval == 0):
+            if self.step == end or (interval and self.step % interval == 0):
                 path = self.save()
                 if lead:
                     logger.info(f"checkpoint saved: {path}")
@@ -338,7 +348,8 @@ class Trainer:
             self._finish(logger, last)
         return last
 
-    def _log_header(self, logger, resumed: Optional[str]) -> None:
+    def log_header(self, logger: logging.Logger, resumed: Optional[str] = None) -> None:
+        """The run's first log lines: ranks, device, model, data, the MFU FLOPs per token and peak."""
         cfg = self.cfg
         n_rep = sum(p.numel() for p in self.replicated)
         n_exp = sum(p.numel() for p in self.experts)
@@ -383,12 +394,17 @@ def _format(row: dict, total_steps: int) -> str:
     return progress.line(row["step"], total_steps, items)
 
 
-def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:
-    """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
+def share_cpu_cores(cfg: TrainerConfig) -> None:
+    """On CPU, give each local rank its share of the host's cores (call once per rank, before training)."""
     if resolve_device(cfg).type == "cpu":
         # Ranks on one host share its cores; more threads than cores makes every rank wait on the slowest.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:
+    """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
+    share_cpu_cores(cfg)
     trainer = Trainer(cfg)
     try:
         trainer.train(until)
