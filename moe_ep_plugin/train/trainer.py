@@ -9,7 +9,6 @@ experts computes on the whole batch (the EP=1 ≡ EP=R property the tests check)
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -223,28 +222,32 @@ class Trainer:
             p.grad = flat[offset:offset + n].view_as(p)
             offset += n
 
-    def clip_gradients(self) -> float:
-        """Global gradient norm (replicated weights once + every rank's experts), clipped to ``train.grad_clip``."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm (replicated weights once + every rank's experts), clipped to ``train.grad_clip``.
+        Returns the norm as a 0-d float64 tensor on the device: neither the norm nor the clip decision is read on
+        the host, so the optimizer step is queued behind the backward instead of waiting for it."""
         expert_sq = _squared_norm(self.experts, self.device)
         dist.all_reduce(expert_sq, group=self.group)
-        norm = math.sqrt(float(_squared_norm(self.replicated, self.device)) + float(expert_sq))
+        norm = (_squared_norm(self.replicated, self.device) + expert_sq).sqrt()
         clip = self.cfg.train.grad_clip
-        if clip > 0 and norm > clip:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(clip / (norm + 1e-6))
+        if clip > 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            # a factor of exactly 1.0 below the threshold leaves the gradients bit for bit as they are
+            torch._foreach_mul_(grads, torch.where(norm > clip, clip / (norm + 1e-6), 1.0))
         return norm
 
-    def optimizer_step(self, step: int, result: StepResult) -> float:
-        """Clip, AdamW step at the scheduled LR, then the aux-loss-free bias update from the global loads."""
+    def optimizer_step(self, step: int, result: StepResult) -> torch.Tensor:
+        """Clip, AdamW step at the scheduled LR, then the aux-loss-free bias update from the global loads.
+        Returns the gradient norm before clipping (0-d tensor on the device, see :meth:`clip_gradients`)."""
         norm = self.clip_gradients()
         schedule.set_lr(self.optimizer, lr_at(self.cfg, step))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.cfg.moe.expert_bias:
-            for layer, counts in zip(self.model.moe_layers(), result.counts):
-                gating.update_expert_bias(layer.expert_bias, counts.to(self.device).float(),
-                                          self.cfg.moe.bias_update_rate)
+            # one host-to-device copy for all blocks (each copy of pageable memory waits for the stream)
+            counts = result.counts.to(self.device).float()
+            for layer, layer_counts in zip(self.model.moe_layers(), counts):
+                gating.update_expert_bias(layer.expert_bias, layer_counts, self.cfg.moe.bias_update_rate)
         self.load_totals += result.counts
         return norm
 
@@ -300,7 +303,7 @@ class Trainer:
                 eval_loss = self.evaluate()
             balance, worst = metrics.load_balance(result.counts)
             row = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
-                   "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
+                   "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": float(norm),
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
                    "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
                    "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
