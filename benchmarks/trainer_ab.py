@@ -179,6 +179,7 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         finally:
             trainer.buffer.destroy()
+        del trainer  # frees this leg's model and optimizer state before the next leg builds its own
         results.append((variant, rows))
         if lead:
             timed = rows[warmup:]

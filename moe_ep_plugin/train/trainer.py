@@ -232,8 +232,11 @@ class Trainer:
         clip = self.cfg.train.grad_clip
         if clip > 0:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            # a factor of exactly 1.0 below the threshold leaves the gradients bit for bit as they are
-            torch._foreach_mul_(grads, torch.where(norm > clip, clip / (norm + 1e-6), 1.0))
+            # a factor of exactly 1.0 below the threshold leaves the gradients bit for bit as they are; float32 as
+            # the gradients (parameters stay float32): the rounding a Python-float factor gets too, and the
+            # scalar dtype the foreach kernels take on their fast path
+            factor = torch.where(norm > clip, clip / (norm + 1e-6), 1.0).float()
+            torch._foreach_mul_(grads, factor)
         return norm
 
     def optimizer_step(self, step: int, result: StepResult) -> torch.Tensor:
