@@ -8,11 +8,11 @@ experts computes on the whole batch (the EP=1 ≡ EP=R property the tests check)
 """
 from __future__ import annotations
 
-import math
+import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -222,28 +222,35 @@ class Trainer:
             p.grad = flat[offset:offset + n].view_as(p)
             offset += n
 
-    def clip_gradients(self) -> float:
-        """Global gradient norm (replicated weights once + every rank's experts), clipped to ``train.grad_clip``."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm (replicated weights once + every rank's experts), clipped to ``train.grad_clip``.
+        Returns the norm as a 0-d float64 tensor on the device: neither the norm nor the clip decision is read on
+        the host, so the optimizer step is queued behind the backward instead of waiting for it."""
         expert_sq = _squared_norm(self.experts, self.device)
         dist.all_reduce(expert_sq, group=self.group)
-        norm = math.sqrt(float(_squared_norm(self.replicated, self.device)) + float(expert_sq))
+        norm = (_squared_norm(self.replicated, self.device) + expert_sq).sqrt()
         clip = self.cfg.train.grad_clip
-        if clip > 0 and norm > clip:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(clip / (norm + 1e-6))
+        if clip > 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            # a factor of exactly 1.0 below the threshold leaves the gradients bit for bit as they are; float32 as
+            # the gradients (parameters stay float32): the rounding a Python-float factor gets too, and the
+            # scalar dtype the foreach kernels take on their fast path
+            factor = torch.where(norm > clip, clip / (norm + 1e-6), 1.0).float()
+            torch._foreach_mul_(grads, factor)
         return norm
 
-    def optimizer_step(self, step: int, result: StepResult) -> float:
-        """Clip, AdamW step at the scheduled LR, then the aux-loss-free bias update from the global loads."""
+    def optimizer_step(self, step: int, result: StepResult) -> torch.Tensor:
+        """Clip, AdamW step at the scheduled LR, then the aux-loss-free bias update from the global loads.
+        Returns the gradient norm before clipping (0-d tensor on the device, see :meth:`clip_gradients`)."""
         norm = self.clip_gradients()
         schedule.set_lr(self.optimizer, lr_at(self.cfg, step))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.cfg.moe.expert_bias:
-            for layer, counts in zip(self.model.moe_layers(), result.counts):
-                gating.update_expert_bias(layer.expert_bias, counts.to(self.device).float(),
-                                          self.cfg.moe.bias_update_rate)
+            # one host-to-device copy for all blocks (each copy of pageable memory waits for the stream)
+            counts = result.counts.to(self.device).float()
+            for layer, layer_counts in zip(self.model.moe_layers(), counts):
+                gating.update_expert_bias(layer.expert_bias, layer_counts, self.cfg.moe.bias_update_rate)
         self.load_totals += result.counts
         return norm
 
@@ -277,6 +284,39 @@ class Trainer:
         return checkpoint.save(checkpoint_root(self.cfg), self.step, self.cfg.to_dict(), self.group, state=state,
                                keep=self.cfg.output.keep_checkpoints)
 
+    def iter_steps(self, end: int) -> Iterator[dict[str, Any]]:
+        """Train from ``self.step`` up to step ``end``, yielding each step's metrics row as it finishes: the
+        columns of ``metrics.csv`` (``metrics.COLUMNS``), plus the node statistics when the group spans nodes.
+        The step time covers forward, backward and the optimizer step only, so whatever the caller does between
+        rows (logging, checkpoints) stays out of it; the evaluation due at a step runs after its timing too."""
+        cfg = self.cfg
+        tokens_per_step = self.world * cfg.train.micro_batch_size * cfg.model.seq_len
+        start = time.perf_counter()
+        while self.step < end:
+            t0 = time.perf_counter()
+            result = self.forward_backward(*self.batch(self.step))
+            norm = self.optimizer_step(self.step, result)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.step += 1
+            eval_loss = None
+            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0
+                                                                   or self.step == cfg.train.steps):
+                eval_loss = self.evaluate()
+            balance, worst = metrics.load_balance(result.counts)
+            row = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
+                   "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": float(norm),
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
+                   "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
+                   "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
+            if result.nodes is not None:
+                row.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
+                           nodes_per_token_max=result.nodes.nodes_per_token_max,
+                           inter_node_mb=result.nodes.inter_node_bytes / 1e6,
+                           flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
+            yield row
+
     def train(self, until: Optional[int] = None) -> dict[str, float]:
         """Train from the resumed step to ``train.steps`` (or stop after step ``until``, checkpointing there, as a
         time-boxed job would); rank 0 writes the log, metrics.csv and plots. Returns the last metrics row."""
@@ -289,46 +329,22 @@ class Trainer:
         resumed = self.resume()
         writer = metrics.MetricsWriter(out, self.step, cfg.output.tensorboard) if lead else None
         if lead:
-            self._log_header(logger, resumed)
+            self.log_header(logger, resumed)
             if self.step >= cfg.train.steps:
                 logger.info(f"nothing to train: the checkpoint is at train.steps={cfg.train.steps} (raise it to go on)")
-        tokens_per_step = self.world * cfg.train.micro_batch_size * cfg.model.seq_len
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (lead and cfg.output.progress_bar),
                    unit="step", dynamic_ncols=True)
-        start, last = time.perf_counter(), {}
         end = cfg.train.steps if until is None else min(until, cfg.train.steps)
-        while self.step < end:
-            t0 = time.perf_counter()
-            result = self.forward_backward(*self.batch(self.step))
-            norm = self.optimizer_step(self.step, result)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            self.step += 1
-            done = self.step == end
-            eval_loss = None
-            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0
-                                                                   or self.step == cfg.train.steps):
-                eval_loss = self.evaluate()
-            balance, worst = metrics.load_balance(result.counts)
-            last = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
-                    "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": norm,
-                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
-                    "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
-                    "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
-            if result.nodes is not None:
-                last.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
-                            nodes_per_token_max=result.nodes.nodes_per_token_max,
-                            inter_node_mb=result.nodes.inter_node_bytes / 1e6,
-                            flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
+        last: dict = {}
+        for last in self.iter_steps(end):
             if lead:
                 writer.write(last)
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-                if progress.due(self.step, end, cfg.output.log_interval) or eval_loss is not None:
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}")
+                if progress.due(self.step, end, cfg.output.log_interval) or last["eval_loss"] is not None:
                     logger.info(_format(last, cfg.train.steps))
             interval = cfg.output.checkpoint_interval
-            if done or (interval and self.step % interval == 0):
+            if self.step == end or (interval and self.step % interval == 0):
                 path = self.save()
                 if lead:
                     logger.info(f"checkpoint saved: {path}")
@@ -338,7 +354,8 @@ class Trainer:
             self._finish(logger, last)
         return last
 
-    def _log_header(self, logger, resumed: Optional[str]) -> None:
+    def log_header(self, logger: logging.Logger, resumed: Optional[str] = None) -> None:
+        """The run's first log lines: ranks, device, model, data, the MFU FLOPs per token and peak."""
         cfg = self.cfg
         n_rep = sum(p.numel() for p in self.replicated)
         n_exp = sum(p.numel() for p in self.experts)
@@ -383,12 +400,17 @@ def _format(row: dict, total_steps: int) -> str:
     return progress.line(row["step"], total_steps, items)
 
 
-def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:
-    """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
+def share_cpu_cores(cfg: TrainerConfig) -> None:
+    """On CPU, give each local rank its share of the host's cores (call once per rank, before training)."""
     if resolve_device(cfg).type == "cpu":
         # Ranks on one host share its cores; more threads than cores makes every rank wait on the slowest.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:
+    """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
+    share_cpu_cores(cfg)
     trainer = Trainer(cfg)
     try:
         trainer.train(until)
