@@ -56,20 +56,21 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         (n * x.element_size()) % _ALIGN_BYTES == 0 for n in widths)
 
 
-def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor) -> str:
+def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor, name: str = "impl") -> str:
     """``impl`` (one of :data:`EXPERT_COMPUTE`) → ``"grouped"`` or ``"loop"`` for these operands; ``"grouped"``
-    on operands torch cannot take is a ``ValueError`` naming what is wrong."""
+    on operands torch cannot take is a ``ValueError`` naming what is wrong (and ``name``, the caller's
+    argument)."""
     if impl not in EXPERT_COMPUTE:
-        raise ValueError(f"impl: expected one of {EXPERT_COMPUTE}, got {impl!r}")
+        raise ValueError(f"{name}: expected one of {EXPERT_COMPUTE}, got {impl!r}")
     if impl == "loop":
         return "loop"
     supported = grouped_mm_supported(x, *weights)
     if impl == "grouped" and not supported:
         if _grouped_mm is None:
-            raise ValueError(f"impl: 'grouped' needs torch.nn.functional.grouped_mm (torch {torch.__version__} "
+            raise ValueError(f"{name}: 'grouped' needs torch.nn.functional.grouped_mm (torch {torch.__version__} "
                              "has none); use 'loop' or 'auto'")
         shapes = ", ".join(f"{tuple(w.shape)} {w.dtype}" for w in weights)
-        raise ValueError(f"impl: 'grouped' cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with weights "
+        raise ValueError(f"{name}: 'grouped' cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with weights "
                          f"{shapes} (CUDA needs capability 9.0+ and BF16; widths must be multiples of 16 bytes); "
                          "use 'loop' or 'auto'")
     return "grouped" if supported else "loop"
