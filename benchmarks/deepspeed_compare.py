@@ -16,18 +16,21 @@ The table (printed by rank 0 and written to ``--out``/compare.log): ms per step 
 step's loss agrees with stock's (relative ``2e-4`` in FP32, where only summation order differs; ``2e-2`` in BF16,
 where that order changes roundings). ``--profile`` runs a few more steps of each variant under
 ``torch.profiler``, writes ``--out``/trace_<variant>.json (chrome://tracing, Perfetto) and prints the top ops by
-self device and host time, and the host time of each part of the MoE layers' forward (gate, dispatch,
-all_to_all, experts, combine; one ``record_function`` range each).
+self device and host time, the host time of each part of the MoE layers' forward (gate, dispatch,
+all_to_all, experts, combine; one ``record_function`` range each) and, on CUDA, the host syncs of one more step
+by the line of Python that made them.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
 import os
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -131,6 +134,23 @@ def profile_report(prof: torch.profiler.profile, steps: int, cuda: bool) -> str:
     return "\n".join(sections + lines)
 
 
+def host_syncs(step: Callable[[], object]) -> str:
+    """The synchronizing CUDA calls of one ``step()`` (``torch.cuda.set_sync_debug_mode``), counted by the line of
+    Python that made them, most frequent first."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in caught
+                                if "synchronizing" in str(w.message))
+    lines = [f"host syncs in one step (torch.cuda sync debug mode): {sum(sites.values())}"]
+    lines += [f"{count:>6}  {site}" for site, count in sites.most_common(TOP_OPS)]
+    return "\n".join(lines)
+
+
 def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measured:
     """Train ``train.steps`` steps of ``cfg`` (tqdm bar on rank 0); with ``profile`` then :data:`PROFILE_STEPS`
     more under ``torch.profiler`` (rank 0 writes the trace)."""
@@ -161,6 +181,10 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
             trace = os.path.join(out_dir, f"trace_{name.replace(' ', '_')}.json")
             prof.export_chrome_trace(trace)
             measured.profile = f"{profile_report(prof, PROFILE_STEPS, cuda)}\ntrace: {trace}"
+        if cuda:
+            syncs = host_syncs(lambda: train_steps(engine, cfg, cfg.train.steps + PROFILE_STEPS, 1))
+            if rank0:
+                measured.profile += "\n" + syncs
     engine.destroy()
     return measured
 

@@ -2,12 +2,15 @@
 in one run; the table comes out, the losses agree, ``--profile`` writes the traces and the layer-part times."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
@@ -41,3 +44,23 @@ def test_unknown_expert_compute_is_a_usage_error(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "deepspeed_compare.py"), "--out",
                            str(tmp_path), "--expert-compute", "loop,fast"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--expert-compute: expected a comma-separated list" in proc.stderr
+
+
+def test_host_syncs_are_counted_by_their_line(monkeypatch):
+    spec = importlib.util.spec_from_file_location("deepspeed_compare", os.path.join(ROOT, "benchmarks",
+                                                                                   "deepspeed_compare.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up while being made
+    spec.loader.exec_module(bench)
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)  # a CPU build of torch has no CUDA
+
+    def step() -> None:  # what torch's sync debug mode reports for each synchronizing call
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+
+    report = bench.host_syncs(step).splitlines()
+    line = step.__code__.co_firstlineno + 2
+    assert modes == ["warn", "default"]
+    assert report[0].endswith(": 3") and report[1].split() == ["3", f"tests/test_deepspeed_compare.py:{line}"]
