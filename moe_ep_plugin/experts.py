@@ -104,7 +104,9 @@ def expert_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
 class _GroupedMM(torch.autograd.Function):
     """``y = grouped_mm(x, w, offs)`` with the backward as grouped matmuls too (contiguous gradients in:
     the kernels refuse broadcast strides). ``grad_x = grad_y @ w[l]^T``; ``grad_w[l] = x_l^T @ grad_y_l``
-    (zero for an expert without rows)."""
+    (zero for an expert without rows), laid out like ``w``: for ``w`` a transposed view of ``[L, N, K]``
+    (stacked ``nn.Linear`` weights) it is computed as ``grad_y_l^T @ x_l``, so each expert's ``[N, K]`` slice is
+    contiguous and becomes that parameter's gradient without a copy."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,10 @@ class _GroupedMM(torch.autograd.Function):
         x, weight, offs = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         grad_x = _grouped_mm(grad_y, weight.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
-        grad_w = _grouped_mm(x.t(), grad_y, offs=offs) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (_grouped_mm(grad_y.t(), x, offs=offs).transpose(-2, -1)
+                      if weight.transpose(-2, -1).is_contiguous() else _grouped_mm(x.t(), grad_y, offs=offs))
         return grad_x, grad_w, None
 
 
