@@ -4,6 +4,7 @@ order of the bias terms differs), also for experts without rows."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -85,6 +86,7 @@ def test_which_experts_run_grouped(make, grouped):
         x = torch.randn(5, 16)
         ref = expert.get_submodule(second)(activation(expert.get_submodule(first)(x)))
         assert torch.equal(ref, expert(x))
+        assert torch.equal(pickle.loads(pickle.dumps(activation))(x), activation(x))  # the layer pickles
 
 
 def _random_counts(num_experts: int, rows: int, gen: torch.Generator) -> list[int]:

@@ -37,6 +37,16 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+class _Call:
+    """``fn(t, *args, **kwargs)`` as a callable of ``t`` that pickles with the layer (a lambda would not)."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return self.fn(t, *self.args, **self.kwargs)
+
+
 def _activation(expert: nn.Module, node: fx.Node, source: fx.Node) -> Optional[Callable]:
     """``node`` as a callable of one tensor, if it is an allowed elementwise activation applied to ``source``
     with constant extra arguments (``approximate="tanh"``, ``negative_slope``, ``inplace``)."""
@@ -52,8 +62,7 @@ def _activation(expert: nn.Module, node: fx.Node, source: fx.Node) -> Optional[C
         if type(module) in _ACTIVATION_MODULES and not extra and not kwargs and not _hooked(module):
             return module
     elif node.op == "call_function" and any(node.target is fn for fn in _ACTIVATION_FUNCTIONS):
-        function = node.target
-        return lambda t: function(t, *extra, **kwargs)
+        return _Call(node.target, extra, kwargs)
     elif node.op == "call_method" and node.target in _ACTIVATION_METHODS:
         return operator.methodcaller(node.target, *extra, **kwargs)
     return None
