@@ -119,7 +119,8 @@ def part_ranges() -> Iterator[None]:
 
 
 def profile_report(prof: torch.profiler.profile, steps: int, cuda: bool) -> str:
-    """Top ops by self device time (CUDA) and self host time, then the host time of each layer part per step."""
+    """Top ops by self device time (CUDA) and self host time, then the host time (and on CUDA the device time of
+    the kernels it launched) of each layer part per step."""
     events = prof.key_averages()
     sections = []
     if cuda:
@@ -128,9 +129,10 @@ def profile_report(prof: torch.profiler.profile, steps: int, cuda: bool) -> str:
     sections += [f"top {TOP_OPS} ops by self host time", events.table(sort_by="self_cpu_time_total", row_limit=TOP_OPS)]
     parts = sorted((e for e in events if e.key.startswith(PART_PREFIX)), key=lambda e: -e.cpu_time_total)
     lines = [f"host time of the MoE layers' forward parts, per step (all layers), over {steps} steps",
-             f"{'part':<16}{'calls/step':>11}{'ms/step':>10}{'us/call':>10}"]
+             f"{'part':<16}{'calls/step':>11}{'ms/step':>10}{'us/call':>10}" + (f"{'device ms/step':>16}" if cuda else "")]
     lines += [f"{e.key[len(PART_PREFIX):]:<16}{e.count / steps:>11.1f}{e.cpu_time_total / steps / 1e3:>10.2f}"
-              f"{e.cpu_time_total / max(e.count, 1):>10.1f}" for e in parts]
+              f"{e.cpu_time_total / max(e.count, 1):>10.1f}" + (f"{e.device_time_total / steps / 1e3:>16.2f}" if cuda
+                                                                 else "") for e in parts]
     return "\n".join(sections + lines)
 
 
