@@ -56,20 +56,21 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         (n * x.element_size()) % _ALIGN_BYTES == 0 for n in widths)
 
 
-def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor) -> str:
+def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor, name: str = "impl") -> str:
     """``impl`` (one of :data:`EXPERT_COMPUTE`) → ``"grouped"`` or ``"loop"`` for these operands; ``"grouped"``
-    on operands torch cannot take is a ``ValueError`` naming what is wrong."""
+    on operands torch cannot take is a ``ValueError`` naming what is wrong (and ``name``, the caller's
+    argument)."""
     if impl not in EXPERT_COMPUTE:
-        raise ValueError(f"impl: expected one of {EXPERT_COMPUTE}, got {impl!r}")
+        raise ValueError(f"{name}: expected one of {EXPERT_COMPUTE}, got {impl!r}")
     if impl == "loop":
         return "loop"
     supported = grouped_mm_supported(x, *weights)
     if impl == "grouped" and not supported:
         if _grouped_mm is None:
-            raise ValueError(f"impl: 'grouped' needs torch.nn.functional.grouped_mm (torch {torch.__version__} "
+            raise ValueError(f"{name}: 'grouped' needs torch.nn.functional.grouped_mm (torch {torch.__version__} "
                              "has none); use 'loop' or 'auto'")
         shapes = ", ".join(f"{tuple(w.shape)} {w.dtype}" for w in weights)
-        raise ValueError(f"impl: 'grouped' cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with weights "
+        raise ValueError(f"{name}: 'grouped' cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with weights "
                          f"{shapes} (CUDA needs capability 9.0+ and BF16; widths must be multiples of 16 bytes); "
                          "use 'loop' or 'auto'")
     return "grouped" if supported else "loop"
@@ -103,7 +104,9 @@ def expert_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
 class _GroupedMM(torch.autograd.Function):
     """``y = grouped_mm(x, w, offs)`` with the backward as grouped matmuls too (contiguous gradients in:
     the kernels refuse broadcast strides). ``grad_x = grad_y @ w[l]^T``; ``grad_w[l] = x_l^T @ grad_y_l``
-    (zero for an expert without rows)."""
+    (zero for an expert without rows), laid out like ``w``: for ``w`` a transposed view of ``[L, N, K]``
+    (stacked ``nn.Linear`` weights) it is computed as ``grad_y_l^T @ x_l``, so each expert's ``[N, K]`` slice is
+    contiguous and becomes that parameter's gradient without a copy."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,10 @@ class _GroupedMM(torch.autograd.Function):
         x, weight, offs = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         grad_x = _grouped_mm(grad_y, weight.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
-        grad_w = _grouped_mm(x.t(), grad_y, offs=offs) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (_grouped_mm(grad_y.t(), x, offs=offs).transpose(-2, -1)
+                      if weight.transpose(-2, -1).is_contiguous() else _grouped_mm(x.t(), grad_y, offs=offs))
         return grad_x, grad_w, None
 
 

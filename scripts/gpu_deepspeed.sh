@@ -4,7 +4,8 @@
 #    typing-inspection, hjson, typing-extensions >= 4.14.1 for pydantic) from .whl/ into /tmp/site: nothing is
 #    fetched and no DeepSpeed op is compiled;
 # 2. trains the example at EP 2 with stock DeepSpeed MoE, then with the plugin (same weights and data), and prints
-#    the step-time table; 3. the plugin again with FP8 dispatch. About a minute in all.
+#    the step-time table; 3. the plugin again with FP8 dispatch; 4. benchmarks/deepspeed_compare.py at EP1 (stock,
+#    plugin loop, plugin grouped, profiled). A few minutes in all.
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_deepspeed
 python3 -m pip install -q --no-index --no-deps --target /tmp/site \
@@ -32,3 +33,8 @@ run() {
 run deepspeed_compare.txt --config configs/deepspeed_moe_gpu.yaml --compare \
   || run deepspeed_compare_torch.txt --config configs/deepspeed_moe_gpu.yaml --compare moe.transport=torch || true
 run deepspeed_plugin_fp8.txt --config configs/deepspeed_moe_gpu.yaml moe.fp8_dispatch=true || true
+# EP1 on one GPU: stock against the plugin with the expert loop and with grouped GEMMs in one run, then profiled
+# (traces, top ops, layer-part host times, host syncs by line) into $LOGS/deepspeed_compare/
+timeout 300 python3 benchmarks/deepspeed_compare.py --profile --out "$LOGS/deepspeed_compare" 2>&1 \
+  | grep -E -v "\[(INFO|WARNING)\]|Warning|warnings.warn" | tee "$LOGS/deepspeed_compare_ep1.txt" \
+  || echo "FAILED: benchmarks/deepspeed_compare.py"

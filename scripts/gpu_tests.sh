@@ -19,7 +19,7 @@ group_args() {  # the pytest arguments of one group
         dropin_[34]) echo "$m::test_dropin_matrix[${1#dropin_}]" ;;
         lowlat) echo tests/gpu/test_low_latency_gpu.py ;;
         hier) echo tests/gpu/test_hierarchical_gpu.py ;;
-        ops) echo tests/gpu/test_permute_gpu.py tests/gpu/test_routing_gpu.py ;;
+        ops) echo tests/gpu/test_permute_gpu.py tests/gpu/test_routing_gpu.py tests/gpu/test_experts_gpu.py ;;
         *) echo "unknown group $1" >&2; return 1 ;;
     esac
 }

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import gc
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -56,28 +57,33 @@ class Expert(torch.nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-def make_modules(num_experts: int, ep_size: int, k: int, **ds_kwargs):
-    """Stock DeepSpeed MoE, the plugin MoE, and a stock MoE converted with ``convert_moe`` after its groups were
-    set, all with identical weights (gate shared by all ranks, experts different on every rank)."""
+def make_modules(num_experts: int, ep_size: int, k: int, stock_overrides: Optional[dict] = None, **ds_kwargs):
+    """Stock DeepSpeed MoE, the plugin MoE (``expert_compute='grouped'``), and a stock MoE converted with
+    ``convert_moe`` (``expert_compute='loop'``) after its groups were set, all with identical weights (gate shared
+    by all ranks, experts different on every rank). ``stock_overrides``: DeepSpeed arguments of the stock layer
+    alone (an equivalent stock setting where DeepSpeed fails on the plugin's)."""
     from moe_ep_plugin.deepspeed import MoE, PluginMOELayer, convert_moe
     torch.manual_seed(0)
-    stock = deepspeed.moe.layer.MoE(H, Expert(H), num_experts, ep_size, k, **ds_kwargs)
+    stock = deepspeed.moe.layer.MoE(H, Expert(H), num_experts, ep_size, k, **{**ds_kwargs, **(stock_overrides or {})})
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     with torch.no_grad():
         for p in stock.deepspeed_moe.experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         stock.deepspeed_moe.gate.wg.weight.mul_(4.0)  # sharper gate: distinct top-k, uneven loads
-    plugin = MoE(H, Expert(H), num_experts, ep_size, k, **ds_kwargs)
+    plugin = MoE(H, Expert(H), num_experts, ep_size, k, **ds_kwargs, expert_compute="grouped")
     converted = deepspeed.moe.layer.MoE(H, Expert(H), num_experts, ep_size, k, **ds_kwargs)
     for moe in (plugin, converted):
         moe.load_state_dict(stock.state_dict())
     for moe in (stock, plugin, converted):
         moe.set_deepspeed_parallelism()
     old_layer = converted.deepspeed_moe
-    assert convert_moe(converted) == [""]
+    assert convert_moe(converted, expert_compute="loop") == [""]
     layer = converted.deepspeed_moe
     assert isinstance(layer, PluginMOELayer) and isinstance(plugin.deepspeed_moe, PluginMOELayer)
     assert layer.gate is old_layer.gate and layer.experts is old_layer.experts and layer.ep_group is old_layer.ep_group
+    for moe in (plugin, converted):  # the checkpoint layout: DeepSpeed's names, shapes and dtypes
+        assert {n: (t.shape, t.dtype) for n, t in moe.state_dict().items()} == \
+            {n: (t.shape, t.dtype) for n, t in stock.state_dict().items()}
     return stock, plugin, converted
 
 
@@ -108,6 +114,23 @@ def assert_same(stock_res, plugin_res, what: str) -> None:
     assert g_p.keys() == g_s.keys()
     for name in g_s:
         assert_close(g_p[name], g_s[name], f"{what} {name}")
+
+
+@contextlib.contextmanager
+def count_grouped_calls():
+    """How often the layers ran their experts as one grouped FFN."""
+    from moe_ep_plugin.deepspeed.ffn import GroupedFFN
+    original, calls = GroupedFFN.__call__, {"grouped": 0}
+
+    def counting(self, rows, counts):
+        calls["grouped"] += 1
+        return original(self, rows, counts)
+
+    GroupedFFN.__call__ = counting
+    try:
+        yield calls
+    finally:
+        GroupedFFN.__call__ = original
 
 
 @contextlib.contextmanager
@@ -149,20 +172,28 @@ def _worker_matches_stock(cases: list[dict]) -> None:
         used = (torch.rand(tokens, generator=gen) > 0.3).float() if use_mask else None
         for step in range(2):  # a second step: cached buffer, gate noise redrawn
             expected = run_step(stock, x, grad_out, 7 + step, used)
-            with count_dispatched_rows() as rows:
+            rng = torch.get_rng_state()  # the random draws after the layer: later gates' noise, dropout
+            with count_dispatched_rows() as rows, count_grouped_calls() as calls:
                 assert_same(expected, run_step(plugin, x, grad_out, 7 + step, used), f"rank {rank} {case} step {step}")
+            assert torch.equal(torch.get_rng_state(), rng), f"rank {rank} {case}: other random draws than DeepSpeed's"
             assert rows["received"] == rows["expected"], f"rank {rank} {case}: {rows}"
-            assert_same(expected, run_step(converted, x, grad_out, 7 + step, used), f"rank {rank} {case} converted")
+            assert calls["grouped"] == 1, f"rank {rank} {case}: the grouped experts did not run"
+            with count_grouped_calls() as calls:
+                assert_same(expected, run_step(converted, x, grad_out, 7 + step, used), f"rank {rank} {case} converted")
+            assert calls["grouped"] == 0, f"rank {rank} {case}: expert_compute='loop' ran the grouped experts"
     ds_finish()
 
 
 DROPLESS_CASES = [
     # k=1: top1gating, random token selection on (it cannot drop without a capacity limit), Gumbel-noisy argmax
     dict(num_experts=8, ep_size=2, k=1, drop_tokens=False, min_capacity=0, noisy_gate_policy="RSample", tokens=24),
-    # used_token masks tokens out (k=1 only). DeepSpeed 0.19.8's top1gating fails on it without a capacity
-    # limit (the float mask makes the capacity a float tensor: 'topk(): argument k must be int'), so with drops
+    # used_token masks tokens out (k=1 only), with capacity drops
     dict(num_experts=8, ep_size=2, k=1, drop_tokens=True, capacity_factor=1.0, min_capacity=0, tokens=24,
          noisy_gate_policy="Jitter", used_token=True),
+    # used_token without drops: DeepSpeed fails on it, so the stock side keeps every token by a capacity of all
+    # tokens (capacity_factor = E) instead
+    dict(num_experts=8, ep_size=2, k=1, drop_tokens=False, min_capacity=0, tokens=24, noisy_gate_policy="RSample",
+         used_token=True, stock_overrides=dict(drop_tokens=True, capacity_factor=8.0)),
     # k=2: top2gating with its Gumbel-sampled second expert (DeepSpeed's default)
     dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=24),
     # k=8: topkgating (DeepSpeed uses it for every k > 2)

@@ -70,6 +70,16 @@ def _worker_training(ckpt_dir: str) -> None:
 
     # a stock DeepSpeed checkpoint resumes in the plugin: the same next steps up to summation order
     stock_engine.save_checkpoint(ckpt_dir, tag="stock")
+    dist.barrier()
+    if dist.get_rank() == 0:  # the plugin's checkpoint is stock DeepSpeed's layout: the same files and keys
+        files = {tag: sorted(os.listdir(os.path.join(ckpt_dir, tag))) for tag in ("t", "stock")}
+        assert files["t"] == files["stock"]
+        for name in (f for f in files["t"] if f.endswith("model_states.pt")):
+            plugin_state, stock_state = (torch.load(os.path.join(ckpt_dir, tag, name), weights_only=False)
+                                         for tag in ("t", "stock"))
+            assert plugin_state.keys() == stock_state.keys(), name
+            if "module" in stock_state:
+                assert plugin_state["module"].keys() == stock_state["module"].keys(), name
     torch.manual_seed(5)
     stock_after = train_steps(stock_engine, stock_cfg, 6, 2).losses
     other.load_checkpoint(ckpt_dir, tag="stock")
@@ -95,6 +105,8 @@ def test_zero1_zero2_training_matches_stock_and_checkpoints(tmp_path):
     ({"moe": {"router": "group_limited", "num_groups": 3}}, "moe.num_groups"),
     ({"moe": {"num_groups": 2}}, "moe.num_groups: only used by router='group_limited'"),
     ({"moe": {"transport": "rdma"}}, "moe.transport"),
+    ({"moe": {"expert_compute": "fast"}}, "moe.expert_compute: expected one of"),
+    ({"dispatcher": "deepspeed", "moe": {"expert_compute": "grouped"}}, "moe.expert_compute: a plugin option"),
     ({"deepspeed": {"bf16": {"enabled": True}}}, "deepspeed.bf16: set by the example from train.dtype"),
     ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed.zero_optimization.stage"),
     ({"train": {"dtype": "float16"}}, "train.dtype"),

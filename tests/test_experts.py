@@ -115,3 +115,19 @@ def test_inputs_are_checked_with_named_errors():
 def test_offsets_are_the_inclusive_cumsum_in_int32():
     offs = experts.expert_offsets([3, 0, 4, 0], torch.device("cpu"))
     assert offs.dtype == torch.int32 and offs.tolist() == [3, 3, 7, 7]
+
+
+def test_weight_gradient_keeps_the_linear_layout():
+    """Weights passed as a transposed view of ``[L, N, K]`` (stacked nn.Linear weights) get their gradient in that
+    layout: each expert's ``[N, K]`` slice contiguous, equal to the gradient of contiguous weights."""
+    gen = torch.Generator().manual_seed(3)
+    counts = _random_counts(4, 30, gen, 1)
+    x, grad_out = torch.randn(30, 16, generator=gen), torch.randn(30, 8, generator=gen)
+    linear_layout = torch.randn(4, 8, 16, generator=gen)  # [L, N, K]
+    grads = []
+    for weight in (linear_layout.transpose(1, 2), linear_layout.transpose(1, 2).contiguous()):
+        weight = weight.detach().requires_grad_(True)
+        experts.grouped_linear(x, weight, counts, "grouped").backward(grad_out)
+        grads.append(weight.grad)
+    assert grads[0].transpose(1, 2).is_contiguous() and grads[1].is_contiguous()
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-5)

@@ -4,7 +4,8 @@ DeepSpeed's ``MOELayer`` pads every expert to a capacity ``C`` and moves the who
 equal-split all-to-alls, sending a token once per chosen expert. :class:`PluginMOELayer` keeps DeepSpeed's gate,
 ``Experts`` and EP group but moves each token once per destination rank with variable splits
 (``moe_ep_plugin.Buffer`` through ``moe_ep_plugin.autograd.dispatch_experts``) straight into the expert-major
-layout, runs every local expert on its contiguous rows and combines the expert outputs back
+layout, runs the local experts on their contiguous rows (two-layer FFN experts as one grouped matmul per
+projection over their stacked weights, others one by one) and combines the expert outputs back
 (``combine_experts``), differentiably. Module names and parameters are unchanged, so
 ``is_moe_param`` tagging, ``split_params_into_different_moe_groups_for_optimizer``, ZeRO 1/2 and DeepSpeed's
 (expert-sharded) checkpoints work as for the stock layer.
@@ -23,6 +24,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
 from ..config import DEFAULT_TIMEOUT_S
+from .ffn import GroupedFFN
 from .options import DeepSpeedOptions, check_moe_args, check_world
 from .routing import GroupLimitedGate, route
 
@@ -44,6 +46,11 @@ class PluginMOELayer(MOELayer):
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
         self.options = options
         self.num_experts = ep_size * num_local_experts
+        self._grouped = GroupedFFN.of(experts.deepspeed_experts)
+        if self._grouped is None and options.expert_compute == "grouped":
+            raise ValueError(f"expert_compute: 'grouped' needs experts whose forward is Linear → elementwise "
+                             f"activation → Linear; {type(experts.deepspeed_experts[0]).__name__} is not (use "
+                             "'auto' or 'loop')")
 
     @classmethod
     def from_stock(cls, layer: MOELayer, options: DeepSpeedOptions,
@@ -66,6 +73,17 @@ class PluginMOELayer(MOELayer):
             self.timers(name).start()
         else:
             self.timers(name).stop()
+
+    def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows [M, H]`` expert-major (``counts[l]`` rows of local expert ``l``) → expert outputs ``[M, H]``:
+        one grouped FFN over the stacked weights, or DeepSpeed's expert modules one by one."""
+        grouped = self._grouped
+        if grouped is not None and self.options.expert_compute != "loop" \
+                and grouped.resolve(self.options.expert_compute, rows) == "grouped":
+            return grouped(rows, counts)
+        # every local expert runs, also on zero rows, so each one's parameters get a (zero) gradient
+        return torch.cat([_first(expert(chunk))
+                          for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts)])
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states [..., H]`` (BF16/FP32) → same shape; ``used_token`` as DeepSpeed's (k=1 only)."""
@@ -97,11 +115,9 @@ class PluginMOELayer(MOELayer):
             fp8_dispatch=options.fp8_dispatch, round_scale=options.round_scale, configs=configs)
         self._time(FIRST_ALLTOALL_TIMER, False)
 
-        # every local expert runs, also on zero rows, so each one's parameters get a (zero) gradient
-        outputs = [_first(expert(chunk)) for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts)]
         # gate weights applied in fp32 like DeepSpeed's decode, then the activations' dtype for the wire;
         # combine_experts sums each received row's routes in fp32
-        weighted = (torch.cat(outputs) * probs.unsqueeze(1)).to(x.dtype)
+        weighted = (self.run_experts(rows, counts) * probs.unsqueeze(1)).to(x.dtype)
 
         self._time(SECOND_ALLTOALL_TIMER, True)
         out = ep_autograd.combine_experts(buffer, weighted, handle, configs=configs)
@@ -132,12 +148,14 @@ class MoE(DeepSpeedMoE):
                  group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
                  expert_bias_rate: float = 0.0, fp8_dispatch: bool = False, round_scale: bool = False,
                  transport: str = "auto", num_sms: Optional[int] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, ranks_per_node: Optional[int] = None) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, ranks_per_node: Optional[int] = None,
+                 expert_compute: str = "auto") -> None:
         options = DeepSpeedOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                    num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
                                    expert_bias_rate=expert_bias_rate, fp8_dispatch=fp8_dispatch,
                                    round_scale=round_scale, transport=transport, num_sms=num_sms,
-                                   timeout_s=timeout_s, ranks_per_node=ranks_per_node)
+                                   timeout_s=timeout_s, ranks_per_node=ranks_per_node,
+                                   expert_compute=expert_compute)
         if not isinstance(expert, torch.nn.Module):
             raise TypeError(f"expert: expected a torch.nn.Module, got {type(expert).__name__}")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):

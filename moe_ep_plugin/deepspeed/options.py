@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import gating
+from ..experts import EXPERT_COMPUTE
 from ..ops import fp8
 from ..plugin_options import PluginOptions
 
@@ -26,12 +27,17 @@ def _int(name: str, value: object, minimum: int) -> int:
 @dataclass(frozen=True)
 class DeepSpeedOptions(PluginOptions):
     """The plugin's options of one MoE layer: the shared :class:`~moe_ep_plugin.plugin_options.PluginOptions`
-    (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``) plus the router.
+    (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``) plus the router and the
+    experts' compute.
 
     - ``router``: ``"deepspeed"`` keeps DeepSpeed's ``TopKGate`` (softmax top-1/top-2/top-k, capacity, RTS,
       noisy gates, ``l_aux``) bit for bit; ``"group_limited"`` routes with ``moe_ep_plugin.gating``
       (``score_function``, ``num_groups``/``group_topk`` group limit, ``scaling_factor``, ``use_pre_softmax``,
       aux-loss-free ``expert_bias_rate``), always dropless.
+    - ``expert_compute``: ``"grouped"`` runs two-layer FFN experts (Linear → elementwise activation → Linear)
+      as one grouped matmul per projection over their stacked weights (``moe_ep_plugin.experts.ffn_experts``),
+      ``"loop"`` runs DeepSpeed's expert modules one by one, ``"auto"`` groups where the experts are such FFNs
+      and torch's grouped matmul takes the operands without a host sync (CPU, or BF16 on SM90+ GPUs).
     """
 
     router: str = "deepspeed"
@@ -41,10 +47,12 @@ class DeepSpeedOptions(PluginOptions):
     group_topk: Optional[int] = None
     scaling_factor: Optional[float] = None
     expert_bias_rate: float = 0.0
+    expert_compute: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, allowed in (("router", ROUTERS), ("score_function", SCORE_FUNCTIONS)):
+        for name, allowed in (("router", ROUTERS), ("score_function", SCORE_FUNCTIONS),
+                              ("expert_compute", EXPERT_COMPUTE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.use_pre_softmax, bool):

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from deepspeed.moe.sharded_moe import TopKGate, multiplicative_jitter, top1gating, top2gating, topkgating
+from deepspeed.moe.sharded_moe import (TopKGate, einsum, gumbel_rsample, multiplicative_jitter, top1gating, top2gating,
+                                       topkgating)
 
 from .. import gating
 from .options import DeepSpeedOptions
@@ -31,17 +32,25 @@ class Routes:
 def topk_gate_routes(gate: TopKGate, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> Routes:
     """DeepSpeed's top-1/top-2/top-k gating of ``x [S, H]``, exactly as ``TopKGate.forward`` computes it.
 
-    The gating functions get ``ep_group=None``: with ``drop_tokens=False`` DeepSpeed all-reduces the largest
-    expert load over the EP group only to size its padded ``[E, C, H]`` buffer, which variable-split dispatch
-    never builds; the routes themselves do not depend on it, so the collective (and its host sync) is skipped.
+    With ``drop_tokens=False`` the dropless functions below give DeepSpeed's numbers without its capacity: no
+    host reads, no capacity locations, no ``[K, S]`` route blocks to transpose back, and no all-reduce of the
+    largest expert load over the EP group (DeepSpeed sizes its padded ``[E, C, H]`` buffer with it; variable-split
+    dispatch builds none). With ``drop_tokens=True`` DeepSpeed's own gating functions run (``ep_group=None``: the
+    capacity there does not depend on the group either).
     """
     x32 = x.float()
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         x32 = multiplicative_jitter(x32, device=x.device)
     logits = F.linear(x32, weight=gate.wg.weight.float(), bias=None)
+    noisy = gate.noisy_gate_policy if gate.training else None
+    if not gate.drop_tokens:
+        if gate.k == 1:
+            return _top1_dropless(logits, used_token, noisy, gate.use_rts)
+        if gate.k == 2:
+            return _top2_dropless(logits, gate.top2_2nd_expert_sampling)
+        return _topk_dropless(logits, gate.k)
     capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
     if gate.k == 1:
-        noisy = gate.noisy_gate_policy if gate.training else None
         out = top1gating(logits, capacity_factor, gate.min_capacity, used_token, noisy, gate.drop_tokens,
                          gate.use_rts, None, sparse_routes=True)
     elif gate.k == 2:
@@ -57,6 +66,70 @@ def topk_gate_routes(gate: TopKGate, x: torch.Tensor, used_token: Optional[torch
 def _token_major(routes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """DeepSpeed's ``[K, S]`` → ``[S, K]``, built fresh so even K = 1 gets row-major strides."""
     return torch.empty(routes.shape[::-1], dtype=dtype, device=routes.device).copy_(routes.t())
+
+
+def _top1_dropless(logits: torch.Tensor, used_token: Optional[torch.Tensor], noisy: Optional[str],
+                   use_rts: bool) -> Routes:
+    """``top1gating(drop_tokens=False)`` of fp32 ``logits [S, E]``: the same routes, weights, ``l_aux`` and
+    ``exp_counts`` and the same random draws, without its capacity (DeepSpeed reads it on the host three times).
+
+    Without a capacity limit the random token selection keeps every routed token; its uniform draw still happens,
+    so the RNG stream (later gates' noise, dropout) stays DeepSpeed's. One difference: a routed token whose draw
+    is exactly 0 (probability 2^-24) ties with the unrouted ones in DeepSpeed's ``topk`` and may be dropped there;
+    here it is kept. ``used_token [S]`` (0/1) masks tokens out (route -1, weight 0), as in DeepSpeed, which
+    instead fails on it when dropless (its capacity becomes a float tensor).
+    """
+    gates = F.softmax(logits, dim=1)
+    selection = logits + gumbel_rsample(logits.shape, device=logits.device) if noisy == "RSample" else gates
+    idx = torch.argmax(selection, dim=1, keepdim=True)
+    num_experts = gates.shape[1]
+    mask = F.one_hot(idx.squeeze(1), num_classes=num_experts)
+    if used_token is not None:
+        mask = einsum("s,se->se", used_token, mask)  # DeepSpeed's own masking, float counts included
+    exp_counts = torch.sum(mask, dim=0).detach()
+    l_aux = torch.sum(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts
+    if use_rts:
+        torch.rand(mask.shape, device=logits.device)  # DeepSpeed's RTS draw: Uniform(0, 1).rsample is torch.rand
+    weights = gates.gather(1, idx)
+    if used_token is not None:
+        kept = used_token.reshape(-1, 1) != 0
+        idx = torch.where(kept, idx, -1)
+        weights = torch.where(kept, weights, 0.0)
+    return Routes(idx, weights, l_aux, exp_counts)
+
+
+def _top2_dropless(logits: torch.Tensor, second_expert_sampling: bool) -> Routes:
+    """``top2gating(drop_tokens=False)`` of fp32 ``logits [S, E]`` without capacity and locations: the same
+    Gumbel-sampled second expert, normalised weights, ``l_aux`` and ``exp_counts``."""
+    gates = F.softmax(logits, dim=1)
+    first = torch.argmax(gates, dim=1, keepdim=True)
+    num_experts = gates.shape[1]
+    mask1 = F.one_hot(first.squeeze(1), num_classes=num_experts)
+    if second_expert_sampling:
+        logits = logits + gumbel_rsample(logits.shape, device=logits.device)
+    second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1, keepdim=True)
+    mask2 = F.one_hot(second.squeeze(1), num_classes=num_experts)
+    l_aux = torch.mean(torch.mean(gates, dim=0) * torch.mean(mask1.float(), dim=0)) * num_experts * num_experts
+    exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
+    idx = torch.cat((first, second), dim=1)
+    # DeepSpeed's masked row sums hold one nonzero term each, so they equal these gathers bit for bit
+    weights = gates.gather(1, idx)
+    denom = torch.clamp(weights[:, :1] + weights[:, 1:], min=torch.finfo(weights.dtype).eps)
+    return Routes(idx, weights / denom, l_aux, exp_counts)
+
+
+def _topk_dropless(logits: torch.Tensor, k: int) -> Routes:
+    """``topkgating(drop_tokens=False)`` of fp32 ``logits [S, E]`` without capacity and locations: the same
+    top-k routes, normalised weights, ``l_aux`` and ``exp_counts``."""
+    gates = F.softmax(logits, dim=1)
+    num_experts = gates.shape[1]
+    top_gates, idx = torch.topk(gates, k=k, dim=1)
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, idx, 1)
+    exp_counts = torch.sum(mask, dim=0).detach()
+    l_aux = torch.mean(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts * num_experts / k
+    # the normaliser is DeepSpeed's sum over the whole masked row (its summation order), not over the k values
+    denom = torch.clamp(torch.sum(gates * mask, dim=-1, keepdim=True), min=torch.finfo(gates.dtype).eps)
+    return Routes(idx, top_gates / denom, l_aux, exp_counts)
 
 
 class GroupLimitedGate(torch.nn.Module):
