@@ -39,6 +39,10 @@ class NVLinkTuning:
       host-bound combines more than they save).
     - ``copy_engine_combine_below_sms``: with fewer SMs than this the copy engines carry every combined row
       (``copy_streams`` streams, pieces of at least ``copy_piece_rows`` rows) and every warp reduces; 0 = never.
+    - ``fused_dispatch``: the expert-major dispatch kernel writes each received row straight into all of its
+      expert-major rows (FP8 scales and probs too) instead of into a receive buffer that ``permute`` then expands:
+      one HBM round trip and one launch fewer, the K-fold writes on ``num_sms`` SMs instead of all. Off until timed
+      on the GPU (the same results bit for bit either way; docs/expert_major.md).
     """
 
     dispatch_send_warps: int = 6
@@ -55,6 +59,7 @@ class NVLinkTuning:
     copy_engine_combine_below_sms: int = 20
     copy_piece_rows: int = 512
     copy_streams: int = 2
+    fused_dispatch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
@@ -66,7 +71,7 @@ class NVLinkTuning:
             _check_int(f"NVLinkTuning.{name}", getattr(self, name), 0, None)
         _check_int("NVLinkTuning.copy_piece_rows", self.copy_piece_rows, 1, None)
         _check_int("NVLinkTuning.copy_streams", self.copy_streams, 1, MAX_COPY_STREAMS)
-        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull"):
+        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull", "fused_dispatch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"NVLinkTuning.{name}: expected a bool, got {getattr(self, name)!r}")
 

@@ -222,6 +222,72 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     _check_view(handle.rank_prefix_matrix, at(0), (R, R))
 
 
+FUSED = dataclasses.replace(CONFIG, nvlink=dataclasses.replace(TUNING, fused_dispatch=True))
+EXACT_PER_EXPERT = [7, 11]  # RECV_SLOT's rows per expert without the padding
+
+
+@pytest.mark.parametrize("rows_guess, most", [(24, 20), (16, 20), (24, 30)],
+                         ids=["fits", "own-over-guess", "peer-over-guess"])
+def test_fused_dispatch_experts(fake: FakeLib, rows_guess: int, most: int) -> None:
+    """``fused_dispatch``: the kernel writes the expert-major rows (a guess of the most any rank had, then exactly
+    this rank's when some rank had more than the guess: notify's last info word, read with the exact counts), no
+    receive buffer and no permute."""
+    t = nvlink_transport(fake, ME, R, 16, rows_guess)
+    x, topk_idx, weights = _inputs()
+    fake.read_values = PREFIX + INFO + EXACT_PER_EXPERT + [most]
+    result = t.dispatch_experts(dataclasses.replace(_args(x, topk_idx, weights), config=FUSED), ALIGNMENT)
+    at = _notify_experts_at(fake)
+    handle, layout = result.handle, result.handle.expert_layout
+    first = fake.calls[2][1][1]
+    expected = [
+        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights),
+                                   STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 4 + 2 * L), STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_src_idx=at(5), recv_slot=at(6),
+                                                   expert_probs=first["expert_probs"], num_recv_rows=16,
+                                                   speculative_rows=1, fused_expansion=1,
+                                                   expert_x=first["expert_x"], num_expert_rows=rows_guess),
+                             STREAM)),
+        ("moe_ep_read_wait", (CTX,)),
+    ]
+    if most <= rows_guess:
+        assert fake.calls == expected
+        assert (result.x.data_ptr(), result.probs.data_ptr()) == (first["expert_x"], first["expert_probs"])
+    else:
+        second = fake.calls[5][1][1]
+        assert fake.calls == expected + [
+            ("moe_ep_barrier", (CTX, STREAM)),
+            ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_src_idx=second["recv_src_idx"],
+                                                       recv_slot=second["recv_slot"],
+                                                       expert_probs=result.probs.data_ptr(), num_recv_rows=NUM_RECV,
+                                                       fused_expansion=1, expert_x=result.x.data_ptr(),
+                                                       num_expert_rows=NUM_ROWS), STREAM))]
+    assert t._rows_guess == max(rows_guess, most)
+    assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
+    assert tuple(result.probs.shape) == (NUM_ROWS,)
+    assert (layout.tokens_per_expert, layout.num_rows) == (TOKENS_PER_EXPERT, NUM_ROWS)
+
+
+def test_fused_cached_dispatch_experts(fake: FakeLib) -> None:
+    """A cached dispatch with ``fused_dispatch`` (the backward of combine_experts): barrier and the kernel writing
+    the handle's expert-major rows, no permute."""
+    t = _transport(fake, guess=16)
+    fresh, x, topk_idx, _, at = _fresh(fake, t)
+    fake.calls.clear()
+    x2 = torch.randn(N, H).to(torch.bfloat16)
+    args = _args(x2, None, None, handle=fresh.handle, num_experts=fresh.handle.num_experts)
+    result = t.dispatch_experts(dataclasses.replace(args, config=FUSED), ALIGNMENT)
+    assert fake.calls == [
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x2, topk_idx, None, at, recv_src_idx=at(5), recv_slot=at(6),
+                                                   num_recv_rows=NUM_RECV, fused_expansion=1,
+                                                   expert_x=result.x.data_ptr(), num_expert_rows=NUM_ROWS),
+                             STREAM)),
+    ]
+    assert result.probs is None and tuple(result.x.shape) == (NUM_ROWS, H)
+
+
 def test_cached_dispatch_experts(fake: FakeLib) -> None:
     """A cached dispatch: barrier, the dispatch kernel on the handle's layout (the forward's top-k, no weights, no
     guess), permute; no notify, no read."""
