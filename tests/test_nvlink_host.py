@@ -563,6 +563,15 @@ def test_dispatch_roles_follow_the_tuning() -> None:
     assert dispatch_roles(tuning, 24, 2, True, True) == (True, False, 3, 0)
 
 
+def test_fused_dispatch_roles() -> None:
+    """A fused expansion with nothing to send (world size 1) keeps one sender warp; else the tuning's roles."""
+    for wire_fp8, fp8_out in ((False, False), (True, False), (True, True)):
+        assert dispatch_roles(TUNING, 24, 1, wire_fp8, fp8_out, fused=True) == (False, False, 1, 0)
+        for num_ranks in (2, 4):
+            assert (dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out, fused=True)
+                    == dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out))
+
+
 @pytest.mark.parametrize("num_sms, most, row_bytes, capacity, expected, asks", [
     (24, 100, 1 << 18, 1000, (True, False, 0, 0), True),  # 25 MiB of rows that fit: pull
     (24, 100, 1 << 17, 1000, (False, False, 6, 10), False),  # 12.5 MiB: below 16 MiB, push

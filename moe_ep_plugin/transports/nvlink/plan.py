@@ -53,9 +53,14 @@ def send_blocks(blocks: int, num_sms: int) -> int:
 Roles = tuple[bool, bool, int, int]
 
 
-def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8: bool, fp8_out: bool) -> Roles:
+def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8: bool, fp8_out: bool,
+                   fused: bool = False) -> Roles:
     """A dispatch's roles: pull when the tuning says so for this mode (never at world size 1: nothing crosses),
-    else push with the mode's sender warps (quantizing senders do more work, and dequantizing receivers too)."""
+    else push with the mode's sender warps (quantizing senders do more work, and dequantizing receivers too).
+    A fused expansion (``fused``) at world size 1 keeps only the one sender warp the kernel requires: there is
+    nothing to send, and its receivers write every row K times."""
+    if fused and num_ranks == 1:
+        return False, False, 1, 0
     if (tuning.quantizing_dispatch_pull if wire_fp8 else tuning.dispatch_pull) and num_ranks > 1:
         return True, False, tuning.pull_dispatch_send_warps, 0
     if not wire_fp8:

@@ -268,7 +268,7 @@ class NVLinkTransport(Transport):
         state: _NVLinkState = handle.transport_state
         num_sms = self._num_sms(args.config)
         pull, _, warps, blocks = dispatch_roles(args.config.nvlink, num_sms, self.num_ranks, args.wire_fp8,
-                                                args.fp8_out)
+                                                args.fp8_out, bool(outputs.get("fused_expansion")))
         params = DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
