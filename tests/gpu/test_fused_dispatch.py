@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import traceback
 from typing import Optional
 
 import pytest
@@ -20,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8, library  # noqa: E402
 from reference import routing  # noqa: E402
+from test_nvlink import _fail_fast  # noqa: E402  (a failed rank leaves at once, its traceback printed)
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -145,13 +146,7 @@ def _suite() -> None:
 
 
 def _entry() -> None:
-    try:
-        _suite()
-    except BaseException:
-        print(f"--- rank {dist.get_rank()} failed ---", file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+    _fail_fast(_suite)
 
 
 def test_fused_dispatch_single_rank() -> None:
