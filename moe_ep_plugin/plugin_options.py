@@ -23,6 +23,8 @@ class PluginOptions:
     - ``timeout_s``: seconds a rank waits for its peers before raising.
     - ``ranks_per_node``: EP ranks per node for ``hierarchical``/``auto`` (None: the launcher's nodes); setting it
       emulates nodes on one host (docs/multinode.md).
+    - ``fused_dispatch``: on ``nvlink``, the expert-major dispatch kernel writes rows straight into the experts'
+      layout (``NVLinkTuning.fused_dispatch``; off until timed on the GPU, same results either way).
     """
 
     transport: str = "auto"
@@ -31,11 +33,12 @@ class PluginOptions:
     num_sms: Optional[int] = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     ranks_per_node: Optional[int] = None
+    fused_dispatch: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto",) + TRANSPORTS:
             raise ValueError(f"transport: expected one of {('auto',) + TRANSPORTS}, got {self.transport!r}")
-        for name in ("fp8_dispatch", "round_scale"):
+        for name in ("fp8_dispatch", "round_scale", "fused_dispatch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.round_scale and not self.fp8_dispatch:
