@@ -82,6 +82,13 @@ struct FanRows {
     }
 };
 
+// Whether `out` is at most one row: only then do the copies load an FP8 row's scales in the payload's batch (for
+// FanRows, choosing head or tail per vector and destination spilled 1.1 KB in the fused kernels, ptxas).
+template <typename Out>
+__device__ __forceinline__ constexpr bool one_row(const Out&) {
+    return std::is_same<Out, OneRow>::value;
+}
+
 // Warp-wide copy of n 16-byte vectors from src to `wire` (may be null) and to every destination of `out`. Each lane
 // keeps kCopyBatch loads in flight (guarded, so short rows and row tails cost one memory latency per batch, not per
 // vector): copies are latency-bound, not issue-bound.
@@ -544,9 +551,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
         const char* src = x + int64_t(t) * in_row_bytes;
         if constexpr (kQuant == 0) {  // FP8 input rows and their scales arrive as they are
             const float* xs = fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
-            if (kFuse == 0 && fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
-                // the scales (16-byte rows) in the same batch of loads as the payload (not fused: choosing head or
-                // tail per vector and destination spilled 1.1 KB, ptxas)
+            if (one_row(out) && fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
+                // the scales (16-byte rows) in the same batch of loads as the payload
                 copy_row<false>(reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
                                 (sl.payload_bytes + 4 * S) / 16, lane, sl.payload_bytes / 16,
                                 reinterpret_cast<const int4*>(xs));
@@ -740,7 +746,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                                             reinterpret_cast<const float*>(slot + sl.scales_off), out, H, lane);
                     return;
                 }
-                if (kFuse == 0 && wire_fp8 && S % 4 == 0) {  // the scales in the payload's batch of loads (as above)
+                if (one_row(out) && wire_fp8 && S % 4 == 0) {  // the scales in the payload's batch of loads (as above)
                     copy_row<true>(nullptr, out, reinterpret_cast<const int4*>(slot), (sl.payload_bytes + 4 * S) / 16,
                                    lane, sl.payload_bytes / 16);
                     return;
