@@ -309,6 +309,11 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     char* own = static_cast<char*>(moe_ep_own_region(mut));
     if (p.x_in_region != 0 && (p.pull == 0 || p.x != own))
         return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
+    const bool fused = p.fused_reduction != 0;
+    if (fused && (p.pull != 0 || ce || p.recv_slot == nullptr || p.slot_topk < 1 || p.slot_topk > MOE_EP_MAX_TOPK))
+        return set_error(-1, "fused reduction: needs a push combine (no pull, no copy engine), recv_slot and "
+                             "1 <= slot_topk <= " + std::to_string(MOE_EP_MAX_TOPK));
+    const size_t smem = fused ? size_t(kWarps) * 32 * sizeof(int) : 0;  // each warp's slot list
     if (p.pull != 0) {
         if (ce || p.num_send_warps != 0 || p.num_send_blocks != 0)
             return set_error(-1, "a pull combine has no senders and no copy engine");
@@ -348,14 +353,21 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         if (int err = check_copy_rows(ctx, p.host_counts, row_bytes + 4 * p.num_topk)) return err;
         if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
     }
-#define MOE_EP_LAUNCH_COMBINE(T)                                                    \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);      \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+#define MOE_EP_LAUNCH_COMBINE(T, kFuse)                                                             \
+    if (R <= 2) combine_kernel<T, 2, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);            \
+    else if (R <= 4) combine_kernel<T, 4, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);       \
+    else combine_kernel<T, 8, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);
+    // the fused reduction is its own kernel, so the default kernels stay as they were
     if (p.elem_bytes == 2) {
-        MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
+        if (fused) {
+            MOE_EP_LAUNCH_COMBINE(__nv_bfloat16, 1)
+        } else {
+            MOE_EP_LAUNCH_COMBINE(__nv_bfloat16, 0)
+        }
+    } else if (fused) {
+        MOE_EP_LAUNCH_COMBINE(float, 1)
     } else {
-        MOE_EP_LAUNCH_COMBINE(float)
+        MOE_EP_LAUNCH_COMBINE(float, 0)
     }
 #undef MOE_EP_LAUNCH_COMBINE
     if (int err = check_launch("combine_kernel")) return err;

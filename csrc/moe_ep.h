@@ -113,6 +113,14 @@ typedef struct {
      * launches no second one. topk_weights, when given, is still a separate [num_recv_rows, K] array and is still
      * copied into the region's weights area. */
     int64_t x_in_region;
+    /* fused_reduction != 0 (push only: no pull, no copy engine): x is the expert-major y [num_expert_rows, hidden] of
+     * an expert-major dispatch, and received row r (what would be x[r]) is made where it is needed: the sum over its
+     * valid recv_slot [num_recv_rows, slot_topk] entries, k ascending, in fp32 from 0.0f, rounded once to the element
+     * type (moe_ep_unpermute's row), by the senders for the rows they send back and by the receivers for this rank's
+     * own tokens: one row per token crosses, and no unpermute runs. */
+    int64_t fused_reduction;
+    const int32_t* recv_slot;
+    int64_t slot_topk, num_expert_rows;
 } moe_ep_combine_params;
 
 /* Rows of `row_bytes` a pull combine with num_topk weights per row can hold in one region. */

@@ -22,7 +22,8 @@ from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops import library, permute
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
-from moe_ep_plugin.transports.nvlink.plan import Roles, combine_roles, dispatch_roles, most_received, send_blocks
+from moe_ep_plugin.transports.nvlink.plan import (Roles, combine_roles, dispatch_roles, fused_combine_roles,
+                                                 most_received, send_blocks)
 
 # at(i, offset=0): address of int32 element `offset` of notify's output i (0 rank prefix matrix, then info; 1
 # send_offset; 2 send_pos; 3 send_list; 4 expert_pos), or of the guessed receive metadata (5 recv_src_idx, 6
@@ -269,6 +270,17 @@ def test_fused_dispatch_experts(fake: FakeLib, rows_guess: int, most: int) -> No
     assert (layout.tokens_per_expert, layout.num_rows) == (TOKENS_PER_EXPERT, NUM_ROWS)
 
 
+@pytest.mark.parametrize("sms, launched", [(0, 24), (64, 64), (200, 132)])
+def test_fused_dispatch_sms(fake: FakeLib, sms: int, launched: int) -> None:
+    """``fused_dispatch_sms`` sets a fused dispatch kernel's blocks (at most the device's 132 SMs; 0: num_sms)."""
+    t = nvlink_transport(fake, ME, R, 16, 24)
+    x, topk_idx, weights = _inputs()
+    fake.read_values = PREFIX + INFO + EXACT_PER_EXPERT + [NUM_ROWS]
+    config = dataclasses.replace(FUSED, nvlink=dataclasses.replace(FUSED.nvlink, fused_dispatch_sms=sms))
+    t.dispatch_experts(dataclasses.replace(_args(x, topk_idx, weights), config=config), ALIGNMENT)
+    assert [a[1]["num_sms"] for name, a in fake.calls if name == "moe_ep_dispatch"] == [launched]
+
+
 def test_fused_cached_dispatch_experts(fake: FakeLib) -> None:
     """A cached dispatch with ``fused_dispatch`` (the backward of combine_experts): barrier and the kernel writing
     the handle's expert-major rows, no permute."""
@@ -361,6 +373,26 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
     assert (tuple(out.shape), out.dtype, tuple(out_weights.shape), out_weights.dtype) == (
         (N, H), torch.bfloat16, (N, K), torch.float32)
+
+
+@pytest.mark.parametrize("tuning", [dict(), dict(pull_combine_min_bytes=0), dict(copy_engine_combine_below_sms=1000)],
+                         ids=["push", "pull-otherwise", "copy-engine-otherwise"])
+def test_fused_combine_experts(fake: FakeLib, tuning: dict) -> None:
+    """``fused_combine``: no unpermute; the start barrier and a push combine whose kernel sums each received row from
+    ``y`` through recv_slot, even where the tuning would pull or use the copy engines."""
+    t = _transport(fake, guess=16)
+    fake.pull_rows = 1000
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(fused_combine=True, **tuning))
+    combined = fake.calls[-1][1][1]
+    assert fake.calls == [
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_combine", (CTX, _combine(at, y.data_ptr(), out, out_weights, combined["topk_weights"], **PUSH,
+                                          fused_reduction=1, recv_slot=at(6), slot_topk=K, num_expert_rows=NUM_ROWS),
+                            STREAM)),
+    ]
+    assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
+    assert (tuple(out.shape), out.dtype, tuple(out_weights.shape)) == ((N, H), torch.bfloat16, (N, K))
 
 
 @pytest.mark.parametrize("min_bytes", [0, NUM_RECV * H * 2], ids=["no-threshold", "at-threshold"])
@@ -561,6 +593,13 @@ def test_dispatch_roles_follow_the_tuning() -> None:
     assert dispatch_roles(tuning, 24, 2, False, False) == (False, False, 5, 4)
     assert dispatch_roles(tuning, 4, 2, False, False) == (False, False, 5, 0)  # 4 blocks leave no receivers
     assert dispatch_roles(tuning, 24, 2, True, True) == (True, False, 3, 0)
+
+
+def test_fused_combine_roles() -> None:
+    """A fused combine reduction pushes: the tuning's senders, one sender warp at world size 1."""
+    assert fused_combine_roles(TUNING, 24, 1) == (False, False, 1, 0)
+    assert fused_combine_roles(TUNING, 24, 2) == (False, False, 6, 10)
+    assert fused_combine_roles(TUNING, 8, 4) == (False, False, 6, 0)  # 10 sender blocks leave no reducers
 
 
 def test_fused_dispatch_roles() -> None:

@@ -26,6 +26,7 @@
 #include "../common.cuh"
 #include "../moe_ep.h"
 #include "fp8.cuh"
+#include "permute.cuh"
 
 namespace moe_ep {
 
@@ -816,10 +817,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 // warps or (copy_engine) all of them by the host-side copy streams, straight from x; the origin sums each token's copies in source-rank order in fp32, then the biases.
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
-template <typename T, int kRanks>
+// Fused reduction (kFuse): received row r of a combine's input made from the expert-major rows y as unpermute makes
+// it (its valid recv_slot entries, k ascending, into the warp's `list` in shared memory; then sum_rows per vector).
+// Returns the entries' number; a warp-uniform call.
+__device__ __forceinline__ int slot_list(const moe_ep_combine_params& p, int64_t r, int* list) {
+    __syncwarp();  // the previous row's sums have read the list
+    return permute_kernels::row_slots(p.recv_slot, r, int(p.slot_topk), p.num_expert_rows, list).count;
+}
+
+constexpr int kSumBatch = 8;  // expert rows whose loads the fused reduction keeps in flight together (unpermute's)
+
+template <typename T, int kRanks, int kFuse>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p) {
     constexpr int kN = Vec<T>::kN;
-    constexpr int kUnroll = kCopyBatch / kRanks;
+    // fused: a quarter of the vectors in flight (at least one), so that the own row's sums fit the registers
+    constexpr int kUnroll = kFuse == 0 ? kCopyBatch / kRanks : kCopyBatch / kRanks / 4 > 0 ? kCopyBatch / kRanks / 4 : 1;
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = int(p.num_topk);
@@ -832,9 +844,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const bool ce = p.copy_engine != 0;
     const int cap_rows = int(min(c.region_bytes / (row_bytes + 4 * K), int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
+    extern __shared__ int s_lists[];  // fused reduction: each warp's slot list
+    int* list = s_lists + warp * 32;
 
     if (role.send) {
-        // the rows chunk by chunk, interleaved over peers (none when the copy engines carry them)
+        // the rows chunk by chunk, interleaved over peers (none when the copy engines carry them); fused, each row
+        // summed from its expert rows on the way
         const int gw = role.gw, nw = role.nw;
         int max_chunks = 0;
         for (int d = 0; d < R; ++d) {
@@ -852,10 +867,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             }
             const int64_t base = offset_from(rpm, R, d, me);
             char* dst_region = region(c, d, me);
-            prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
-            for (int i = 0; i < end - begin; ++i)
-                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes), OneRow{nullptr, nullptr},
-                                reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
+            if constexpr (kFuse != 0) {
+                for (int i = 0; i < end - begin; ++i) {
+                    const int n = slot_list(p, base + begin + i, list);
+                    int4* wire = reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes);
+                    for (int j = lane; j < n16; j += 32)
+                        wire[j] = sum_rows<T, kSumBatch>(reinterpret_cast<const int4*>(x), n16, list, n, j);
+                }
+            } else {
+                prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
+                for (int i = 0; i < end - begin; ++i)
+                    copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes), OneRow{nullptr, nullptr},
+                                    reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
+            }
             if (p.topk_weights != nullptr) {
                 float* w = reinterpret_cast<float*>(dst_region + count * row_bytes) + int64_t(begin) * K;
                 for (int e = lane; e < (end - begin) * K; e += 32) w[e] = __ldg(p.topk_weights + (base + begin) * K + e);
@@ -919,6 +943,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             src[r] = row_base[r] + int64_t(pos) * row_bytes;
         }
         if (!ok) break;
+        int own_slots = 0;  // fused: this rank's own row is summed from its expert rows
+        if constexpr (kFuse != 0) {  // (send_pos again, not cur_pos[me]: a run-time index would put cur_pos in memory)
+            const int pos = __ldg(p.send_pos + int64_t(t) * R + me);
+            if (pos >= 0) own_slots = slot_list(p, self_base + pos, list);
+        }
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
 #pragma unroll 1
         for (int j0 = lane; j0 < n16; j0 += 32 * kUnroll) {
@@ -930,7 +959,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                     const int j = j0 + 32 * u;
                     if (src[r] != nullptr && j < n16) {
                         const int4* a = reinterpret_cast<const int4*>(src[r]) + j;
-                        v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
+                        if (kFuse != 0 && r == me) {
+                            v[r][u] = sum_rows<T, kSumBatch>(reinterpret_cast<const int4*>(x), n16, list, own_slots, j);
+                        } else {
+                            v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
+                        }
                     }
                 }
 #pragma unroll

@@ -53,7 +53,8 @@ class CombineParams(ctypes.Structure):
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
                                   "num_send_warps", "num_send_blocks", "copy_engine", "copy_piece_rows",
                                   "copy_streams")] + [
-        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
+        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64), ("fused_reduction", _i64), ("recv_slot", _p),
+        ("slot_topk", _i64), ("num_expert_rows", _i64)]
 
 
 class LLDispatchParams(ctypes.Structure):

@@ -70,6 +70,14 @@ def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8:
     return False, False, warps, send_blocks(tuning.dispatch_send_blocks, num_sms)
 
 
+def fused_combine_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int) -> Roles:
+    """A fused combine reduction's roles: always push (its senders make the rows they send), with the tuning's
+    senders, but only the one sender warp the kernel requires at world size 1 (nothing to send)."""
+    if num_ranks == 1:
+        return False, False, 1, 0
+    return False, False, tuning.combine_send_warps, send_blocks(tuning.combine_send_blocks, num_sms)
+
+
 def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: Optional[int], row_bytes: int,
                   pull_capacity: Callable[[], int]) -> Roles:
     """A combine's roles. ``most_rows``: the most rows any rank received (None when the counts are not on the host:

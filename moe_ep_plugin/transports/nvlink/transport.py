@@ -31,8 +31,8 @@ from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
 from ...ops.library import MAX_EXPERTS, MAX_TOPK, META_WORDS, CombineParams, DispatchParams
 from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, dispatch_meta, slot_weights
-from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, most_received,
-                   staging_capacity)
+from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, fused_combine_roles,
+                   most_received, staging_capacity)
 from .runtime import NVLinkRuntime
 
 _T = TypeVar("_T")
@@ -266,9 +266,11 @@ class NVLinkTransport(Transport):
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
-        num_sms = self._num_sms(args.config)
-        pull, _, warps, blocks = dispatch_roles(args.config.nvlink, num_sms, self.num_ranks, args.wire_fp8,
-                                                args.fp8_out, bool(outputs.get("fused_expansion")))
+        tuning = args.config.nvlink
+        fused = bool(outputs.get("fused_expansion"))
+        num_sms = (min(tuning.fused_dispatch_sms, self._rt.device_sms) if fused and tuning.fused_dispatch_sms
+                   else self._num_sms(args.config))
+        pull, _, warps, blocks = dispatch_roles(tuning, num_sms, self.num_ranks, args.wire_fp8, args.fp8_out, fused)
         params = DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
@@ -480,10 +482,11 @@ class NVLinkTransport(Transport):
 
     # ---- combine ----
     def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
-                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
-                        ) -> _CombineLaunch:
+                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config,
+                        fused: bool = False) -> _CombineLaunch:
         """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
-        pick how rows travel (``plan.combine_roles``); ``params.x`` is left for the caller."""
+        pick how rows travel (``plan.combine_roles``, or ``plan.fused_combine_roles`` for a fused reduction);
+        ``params.x`` is left for the caller."""
         elem_bytes = dtype.itemsize
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if k > MAX_TOPK:
@@ -506,9 +509,12 @@ class NVLinkTransport(Transport):
         # the counts of this transport's own handles (none at world size 1: nothing crosses)
         host_counts = state.host_counts if own and self.num_ranks > 1 else None
         row_bytes = hidden * elem_bytes
-        pull, copy_engine, warps, blocks = combine_roles(
-            config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
-            row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
+        if fused:
+            pull, copy_engine, warps, blocks = fused_combine_roles(config.nvlink, num_sms, self.num_ranks)
+        else:
+            pull, copy_engine, warps, blocks = combine_roles(
+                config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
+                row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
         # copy engine and pull: where each peer's rows sit in x (kept alive in the result until the launch)
         counts = state.copy_counts() if copy_engine or pull else None
         params = CombineParams(
@@ -545,15 +551,23 @@ class NVLinkTransport(Transport):
         combine's copy would put them, and the combine kernel reads them there (``x_in_region``): no row copies (one
         pass over the rows and R - 1 copy launches fewer; expert weights, if any, are still copied). A pulling
         combine without the unpermute kernel copies the rows into the region inside ``moe_ep_combine``, as
-        :meth:`combine` does."""
+        :meth:`combine` does. With ``config.nvlink.fused_combine`` no unpermute runs: a push combine kernel sums
+        each received row from ``y`` itself (``fused_reduction``; the same bits)."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         slot = layout.recv_slot
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
+        # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
+        kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need, the fused reduction's too
+        if config.nvlink.fused_combine and kernel and slot.shape[0] == handle.num_recv_rows:
+            launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config, fused=True)
+            params = launch.params
+            params.x, params.fused_reduction, params.recv_slot = y.data_ptr(), 1, slot.data_ptr()
+            params.slot_topk, params.num_expert_rows = slot.shape[1], layout.num_rows
+            self._launch_combine(params)
+            return launch.out, launch.out_weights
         launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config)
         params = launch.params
-        # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
-        kernel = permute.unpermute_kernel_takes(y, slot)
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
         if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
             self._rt.barrier()

@@ -1,7 +1,9 @@
 """The fused expansion (``NVLinkTuning.fused_dispatch``: the expert-major dispatch kernel writes every received row
-straight into its expert-major rows) against the unfused path (receive buffer + ``permute``) on the same Buffer:
-expert-major rows bit for bit (BF16/FP32 as their bits, FP8 bytes), FP8 scales, probs, ``tokens_per_expert``,
-``recv_slot`` and the combine of each handle equal. Fresh dispatches (the first fused one outgrows its guess and
+straight into its expert-major rows) and the fused reduction (``NVLinkTuning.fused_combine``: the push combine kernel
+sums each token's expert rows itself) against the unfused paths (receive buffer + ``permute``; ``unpermute`` +
+combine) on the same Buffer: expert-major rows bit for bit (BF16/FP32 as their bits, FP8 bytes), FP8 scales, probs,
+``tokens_per_expert``, ``recv_slot``, and combined rows and weights bit for bit (both round each received row once,
+then sum over ranks in fp32 in the same order). Fresh dispatches (the first fused one outgrows its guess and
 dispatches again, the second fits it), cached ones (the backward of combine_experts), push and pull data paths, all
 four row forms, alignment 1 and 16, routes with -1 entries, a rank without tokens; EP1 on its own GPU (also at
 DeepSeek-V3's shape) and 2 and 4 ranks sharing cuda:0 over gloo (start an MPS daemon first, as for
@@ -55,9 +57,9 @@ PATHS = (
 
 
 def _configs(num_sms: int, tuning: NVLinkTuning) -> tuple[Config, Config]:
-    """(unfused, fused) Configs of one data path."""
+    """(unfused, fused) Configs of one data path (the fused one fuses dispatch and combine)."""
     return (Config(num_sms=num_sms, nvlink=tuning),
-            Config(num_sms=num_sms, nvlink=dataclasses.replace(tuning, fused_dispatch=True)))
+            Config(num_sms=num_sms, nvlink=dataclasses.replace(tuning, fused_dispatch=True, fused_combine=True)))
 
 
 def _bits(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -112,10 +114,14 @@ def _check(buffer: Buffer, seed: int, tokens: int, hidden: int, topk: int, num_e
     for label, i in (("expert_x", 0), ("expert_scales", 1)):
         _same(f"{what}, cached: {label}", cached_got[i], cached_want[i])
     assert cached_got[2] is None and cached_want[2] is None
-    # combine is not fused: the same layout combines to the same bits
-    y = torch.randn(want[0].shape[0], hidden, device=buffer.device).bfloat16()
-    _same(f"{what}: combine", buffer.combine_experts(y, got[4], config=fused)[0],
-          buffer.combine_experts(y, want[4], config=unfused)[0])
+    # combine (with expert weights, as the backward of dispatch_experts runs it), in BF16 and FP32
+    for dtype in (torch.bfloat16, torch.float32):
+        y = torch.randn(want[0].shape[0], hidden, device=buffer.device).to(dtype)
+        expert_weights = torch.rand(want[0].shape[0], device=buffer.device)
+        got_out, got_w, _ = buffer.combine_experts(y, got[4], expert_weights, config=fused)
+        want_out, want_w, _ = buffer.combine_experts(y, want[4], expert_weights, config=unfused)
+        _same(f"{what}: combine {dtype}", got_out, want_out)
+        _same(f"{what}: combined weights {dtype}", got_w, want_w)
 
 
 def _cases(rank: int, world: int) -> list[tuple]:
@@ -149,10 +155,10 @@ def _entry() -> None:
     _fail_fast(_suite)
 
 
-def test_fused_dispatch_single_rank() -> None:
+def test_fused_single_rank() -> None:
     spawn(_entry, 1, backend="nccl", timeout_s=300.0)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_fused_dispatch_ranks_sharing_one_gpu(ranks: int) -> None:
+def test_fused_ranks_sharing_one_gpu(ranks: int) -> None:
     spawn(_entry, ranks, backend="gloo", timeout_s=600.0)
