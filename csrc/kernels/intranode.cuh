@@ -817,6 +817,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 // warps or (copy_engine) all of them by the host-side copy streams, straight from x; the origin sums each token's copies in source-rank order in fp32, then the biases.
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
+// kFuse (combine_experts' fused reduction, push only): x is the expert-major y, and each received row is summed
+// from its expert rows where it is needed (senders: the rows they push; receivers: this rank's own tokens).
+//
 // Fused reduction (kFuse): received row r of a combine's input made from the expert-major rows y as unpermute makes
 // it (its valid recv_slot entries, k ascending, into the warp's `list` in shared memory; then sum_rows per vector).
 // Returns the entries' number; a warp-uniform call.
