@@ -253,17 +253,32 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
     const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
     if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
-    const size_t smem = size_t(hist_bytes);
+    const bool fused = p.fused_expansion != 0;
+    if (fused && (p.expert_major == 0 || p.num_expert_rows < 0 || (p.num_expert_rows > 0 && p.expert_x == nullptr) ||
+                  (p.num_expert_rows > 0 && dispatch_fp8_out(p, p.wire_fp8 != 0) != (p.expert_scales != nullptr))))
+        return set_error(-1, "fused expansion: needs expert-major mode, num_expert_rows >= 0, expert_x, and "
+                             "expert_scales exactly when FP8 rows are received");
+    // the fused expansion's per-warp row lists follow the histogram (both within the default 48 KiB)
+    const size_t smem = size_t(hist_bytes) + (fused ? size_t(kFanBytes) : 0);
+    if (smem > 48 * 1024) return set_error(-1, "too many local experts for the fused expansion");
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
+// The fused expansion is always its own kernel (expert-major mode fixed), so the default kernels stay as they were.
 #define DISPATCH_LAUNCH_CASE(kQuant)                                                                                \
-    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                             \
-                SWITCH_TOPK(kTopk, dispatch_topk(p),                                                                \
-                            SWITCH_MODE(kPull, p.pull != 0,                                                         \
-                                        dispatch_kernel<kQuant, kFp8Out, kTopk, kPull>                              \
-                                        <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))))
+    if (fused) {                                                                                                    \
+        SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                         \
+                    SWITCH_MODE(kPull, p.pull != 0,                                                                 \
+                                dispatch_kernel<kQuant, kFp8Out, kExpertTopk, kPull, 1>                             \
+                                <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes)));                       \
+    } else {                                                                                                        \
+        SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                         \
+                    SWITCH_TOPK(kTopk, dispatch_topk(p),                                                            \
+                                SWITCH_MODE(kPull, p.pull != 0,                                                     \
+                                            dispatch_kernel<kQuant, kFp8Out, kTopk, kPull, 0>                       \
+                                            <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))));          \
+    }
     if (!quantize) {
         DISPATCH_LAUNCH_CASE(0);
     } else if (p.x_elem_bytes == 2) {
@@ -295,6 +310,11 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     char* own = static_cast<char*>(moe_ep_own_region(mut));
     if (p.x_in_region != 0 && (p.pull == 0 || p.x != own))
         return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
+    const bool fused = p.fused_reduction != 0;
+    if (fused && (p.pull != 0 || ce || p.recv_slot == nullptr || p.slot_topk < 1 || p.slot_topk > MOE_EP_MAX_TOPK))
+        return set_error(-1, "fused reduction: needs a push combine (no pull, no copy engine), recv_slot and "
+                             "1 <= slot_topk <= " + std::to_string(MOE_EP_MAX_TOPK));
+    const size_t smem = fused ? size_t(kWarps) * 32 * sizeof(int) : 0;  // each warp's slot list
     if (p.pull != 0) {
         if (ce || p.num_send_warps != 0 || p.num_send_blocks != 0)
             return set_error(-1, "a pull combine has no senders and no copy engine");
@@ -334,14 +354,21 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         if (int err = check_copy_rows(ctx, p.host_counts, row_bytes + 4 * p.num_topk)) return err;
         if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
     }
-#define MOE_EP_LAUNCH_COMBINE(T)                                                    \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);      \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+#define MOE_EP_LAUNCH_COMBINE(T, kFuse)                                                             \
+    if (R <= 2) combine_kernel<T, 2, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);            \
+    else if (R <= 4) combine_kernel<T, 4, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);       \
+    else combine_kernel<T, 8, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);
+    // the fused reduction is its own kernel, so the default kernels stay as they were
     if (p.elem_bytes == 2) {
-        MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
+        if (fused) {
+            MOE_EP_LAUNCH_COMBINE(__nv_bfloat16, 1)
+        } else {
+            MOE_EP_LAUNCH_COMBINE(__nv_bfloat16, 0)
+        }
+    } else if (fused) {
+        MOE_EP_LAUNCH_COMBINE(float, 1)
     } else {
-        MOE_EP_LAUNCH_COMBINE(float)
+        MOE_EP_LAUNCH_COMBINE(float, 0)
     }
 #undef MOE_EP_LAUNCH_COMBINE
     if (int err = check_launch("combine_kernel")) return err;

@@ -178,6 +178,26 @@ struct Vec<float> {
     }
 };
 
+// Vector v of the sum of rows list[0, n) of y (row_vecs 16-byte vectors each), in fp32 from 0.0f in list order,
+// rounded once to T; the loads of kBatch rows are in flight together. What unpermute writes per received row, and
+// what the fused combine reduction makes of it on the way.
+template <typename T, int kBatch>
+__device__ __forceinline__ int4 sum_rows(const int4* y, int64_t row_vecs, const int* list, int n, int64_t v) {
+    float acc[Vec<T>::kN];
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kN; ++i) acc[i] = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += kBatch) {
+        int4 buf[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+            if (j0 + u < n) buf[u] = __ldg(y + int64_t(list[j0 + u]) * row_vecs + v);
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+            if (j0 + u < n) Vec<T>::add(acc, buf[u]);
+    }
+    return Vec<T>::pack(acc);
+}
+
 // Exclusive sum of `value` over the threads before this one (in thread order) of the whole block; `total` receives
 // the block's sum. Every thread of the block calls it; blockDim.x is a multiple of 32. `scratch`: 33 ints of
 // shared memory, reusable once the call returns.

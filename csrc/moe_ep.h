@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 7
+#define MOE_EP_ABI_VERSION 8
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
@@ -72,6 +72,15 @@ typedef struct {
      * (destinations in rank order) and its peers' receivers load them over NVLink; every rank decides this for
      * every source alike from rank_prefix_matrix. */
     int64_t pull;
+    /* fused_expansion != 0 (expert-major mode only): receivers write each received row straight into all of its
+     * expert-major rows of expert_x [num_expert_rows, row bytes] (BF16/FP32, or FP8 e4m3 with its scales in
+     * expert_scales [num_expert_rows, hidden/128]) and zero the padding rows (scales too) instead of filling recv_x /
+     * recv_scales (unused, may be NULL); no permute is needed after. With speculative_rows, a rank whose expert-major
+     * rows (expert_info[2]) exceed num_expert_rows skips receiving as for too few receive rows. */
+    int64_t fused_expansion;
+    void* expert_x;
+    float* expert_scales;
+    int64_t num_expert_rows;
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
@@ -104,6 +113,14 @@ typedef struct {
      * launches no second one. topk_weights, when given, is still a separate [num_recv_rows, K] array and is still
      * copied into the region's weights area. */
     int64_t x_in_region;
+    /* fused_reduction != 0 (push only: no pull, no copy engine): x is the expert-major y [num_expert_rows, hidden] of
+     * an expert-major dispatch, and received row r (what would be x[r]) is made where it is needed: the sum over its
+     * valid recv_slot [num_recv_rows, slot_topk] entries, k ascending, in fp32 from 0.0f, rounded once to the element
+     * type (moe_ep_unpermute's row), by the senders for the rows they send back and by the receivers for this rank's
+     * own tokens: one row per token crosses, and no unpermute runs. */
+    int64_t fused_reduction;
+    const int32_t* recv_slot;
+    int64_t slot_topk, num_expert_rows;
 } moe_ep_combine_params;
 
 /* Rows of `row_bytes` a pull combine with num_topk weights per row can hold in one region. */
@@ -160,9 +177,9 @@ int moe_ep_notify_dispatch(void* ctx, const int32_t* num_tokens_per_rank, const 
 /* The notify of an expert-major dispatch, straight from top-k ids [N, K] (no layout step): the same barrier, count
  * exchange, rank_prefix_matrix, send_pos and send_list, plus is_token_in_rank [N, R] (bytes), expert_pos [N, K]
  * (each entry's index among this rank's entries for its expert, -1 for none), send_offset [E] (see
- * moe_ep_dispatch_params) and info [3 + 2L] = {rows this rank receives, out-of-range-id rank mask, M = its
- * expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count}; `meta` as
- * in moe_ep_notify_dispatch. */
+ * moe_ep_dispatch_params) and info [4 + 2L] = {rows this rank receives, out-of-range-id rank mask, M = its
+ * expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count, then the most
+ * expert-major rows any rank has (every rank computes the same)}; `meta` as in moe_ep_notify_dispatch. */
 int moe_ep_notify_experts(void* ctx, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                           int64_t num_experts, int64_t alignment, int64_t list_stride, int32_t* rank_prefix_matrix,
                           int32_t* send_pos, int32_t* send_list, uint8_t* is_token_in_rank, int32_t* expert_pos,

@@ -39,6 +39,16 @@ class NVLinkTuning:
       host-bound combines more than they save).
     - ``copy_engine_combine_below_sms``: with fewer SMs than this the copy engines carry every combined row
       (``copy_streams`` streams, pieces of at least ``copy_piece_rows`` rows) and every warp reduces; 0 = never.
+    - ``fused_dispatch``: the expert-major dispatch kernel writes each received row straight into all of its
+      expert-major rows (FP8 scales and probs too) instead of into a receive buffer that ``permute`` then expands:
+      one HBM round trip and one launch fewer, the K-fold writes on ``num_sms`` SMs instead of all. Off until timed
+      on the GPU (the same results bit for bit either way; docs/expert_major.md). ``fused_dispatch_sms`` > 0: that
+      many blocks for a fused dispatch kernel instead of the call's ``num_sms`` (at most the device's SMs: all must
+      be resident), since its K-fold writes may want more SMs than the transfer.
+    - ``fused_combine``: ``combine_experts`` pushes, and its kernel makes each received row from the token's
+      expert-major rows itself (summed in fp32, rounded once: unpermute's row) where it is needed: senders for the
+      rows they send back, receivers for this rank's own tokens; one row per token crosses and no unpermute runs.
+      It takes the push data path even where ``combine_pull`` or the copy engines would be chosen. Off until timed.
     """
 
     dispatch_send_warps: int = 6
@@ -55,6 +65,9 @@ class NVLinkTuning:
     copy_engine_combine_below_sms: int = 20
     copy_piece_rows: int = 512
     copy_streams: int = 2
+    fused_dispatch: bool = False
+    fused_dispatch_sms: int = 0
+    fused_combine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
@@ -62,11 +75,11 @@ class NVLinkTuning:
             _check_int(f"NVLinkTuning.{name}", getattr(self, name), 1, WARPS_PER_BLOCK - 1)
         _check_int("NVLinkTuning.combine_send_warps", self.combine_send_warps, 1, WARPS_PER_BLOCK - 1)
         for name in ("dispatch_send_blocks", "combine_send_blocks", "pull_combine_min_bytes",
-                     "copy_engine_combine_below_sms"):
+                     "copy_engine_combine_below_sms", "fused_dispatch_sms"):
             _check_int(f"NVLinkTuning.{name}", getattr(self, name), 0, None)
         _check_int("NVLinkTuning.copy_piece_rows", self.copy_piece_rows, 1, None)
         _check_int("NVLinkTuning.copy_streams", self.copy_streams, 1, MAX_COPY_STREAMS)
-        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull"):
+        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull", "fused_dispatch", "fused_combine"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"NVLinkTuning.{name}: expected a bool, got {getattr(self, name)!r}")
 

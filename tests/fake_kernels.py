@@ -125,16 +125,17 @@ def installed(lib: FakeLib) -> Iterator[FakeLib]:
         yield lib
 
 
-def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int) -> NVLinkTransport:
+def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int, rows_guess: int = 0) -> NVLinkTransport:
     """An NVLinkTransport on CPU over ``lib`` with what the ``__init__`` of it and of its runtime set (there from
-    the process group, the library and the GPU); to be used inside :func:`installed`."""
+    the process group, the library and the GPU; ``rows_guess``: the expert-major rows a fused dispatch guesses);
+    to be used inside :func:`installed`."""
     rt = object.__new__(NVLinkRuntime)
     rt.group, rt.rank, rt.num_ranks, rt.device, rt.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
     rt.lib, rt.index, rt.ctx, rt.error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
     rt.region_bytes, rt.own_region, rt.read_buffer, rt.device_sms = 1 << 24, OWN_REGION, lib.read_buffer, 132
     t = object.__new__(NVLinkTransport)
     t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
-    t._rt, t._recv_guess = rt, recv_guess
+    t._rt, t._recv_guess, t._rows_guess = rt, recv_guess, rows_guess
     lib.num_ranks = num_ranks
     return t
 

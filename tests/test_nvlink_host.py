@@ -22,7 +22,8 @@ from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops import library, permute
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
-from moe_ep_plugin.transports.nvlink.plan import Roles, combine_roles, dispatch_roles, most_received, send_blocks
+from moe_ep_plugin.transports.nvlink.plan import (Roles, combine_roles, dispatch_roles, fused_combine_roles,
+                                                 most_received, send_blocks)
 
 # at(i, offset=0): address of int32 element `offset` of notify's output i (0 rank prefix matrix, then info; 1
 # send_offset; 2 send_pos; 3 send_list; 4 expert_pos), or of the guessed receive metadata (5 recv_src_idx, 6
@@ -222,6 +223,83 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     _check_view(handle.rank_prefix_matrix, at(0), (R, R))
 
 
+FUSED = dataclasses.replace(CONFIG, nvlink=dataclasses.replace(TUNING, fused_dispatch=True))
+EXACT_PER_EXPERT = [7, 11]  # RECV_SLOT's rows per expert without the padding
+
+
+@pytest.mark.parametrize("rows_guess, most", [(24, 20), (16, 20), (24, 30)],
+                         ids=["fits", "own-over-guess", "peer-over-guess"])
+def test_fused_dispatch_experts(fake: FakeLib, rows_guess: int, most: int) -> None:
+    """``fused_dispatch``: the kernel writes the expert-major rows (a guess of the most any rank had, then exactly
+    this rank's when some rank had more than the guess: notify's last info word, read with the exact counts), no
+    receive buffer and no permute."""
+    t = nvlink_transport(fake, ME, R, 16, rows_guess)
+    x, topk_idx, weights = _inputs()
+    fake.read_values = PREFIX + INFO + EXACT_PER_EXPERT + [most]
+    result = t.dispatch_experts(dataclasses.replace(_args(x, topk_idx, weights), config=FUSED), ALIGNMENT)
+    at = _notify_experts_at(fake)
+    handle, layout = result.handle, result.handle.expert_layout
+    first = fake.calls[2][1][1]
+    expected = [
+        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights),
+                                   STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 4 + 2 * L), STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_src_idx=at(5), recv_slot=at(6),
+                                                   expert_probs=first["expert_probs"], num_recv_rows=16,
+                                                   speculative_rows=1, fused_expansion=1,
+                                                   expert_x=first["expert_x"], num_expert_rows=rows_guess),
+                             STREAM)),
+        ("moe_ep_read_wait", (CTX,)),
+    ]
+    if most <= rows_guess:
+        assert fake.calls == expected
+        assert (result.x.data_ptr(), result.probs.data_ptr()) == (first["expert_x"], first["expert_probs"])
+    else:
+        second = fake.calls[5][1][1]
+        assert fake.calls == expected + [
+            ("moe_ep_barrier", (CTX, STREAM)),
+            ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_src_idx=second["recv_src_idx"],
+                                                       recv_slot=second["recv_slot"],
+                                                       expert_probs=result.probs.data_ptr(), num_recv_rows=NUM_RECV,
+                                                       fused_expansion=1, expert_x=result.x.data_ptr(),
+                                                       num_expert_rows=NUM_ROWS), STREAM))]
+    assert t._rows_guess == max(rows_guess, most)
+    assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
+    assert tuple(result.probs.shape) == (NUM_ROWS,)
+    assert (layout.tokens_per_expert, layout.num_rows) == (TOKENS_PER_EXPERT, NUM_ROWS)
+
+
+@pytest.mark.parametrize("sms, launched", [(0, 24), (64, 64), (200, 132)])
+def test_fused_dispatch_sms(fake: FakeLib, sms: int, launched: int) -> None:
+    """``fused_dispatch_sms`` sets a fused dispatch kernel's blocks (at most the device's 132 SMs; 0: num_sms)."""
+    t = nvlink_transport(fake, ME, R, 16, 24)
+    x, topk_idx, weights = _inputs()
+    fake.read_values = PREFIX + INFO + EXACT_PER_EXPERT + [NUM_ROWS]
+    config = dataclasses.replace(FUSED, nvlink=dataclasses.replace(FUSED.nvlink, fused_dispatch_sms=sms))
+    t.dispatch_experts(dataclasses.replace(_args(x, topk_idx, weights), config=config), ALIGNMENT)
+    assert [a[1]["num_sms"] for name, a in fake.calls if name == "moe_ep_dispatch"] == [launched]
+
+
+def test_fused_cached_dispatch_experts(fake: FakeLib) -> None:
+    """A cached dispatch with ``fused_dispatch`` (the backward of combine_experts): barrier and the kernel writing
+    the handle's expert-major rows, no permute."""
+    t = _transport(fake, guess=16)
+    fresh, x, topk_idx, _, at = _fresh(fake, t)
+    fake.calls.clear()
+    x2 = torch.randn(N, H).to(torch.bfloat16)
+    args = _args(x2, None, None, handle=fresh.handle, num_experts=fresh.handle.num_experts)
+    result = t.dispatch_experts(dataclasses.replace(args, config=FUSED), ALIGNMENT)
+    assert fake.calls == [
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_dispatch", (CTX, _expert_dispatch(x2, topk_idx, None, at, recv_src_idx=at(5), recv_slot=at(6),
+                                                   num_recv_rows=NUM_RECV, fused_expansion=1,
+                                                   expert_x=result.x.data_ptr(), num_expert_rows=NUM_ROWS),
+                             STREAM)),
+    ]
+    assert result.probs is None and tuple(result.x.shape) == (NUM_ROWS, H)
+
+
 def test_cached_dispatch_experts(fake: FakeLib) -> None:
     """A cached dispatch: barrier, the dispatch kernel on the handle's layout (the forward's top-k, no weights, no
     guess), permute; no notify, no read."""
@@ -295,6 +373,26 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
     assert (tuple(out.shape), out.dtype, tuple(out_weights.shape), out_weights.dtype) == (
         (N, H), torch.bfloat16, (N, K), torch.float32)
+
+
+@pytest.mark.parametrize("tuning", [dict(), dict(pull_combine_min_bytes=0), dict(copy_engine_combine_below_sms=1000)],
+                         ids=["push", "pull-otherwise", "copy-engine-otherwise"])
+def test_fused_combine_experts(fake: FakeLib, tuning: dict) -> None:
+    """``fused_combine``: no unpermute; the start barrier and a push combine whose kernel sums each received row from
+    ``y`` through recv_slot, even where the tuning would pull or use the copy engines."""
+    t = _transport(fake, guess=16)
+    fake.pull_rows = 1000
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(fused_combine=True, **tuning))
+    combined = fake.calls[-1][1][1]
+    assert fake.calls == [
+        ("moe_ep_barrier", (CTX, STREAM)),
+        ("moe_ep_combine", (CTX, _combine(at, y.data_ptr(), out, out_weights, combined["topk_weights"], **PUSH,
+                                          fused_reduction=1, recv_slot=at(6), slot_topk=K, num_expert_rows=NUM_ROWS),
+                            STREAM)),
+    ]
+    assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
+    assert (tuple(out.shape), out.dtype, tuple(out_weights.shape)) == ((N, H), torch.bfloat16, (N, K))
 
 
 @pytest.mark.parametrize("min_bytes", [0, NUM_RECV * H * 2], ids=["no-threshold", "at-threshold"])
@@ -495,6 +593,22 @@ def test_dispatch_roles_follow_the_tuning() -> None:
     assert dispatch_roles(tuning, 24, 2, False, False) == (False, False, 5, 4)
     assert dispatch_roles(tuning, 4, 2, False, False) == (False, False, 5, 0)  # 4 blocks leave no receivers
     assert dispatch_roles(tuning, 24, 2, True, True) == (True, False, 3, 0)
+
+
+def test_fused_combine_roles() -> None:
+    """A fused combine reduction pushes: the tuning's senders, one sender warp at world size 1."""
+    assert fused_combine_roles(TUNING, 24, 1) == (False, False, 1, 0)
+    assert fused_combine_roles(TUNING, 24, 2) == (False, False, 6, 10)
+    assert fused_combine_roles(TUNING, 8, 4) == (False, False, 6, 0)  # 10 sender blocks leave no reducers
+
+
+def test_fused_dispatch_roles() -> None:
+    """A fused expansion with nothing to send (world size 1) keeps one sender warp; else the tuning's roles."""
+    for wire_fp8, fp8_out in ((False, False), (True, False), (True, True)):
+        assert dispatch_roles(TUNING, 24, 1, wire_fp8, fp8_out, fused=True) == (False, False, 1, 0)
+        for num_ranks in (2, 4):
+            assert (dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out, fused=True)
+                    == dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out))
 
 
 @pytest.mark.parametrize("num_sms, most, row_bytes, capacity, expected, asks", [

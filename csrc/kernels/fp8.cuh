@@ -33,27 +33,43 @@ __device__ __forceinline__ float fp8_to_float(uint32_t byte) {
     return float(f);
 }
 
-// 16 FP8 bytes times `scale` (fp32 products) → 16 values of OutT (BF16 rounded to nearest even, or FP32).
+// 16 FP8 bytes times `scale` (fp32 products) → 16 values of OutT (BF16 rounded to nearest even, or FP32), packed
+// into sizeof(OutT) 16-byte vectors: computed once, stored to as many rows as want them (fused expansion).
 template <typename OutT>
-__device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float scale) {
+__device__ __forceinline__ void dequant16(const int4& q, float scale, int4 (&o)[sizeof(OutT)]) {
     const uint32_t words[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
     float f[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) f[i] = __fmul_rn(fp8_to_float((words[i / 4] >> (8 * (i % 4))) & 0xffu), scale);
     if constexpr (sizeof(OutT) == 2) {
-        int4 o[2];
         __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(o);
 #pragma unroll
         for (int i = 0; i < 8; ++i) ob[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-        reinterpret_cast<int4*>(out)[0] = o[0];
-        reinterpret_cast<int4*>(out)[1] = o[1];
     } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            reinterpret_cast<int4*>(out)[i] = make_int4(__float_as_int(f[4 * i]), __float_as_int(f[4 * i + 1]),
-                                                        __float_as_int(f[4 * i + 2]), __float_as_int(f[4 * i + 3]));
+            o[i] = make_int4(__float_as_int(f[4 * i]), __float_as_int(f[4 * i + 1]), __float_as_int(f[4 * i + 2]),
+                             __float_as_int(f[4 * i + 3]));
     }
 }
+
+template <typename OutT>
+__device__ __forceinline__ void store16(OutT* out, const int4 (&o)[sizeof(OutT)]) {
+#pragma unroll
+    for (int i = 0; i < int(sizeof(OutT)); ++i) reinterpret_cast<int4*>(out)[i] = o[i];
+}
+
+template <typename OutT>
+__device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float scale) {
+    int4 o[sizeof(OutT)];
+    dequant16<OutT>(q, scale, o);
+    store16(out, o);
+}
+
+// The quantizer's default extra output: none.
+struct NoExtraOutput {
+    __device__ __forceinline__ void operator()(int, const int4&, float, bool) const {}
+};
 
 #ifndef MOE_EP_QUANT_LOADS
 #define MOE_EP_QUANT_LOADS 8  // a build-time tuning knob: 16-byte loads in flight per lane while quantizing
@@ -65,10 +81,13 @@ constexpr int kQuantLoads = MOE_EP_QUANT_LOADS;
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
 // Each lane handles 16 channels of a 512-channel group (8 lanes = one 128-channel block); the loads of
 // kGroups groups are issued together. Any of the outputs (q_wire/s_wire, a local copy q_out/s_out, deq_out: the
-// dequantized row in type T) may be null.
-template <typename T>
+// dequantized row in type T) may be null. `extra(c0, q, scale, scale_lane)` receives every lane's 16 FP8 bytes of
+// channels [c0, c0 + 16) and their block's scale too (scale_lane: the lane that stores it), for outputs beyond
+// those (the fused expansion's expert-major rows).
+template <typename T, typename Extra = NoExtraOutput>
 __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_wire, float* s_wire, uint8_t* q_out,
-                                             float* s_out, T* deq_out, bool round_scale, int lane) {
+                                             float* s_out, T* deq_out, bool round_scale, int lane,
+                                             const Extra& extra = Extra()) {
     constexpr int kVecs = In16<T>::kVecs;
     constexpr int kGroups = kQuantLoads / kVecs > 0 ? kQuantLoads / kVecs : 1;
 #pragma unroll 1
@@ -121,6 +140,7 @@ __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_
             if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
             if (s_out != nullptr && scale_lane) s_out[c0 / 128] = scale;
             if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
+            extra(c0, q, scale, scale_lane);
         }
     }
 }

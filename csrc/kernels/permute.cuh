@@ -259,21 +259,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         const int64_t last = min(first + kChunkVecs, row_vecs);
         const int n = row_slots(recv_slot, r, num_topk, num_rows, list).count;
         int4* dst = out + r * row_vecs;
-        for (int64_t v = first + lane; v < last; v += 32) {
-            float acc[Vec<T>::kN];
-#pragma unroll
-            for (int i = 0; i < Vec<T>::kN; ++i) acc[i] = 0.0f;
-            for (int j0 = 0; j0 < n; j0 += kUnpermuteBatch) {
-                int4 buf[kUnpermuteBatch];
-#pragma unroll
-                for (int u = 0; u < kUnpermuteBatch; ++u)
-                    if (j0 + u < n) buf[u] = __ldg(y + int64_t(list[j0 + u]) * row_vecs + v);
-#pragma unroll
-                for (int u = 0; u < kUnpermuteBatch; ++u)
-                    if (j0 + u < n) Vec<T>::add(acc, buf[u]);
-            }
-            dst[v] = Vec<T>::pack(acc);
-        }
+        for (int64_t v = first + lane; v < last; v += 32) dst[v] = sum_rows<T, kUnpermuteBatch>(y, row_vecs, list, n, v);
         __syncwarp();  // the list is rewritten for the next item
     }
 }

@@ -12,7 +12,7 @@ from typing import Optional
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 7
+ABI_VERSION = 8
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -41,7 +41,8 @@ class DispatchParams(ctypes.Structure):
             "wire_fp8", "fp8_in", "fp8_out", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
         ("send_pos", _p), ("expert_major", _i64)] + [
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
-        (name, _i64) for name in ("alignment", "speculative_rows", "pull")]
+        (name, _i64) for name in ("alignment", "speculative_rows", "pull", "fused_expansion")] + [
+        ("expert_x", _p), ("expert_scales", _p), ("num_expert_rows", _i64)]
 
 
 class CombineParams(ctypes.Structure):
@@ -52,7 +53,8 @@ class CombineParams(ctypes.Structure):
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
                                   "num_send_warps", "num_send_blocks", "copy_engine", "copy_piece_rows",
                                   "copy_streams")] + [
-        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
+        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64), ("fused_reduction", _i64), ("recv_slot", _p),
+        ("slot_topk", _i64), ("num_expert_rows", _i64)]
 
 
 class LLDispatchParams(ctypes.Structure):

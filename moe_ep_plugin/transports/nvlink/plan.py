@@ -53,9 +53,14 @@ def send_blocks(blocks: int, num_sms: int) -> int:
 Roles = tuple[bool, bool, int, int]
 
 
-def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8: bool, fp8_out: bool) -> Roles:
+def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8: bool, fp8_out: bool,
+                   fused: bool = False) -> Roles:
     """A dispatch's roles: pull when the tuning says so for this mode (never at world size 1: nothing crosses),
-    else push with the mode's sender warps (quantizing senders do more work, and dequantizing receivers too)."""
+    else push with the mode's sender warps (quantizing senders do more work, and dequantizing receivers too).
+    A fused expansion (``fused``) at world size 1 keeps only the one sender warp the kernel requires: there is
+    nothing to send, and its receivers write every row K times."""
+    if fused and num_ranks == 1:
+        return False, False, 1, 0
     if (tuning.quantizing_dispatch_pull if wire_fp8 else tuning.dispatch_pull) and num_ranks > 1:
         return True, False, tuning.pull_dispatch_send_warps, 0
     if not wire_fp8:
@@ -63,6 +68,14 @@ def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8:
     else:
         warps = tuning.quantizing_dispatch_send_warps if fp8_out else tuning.dequantizing_dispatch_send_warps
     return False, False, warps, send_blocks(tuning.dispatch_send_blocks, num_sms)
+
+
+def fused_combine_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int) -> Roles:
+    """A fused combine reduction's roles: always push (its senders make the rows they send), with the tuning's
+    senders, but only the one sender warp the kernel requires at world size 1 (nothing to send)."""
+    if num_ranks == 1:
+        return False, False, 1, 0
+    return False, False, tuning.combine_send_warps, send_blocks(tuning.combine_send_blocks, num_sms)
 
 
 def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: Optional[int], row_bytes: int,

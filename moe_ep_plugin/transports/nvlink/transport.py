@@ -31,8 +31,8 @@ from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
 from ...ops.library import MAX_EXPERTS, MAX_TOPK, META_WORDS, CombineParams, DispatchParams
 from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, dispatch_meta, slot_weights
-from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, most_received,
-                   staging_capacity)
+from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, fused_combine_roles,
+                   most_received, staging_capacity)
 from .runtime import NVLinkRuntime
 
 _T = TypeVar("_T")
@@ -148,6 +148,7 @@ class NVLinkTransport(Transport):
         self._rt = NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
         self.device = self._rt.device
         self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
+        self._rows_guess = 0  # expert-major rows a fused expert-major dispatch allocates before it reads the count
 
     def check_error(self) -> None:
         """Raise if a kernel on this rank recorded a failure (timeouts are sticky: the transport is then unusable)."""
@@ -257,20 +258,23 @@ class NVLinkTransport(Transport):
         return recv_x, recv_scales
 
     def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: Optional[torch.Tensor],
-                         recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                         recv_x: Optional[torch.Tensor], recv_scales: Optional[torch.Tensor],
                          topk_weights: Optional[torch.Tensor], alignment: int = 1, **outputs: int) -> None:
         """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` fields, addresses as
-        ints (passed to the struct's constructor with the rest: no attribute set per field)."""
+        ints (passed to the struct's constructor with the rest: no attribute set per field). ``recv_x`` is None when
+        the fused expansion writes the expert-major rows instead."""
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
-        num_sms = self._num_sms(args.config)
-        pull, _, warps, blocks = dispatch_roles(args.config.nvlink, num_sms, self.num_ranks, args.wire_fp8,
-                                                args.fp8_out)
+        tuning = args.config.nvlink
+        fused = bool(outputs.get("fused_expansion"))
+        num_sms = (min(tuning.fused_dispatch_sms, self._rt.device_sms) if fused and tuning.fused_dispatch_sms
+                   else self._num_sms(args.config))
+        pull, _, warps, blocks = dispatch_roles(tuning, num_sms, self.num_ranks, args.wire_fp8, args.fp8_out, fused)
         params = DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
-            recv_x=recv_x.data_ptr(), recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden,
+            recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden,
             x_elem_bytes=x.element_size(), num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
             num_local_experts=args.num_experts // self.num_ranks, list_stride=state.list_stride,
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
@@ -362,7 +366,12 @@ class NVLinkTransport(Transport):
         ``permute.permute`` (all SMs) expands the received rows. One host read in all (the received row count and
         the per-expert counts together), taken while the dispatch kernel already runs: that kernel is launched
         right after notify with receive buffers of the most rows any rank received so far; when a rank receives
-        more, every rank (each sees the whole count matrix) dispatches once more with buffers that fit."""
+        more, every rank (each sees the whole count matrix) dispatches once more with buffers that fit.
+
+        With ``config.nvlink.fused_dispatch`` the kernel itself writes every received row into all of its
+        expert-major rows (no receive buffer, no ``permute``): its output is then guessed too (the most expert-major
+        rows any rank had so far; notify reports the most of this call to every rank, so all agree on a second
+        dispatch)."""
         self.check_error()
         self._check_rows(args)
         n = args.x.shape[0]
@@ -376,12 +385,14 @@ class NVLinkTransport(Transport):
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
             r = self.num_ranks
+            fused = args.config.nvlink.fused_dispatch
+            rows_guess = self._rows_guess
             # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows
             # (see _speculate).
             guess = self._recv_guess
             # notify's int32 outputs and the guessed receive metadata (recv_src_idx, recv_slot) from one
             # allocation; views only of what the handle exposes, built after the launch
-            out = _Carve(self.device, (r * r + 3 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k),
+            out = _Carve(self.device, (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k),
                          (guess,), (guess, k))
             in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
             # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
@@ -397,16 +408,21 @@ class NVLinkTransport(Transport):
                                     num_recv_rows=guess, transport_state=state)
 
             def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-                recv_x, recv_scales = self._recv_tensors(args, guess)
-                probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
+                # fused: the expert-major rows themselves; else the received rows (permute expands them below)
+                recv_x, recv_scales = self._recv_tensors(args, rows_guess if fused else guess)
+                probs_rows = rows_guess if fused else guess * k + num_local * alignment  # the most M can be
+                probs = (torch.empty(probs_rows, dtype=torch.float32, device=self.device)
                          if args.topk_weights is not None else None)
                 self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs,
-                                             alignment, args.topk_weights, speculative_rows=1)
+                                             alignment, args.topk_weights, fused, speculative_rows=1)
                 return recv_x, recv_scales, probs
 
+            # fused: also the exact counts and then the most expert-major rows of any rank (info[3 + 2L])
             (recv_x, recv_scales, probs), state.host_counts, info, fits = self._speculate(
-                out.ptr(0), 3 + num_local, num_experts, launch)
-            num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:]
+                out.ptr(0), 4 + 2 * num_local if fused else 3 + num_local, num_experts, launch)
+            num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_local]
+            if fused and info[3 + 2 * num_local] > rows_guess:
+                self._rows_guess, fits = info[3 + 2 * num_local], False
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
             if not fits:
                 again = _Carve(self.device, (num_recv,), (num_recv, k))
@@ -415,26 +431,36 @@ class NVLinkTransport(Transport):
                 return self._expert_dispatch(args, handle, args.topk_weights)
             handle.recv_src_idx = out.view(5, (num_recv,))
             handle.expert_layout = ExpertLayout(out.view(6, (num_recv, k)), tokens_per_expert, num_rows, alignment)
+            probs = None if probs is None else probs[:num_rows]
+            if fused:
+                return ExpertDispatchResult(recv_x[:num_rows], None if recv_scales is None else recv_scales[:num_rows],
+                                            probs, handle)
             x, _, scales = permute.permute_valid(recv_x, handle.expert_layout.recv_slot, num_recv, num_rows, None,
                                                  recv_scales)
-            return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
+            return ExpertDispatchResult(x, scales, probs, handle)
         return self._expert_dispatch(args, handle, None)
 
-    def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, recv_x: torch.Tensor,
-                                recv_scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
+    def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
+                                scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
                                 probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
-                                speculative_rows: int = 0) -> None:
-        """The expert-major dispatch kernel; ``recv_src_idx``/``recv_slot``: the addresses it writes them at."""
+                                fused: bool, speculative_rows: int = 0) -> None:
+        """The expert-major dispatch kernel; ``recv_src_idx``/``recv_slot``: the addresses it writes them at.
+        ``rows`` ``[rows, H]`` and ``scales`` ``[rows, H/128]`` float32 (FP8 rows) or None: the received rows, or
+        with ``fused`` the expert-major rows the kernel expands them into."""
         expert: _ExpertState = handle.transport_state.expert
-        self._launch_dispatch(args, handle, expert.topk_idx, recv_x, recv_scales, weights, alignment,
-                              recv_src_idx=recv_src_idx, expert_major=1, expert_pos=expert.expert_pos,
-                              send_offset=expert.send_offset, expert_info=expert.info, recv_slot=recv_slot,
-                              expert_probs=_ptr(probs), speculative_rows=speculative_rows)
+        fused_outputs = (dict(fused_expansion=1, expert_x=rows.data_ptr(), expert_scales=_ptr(scales),
+                              num_expert_rows=rows.shape[0]) if fused else {})
+        self._launch_dispatch(args, handle, expert.topk_idx, None if fused else rows, None if fused else scales,
+                              weights, alignment, recv_src_idx=recv_src_idx, expert_major=1,
+                              expert_pos=expert.expert_pos, send_offset=expert.send_offset, expert_info=expert.info,
+                              recv_slot=recv_slot, expert_probs=_ptr(probs), speculative_rows=speculative_rows,
+                              **fused_outputs)
 
     def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: Optional[torch.Tensor]
                          ) -> ExpertDispatchResult:
-        """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute), with ``weights`` (the
-        forward's, whose probs it returns) or without (a cached dispatch: its probs are the caller's)."""
+        """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute unless the kernel expands
+        the rows itself: ``config.nvlink.fused_dispatch``), with ``weights`` (the forward's, whose probs it returns)
+        or without (a cached dispatch: its probs are the caller's)."""
         if weights is None:
             state = handle.transport_state
             if not isinstance(state, _NVLinkState) or state.expert is None:
@@ -442,21 +468,25 @@ class NVLinkTransport(Transport):
                                  "NVLinkTransport.dispatch_experts)")
         self._replay_barrier(handle)
         layout: ExpertLayout = handle.expert_layout
-        recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
+        fused = args.config.nvlink.fused_dispatch
+        rows, scales = self._recv_tensors(args, layout.num_rows if fused else handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
-        self._launch_expert_dispatch(args, handle, recv_x, recv_scales, handle.recv_src_idx.data_ptr(),
-                                     layout.recv_slot.data_ptr(), probs, layout.alignment, weights)
-        x, _, scales = permute.permute_valid(recv_x, layout.recv_slot, handle.num_recv_rows, layout.num_rows, None,
-                                             recv_scales)
+        self._launch_expert_dispatch(args, handle, rows, scales, handle.recv_src_idx.data_ptr(),
+                                     layout.recv_slot.data_ptr(), probs, layout.alignment, weights, fused)
+        if fused:
+            return ExpertDispatchResult(rows, scales, probs, handle)
+        x, _, scales = permute.permute_valid(rows, layout.recv_slot, handle.num_recv_rows, layout.num_rows, None,
+                                             scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
     def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
-                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
-                        ) -> _CombineLaunch:
+                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config,
+                        fused: bool = False) -> _CombineLaunch:
         """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
-        pick how rows travel (``plan.combine_roles``); ``params.x`` is left for the caller."""
+        pick how rows travel (``plan.combine_roles``, or ``plan.fused_combine_roles`` for a fused reduction);
+        ``params.x`` is left for the caller."""
         elem_bytes = dtype.itemsize
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if k > MAX_TOPK:
@@ -479,9 +509,12 @@ class NVLinkTransport(Transport):
         # the counts of this transport's own handles (none at world size 1: nothing crosses)
         host_counts = state.host_counts if own and self.num_ranks > 1 else None
         row_bytes = hidden * elem_bytes
-        pull, copy_engine, warps, blocks = combine_roles(
-            config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
-            row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
+        if fused:
+            pull, copy_engine, warps, blocks = fused_combine_roles(config.nvlink, num_sms, self.num_ranks)
+        else:
+            pull, copy_engine, warps, blocks = combine_roles(
+                config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
+                row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
         # copy engine and pull: where each peer's rows sit in x (kept alive in the result until the launch)
         counts = state.copy_counts() if copy_engine or pull else None
         params = CombineParams(
@@ -518,15 +551,23 @@ class NVLinkTransport(Transport):
         combine's copy would put them, and the combine kernel reads them there (``x_in_region``): no row copies (one
         pass over the rows and R - 1 copy launches fewer; expert weights, if any, are still copied). A pulling
         combine without the unpermute kernel copies the rows into the region inside ``moe_ep_combine``, as
-        :meth:`combine` does."""
+        :meth:`combine` does. With ``config.nvlink.fused_combine`` no unpermute runs: a push combine kernel sums
+        each received row from ``y`` itself (``fused_reduction``; the same bits)."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         slot = layout.recv_slot
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
+        # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
+        kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need, the fused reduction's too
+        if config.nvlink.fused_combine and kernel and slot.shape[0] == handle.num_recv_rows:
+            launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config, fused=True)
+            params = launch.params
+            params.x, params.fused_reduction, params.recv_slot = y.data_ptr(), 1, slot.data_ptr()
+            params.slot_topk, params.num_expert_rows = slot.shape[1], layout.num_rows
+            self._launch_combine(params)
+            return launch.out, launch.out_weights
         launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config)
         params = launch.params
-        # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
-        kernel = permute.unpermute_kernel_takes(y, slot)
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
         if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
             self._rt.barrier()
