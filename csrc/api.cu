@@ -312,8 +312,11 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
     const bool fused = p.fused_reduction != 0;
     if (fused && (p.pull != 0 || ce || p.recv_slot == nullptr || p.slot_topk < 1 || p.slot_topk > MOE_EP_MAX_TOPK))
-        return set_error(-1, "fused reduction: needs a push combine (no pull, no copy engine), recv_slot and "
-                             "1 <= slot_topk <= " + std::to_string(MOE_EP_MAX_TOPK));
+        return set_error(-1, "fused reduction: needs a push combine (no pull, no copy engine), recv_slot and 1 <= "
+                                 "slot_topk <= " + std::to_string(MOE_EP_MAX_TOPK) + "; got pull=" +
+                                 std::to_string(p.pull) + " copy_engine=" + std::to_string(p.copy_engine) +
+                                 " recv_slot=" + (p.recv_slot == nullptr ? "null" : "set") +
+                                 " slot_topk=" + std::to_string(p.slot_topk));
     const size_t smem = fused ? size_t(kWarps) * 32 * sizeof(int) : 0;  // each warp's slot list
     if (p.pull != 0) {
         if (ce || p.num_send_warps != 0 || p.num_send_blocks != 0)

@@ -146,9 +146,32 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
     y = _GroupedMM.apply(x, weight, offsets)
     if bias is None:
         return y
-    # rows per expert from the device offsets, so no host list crosses to the GPU
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    return y + torch.repeat_interleave(bias, sizes, dim=0, output_size=y.shape[0])
+    return _ExpertBias.apply(y, bias, offsets)
+
+
+class _ExpertBias(torch.autograd.Function):
+    """``y [M, N] + bias[l]`` on expert ``l``'s rows (``offsets`` as :func:`expert_offsets`). The bias gradient
+    sums each expert's rows in fp32 and rounds once, as the loop's ``grad.sum(0)`` does: a BF16 segment sum
+    (``repeat_interleave``'s backward) would round after every row."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # rows per expert from the device offsets, so no host list crosses to the GPU
+        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        expert_of_row = torch.repeat_interleave(torch.arange(bias.shape[0], device=y.device), sizes,
+                                                output_size=y.shape[0])
+        ctx.save_for_backward(expert_of_row)
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        return y + bias.index_select(0, expert_of_row)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (expert_of_row,) = ctx.saved_tensors
+        grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.new_zeros(ctx.bias_shape, dtype=torch.float32).index_add_(
+                0, expert_of_row, grad.float()).to(ctx.bias_dtype)
+        return grad, grad_bias, None
 
 
 def swiglu_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: Sequence[int],
