@@ -82,10 +82,7 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
 }
 
 // The dispatch kernel's launch cases (DeepEP's SWITCH_* macros): each binds a template parameter `name` to the
-// mode at hand and runs the statement that follows. With MOE_EP_SPECIALIZED_DISPATCH every mode is a
-// compile-time constant (one kernel per combination, each with only its own mode's code and registers); without
-// it, the default, `name` is kRunTime and the kernel reads the mode from its parameters.
-#ifdef MOE_EP_SPECIALIZED_DISPATCH
+// mode at hand (a compile-time constant) and runs the statement that follows.
 #define SWITCH_MODE(name, on, ...)  \
     do {                            \
         if (on) {                   \
@@ -109,14 +106,6 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
             __VA_ARGS__;                      \
         }                                     \
     } while (false)
-#else
-#define SWITCH_MODE(name, on, ...)     \
-    do {                               \
-        constexpr int name = kRunTime; \
-        __VA_ARGS__;                   \
-    } while (false)
-#define SWITCH_TOPK(name, topk, ...) SWITCH_MODE(name, topk, __VA_ARGS__)
-#endif
 
 namespace permute_kernels {
 
@@ -265,7 +254,7 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const int grid = int(p.num_sms);
     if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
-// The fused expansion is always its own kernel (expert-major mode fixed), so the default kernels stay as they were.
+// The fused expansion is always its own kernel (expert-major mode fixed).
 #define DISPATCH_LAUNCH_CASE(kQuant)                                                                                \
     if (fused) {                                                                                                    \
         SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                         \
@@ -311,7 +300,9 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     if (p.x_in_region != 0 && (p.pull == 0 || p.x != own))
         return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
     const bool fused = p.fused_reduction != 0;
-    if (fused && (p.pull != 0 || ce || p.recv_slot == nullptr || p.slot_topk < 1 || p.slot_topk > MOE_EP_MAX_TOPK))
+    // recv_slot may be null only when no rows arrived (an empty tensor's address)
+    if (fused && (p.pull != 0 || ce || (p.recv_slot == nullptr && p.num_recv_rows > 0) || p.slot_topk < 1 ||
+                  p.slot_topk > MOE_EP_MAX_TOPK))
         return set_error(-1, "fused reduction: needs a push combine (no pull, no copy engine), recv_slot and 1 <= "
                                  "slot_topk <= " + std::to_string(MOE_EP_MAX_TOPK) + "; got pull=" +
                                  std::to_string(p.pull) + " copy_engine=" + std::to_string(p.copy_engine) +
