@@ -82,7 +82,10 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
 }
 
 // The dispatch kernel's launch cases (DeepEP's SWITCH_* macros): each binds a template parameter `name` to the
-// mode at hand (a compile-time constant) and runs the statement that follows.
+// mode at hand and runs the statement that follows. With MOE_EP_SPECIALIZED_DISPATCH every mode is a
+// compile-time constant (one kernel per combination, each with only its own mode's code and registers); without
+// it, the default, `name` is kRunTime and the kernel reads the mode from its parameters.
+#ifdef MOE_EP_SPECIALIZED_DISPATCH
 #define SWITCH_MODE(name, on, ...)  \
     do {                            \
         if (on) {                   \
@@ -106,6 +109,14 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
             __VA_ARGS__;                      \
         }                                     \
     } while (false)
+#else
+#define SWITCH_MODE(name, on, ...)     \
+    do {                               \
+        constexpr int name = kRunTime; \
+        __VA_ARGS__;                   \
+    } while (false)
+#define SWITCH_TOPK(name, topk, ...) SWITCH_MODE(name, topk, __VA_ARGS__)
+#endif
 
 namespace permute_kernels {
 
@@ -254,7 +265,7 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const int grid = int(p.num_sms);
     if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
-// The fused expansion is always its own kernel (expert-major mode fixed).
+// The fused expansion is always its own kernel (expert-major mode fixed), so the default kernels stay as they were.
 #define DISPATCH_LAUNCH_CASE(kQuant)                                                                                \
     if (fused) {                                                                                                    \
         SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                         \
