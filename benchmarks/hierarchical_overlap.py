@@ -7,8 +7,9 @@ Run from the repository root:
 Spawns ``--ranks`` local processes emulating ``ranks / ranks_per_node`` nodes (``Buffer(transport="hierarchical",
 ranks_per_node=...)``). Every rank draws uniform random top-k routing over all experts (so most tokens reach
 every node) and BF16 rows; per chunk count it times an uncached dispatch (with weights) and a combine of the
-received rows, each between barriers, the variants in turn within each iteration, and reports the median over ``--iters`` of the slowest rank, in ms, with
-the ratio of the chunks = 1 time to each row's (above 1: faster than the stages one after the other).
+received rows, each between barriers, the variants in turn within each iteration, and reports the median over
+``--iters`` of the slowest rank, in ms, with the ratio of the chunks = 1 time to each row's (above 1: faster
+than the stages one after the other).
 ``--serial`` adds a control row per chunk count: the same chunks with the stages one after the other (on that
 row's Buffer the rail stage's ``start_dispatch``/``start_combine`` complete each exchange before returning), so
 that what the overlap buys is told apart from what smaller exchanges change by themselves.

@@ -223,7 +223,7 @@ def _run_all(buffer: Buffer, x, idx, w, num_experts: int, config: Config) -> dic
     """Every output of the calls a layer makes, by name, with ``config`` on each call: dispatch (and its handle's
     contents), cached dispatch (BF16 and FP8 on the wire), combine with weights and bias, FP8 in the send path (FP8
     out and dequantized), ``num_worst_tokens`` and its combine, expert-major dispatch/combine and their cached
-    replay. Outputs compare as equal objects: rows are BF16 bit patterns or lists."""
+    replay. Tensors compare with ``torch.equal``, the rest with ``==``."""
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
     out: dict[str, object] = {}
@@ -307,9 +307,10 @@ def _chunk_suite(seed: int, layouts: tuple[int, ...]) -> None:
         for i, case in enumerate(CASES):
             _check_chunks(buffer, case, seed + i)
         _autograd_chunked(buffer, seed)
+        disagreeing = Config(hierarchical_chunks=1 + dist.get_rank() % 2)
         with pytest.raises(ValueError, match=r"disagree on \['Config.hierarchical_chunks'\]"):
             buffer.dispatch(torch.zeros(2, 128), topk_idx=torch.zeros(2, 1, dtype=torch.int64),
-                            num_experts=dist.get_world_size(), config=Config(hierarchical_chunks=1 + dist.get_rank() % 2))
+                            num_experts=dist.get_world_size(), config=disagreeing)
 
 
 def _suite(seed: int, layouts: tuple[int, ...]) -> None:

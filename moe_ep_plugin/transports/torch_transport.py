@@ -7,7 +7,9 @@ small per-row metadata (top-k ids, source index, weights, FP8 scales) in a secon
 sends the rows (and FP8 scales) only. Combine sends the rows back in one ``all_to_all_single`` and sums each
 token's copies in ascending source-rank order in fp32 (``permute.unpermute``'s gather-sum: no atomics), then
 the biases. Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the
-stream. Design and timings: docs/torch_transport.md.
+stream. ``start_dispatch``/``start_combine`` return once the all-to-alls are issued (asynchronous collectives) and
+hand back the function that completes them: the hierarchical transport's chunk pipeline runs its node stage in
+between. Design and timings: docs/torch_transport.md.
 """
 from __future__ import annotations
 
@@ -267,7 +269,8 @@ class TorchTransport(Transport):
             recv_topk_idx = recv_topk_weights = None
             col = 0
             if args.handle is None:
-                handle.recv_src_idx = recv_meta[:, 0].clone(memory_format=torch.contiguous_format)  # row-major even when empty
+                # row-major even when empty
+                handle.recv_src_idx = recv_meta[:, 0].clone(memory_format=torch.contiguous_format)
                 col = 1
             if args.topk_idx is not None:
                 k, num_local = args.topk_idx.shape[1], handle.num_local_experts
