@@ -233,10 +233,13 @@ def _run_all(buffer: Buffer, x, idx, w, num_experts: int, config: Config) -> dic
                src=handle.recv_src_idx, in_rank=handle.is_token_in_rank, send_pos=handle.send_pos,
                sizes=(handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows))
     out["cached"] = buffer.dispatch(x, handle=handle, config=config)[0]
+    # a replay follows the handle's chunks, whatever its own config says
+    out["cached_other_config"] = buffer.dispatch(x, handle=handle, config=Config(hierarchical_chunks=5))[0]
     out["cached_fp8"] = buffer.dispatch(x, handle=handle, fp8_dispatch=True, config=config)[0]
     y = (recv_x.float() * (rank + 1)).to(x.dtype)
     bias = torch.randn(x.shape[0], x.shape[1], generator=gen).to(x.dtype)
     out["combined"], out["combined_w"], _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias, config=config)
+    out["combined_other_config"] = buffer.combine(y, handle, bias=bias, config=Config(hierarchical_chunks=5))[0]
     (fq, fs), *_ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True,
                                    fp8_out=True, config=config)
     out.update(fp8_rows=fq.view(torch.uint8), fp8_scales=fs)
