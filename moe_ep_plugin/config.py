@@ -98,6 +98,12 @@ class Config:
     ``num_max_*_chunked_*_tokens`` fields are accepted for DeepEP compatibility and validated, but no kernel reads
     them (the nvlink kernels move fixed 4-row chunks); ``get_nvl_buffer_size_hint`` uses
     ``num_max_nvl_chunked_recv_tokens`` in DeepEP's formula. The ``torch`` transport ignores every field.
+
+    ``hierarchical_chunks``: the ``hierarchical`` transport splits each rank's tokens into this many contiguous
+    chunks and pipelines its two stages over them (the inter-node exchange of one chunk in flight while the
+    intra-node stage of the previous one runs); 1 = the two stages one after the other. Read by an uncached
+    dispatch only: a cached dispatch and combine replay the chunking of the handle they are given. Every rank must
+    pass the same value (a dispatch raises on every rank otherwise). Measurement: docs/multinode.md.
     """
 
     num_sms: int = 20
@@ -106,9 +112,11 @@ class Config:
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
     nvlink: NVLinkTuning = field(default_factory=NVLinkTuning)
+    hierarchical_chunks: int = 1
 
     def __post_init__(self) -> None:
         check_num_sms(self.num_sms, "Config.num_sms")
+        _check_int("Config.hierarchical_chunks", self.hierarchical_chunks, 1, None)
         for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
             _check_int(f"Config.{name}", getattr(self, name), 1, None)

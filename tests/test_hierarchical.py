@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, autograd
+from moe_ep_plugin import Buffer, Config, autograd
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.traffic import node_traffic
@@ -219,6 +219,103 @@ def _errors(buffer: Buffer) -> None:
     assert out.shape[0] == (3 * world if rank == 0 else 0)
 
 
+def _run_all(buffer: Buffer, x, idx, w, num_experts: int, config: Config) -> dict[str, object]:
+    """Every output of the calls a layer makes, by name, with ``config`` on each call: dispatch (and its handle's
+    contents), cached dispatch (BF16 and FP8 on the wire), combine with weights and bias, FP8 in the send path (FP8
+    out and dequantized), ``num_worst_tokens`` and its combine, expert-major dispatch/combine and their cached
+    replay. Tensors compare with ``torch.equal``, the rest with ``==``."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    out: dict[str, object] = {}
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=2, config=config)
+    out.update(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts, prefix=handle.rank_prefix_matrix,
+               src=handle.recv_src_idx, in_rank=handle.is_token_in_rank, send_pos=handle.send_pos,
+               sizes=(handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows))
+    out["cached"] = buffer.dispatch(x, handle=handle, config=config)[0]
+    # a replay follows the handle's chunks, whatever its own config says
+    out["cached_other_config"] = buffer.dispatch(x, handle=handle, config=Config(hierarchical_chunks=5))[0]
+    out["cached_fp8"] = buffer.dispatch(x, handle=handle, fp8_dispatch=True, config=config)[0]
+    y = (recv_x.float() * (rank + 1)).to(x.dtype)
+    bias = torch.randn(x.shape[0], x.shape[1], generator=gen).to(x.dtype)
+    out["combined"], out["combined_w"], _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias, config=config)
+    out["combined_other_config"] = buffer.combine(y, handle, bias=bias, config=Config(hierarchical_chunks=5))[0]
+    (fq, fs), *_ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True,
+                                   fp8_out=True, config=config)
+    out.update(fp8_rows=fq.view(torch.uint8), fp8_scales=fs)
+    out["fp8_dequantized"] = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
+                                             fp8_dispatch=True, config=config)[0]
+    worst = recv_x.shape[0] + 3
+    wx, widx, _, _, whandle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
+                                                 num_worst_tokens=worst, config=config)
+    out.update(worst_x=wx, worst_idx=widx)
+    out["worst_combined"] = buffer.combine((wx.float() * (rank + 1)).to(x.dtype), whandle, config=config)[0]
+    ex, _, probs, tpe, ehandle, _ = buffer.dispatch_experts(x, idx, w, num_experts, expert_alignment=4,
+                                                            config=config)
+    out.update(expert_x=ex, probs=probs, tokens_per_expert=tpe)
+    ey = torch.randn(ex.shape[0], x.shape[1], generator=gen).to(x.dtype)
+    out["expert_combined"], out["expert_combined_w"], _ = buffer.combine_experts(ey, ehandle, expert_weights=probs,
+                                                                                 config=config)
+    out["expert_cached"] = buffer.dispatch_experts(x, handle=ehandle, config=config)[0]
+    return out
+
+
+def _check_chunks(buffer: Buffer, case, seed: int) -> None:
+    """Every chunk count, 1 to 4 and more chunks than any rank has tokens, gives the unchunked outputs exactly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, h, k, local, kind = case
+    gen = torch.Generator().manual_seed(seed * 101 + rank)
+    n, num_experts = tokens(rank), local * world
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16)
+    idx = _routing(kind, n, k, num_experts, buffer.transport.num_nodes, gen)
+    w = torch.rand(n, k, generator=gen)
+    ref = _run_all(buffer, x, idx, w, num_experts, Config())
+    most = max(tokens(r) for r in range(world))
+    for chunks in (1, 2, 3, 4, most + 2):
+        got = _run_all(buffer, x, idx, w, num_experts, Config(hierarchical_chunks=chunks))
+        for name, value in ref.items():
+            same = torch.equal(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value
+            assert same, f"hierarchical_chunks={chunks}: {name} differs from the unchunked path"
+
+
+def _autograd_chunked(buffer: Buffer, seed: int) -> None:
+    """Forward and every gradient through chunked dispatch and combine equal the unchunked ones bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    h, k, local = 128, 3, 2
+    num_experts = local * world
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    n = 0 if rank == 0 else 3 + rank
+    x0 = torch.randn(n, h, generator=gen)
+    idx = routing("random", n, k, num_experts, gen)
+    w0 = torch.rand(n, k, generator=gen)
+    g = torch.randn(n, h, generator=gen)
+    expert_w0 = torch.randn(local, h, h, generator=gen) / h ** 0.5
+    results = []
+    for chunks in (1, 3):
+        config = Config(hierarchical_chunks=chunks)
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        expert_w = expert_w0.clone().requires_grad_(True)
+        recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(buffer, x, idx, w, num_experts,
+                                                                configs=(config, config))
+        out = autograd.combine(buffer, _experts(recv_x, recv_idx, recv_w, expert_w), handle, configs=(config, config))
+        (out * g).sum().backward()
+        results.append((out, x.grad, w.grad, expert_w.grad))
+    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), *results):
+        assert torch.equal(a, b), f"{name}: hierarchical_chunks=3 differs from the unchunked path"
+
+
+def _chunk_suite(seed: int, layouts: tuple[int, ...]) -> None:
+    for p in layouts:
+        buffer = Buffer(transport="hierarchical", ranks_per_node=p, timeout_s=60)
+        for i, case in enumerate(CASES):
+            _check_chunks(buffer, case, seed + i)
+        _autograd_chunked(buffer, seed)
+        disagreeing = Config(hierarchical_chunks=1 + dist.get_rank() % 2)
+        with pytest.raises(ValueError, match=r"disagree on \['Config.hierarchical_chunks'\]"):
+            buffer.dispatch(torch.zeros(2, 128), topk_idx=torch.zeros(2, 1, dtype=torch.int64),
+                            num_experts=dist.get_world_size(), config=disagreeing)
+
+
 def _suite(seed: int, layouts: tuple[int, ...]) -> None:
     world = dist.get_world_size()
     flat = Buffer(transport="torch", timeout_s=60)
@@ -238,6 +335,17 @@ def _suite(seed: int, layouts: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("world,layouts", [(4, (2,)), (6, (2,)), (8, (4, 2))], ids=["2x2", "3x2", "2x4+4x2"])
 def test_hierarchical_matches_flat_contract(world: int, layouts: tuple[int, ...]) -> None:
     spawn(_suite, world, args=(int(time.time()) % 1000, layouts), backend="gloo", timeout_s=600)
+
+
+@pytest.mark.parametrize("world,layouts", [(4, (2,)), (6, (2,)), (8, (4, 2))], ids=["2x2", "3x2", "2x4+4x2"])
+def test_hierarchical_chunks_match_unchunked(world: int, layouts: tuple[int, ...]) -> None:
+    spawn(_chunk_suite, world, args=(int(time.time()) % 1000, layouts), backend="gloo", timeout_s=600)
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, True, None])
+def test_hierarchical_chunks_validated(chunks) -> None:
+    with pytest.raises(ValueError, match="Config.hierarchical_chunks"):
+        Config(hierarchical_chunks=chunks)
 
 
 def _timeout() -> None:

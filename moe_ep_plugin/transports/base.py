@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,20 @@ class Transport(abc.ABC):
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Reverse of dispatch: ``x`` ``[N_recv, H]`` → ``[N, H]`` summed in fp32 over the ranks that got each token,
         plus each ``bias`` ``[N, H]``, cast to ``x.dtype``; ``topk_weights`` ``[N_recv, K]`` summed the same way."""
+
+    def start_dispatch(self, args: DispatchArgs) -> Callable[[], DispatchResult]:
+        """:meth:`dispatch` in two steps: issue it, and a function that completes it and returns its result. Work
+        queued between the two overlaps the exchange where the transport moves rows asynchronously (the
+        ``hierarchical`` transport's chunk pipeline); this default runs the whole dispatch at once."""
+        result = self.dispatch(args)
+        return lambda: result
+
+    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                      bias: tuple[torch.Tensor, ...], config: Config
+                      ) -> Callable[[], tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """:meth:`combine` in two steps, as :meth:`start_dispatch`; this default runs the whole combine at once."""
+        result = self.combine(x, handle, topk_weights, bias, config)
+        return lambda: result
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
         """:meth:`dispatch`, then the received rows laid out expert-major (blocks padded to ``alignment``).

@@ -15,8 +15,14 @@ Dispatch outputs equal the flat contract (DESIGN.md): rows ordered by source ran
 stage delivers them by (source local index, source node, token); one gather restores the flat order),
 ``recv_topk_idx`` local to the receiving rank, the per-expert list. A count exchange over the whole group comes
 first: every rank checks ids and the ranks' agreement on shapes before any row moves, and the per-rank counts
-give the flat ``rank_prefix_matrix`` and the reorder. The source token of each row rides a 16-byte cached node
-dispatch (``handle.recv_src_idx``).
+give the flat ``rank_prefix_matrix``. The source token and rank of each row ride a 16-byte cached node dispatch
+(``handle.recv_src_idx``; sorting by them gives the flat order).
+
+Chunks (``Config.hierarchical_chunks`` = C): each rank's tokens are split into C contiguous chunks, and each chunk
+passes through both stages with its own sub-stage handles; the rail exchange of chunk i + 1 is in flight
+(asynchronous collectives: ``Transport.start_dispatch``) while the node stage of chunk i runs, and combine runs the
+node reduction of chunk i while the partials of chunk i - 1 cross the rails. Every token lies in one chunk, so
+rows, handles and sums are those of C = 1 (the stages one after the other), bit for bit.
 
 Combine (numeric contract): the node group reduces each rail row's copies in fp32 and rounds the per-node
 partial to the rows' dtype (BF16 on the wire, as DeepEP's internode combine does); the rail group sums the
@@ -29,7 +35,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,13 +107,24 @@ def split_by_node(group: dist.ProcessGroup, nodes: list[int]) -> NodeSplit:
 
 
 @dataclass
-class _HierState:
-    """Replay data: the two stages' handles and the reorder between node-stage and flat row order.
+class _Chunk:
+    """One chunk of a dispatch: this rank's tokens ``[start, end)`` and the handles of the two stages that moved
+    them (the rail stage's over those tokens, the node stage's over the rows the rail stage brought)."""
 
-    ``to_flat`` ``[N_recv]`` int64: node-stage row of each flat row; ``to_node`` its inverse."""
-
+    start: int
+    end: int
     rail_handle: DispatchHandle
     node_handle: DispatchHandle
+
+
+@dataclass
+class _HierState:
+    """Replay data: the chunks in token order and the reorder between node-stage and flat row order.
+
+    ``to_flat`` ``[N_recv]`` int64: for each flat row, its row among the node stage's rows of all chunks
+    concatenated in chunk order; ``to_node`` its inverse."""
+
+    chunks: list[_Chunk]
     to_flat: torch.Tensor
     to_node: torch.Tensor
 
@@ -149,16 +166,18 @@ class HierarchicalTransport(Transport):
                                f"local {self.local_rank}): the {what} stage stalled waiting on global ranks {peers}: "
                                f"{exc}") from exc
 
-    def _exchange_counts(self, args: DispatchArgs) -> torch.Tensor:
-        """All-gather over the whole group: each rank's per-rank counts, out-of-range id count and call signature
-        (hidden, dtype, top-k width, experts, FP8 flags) → ``[R, R]`` int64 counts on the host; raises the same
-        error on every rank if any rank passed bad ids or disagrees."""
+    def _exchange_counts(self, args: DispatchArgs) -> tuple[torch.Tensor, list[int]]:
+        """All-gather over the whole group: each rank's per-rank counts, out-of-range id count, token count and
+        call signature (hidden, dtype, top-k width, experts, FP8 flags, chunks) → (``[R, R]`` int64 counts on the
+        host, every rank's token count); raises the same error on every rank if any rank passed bad ids or
+        disagrees (so ranks that would run different numbers of chunk collectives never start them)."""
         x, topk = args.x, args.topk_idx
         signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), topk.shape[1], args.num_experts,
-                     int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None)]
+                     int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None),
+                     args.config.hierarchical_chunks]
         local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(),
                            count_invalid(topk, args.num_experts).to(torch.int64).cpu(),
-                           torch.tensor(signature, dtype=torch.int64)])
+                           torch.tensor([x.shape[0]] + signature, dtype=torch.int64)])
         gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64)
         nccl = dist.get_backend(self.group) == "nccl"  # NCCL moves device tensors only; gloo host tensors
         if nccl:
@@ -178,98 +197,132 @@ class HierarchicalTransport(Transport):
         bad = gathered[:, r].tolist()
         if any(bad):
             raise invalid_ids_error([i for i, b in enumerate(bad) if b], args.num_experts)
-        signatures = gathered[:, r + 1:]
+        signatures = gathered[:, r + 2:]
         if not bool((signatures == signatures[0]).all()):
-            names = ["hidden", "dtype", "top-k width", "num_experts", "fp8_dispatch", "fp8_out", "topk_weights given"]
+            names = ["hidden", "dtype", "top-k width", "num_experts", "fp8_dispatch", "fp8_out", "topk_weights given",
+                     "Config.hierarchical_chunks"]
             differ = [names[j] for j in range(len(names)) if not bool((signatures[:, j] == signatures[0, j]).all())]
             raise ValueError(f"dispatch: the EP ranks disagree on {differ} (per rank: "
                              f"{signatures[:, [names.index(d) for d in differ]].tolist()}); every rank must pass the "
-                             "same hidden size, dtype, top-k width, number of experts and FP8 options")
-        return gathered[:, :r]
+                             "same hidden size, dtype, top-k width, number of experts, FP8 options and chunks")
+        return gathered[:, :r], gathered[:, r + 1].tolist()
 
-    def _flat_order(self, counts_to_me: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows from source rank ``s`` arrive from the node stage in (local index, node) order of ``s``; the flat
-        contract wants ``s`` ascending. ``counts_to_me[s]``: rows from ``s``. Returns ``(to_flat, to_node)``."""
-        p, m = self.ranks_per_node, self.num_nodes
-        node_order = [n * p + l for l in range(p) for n in range(m)]
-        start, pos = [0] * self.num_ranks, 0
-        for s in node_order:
-            start[s] = pos
-            pos += counts_to_me[s]
-        counts = torch.tensor(counts_to_me, dtype=torch.int64)
-        flat_start = counts.cumsum(0) - counts
-        shift = torch.tensor(start, dtype=torch.int64) - flat_start
-        to_flat = torch.arange(pos, dtype=torch.int64) + shift.repeat_interleave(counts)
-        to_node = torch.empty_like(to_flat)
-        to_node[to_flat] = torch.arange(pos, dtype=torch.int64)
-        return to_flat.to(self.device), to_node.to(self.device)
+    def _sources(self, chunk: int, num_chunks: int, rail: DispatchResult, num_tokens: list[int]) -> torch.Tensor:
+        """``[rows, 4]`` int32 for the rows the rail stage brought in ``chunk``: column 0 the source token (its
+        index among all the source rank's tokens), column 1 the source's EP group rank, the rest 0 (the node stage
+        forwards the rows as 16 bytes). ``num_tokens``: every EP rank's token count, for where its chunk starts."""
+        handle = rail.handle
+        rows = handle.num_recv_tokens
+        prefix = handle.rank_prefix_matrix[:, self.node].to(torch.int64)  # rail rank = node index
+        from_node = prefix - torch.cat([prefix.new_zeros(1), prefix[:-1]])
+        node = torch.repeat_interleave(torch.arange(self.num_nodes, device=prefix.device), from_node,
+                                       output_size=rows)
+        rank = node * self.ranks_per_node + self.local_rank
+        starts = torch.tensor([_bounds(num_tokens[m * self.ranks_per_node + self.local_rank], num_chunks)[chunk]
+                               for m in range(self.num_nodes)], dtype=torch.int64, device=prefix.device)
+        packed = torch.zeros(rows, 4, dtype=torch.int32, device=prefix.device)
+        packed[:, 0] = handle.recv_src_idx.to(torch.int64) + starts.index_select(0, node)
+        packed[:, 1] = rank
+        return packed
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         cached = args.handle is not None
         x, x_scales = args.x, args.x_scales
         if args.wire_fp8:
             x, x_scales = fp8.quantize(x, round_scale=args.round_scale)
-        if cached:
-            state: _HierState = args.handle.transport_state
-            rail_args = _cached_args(x, x_scales, state.rail_handle, args.config)
-        else:
-            counts = self._exchange_counts(args)
-            in_node = self._in_node(args.is_token_in_rank)
-            rail_args = DispatchArgs(
-                x=x, x_scales=x_scales, topk_idx=args.topk_idx, topk_weights=args.topk_weights,
-                num_tokens_per_rank=in_node.sum(0, dtype=torch.int32), is_token_in_rank=in_node,
-                num_experts=args.num_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
-                round_scale=False, config=args.config)
-        rail = self._stage("inter-node (rail group) dispatch", self.rail_ranks, self.rail.dispatch, rail_args)
-
         node_experts = args.num_experts // self.num_nodes
         if cached:
-            node_args = _cached_args(rail.recv_x, rail.recv_scales, state.node_handle, args.config)
+            chunks: list[_Chunk] = args.handle.transport_state.chunks
+            bounds = [c.start for c in chunks] + [chunks[-1].end]
         else:
+            counts, num_tokens = self._exchange_counts(args)
+            bounds = _bounds(x.shape[0], args.config.hierarchical_chunks)
+            in_node = self._in_node(args.is_token_in_rank)
+        num_chunks = len(bounds) - 1
+
+        def start_rail(i: int) -> Callable[[], DispatchResult]:
+            """Issue the rail stage of chunk ``i``: its tokens once to every node hosting one of their experts."""
+            a, b = bounds[i], bounds[i + 1]
+            scales = None if x_scales is None else x_scales[a:b]
+            if cached:
+                rail_args = _cached_args(x[a:b], scales, chunks[i].rail_handle, args.config)
+            else:
+                weights = None if args.topk_weights is None else args.topk_weights[a:b]
+                rail_args = DispatchArgs(
+                    x=x[a:b], x_scales=scales, topk_idx=args.topk_idx[a:b], topk_weights=weights,
+                    num_tokens_per_rank=in_node[a:b].sum(0, dtype=torch.int32), is_token_in_rank=in_node[a:b],
+                    num_experts=args.num_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
+                    round_scale=False, config=args.config)
+            finish = self._stage(_RAIL_DISPATCH, self.rail_ranks, self.rail.start_dispatch, rail_args)
+            return lambda: self._stage(_RAIL_DISPATCH, self.rail_ranks, finish)
+
+        def node_stage(i: int, rail: DispatchResult) -> tuple[DispatchResult, Optional[torch.Tensor]]:
+            """Forward chunk ``i``'s rail rows inside the node → (the node stage's result, and for an uncached
+            dispatch each received row's source token and rank as :meth:`_sources` packs them)."""
+            if cached:
+                node_args = _cached_args(rail.recv_x, rail.recv_scales, chunks[i].node_handle, args.config)
+                return self._stage(_NODE_DISPATCH, self.node_ranks, self.intra.dispatch, node_args), None
             per_rank, per_expert, in_rank = self.intra.get_dispatch_layout(rail.recv_topk_idx, node_experts)
             node_args = DispatchArgs(
                 x=rail.recv_x, x_scales=rail.recv_scales, topk_idx=rail.recv_topk_idx,
                 topk_weights=rail.recv_topk_weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                 num_experts=node_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
                 round_scale=False, config=args.config, num_tokens_per_expert=per_expert)
-        node = self._stage("intra-node (node group) dispatch", self.node_ranks, self.intra.dispatch, node_args)
+            node = self._stage(_NODE_DISPATCH, self.node_ranks, self.intra.dispatch, node_args)
+            packed = self._sources(i, num_chunks, rail, num_tokens)
+            fwd = self._stage("intra-node (node group) source-index", self.node_ranks, self.intra.dispatch,
+                              _cached_args(packed.view(torch.bfloat16), None, node.handle, args.config))
+            return node, fwd.recv_x.view(torch.int32)[:, :2]
+
+        # The pipeline: chunk i + 1's rail exchange is in flight while chunk i's node stage runs.
+        rails, nodes, sources = [], [], []
+        pending = start_rail(0)
+        for i in range(num_chunks):
+            rails.append(pending())
+            if i + 1 < num_chunks:
+                pending = start_rail(i + 1)
+            node, src = node_stage(i, rails[i])
+            nodes.append(node)
+            sources.append(src)
 
         if cached:
             handle = args.handle
         else:
-            counts_to_me = counts[:, self.rank].tolist()
-            to_flat, to_node = self._flat_order(counts_to_me)
-            # The source token of each row: the rail stage's recv_src_idx, forwarded by the node stage as 16-byte rows.
-            src = rail.handle.recv_src_idx.to(torch.int32)
-            packed = torch.zeros(src.shape[0], 4, dtype=torch.int32, device=src.device)
-            packed[:, 0] = src
-            fwd = self._stage("intra-node (node group) source-index", self.node_ranks, self.intra.dispatch,
-                              _cached_args(packed.view(torch.bfloat16), None, node.handle, args.config))
-            recv_src = fwd.recv_x.view(torch.int32)[:, 0].index_select(0, to_flat).contiguous()
+            src = _cat(sources)
+            # Flat order: source rank, then source token; each (rank, token) pair arrives at most once.
+            to_flat = torch.argsort((src[:, 1].to(torch.int64) << 32) + src[:, 0])
+            to_node = torch.empty_like(to_flat)
+            to_node[to_flat] = torch.arange(to_flat.shape[0], dtype=torch.int64, device=to_flat.device)
             in_rank = args.is_token_in_rank
-            num_recv = len(to_flat)
+            num_recv = to_flat.shape[0]
             handle = DispatchHandle(
                 rank_prefix_matrix=counts.cumsum(0).to(torch.int32).to(self.device), is_token_in_rank=in_rank,
-                send_pos=send_positions(in_rank), recv_src_idx=recv_src, num_tokens=x.shape[0],
-                num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank, num_ranks=self.num_ranks,
-                num_recv_rows=max(num_recv, args.num_worst_tokens),
-                transport_state=_HierState(rail.handle, node.handle, to_flat, to_node))
-        state = handle.transport_state
+                send_pos=send_positions(in_rank), recv_src_idx=src[:, 0].index_select(0, to_flat).contiguous(),
+                num_tokens=x.shape[0], num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
+                num_ranks=self.num_ranks, num_recv_rows=max(num_recv, args.num_worst_tokens),
+                transport_state=_HierState(
+                    [_Chunk(bounds[i], bounds[i + 1], rails[i].handle, nodes[i].handle) for i in range(num_chunks)],
+                    to_flat, to_node))
+        state: _HierState = handle.transport_state
         num_recv, rows = handle.num_recv_tokens, handle.num_recv_rows
         if rows < num_recv:
             raise ValueError(f"num_worst_tokens={args.num_worst_tokens} is smaller than the {num_recv} rows rank "
                              f"{self.rank} receives")
 
-        recv_x = _reordered(node.recv_x, state.to_flat, rows, 0)
-        recv_scales = None if node.recv_scales is None else _reordered(node.recv_scales, state.to_flat, rows, 0)
+        recv_x = _reordered(_cat([n.recv_x for n in nodes]), state.to_flat, rows, 0)
+        recv_scales = None
+        if nodes[0].recv_scales is not None:
+            recv_scales = _reordered(_cat([n.recv_scales for n in nodes]), state.to_flat, rows, 0)
         if recv_scales is not None and args.wire_fp8 and not args.fp8_out:
             recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
         recv_idx = recv_w = expert_counts = host_counts = None
         if not cached:
-            recv_idx = _reordered(node.recv_topk_idx, state.to_flat, rows, -1)
-            if node.recv_topk_weights is not None:
-                recv_w = _reordered(node.recv_topk_weights, state.to_flat, rows, 0)
-            expert_counts, host_counts = node.num_recv_tokens_per_expert, node.host_counts
+            recv_idx = _reordered(_cat([n.recv_topk_idx for n in nodes]), state.to_flat, rows, -1)
+            if nodes[0].recv_topk_weights is not None:
+                recv_w = _reordered(_cat([n.recv_topk_weights for n in nodes]), state.to_flat, rows, 0)
+            expert_counts = torch.stack([n.num_recv_tokens_per_expert for n in nodes]).sum(0, dtype=torch.int32)
+            if all(n.host_counts is not None for n in nodes):
+                host_counts = [sum(c) for c in zip(*(n.host_counts for n in nodes))]
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, expert_counts, handle, host_counts)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -278,13 +331,28 @@ class HierarchicalTransport(Transport):
         num_recv = handle.num_recv_tokens
         x_node = x[:num_recv].index_select(0, state.to_node)
         w_node = None if topk_weights is None else topk_weights[:num_recv].index_select(0, state.to_node)
-        # One partial per (token, node), rounded to x.dtype: the bytes that cross the network.
-        partial, partial_w = self._stage("intra-node (node group) combine", self.node_ranks, self.intra.combine,
-                                         x_node, state.node_handle, w_node, (), config)
-        return self._stage("inter-node (rail group) combine", self.rail_ranks, self.rail.combine,
-                           partial, state.rail_handle, partial_w, bias, config)
+        # The pipeline, the dispatch's reversed: chunk i's node reduction runs while chunk i - 1's partials are in
+        # flight between nodes. Each token lies in one chunk, so its sums are the unchunked ones, bit for bit.
+        pending, done, lo = None, [], 0
+        for chunk in state.chunks:
+            hi = lo + chunk.node_handle.num_recv_tokens
+            # One partial per (token, node), rounded to x.dtype: the bytes that cross the network.
+            partial, partial_w = self._stage(
+                "intra-node (node group) combine", self.node_ranks, self.intra.combine, x_node[lo:hi],
+                chunk.node_handle, None if w_node is None else w_node[lo:hi], (), config)
+            if pending is not None:
+                done.append(self._stage(_RAIL_COMBINE, self.rail_ranks, pending))
+            pending = self._stage(_RAIL_COMBINE, self.rail_ranks, self.rail.start_combine, partial, chunk.rail_handle,
+                                  partial_w, tuple(b[chunk.start:chunk.end] for b in bias), config)
+            lo = hi
+        done.append(self._stage(_RAIL_COMBINE, self.rail_ranks, pending))
+        combined_w = None if topk_weights is None else _cat([w for _, w in done])
+        return _cat([c for c, _ in done]), combined_w
 
 
+_RAIL_DISPATCH = "inter-node (rail group) dispatch"
+_NODE_DISPATCH = "intra-node (node group) dispatch"
+_RAIL_COMBINE = "inter-node (rail group) combine"
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, fp8.FP8_DTYPE: 2}
 
 
@@ -294,6 +362,22 @@ def _cached_args(x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: Disp
     return DispatchArgs(x=x, x_scales=x_scales, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
                         is_token_in_rank=None, num_experts=handle.num_experts, handle=handle, num_worst_tokens=0,
                         wire_fp8=False, fp8_out=False, round_scale=False, config=config)
+
+
+def _bounds(num_tokens: int, num_chunks: int) -> list[int]:
+    """The ``num_chunks + 1`` token offsets that split ``num_tokens`` tokens into contiguous chunks as evenly as
+    possible (empty chunks when there are fewer tokens than chunks)."""
+    return [i * num_tokens // num_chunks for i in range(num_chunks + 1)]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' rows in chunk order; one chunk is returned as it is (no copy on the unchunked path). FP8 rows
+    are joined as bytes (not every device concatenates float8 types)."""
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0].dtype == fp8.FP8_DTYPE:
+        return torch.cat([p.view(torch.uint8) for p in parts]).view(fp8.FP8_DTYPE)
+    return torch.cat(parts)
 
 
 def _reordered(t: torch.Tensor, to_flat: torch.Tensor, rows: int, fill: float) -> torch.Tensor:

@@ -7,7 +7,9 @@ small per-row metadata (top-k ids, source index, weights, FP8 scales) in a secon
 sends the rows (and FP8 scales) only. Combine sends the rows back in one ``all_to_all_single`` and sums each
 token's copies in ascending source-rank order in fp32 (``permute.unpermute``'s gather-sum: no atomics), then
 the biases. Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the
-stream. Design and timings: docs/torch_transport.md.
+stream. ``start_dispatch``/``start_combine`` return once the all-to-alls are issued (asynchronous collectives) and
+hand back the function that completes them: the hierarchical transport's chunk pipeline runs its node stage in
+between. Design and timings: docs/torch_transport.md.
 """
 from __future__ import annotations
 
@@ -75,20 +77,20 @@ class TorchTransport(Transport):
         except Exception as exc:  # gloo reports a timeout as RuntimeError/DistBackendError
             raise self._timeout_error(what, exc) from exc
 
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    what: str) -> None:
-        """Rows of ``inp`` (grouped by destination) → ``out`` (grouped by source); both contiguous."""
+    def _start_all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                          what: str) -> Callable[[], None]:
+        """Issue rows of ``inp`` (grouped by destination) → ``out`` (grouped by source), both contiguous; the
+        returned function completes the exchange, and work queued before calling it overlaps the transfer."""
         if self.num_ranks == 1:
             out.copy_(inp)
-            return
+            return _done
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
         if self.device.type == "cuda":
             # Stream-ordered: the current stream waits for NCCL's and the host goes on (NCCL's own timeout covers a
-            # lost peer). Waiting on an async handle instead blocked the host for the whole transfer (measured
-            # 1.1 ms per call at 128 tokens on 2 x H200).
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
-            return
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
-        self._wait(work, what)
+            # lost peer); wait() without a timeout is what a synchronous call does. Waiting with a timeout instead
+            # blocked the host for the whole transfer (measured 1.1 ms per call at 128 tokens on 2 x H200).
+            return work.wait
+        return lambda: self._wait(work, what)
 
     def _start_count_exchange(self, local: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """All-gather every rank's ``local`` ``[C]`` int64 counts → ``([R, C]`` on the device, valid in stream
@@ -219,6 +221,11 @@ class TorchTransport(Transport):
                 + "); every rank raises before any row moves")
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        return self.start_dispatch(args)()
+
+    def start_dispatch(self, args: DispatchArgs) -> Callable[[], DispatchResult]:
+        """Count exchange (the host waits for it), then both all-to-alls issued; the returned function waits for
+        them and unpacks the received metadata."""
         finish_layout = self._start_layout(args) if args.handle is None else None
         # Everything up to finish_layout() is queued while the count exchange is in flight.
         x, x_scales = args.x, args.x_scales
@@ -247,59 +254,83 @@ class TorchTransport(Transport):
         wire = x.view(torch.uint8) if x.dtype == fp8.FP8_DTYPE else x
         received = wire.new_empty(rows, wire.shape[1])
         received[num_recv:].zero_()
-        self._all_to_all(received[:num_recv], wire.index_select(0, state.send_idx), state.recv_counts,
-                         state.send_counts, "dispatch")
-        recv_x = received.view(x.dtype)
+        waits = [self._start_all_to_all(received[:num_recv], wire.index_select(0, state.send_idx),
+                                        state.recv_counts, state.send_counts, "dispatch")]
         recv_meta = None
         if meta is not None:
             recv_meta = meta.new_empty(num_recv, meta.shape[1])
-            self._all_to_all(recv_meta, meta.index_select(0, state.send_idx), state.recv_counts, state.send_counts,
-                             "dispatch metadata")
+            waits.append(self._start_all_to_all(recv_meta, meta.index_select(0, state.send_idx), state.recv_counts,
+                                                state.send_counts, "dispatch metadata"))
 
-        recv_topk_idx = recv_topk_weights = None
-        col = 0
-        if args.handle is None:
-            handle.recv_src_idx = recv_meta[:, 0].clone(memory_format=torch.contiguous_format)  # row-major even when empty
-            col = 1
-        if args.topk_idx is not None:
-            k, num_local = args.topk_idx.shape[1], handle.num_local_experts
-            local = recv_meta[:, col:col + k] - self.rank * num_local  # -1 (no expert) stays negative
-            is_local = (local >= 0) & (local < num_local)
-            recv_topk_idx = _padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
-            col += k
-            if args.topk_weights is not None:
-                weights = torch.where(is_local, recv_meta[:, col:col + k].view(torch.float32), 0.0)
-                recv_topk_weights = _padded(weights, rows, 0)
+        def finish() -> DispatchResult:
+            for wait in waits:
+                wait()
+            recv_x = received.view(x.dtype)
+            recv_topk_idx = recv_topk_weights = None
+            col = 0
+            if args.handle is None:
+                # row-major even when empty
+                handle.recv_src_idx = recv_meta[:, 0].clone(memory_format=torch.contiguous_format)
+                col = 1
+            if args.topk_idx is not None:
+                k, num_local = args.topk_idx.shape[1], handle.num_local_experts
+                local = recv_meta[:, col:col + k] - self.rank * num_local  # -1 (no expert) stays negative
+                is_local = (local >= 0) & (local < num_local)
+                recv_topk_idx = _padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
                 col += k
-        recv_scales = None
-        if x_scales is not None:
-            recv_scales = _padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
-            if args.wire_fp8 and not args.fp8_out:
-                recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle, host_counts)
+                if args.topk_weights is not None:
+                    weights = torch.where(is_local, recv_meta[:, col:col + k].view(torch.float32), 0.0)
+                    recv_topk_weights = _padded(weights, rows, 0)
+                    col += k
+            recv_scales = None
+            if x_scales is not None:
+                recv_scales = _padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
+                if args.wire_fp8 and not args.fp8_out:
+                    recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
+            return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle,
+                                  host_counts)
+        return finish
 
-    def _return_rows(self, rows: torch.Tensor, state: _TorchState, what: str) -> torch.Tensor:
-        """Send received rows ``[N_recv, C]`` back to their sources → ``[S, C]`` in send order."""
+    def _start_return_rows(self, rows: torch.Tensor, state: _TorchState, what: str
+                           ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Issue sending received rows ``[N_recv, C]`` back to their sources → (``[S, C]`` in send order, valid
+        once the returned function has run)."""
         back = rows.new_empty(state.send_idx.shape[0], rows.shape[1])
-        self._all_to_all(back, rows, state.send_counts, state.recv_counts, what)
-        return back
+        return back, self._start_all_to_all(back, rows, state.send_counts, state.recv_counts, what)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self.start_combine(x, handle, topk_weights, bias, config)()
+
+    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                      bias: tuple[torch.Tensor, ...], config: Config
+                      ) -> Callable[[], tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Both all-to-alls issued; the returned function waits for them and sums."""
         state: _TorchState = handle.transport_state
         num_recv = handle.num_recv_tokens
-        # unpermute's gather-sum is exactly combine's: each token's copies in ascending rank order, fp32 from 0.0,
-        # rounded once, no atomics (one pass on CUDA). With biases the sum stays fp32 until they are added.
-        back = self._return_rows(x[:num_recv], state, "combine")
-        if bias:
-            acc = permute.unpermute(back.float(), state.combine_slot)
-            for b in bias:
-                acc += b
-            combined = acc.to(x.dtype)
-        else:
-            combined = permute.unpermute(back, state.combine_slot)
-        combined_weights = None
+        back, wait = self._start_return_rows(x[:num_recv], state, "combine")
+        back_w = wait_w = None
         if topk_weights is not None:
-            back = self._return_rows(topk_weights[:num_recv], state, "combine weights")
-            combined_weights = permute.unpermute(back, state.combine_slot)
-        return combined, combined_weights
+            back_w, wait_w = self._start_return_rows(topk_weights[:num_recv], state, "combine weights")
+
+        def finish() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            # unpermute's gather-sum is exactly combine's: each token's copies in ascending rank order, fp32 from
+            # 0.0, rounded once, no atomics (one pass on CUDA). With biases the sum stays fp32 until they are added.
+            wait()
+            if bias:
+                acc = permute.unpermute(back.float(), state.combine_slot)
+                for b in bias:
+                    acc += b
+                combined = acc.to(x.dtype)
+            else:
+                combined = permute.unpermute(back, state.combine_slot)
+            combined_weights = None
+            if back_w is not None:
+                wait_w()
+                combined_weights = permute.unpermute(back_w, state.combine_slot)
+            return combined, combined_weights
+        return finish
+
+
+def _done() -> None:
+    """The completion of an exchange that finished when it was issued."""

@@ -3,7 +3,8 @@
 the rail stage on the nvlink kernels too (the test-only switch ``MOE_EP_TEST_RAIL_NVLINK=1``). Every output is
 compared with the CPU hierarchical transport (torch stages over gloo) on the same inputs, which
 tests/test_hierarchical.py proves against the plain-loop reference. Skips without a GPU or the kernel library.
-Written without a GPU to run it on (2026-12-01): not yet run."""
+Written without a GPU to run it on (2026-12-01): not yet run; the chunked (``Config.hierarchical_chunks``)
+checks were added 2026-12-02, also not yet run."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, autograd
+from moe_ep_plugin import Buffer, Config, autograd
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops import fp8, library
 from moe_ep_plugin.transports import RAIL_ENV_VAR
@@ -68,6 +69,16 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
     out, out_w, _ = gpu.combine(y.to(dev), got[4], topk_weights=got[2])
     ref_out, ref_w, _ = cpu.combine(y, ref[4], topk_weights=ref[2])
     assert torch.equal(out.cpu(), ref_out) and torch.equal(out_w.cpu(), ref_w)
+    # chunked (some chunks empty on the nvlink kernels): the same rows, handle and sums; the cached replay too
+    config = Config(hierarchical_chunks=3)
+    chunked = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=num_experts,
+                           expert_alignment=2, config=config)
+    for a, b in zip(chunked[:3], ref[:3]):
+        assert torch.equal(a.cpu(), b)
+    assert chunked[3] == ref[3] and torch.equal(chunked[4].recv_src_idx.cpu(), ref[4].recv_src_idx)
+    assert torch.equal(gpu.dispatch(x.to(dev), handle=chunked[4])[0].cpu(), ref[0])
+    chunked_out, chunked_w, _ = gpu.combine(y.to(dev), chunked[4], topk_weights=chunked[2], config=config)
+    assert torch.equal(chunked_out.cpu(), ref_out) and torch.equal(chunked_w.cpu(), ref_w)
     # FP8 on the wire, cached dispatch, worst-case sized outputs
     (q, s), *_ = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), num_experts=num_experts, fp8_dispatch=True,
                               fp8_out=True)
