@@ -28,6 +28,8 @@ class PluginOptions:
       ``fused_dispatch_sms`` > 0: that kernel's SMs (``NVLinkTuning.fused_dispatch_sms``; 0: ``num_sms``).
     - ``fused_combine``: on ``nvlink``, ``combine_experts`` sums each token's expert rows inside the (push) combine
       kernel (``NVLinkTuning.fused_combine``; off until timed, same results either way).
+    - ``hierarchical_chunks``: on ``hierarchical``, pipeline the inter-node and intra-node stages over this many
+      chunks of tokens (``Config.hierarchical_chunks``; 1: not chunked, the default until measured across nodes).
     """
 
     transport: str = "auto"
@@ -39,6 +41,7 @@ class PluginOptions:
     fused_dispatch: bool = False
     fused_dispatch_sms: int = 0
     fused_combine: bool = False
+    hierarchical_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto",) + TRANSPORTS:
@@ -54,6 +57,9 @@ class PluginOptions:
         if not isinstance(self.fused_dispatch_sms, int) or isinstance(self.fused_dispatch_sms, bool) \
                 or self.fused_dispatch_sms < 0:
             raise ValueError(f"fused_dispatch_sms: expected an int >= 0, got {self.fused_dispatch_sms!r}")
+        if not isinstance(self.hierarchical_chunks, int) or isinstance(self.hierarchical_chunks, bool) \
+                or self.hierarchical_chunks < 1:
+            raise ValueError(f"hierarchical_chunks: expected a positive int, got {self.hierarchical_chunks!r}")
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)

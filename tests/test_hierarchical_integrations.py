@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import launch
+from moe_ep_plugin.buffer_cache import sm_configs
+from moe_ep_plugin.plugin_options import PluginOptions
 from moe_ep_plugin.train.trainer import Trainer, _format
 from test_train_equivalence import _config, _step
 
@@ -99,3 +101,15 @@ def _dispatcher_equal() -> None:
 def test_megatron_dispatcher_hierarchical_equals_torch() -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     launch.spawn(_dispatcher_equal, 4, backend="gloo", timeout_s=300)
+
+
+def test_hierarchical_chunks_option_reaches_the_configs() -> None:
+    """``hierarchical_chunks`` from the integrations' YAML options lands on both per-call Configs; bad values are a
+    ValueError naming the option."""
+    opts = PluginOptions.from_dict({"transport": "hierarchical", "hierarchical_chunks": 3}, "ep_plugin")
+    configs = sm_configs(opts.num_sms, 4, opts.hierarchical_chunks, **opts.nvlink_tuning())
+    assert configs is not None and [c.hierarchical_chunks for c in configs] == [3, 3]
+    assert sm_configs(None, 4, 1) is None
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="hierarchical_chunks"):
+            PluginOptions.from_dict({"hierarchical_chunks": bad}, "ep_plugin")
