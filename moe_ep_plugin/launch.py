@@ -169,16 +169,19 @@ def _collect(pipes: list, reports: dict[int, tuple[str, str]]) -> None:
 
 
 def _note_failures(procs: list, reports: dict[int, tuple[str, str]], failures: list[RankFailure]) -> None:
-    """Append, in the order seen, the ranks that reported an exception or exited non-zero without one."""
+    """Append, in the order seen, the ranks that exited non-zero without a report and those that reported an
+    exception. Seen together, the exits come first: a rank that dies without a word (a crash, ``os._exit``) resets
+    its peers' connections, whose errors then arrive as reports of their own."""
     known = {f.rank for f in failures}
+    for r, p in enumerate(procs):
+        if r not in known and r not in reports and p.exitcode is not None and p.exitcode != 0:
+            failures.append(RankFailure(r, _exit_reason(p.exitcode)))
+            known.add(r)
     for r in reports:
         if r not in known:
             reason, details = reports[r]
             failures.append(RankFailure(r, f"failed: {reason}", details))
             known.add(r)
-    for r, p in enumerate(procs):
-        if r not in known and p.exitcode is not None and p.exitcode != 0:
-            failures.append(RankFailure(r, _exit_reason(p.exitcode)))
 
 
 def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankFailure]:
