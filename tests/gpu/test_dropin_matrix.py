@@ -41,9 +41,13 @@ def _matrix(seed: int) -> None:
     buffer = _buffer()
     state = rounds.State()
     failures = []
+    # MOE_EP_MATRIX_TRACE=1: each rank names every round before running it, so a fault's log says which call it was
+    trace = os.environ.get("MOE_EP_MATRIX_TRACE", "0") not in ("", "0")
     # entries in order per (mode, form): the cached ones reuse the handle of the fresh one just before
     for i, (mode, form, entry) in enumerate(itertools.product(rounds.MODES, rounds.FORMS, rounds.ENTRIES)):
         rnd = rounds.draw(seed + i, world, entry=entry, mode=mode, form=form)
+        if trace:
+            print(f"[rank {rank}] round {i}: {rnd.describe()}", flush=True)
         errors = rounds.run(buffer, rnd, state, rank, world)
         if errors:
             failures.append(f"{rnd.describe()}: {errors}")
