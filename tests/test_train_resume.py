@@ -9,7 +9,6 @@ import csv
 import importlib.util
 import os
 
-import pytest
 import torch
 
 from moe_ep_plugin.train import cli
