@@ -229,9 +229,10 @@ def deepseek_v3_gate(logits: torch.Tensor, topk: int, *, num_groups: Optional[in
 
 # --------------------------------------------------------------------------------------------------- load balance
 
-def tokens_per_expert(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
+def tokens_per_expert(routing: torch.Tensor, num_experts: int, check_ids: bool = True) -> torch.Tensor:
     """Tokens per expert, int64 ``[E]``, from a ``routing_map [T, E]`` bool or a ``topk_idx [T, K]`` integer
-    tensor (``-1`` = no expert, skipped)."""
+    tensor (``-1`` = no expert, skipped). The count never waits for the GPU; checking the ids' range does (one
+    host read): ``check_ids=False`` skips it for ids a router just made, which lie in ``[-1, E)`` by construction."""
     if not isinstance(routing, torch.Tensor):
         raise TypeError(f"routing: expected a torch.Tensor, got {type(routing).__name__}")
     _check_positive_int(num_experts, "num_experts")
@@ -243,11 +244,15 @@ def tokens_per_expert(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
         return routing.sum(dim=0, dtype=torch.int64)
     if routing.is_floating_point() or routing.is_complex():
         raise TypeError(f"routing: expected a bool routing map or integer topk_idx, got {routing.dtype}")
-    if routing.numel() and (int(routing.min()) < -1 or int(routing.max()) >= num_experts):
-        raise ValueError(f"routing: expert ids must lie in [-1, {num_experts}), got "
-                         f"[{int(routing.min())}, {int(routing.max())}]")
+    if check_ids and routing.numel():
+        low, high = torch.stack(torch.aminmax(routing.reshape(-1).long())).tolist()
+        if low < -1 or high >= num_experts:
+            raise ValueError(f"routing: expert ids must lie in [-1, {num_experts}), got [{low}, {high}]")
     ids = routing.reshape(-1).long()
-    return torch.bincount(ids[ids >= 0], minlength=num_experts)
+    valid = ids >= 0
+    # a scatter-add of 0/1 (not bincount, which reads the largest id on the host): -1 entries add 0 to expert 0
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, torch.where(valid, ids, 0), valid.long())
 
 
 def update_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:

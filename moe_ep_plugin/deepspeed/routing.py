@@ -172,7 +172,7 @@ class GroupLimitedGate(torch.nn.Module):
         # a rank without tokens contributes a zero loss (the switch loss averages over its tokens)
         l_aux = gating.switch_aux_loss(scores, routing_map.sum(dim=0), topk=self.k,
                                        total_num_tokens=max(x.shape[0], 1))
-        exp_counts = gating.tokens_per_expert(idx, self.num_experts)
+        exp_counts = gating.tokens_per_expert(idx, self.num_experts, check_ids=False)
         if self.expert_bias is not None and self.training:
             self._pending_counts += exp_counts.float()
         return Routes(idx, weights, l_aux, exp_counts)

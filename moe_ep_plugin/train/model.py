@@ -43,16 +43,6 @@ def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> t
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
-def _routed_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens per expert ``[E]`` int64 from ``topk_idx [T, K]`` without a host sync. ``gating.tokens_per_expert``
-    validates the ids (``min``/``max`` read on the host), masks ``-1`` entries and calls ``bincount``, which on
-    CUDA reads the largest id too: four waits for the GPU per MoE block in the middle of the forward. The router's
-    ids here always lie in ``[0, E)``, so a scatter-add counts them on the device."""
-    flat = idx.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int64))
-
-
 class SwiGLU(nn.Module):
     """``x [*, H]`` → ``W_down (silu(x W_gate) * (x W_up))`` ``[*, H]``."""
 
@@ -258,7 +248,7 @@ class MoETransformer(nn.Module):
         for blk in self.blocks:
             x, idx, a = blk(x, cos, sin)
             if idx is not None:
-                counts.append(_routed_counts(idx, self.cfg.moe.num_experts))
+                counts.append(gating.tokens_per_expert(idx, self.cfg.moe.num_experts, check_ids=False))
                 routes.append(idx)
                 aux = aux + a
         logits = self.head(self.norm(x)).float()
