@@ -82,10 +82,9 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
 }
 
 // The dispatch kernel's launch cases (DeepEP's SWITCH_* macros): each binds a template parameter `name` to the
-// mode at hand and runs the statement that follows. With MOE_EP_SPECIALIZED_DISPATCH every mode is a
-// compile-time constant (one kernel per combination, each with only its own mode's code and registers); without
-// it, the default, `name` is kRunTime and the kernel reads the mode from its parameters.
-#ifdef MOE_EP_SPECIALIZED_DISPATCH
+// mode at hand as a compile-time constant and runs the statement that follows, so every combination is its own
+// kernel with only its own mode's code and registers (at EP1 2x faster on BF16 dispatch than one kernel reading the
+// modes at run time, and never slower: benchmarks/RESULTS.md).
 #define SWITCH_MODE(name, on, ...)  \
     do {                            \
         if (on) {                   \
@@ -109,14 +108,6 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
             __VA_ARGS__;                      \
         }                                     \
     } while (false)
-#else
-#define SWITCH_MODE(name, on, ...)     \
-    do {                               \
-        constexpr int name = kRunTime; \
-        __VA_ARGS__;                   \
-    } while (false)
-#define SWITCH_TOPK(name, topk, ...) SWITCH_MODE(name, topk, __VA_ARGS__)
-#endif
 
 namespace permute_kernels {
 

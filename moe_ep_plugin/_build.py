@@ -30,8 +30,7 @@ def find_nvcc() -> str | None:
 
 def nvcc_command(nvcc: str, sources: list[str], output: str) -> list[str]:
     """``MOE_EP_CUDA_ARCH`` picks the target (default 90a); ``MOE_EP_NVCC_FLAGS`` adds flags, e.g. a kernel
-    tuning macro such as ``-DMOE_EP_CHUNK_ROWS=16`` or ``-DMOE_EP_SPECIALIZED_DISPATCH`` (one dispatch kernel per
-    mode combination) for a variant library timed against the default."""
+    tuning macro such as ``-DMOE_EP_CHUNK_ROWS=16`` for a variant library timed against the default."""
     arch = os.environ.get("MOE_EP_CUDA_ARCH", "90a")
     extra = os.environ.get("MOE_EP_NVCC_FLAGS", "").split()
     return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-lineinfo",

@@ -59,7 +59,8 @@ struct OneRow {
     char* head;
     char* tail;
     __device__ __forceinline__ bool any() const { return head != nullptr; }
-    __device__ __forceinline__ OneRow scales() const { return {tail, nullptr}; }
+    // no row, no scales: `tail` may be computed from row -1 (a token whose own row another warp writes)
+    __device__ __forceinline__ OneRow scales() const { return {head != nullptr ? tail : nullptr, nullptr}; }
     template <typename F>
     __device__ __forceinline__ void each(F&& f) const {
         if (head != nullptr) f(head, tail);
@@ -73,7 +74,9 @@ struct FanRows {
     const int* list;
     int count;
     __device__ __forceinline__ bool any() const { return count > 0; }
-    __device__ __forceinline__ FanRows scales() const { return {tail, tail_stride, nullptr, 0, list, count}; }
+    __device__ __forceinline__ FanRows scales() const {
+        return {tail, tail_stride, nullptr, 0, list, tail != nullptr ? count : 0};
+    }
     template <typename F>
     __device__ __forceinline__ void each(F&& f) const {
         for (int i = 0; i < count; ++i) {
@@ -422,15 +425,11 @@ __global__ void barrier_kernel(DevCtx c) { block_barrier(c); }
 // dispatch. kQuant: 0 = rows travel as they are (BF16/FP32, or FP8 with its scales); 1 = BF16 rows and
 // 2 = FP32 rows quantized to FP8 in the send path. The other data-path modes are template parameters too:
 // kFp8Out (received rows are FP8 + scales: FP8 input rows when kQuant is 0, else not dequantized), kTopk (what
-// travels with the rows: nothing, local top-k ids, expert-major rows) and kPull (pull dispatch allowed). Each is
-// 0/1 (kTopk: a DispatchTopk) when fixed, which compiles the other modes' code out, or kRunTime: read from the
-// parameters. The default build launches one kernel per kQuant with every other mode kRunTime; the
-// MOE_EP_SPECIALIZED_DISPATCH build one per combination (csrc/api.cu's SWITCH_* launch cases), so that each
-// specialisation gets only the registers its own mode needs.
-constexpr int kRunTime = -1;
+// travels with the rows: nothing, local top-k ids, expert-major rows) and kPull (pull dispatch allowed): 0/1 (kTopk:
+// a DispatchTopk), one kernel per combination (csrc/api.cu's SWITCH_* launch cases), so that each compiles the other
+// modes' code out and gets only the registers its own mode needs.
 enum DispatchTopk : int { kNoTopk = 0, kLocalTopk = 1, kExpertTopk = 2 };
-// A dispatch's modes as its parameters give them: the launch picks the specialisation from these, and a kRunTime
-// kernel reads them the same way.
+// A dispatch's modes as its parameters give them: the launch picks the specialisation from these.
 __host__ __device__ __forceinline__ int dispatch_topk(const moe_ep_dispatch_params& p) {
     if (p.expert_major != 0) return kExpertTopk;
     return (p.topk_idx != nullptr || p.recv_topk_idx != nullptr) && p.num_topk > 0 ? kLocalTopk : kNoTopk;
@@ -511,16 +510,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
-    // Each mode a constant in a specialisation, so the code of the others folds away.
-    const int topk = kTopk == kRunTime ? dispatch_topk(p) : kTopk;
+    // Each mode a compile-time constant, so the code of the others folds away.
+    const int topk = kTopk;
     const bool expert = topk == kExpertTopk;                                   // top-k travels as expert-major rows
     const bool send_topk = topk != kNoTopk && p.topk_idx != nullptr && K > 0;  // this rank's rows carry top-k
     const bool recv_topk = topk == kLocalTopk && p.recv_topk_idx != nullptr && K > 0;  // received: local top-k
-    const bool fp8_out = kFp8Out == kRunTime ? dispatch_fp8_out(p, kQuant != 0) : kFp8Out != 0;
+    const bool fp8_out = kFp8Out != 0;
     const bool fp8_in = kQuant == 0 && fp8_out;
     const bool wire_fp8 = kQuant != 0 || fp8_out;
     const bool dequant = kQuant != 0 && !fp8_out;  // FP8 input rows arrive as they are
-    const bool pull = kPull == kRunTime ? p.pull != 0 : kPull != 0;
+    const bool pull = kPull != 0;
     const int64_t in_row_bytes = int64_t(H) * p.x_elem_bytes;
     const int64_t out_row_bytes = dequant ? int64_t(H) * int64_t(sizeof(OutT)) : int64_t(sl.payload_bytes);
     const char* x = static_cast<const char*>(p.x);
@@ -613,9 +612,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 write_to(t, wire, fan(i));
             }
         } else {
-            // (the scales' address is used only with a row and when FP8 rows are received)
             write_to(t, wire, OneRow{r < 0 ? nullptr : recv_x + r * out_row_bytes,
-                                     reinterpret_cast<char*>(p.recv_scales + r * S)});
+                                     r < 0 ? nullptr : reinterpret_cast<char*>(p.recv_scales + r * S)});
         }
     };
     // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the

@@ -126,7 +126,7 @@ class MoEMLP(nn.Module):
         sequence aux loss 0-d)``; the router runs in fp32."""
         e = self.cfg
         with torch.autocast(tokens.device.type, enabled=False):
-            logits = F.linear(tokens.float(), self.router)
+            logits = F.linear(tokens.float(), self.router.float())
             grouped = e.num_groups > 1
             weights, idx = gating.group_limited_topk(
                 logits, e.topk, score_function=e.score_function, use_pre_softmax=e.use_pre_softmax,

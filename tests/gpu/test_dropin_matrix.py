@@ -60,6 +60,29 @@ def test_dropin_matrix(world: int) -> None:
     spawn(_matrix, world, args=(world * 100000,), backend="gloo", timeout_s=600)
 
 
+def _fp8_rows_sent_not_kept() -> None:
+    """FP8 (q, scales) rows whose scales are not 16-byte vectors (hidden 384, 640: 3 and 5 scales) sent to a peer and
+    not kept here: the sender once wrote their scales at row -1 of this rank's received scales (an illegal address
+    on a rank that receives nothing, the 4 bytes before the allocation otherwise). Every token goes to the last
+    rank's last expert, so rank 0 receives nothing; every entry point, each checked exactly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = _buffer()
+    state = rounds.State()
+    failures = []
+    for i, (hidden, entry) in enumerate(itertools.product((384, 640), rounds.ENTRIES)):
+        rnd = rounds.Round(seed=900 + i, entry=entry, mode="sync", form="fp8 tuple", hidden=hidden, topk=3,
+                           experts_per_rank=4, tokens=[37, 5][:world], routing="one_expert", alignment=1)
+        errors = rounds.run(buffer, rnd, state, rank, world)
+        if errors:
+            failures.append(f"{rnd.describe()}: {errors}")
+    torch.cuda.synchronize()
+    assert not failures, "\n".join(failures)
+
+
+def test_fp8_rows_sent_not_kept() -> None:
+    spawn(_fp8_rows_sent_not_kept, 2, backend="gloo", timeout_s=300)
+
+
 def _async_counts_at_deepep_shape() -> None:
     """The case that failed: the async per-expert list right after a correct sync one, BF16 and FP8."""
     rank, world = dist.get_rank(), dist.get_world_size()
