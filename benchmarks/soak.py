@@ -58,7 +58,7 @@ def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeou
         done += 1
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(mismatches=len(failures))
+            bar.set_postfix(mismatches=len(failures), refresh=False)
         if verdicts[0][1]:
             break
     seconds = time.monotonic() - start
