@@ -13,7 +13,7 @@ group_args() {  # the pytest arguments of one group
     local m=tests/gpu/test_dropin_matrix.py
     case "$1" in
         nvlink_1) echo tests/gpu/test_nvlink.py -k "'not gloo'" ;;
-        nvlink_[234]) echo tests/gpu/test_nvlink.py -k "${1#nvlink_}-gloo" ;;
+        nvlink_[234]) echo tests/gpu/test_nvlink.py -k "${1#nvlink_}-gloo" ;;  # its three parts (-k "2-gloo-row_major": one)
         dropin_12) echo "$m::test_dropin_matrix[1] $m::test_dropin_matrix[2] $m::test_async_counts_at_deepep_shape" \
                         "$m::test_disagreeing_ranks_raise_on_every_rank" ;;
         dropin_[34]) echo "$m::test_dropin_matrix[${1#dropin_}]" ;;
