@@ -553,11 +553,14 @@ static int* ll_seq(const Context* ctx, const LLShape& s, int64_t set) {
     return reinterpret_cast<int*>(static_cast<char*>(ctx->local) + kStagingOffset + set * s.set_bytes);
 }
 
-// The shape of one call's parameters (dispatch or combine), checked.
-template <typename Params>
-static int ll_begin(const Context* ctx, const Params& p, LLShape* s) {
-    *s = ll_shape(p.max_tokens, p.hidden, p.num_experts, ctx->dev.num_ranks);
-    return ll_check(ctx, *s, p.buffer_set, p.num_topk, p.num_tokens);
+// One call's entry point: the shape from its parameters (dispatch or combine), checked, then
+// `launch(ctx, p, shape, stream)`.
+template <typename Params, typename Launch>
+static int ll_entry(void* handle, const Params* params, void* stream, Launch launch) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    const LLShape s = ll_shape(params->max_tokens, params->hidden, params->num_experts, ctx->dev.num_ranks);
+    if (int err = ll_check(ctx, s, params->buffer_set, params->num_topk, params->num_tokens)) return err;
+    return launch(ctx, *params, s, static_cast<cudaStream_t>(stream));
 }
 
 static int ll_advance(const Context* ctx, const LLShape& s, int64_t set, cudaStream_t stream) {
@@ -580,49 +583,42 @@ extern "C" void* moe_ep_ll_combine_buffer(void* handle, int64_t max_tokens, int6
 }
 
 extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_dispatch_params& p = *params;
-    LLShape s;
-    if (int err = ll_begin(ctx, p, &s)) return err;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p.num_tokens > 0) {
-        ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
-        if (int err = check_launch("ll_pack_kernel")) return err;
-    }
-    ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
-    return check_launch("ll_dispatch_send_kernel");
+    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_dispatch_params& p,
+                                               const LLShape& s, cudaStream_t st) {
+        if (p.num_tokens > 0) {
+            ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
+            if (int err = check_launch("ll_pack_kernel")) return err;
+        }
+        ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
+        return check_launch("ll_dispatch_send_kernel");
+    });
 }
 
 extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_dispatch_params& p = *params;
-    LLShape s;
-    if (int err = ll_begin(ctx, p, &s)) return err;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
-    if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
-    return ll_advance(ctx, s, p.buffer_set, st);
+    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_dispatch_params& p,
+                                               const LLShape& s, cudaStream_t st) {
+        ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
+        if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
+        return ll_advance(ctx, s, p.buffer_set, st);
+    });
 }
 
 extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_combine_params& p = *params;
-    LLShape s;
-    if (int err = ll_begin(ctx, p, &s)) return err;
-    ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, static_cast<cudaStream_t>(stream)>>>(ctx->dev, p, s);
-    return check_launch("ll_combine_send_kernel");
+    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_combine_params& p,
+                                               const LLShape& s, cudaStream_t st) {
+        ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, st>>>(ctx->dev, p, s);
+        return check_launch("ll_combine_send_kernel");
+    });
 }
 
 extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
-    const Context* ctx = static_cast<const Context*>(handle);
-    const moe_ep_ll_combine_params& p = *params;
-    LLShape s;
-    if (int err = ll_begin(ctx, p, &s)) return err;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    // at least one block: the receive is also a barrier, with or without tokens
-    ll_combine_recv_kernel<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev, p, s);
-    if (int err = check_launch("ll_combine_recv_kernel")) return err;
-    return ll_advance(ctx, s, p.buffer_set, st);
+    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_combine_params& p,
+                                               const LLShape& s, cudaStream_t st) {
+        // at least one block: the receive is also a barrier, with or without tokens
+        ll_combine_recv_kernel<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev, p, s);
+        if (int err = check_launch("ll_combine_recv_kernel")) return err;
+        return ll_advance(ctx, s, p.buffer_set, st);
+    });
 }
 
 extern "C" int moe_ep_ll_clean(void* handle, void* stream) {

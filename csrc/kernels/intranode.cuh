@@ -430,11 +430,11 @@ __global__ void barrier_kernel(DevCtx c) { block_barrier(c); }
 // modes' code out and gets only the registers its own mode needs.
 enum DispatchTopk : int { kNoTopk = 0, kLocalTopk = 1, kExpertTopk = 2 };
 // A dispatch's modes as its parameters give them: the launch picks the specialisation from these.
-__host__ __device__ __forceinline__ int dispatch_topk(const moe_ep_dispatch_params& p) {
+inline int dispatch_topk(const moe_ep_dispatch_params& p) {
     if (p.expert_major != 0) return kExpertTopk;
     return (p.topk_idx != nullptr || p.recv_topk_idx != nullptr) && p.num_topk > 0 ? kLocalTopk : kNoTopk;
 }
-__host__ __device__ __forceinline__ bool dispatch_fp8_out(const moe_ep_dispatch_params& p, bool quantize) {
+inline bool dispatch_fp8_out(const moe_ep_dispatch_params& p, bool quantize) {
     return (quantize ? p.fp8_out : p.fp8_in) != 0;
 }
 
@@ -511,10 +511,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
     // Each mode a compile-time constant, so the code of the others folds away.
-    const int topk = kTopk;
-    const bool expert = topk == kExpertTopk;                                   // top-k travels as expert-major rows
-    const bool send_topk = topk != kNoTopk && p.topk_idx != nullptr && K > 0;  // this rank's rows carry top-k
-    const bool recv_topk = topk == kLocalTopk && p.recv_topk_idx != nullptr && K > 0;  // received: local top-k
+    const bool expert = kTopk == kExpertTopk;                                   // top-k travels as expert-major rows
+    const bool send_topk = kTopk != kNoTopk && p.topk_idx != nullptr && K > 0;  // this rank's rows carry top-k
+    const bool recv_topk = kTopk == kLocalTopk && p.recv_topk_idx != nullptr && K > 0;  // received: local top-k
     const bool fp8_out = kFp8Out != 0;
     const bool fp8_in = kQuant == 0 && fp8_out;
     const bool wire_fp8 = kQuant != 0 || fp8_out;
