@@ -12,9 +12,10 @@ whole fixed block of ``R * M`` rows (the masked grouped GEMM a decode kernel run
 ignored by combine) and brings the outputs back with ``low_latency_combine`` (the routing weights applied there,
 in fp32). Every shape is fixed and no step reads anything on the host, so on GPU with the peer-memory kernels a
 step is captured once in a CUDA graph and replayed (``--cuda-graph``); on CPU (and with the collective form) it
-runs eagerly. At the end the whole sequence goes through the model's normal-mode forward (``dispatch_experts``
-on the same Buffer) and the logits of every decoded position must match: the two paths round differently (the
-low-latency wire takes BF16 rows, its combine rounds to BF16), so they agree to that rounding, not bit for bit.
+runs eagerly. Then the decoded positions run again eagerly, each MoE block beside its normal-mode forward
+(``dispatch_experts`` on the same Buffer) on the same input, and the two outputs must agree to the wire's rounding
+(``BLOCK_TOLERANCE``); with a graph, this pass's logits against the replay's are printed too. Last, the whole
+sequence goes through the model's normal-mode forward and the decoded logits are compared (``LOGIT_TOLERANCE``).
 """
 from __future__ import annotations
 
@@ -29,13 +30,18 @@ from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.train import config, trainer
 from moe_ep_plugin.train.model import Attention, MoEMLP, MoETransformer, _rotate
 
-# Decoded logits vs the normal-mode forward, relative to the largest logit, by (model dtype, FP8 wire). In float32
-# (CPU, tiny model) the BF16 rounding of the MoE input and output gives ~2e-4, with the FP8 wire ~1.7e-3 (the
-# low-latency path quantizes BF16-rounded rows, the normal one float32 rows: some FP8 values round the other way),
-# and dropping the routed experts altogether ~6e-2. A BF16 model rounds every layer differently on the two paths:
-# its bound is a guess, not yet measured with both paths on the same wire.
-TOLERANCE = {(torch.float32, False): 2e-3, (torch.float32, True): 5e-3, (torch.bfloat16, False): 3e-2,
-             (torch.bfloat16, True): 3e-2}
+# Each MoE block's low-latency output against its normal-mode forward on the same input (so the same routing),
+# relative to the largest output, by (model dtype, FP8 wire). Measured (CPU, configs/tiny.yaml and
+# configs/ep2_h200.yaml at hidden 2048): float32 with the BF16 wire 3-4e-3 (the wire and the combine round to BF16);
+# with the FP8 wire 1.7-2.4e-2 (the low-latency path quantizes BF16-rounded rows, the normal one float32 rows, so
+# some FP8 values round the other way); a BF16 model 6.6e-3. Dropping one local expert's output gives 0.39-0.9.
+BLOCK_TOLERANCE = {(torch.float32, False): 1e-2, (torch.float32, True): 6e-2, (torch.bfloat16, False): 3e-2,
+                   (torch.bfloat16, True): 6e-2}
+# End to end the logits agree only where both paths round alike to BF16 (float32 model, BF16 wire: 1.1-1.2e-3 on
+# CPU and H200). Elsewhere a rounding difference in one block flips a near-tie in a later router, and the logits
+# then differ by as much as dropping an expert (configs/ep2_h200.yaml: 0.11 with the FP8 wire, 0.21 in BF16, 0.17
+# with one expert dropped), so they are reported, not checked.
+LOGIT_TOLERANCE = {(torch.float32, False): 2e-3}
 
 
 def cached_attention(attn: Attention, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor,
@@ -95,20 +101,33 @@ class Decoder:
         self.max_tokens = batch
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, check: bool = False) -> float:
+        """One decode step. With ``check`` (eager only: the normal-mode dispatch reads counts on the host) every MoE
+        block also runs its normal-mode forward on the same input; returns the largest ``max |low-latency -
+        normal| / max |normal|`` over the blocks (0.0 without ``check``)."""
         model = self.model
+        worst = 0.0
         x = model.embed(self.ids).unsqueeze(1)
         for blk, cache in zip(model.blocks, self.caches):
             x = x + cached_attention(blk.attn, blk.attn_norm(x), cache, self.pos, model.rope_cos, model.rope_sin)
             h = blk.mlp_norm(x)
-            x = x + (low_latency_moe(blk.mlp, h, self.buffer, self.max_tokens) if isinstance(blk.mlp, MoEMLP)
-                     else blk.mlp(h))
+            if isinstance(blk.mlp, MoEMLP):
+                y = low_latency_moe(blk.mlp, h, self.buffer, self.max_tokens)
+                if check:
+                    want = blk.mlp(h)[0]
+                    worst = max(worst, float((y - want).abs().max() / want.abs().max()))
+            else:
+                y = blk.mlp(h)
+            x = x + y
         self.logits.copy_(model.head(model.norm(x))[:, 0].float())
+        return worst
 
 
-def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool) -> float:
-    """Feed a random prompt, decode ``new_tokens`` greedily, compare with the normal-mode forward; returns the
-    largest logit difference relative to the largest logit (raises if above ``TOLERANCE`` of the model dtype and wire)."""
+def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool
+           ) -> tuple[float, float]:
+    """Feed a random prompt, decode ``new_tokens`` greedily, compare with the normal-mode forward; returns
+    ``(MoE block difference, logit difference)``, each relative to the largest value (raises above
+    ``BLOCK_TOLERANCE``, and above ``LOGIT_TOLERANCE`` where it has an entry)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = trainer.resolve_device(cfg)
     dtype = trainer.resolve_dtype(cfg, device)
@@ -139,27 +158,42 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             decoder.step()
+    positions = prompt_len + new_tokens - 1
     decoded = []
-    for pos in range(prompt_len + new_tokens - 1):
+    for pos in range(positions):
         decoder.ids.copy_(ids[:, pos])
         decoder.pos.fill_(pos)
         graph.replay() if graph is not None else decoder.step()
         decoded.append(decoder.logits.clone())
         if pos + 1 >= prompt_len:
             ids = torch.cat([ids, decoder.logits.argmax(dim=1, keepdim=True)], dim=1)
+    got = torch.stack(decoded, dim=1)
 
+    # The same positions again, eagerly, each MoE block beside its normal-mode forward on the same input (same
+    # routing): the low-latency path's own error, which later routers cannot amplify.
+    block, eager = 0.0, []
+    for pos in range(positions):
+        decoder.ids.copy_(ids[:, pos])
+        decoder.pos.fill_(pos)
+        block = max(block, decoder.step(check=True))
+        eager.append(decoder.logits.clone())
+    replay = float((torch.stack(eager, dim=1) - got).abs().max()) if graph is not None else float("nan")
     with torch.no_grad():
         reference, _ = model(ids[:, :-1])  # normal mode (dispatch_experts) on the same Buffer
-    got = torch.stack(decoded, dim=1)
-    diff = float((got - reference).abs().max() / reference.abs().max())
+    logits = float((got - reference).abs().max() / reference.abs().max())
     if rank == 0:
-        print(f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'max |dlogit| / max |logit|':>27}")
-    print(f"{rank:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph is not None):>5} {diff:>27.2e}")
-    tolerance = TOLERANCE[dtype, cfg.parallel.fp8_dispatch]
-    if diff > tolerance:
-        raise AssertionError(f"rank {rank}: low-latency decode differs from the normal-mode forward by {diff:.2e} "
-                             f"of the largest logit (tolerance {tolerance})")
-    return diff
+        print(f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'MoE block':>9} {'logits':>8} "
+              f"{'replay-eager':>12}")
+    print(f"{rank:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph is not None):>5} {block:>9.2e} "
+          f"{logits:>8.2e} {replay:>12.2e}")
+    wire = cfg.parallel.fp8_dispatch
+    if block > BLOCK_TOLERANCE[dtype, wire]:
+        raise AssertionError(f"rank {rank}: a low-latency MoE block differs from its normal-mode forward by "
+                             f"{block:.2e} of its largest output (tolerance {BLOCK_TOLERANCE[dtype, wire]})")
+    if (dtype, wire) in LOGIT_TOLERANCE and logits > LOGIT_TOLERANCE[dtype, wire]:
+        raise AssertionError(f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} "
+                             f"of the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})")
+    return block, logits
 
 
 def main() -> None:

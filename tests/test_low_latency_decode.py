@@ -1,5 +1,6 @@
 """examples/decode_moe.py on 2 CPU ranks: greedy decoding with the example model's MoE blocks on low-latency mode
-matches the normal-mode forward of the same model on the same Buffer (to the BF16 rounding of the LL wire)."""
+matches the normal-mode forward of the same model on the same Buffer (each MoE block to the wire's rounding, the
+logits end to end on the BF16 wire), and the check catches a low-latency block that is off by 10 %."""
 from __future__ import annotations
 
 import os
@@ -7,16 +8,30 @@ import sys
 
 import pytest
 
-from moe_ep_plugin.launch import spawn
+from moe_ep_plugin.launch import LaunchError, spawn
 from moe_ep_plugin.train import config
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import decode_moe  # noqa: E402  (the example script, importable from examples/)
 
 
+def _config(fp8_dispatch: bool) -> config.TrainerConfig:
+    # Two MoE blocks of 8 experts over 2 ranks (3 blocks, the first dense).
+    return config.load(None, ("model.num_layers=3", "parallel.nprocs=2", f"parallel.fp8_dispatch={fp8_dispatch}"))
+
+
 @pytest.mark.parametrize("fp8_dispatch", [False, True])
 def test_decode_matches_normal_forward(fp8_dispatch: bool) -> None:
-    # Two MoE blocks of 8 experts over 2 ranks, 3 sequences per rank: 3 prompt tokens, 4 decoded. With the FP8
-    # dispatch wire both paths quantize (the decode once sent BF16 against an FP8 normal forward: 3.1e-3 apart).
-    cfg = config.load(None, ("model.num_layers=3", "parallel.nprocs=2", f"parallel.fp8_dispatch={fp8_dispatch}"))
-    spawn(decode_moe.decode, 2, args=(cfg, 3, 3, 4, False), backend="gloo")
+    # 3 sequences per rank: 3 prompt tokens, 4 decoded; decode raises if a tolerance is exceeded.
+    spawn(decode_moe.decode, 2, args=(_config(fp8_dispatch), 3, 3, 4, False), backend="gloo")
+
+
+def _decode_with_scaled_blocks(cfg: config.TrainerConfig) -> None:
+    exact = decode_moe.low_latency_moe
+    decode_moe.low_latency_moe = lambda *args: exact(*args) * 1.1
+    decode_moe.decode(cfg, 3, 3, 4, False)
+
+
+def test_decode_check_catches_a_wrong_block() -> None:
+    with pytest.raises(LaunchError, match="MoE block differs from its normal-mode forward"):
+        spawn(_decode_with_scaled_blocks, 2, args=(_config(True),), backend="gloo")
