@@ -58,10 +58,25 @@ def _cpu(v):
     return tuple(map(_cpu, v)) if isinstance(v, tuple) else v
 
 
+# This process's nvlink buffers, which _settled checks before any result is compared.
+_LIVE: list[Buffer] = []
+
+
 def _nvlink_buffer(timeout_s: float) -> Buffer:
     """This rank's ``nvlink`` buffer: on its own GPU under NCCL, on the shared GPU under gloo."""
     shared = dist.get_backend() != "nccl"
-    return Buffer(dist.group.WORLD, transport="nvlink", timeout_s=timeout_s, device="cuda:0" if shared else None)
+    nv = Buffer(dist.group.WORLD, transport="nvlink", timeout_s=timeout_s, device="cuda:0" if shared else None)
+    _LIVE.append(nv)
+    return nv
+
+
+def _settled() -> None:
+    """Wait for the kernels and raise a wait that timed out: a kernel that timed out records it for the next call
+    and leaves its outputs unwritten, which must fail as the timeout (naming the rank), not as differing data."""
+    torch.cuda.synchronize()
+    for nv in _LIVE:
+        if not nv.destroyed:
+            nv.transport.check_error()
 
 
 def _reference_buffer(timeout_s: float):
@@ -111,6 +126,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(name: str, a, b) -> None:
+    _settled()
     if isinstance(a, tuple):
         assert isinstance(b, tuple) and len(a) == len(b), name
         for i, (u, v) in enumerate(zip(a, b)):
@@ -128,6 +144,7 @@ def _same(name: str, a, b) -> None:
 def _same_sums(name: str, got: tuple, want: tuple) -> None:
     """Combined rows and weights: bit for bit at two ranks (both sum in source-rank order in fp32), within
     rounding beyond."""
+    _settled()
     if dist.get_world_size() <= 2:
         _same(name, got[0], want[0])
         _same(f"{name} weights", got[1], want[1])
