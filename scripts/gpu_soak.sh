@@ -2,12 +2,15 @@
 # The drop-in soak (issue 13) in one device call on one GPU: INSTANCES copies of benchmarks/soak.py per rank count,
 # side by side under one MPS daemon, each with its own seed and the same time budget, then one table of the rounds
 # and mismatches per rank count (summed over instances). Ranks share the GPU: correctness only.
-#   usage: SECONDS_EACH=500 bash scripts/gpu_soak.sh [RANKS ...]     (default: 4; INSTANCES=4, SEED0=from the clock)
-# A 4-rank round costs about 0.4 s on the device machine beside three other instances (eighth session).
+#   usage: SECONDS_EACH=500 bash scripts/gpu_soak.sh [RANKS ...]     (default: 4; INSTANCES=2, SEED0=from the clock)
+# Run it alone: every rank's kernels spin on 24 SMs while they wait for peers, and beside other process groups a
+# sender can find no free SM until the kernel timeout (tenth session: four test groups and two soaks). One 4-rank
+# instance ran 4.9 rounds/s beside three test parts, two instances alone 2.4 each (tenth session, before the one-thread rule).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_soak
 SECONDS_EACH=${SECONDS_EACH:-500}
-INSTANCES=${INSTANCES:-4}
+INSTANCES=${INSTANCES:-2}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # many ranks of small ops on one host: one intra-op thread each
 SEED0=${SEED0:-$(( $(date +%s) % 100000 * 1000 ))}
 ranks=("$@")
 [ ${#ranks[@]} -gt 0 ] || ranks=(4)

@@ -128,7 +128,20 @@ def _same(got, want) -> bool:
 
 
 def run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list[str]:
-    """Run ``rnd`` on ``buffer`` and check every returned value; returns what mismatched (empty: all exact)."""
+    """Run ``rnd`` on ``buffer`` and check every returned value; returns what mismatched (empty: all exact). Raises
+    a wait of the round that timed out: its outputs were never written, which is that timeout, not a mismatch."""
+    errors = _run(buffer, rnd, state, rank, world)
+    # after the checks, which must see the outputs as the stream modes order them (a device-wide wait first would
+    # hide a missing dependency)
+    if buffer.device.type == "cuda":
+        torch.cuda.synchronize(buffer.device)
+    check = getattr(buffer.transport, "check_error", None)
+    if check is not None:
+        check()
+    return errors
+
+
+def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list[str]:
     device = buffer.device
     if rnd.entry == "cached dispatch" and state.handle_round is None:
         rnd.entry = "dispatch"

@@ -76,6 +76,21 @@ def test_run_ranks_exits_1_with_one_line_per_failed_rank(capfd) -> None:
     assert "prog: rank 1 was still running" in err
 
 
+def _threads_are(want: int) -> None:
+    assert torch.get_num_threads() == want, f"rank {dist.get_rank()}: {torch.get_num_threads()} threads, want {want}"
+
+
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_spawned_ranks_share_the_cores(monkeypatch, omp) -> None:
+    # without OMP_NUM_THREADS each of the ranks takes its share of the cores; with it, torch's own reading of it
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    want = int(omp) if omp else max(1, (os.cpu_count() or 1) // 2)
+    launch.spawn(_threads_are, 2, args=(want,), backend="gloo")
+
+
 def test_spawn_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="nprocs"):
         launch.spawn(_fail_on, 0)

@@ -72,7 +72,8 @@ def _nvlink_buffer(timeout_s: float) -> Buffer:
 
 def _settled() -> None:
     """Wait for the kernels and raise a wait that timed out: a kernel that timed out records it for the next call
-    and leaves its outputs unwritten, which must fail as the timeout (naming the rank), not as differing data."""
+    and leaves its outputs unwritten, which must fail as the timeout (naming the rank), not as data. Called after a
+    comparison (a device-wide wait before it would hide a missing stream dependency) and at the end of each case."""
     torch.cuda.synchronize()
     for nv in _LIVE:
         if not nv.destroyed:
@@ -126,7 +127,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(name: str, a, b) -> None:
-    _settled()
     if isinstance(a, tuple):
         assert isinstance(b, tuple) and len(a) == len(b), name
         for i, (u, v) in enumerate(zip(a, b)):
@@ -137,6 +137,7 @@ def _same(name: str, a, b) -> None:
         return
     assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     if not torch.equal(_bits(a), _bits(b)):
+        _settled()
         diff = (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten()
         raise AssertionError(f"{name}: {diff.numel()} of {a.shape[0]} rows differ, first {diff[:5].tolist()}")
 
@@ -144,13 +145,16 @@ def _same(name: str, a, b) -> None:
 def _same_sums(name: str, got: tuple, want: tuple) -> None:
     """Combined rows and weights: bit for bit at two ranks (both sum in source-rank order in fp32), within
     rounding beyond."""
-    _settled()
-    if dist.get_world_size() <= 2:
-        _same(name, got[0], want[0])
-        _same(f"{name} weights", got[1], want[1])
-    else:
-        torch.testing.assert_close(got[0].float().cpu(), want[0].float().cpu(), rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(*(None if w is None else w.cpu() for w in (got[1], want[1])))
+    try:
+        if dist.get_world_size() <= 2:
+            _same(name, got[0], want[0])
+            _same(f"{name} weights", got[1], want[1])
+        else:
+            torch.testing.assert_close(got[0].float().cpu(), want[0].float().cpu(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(*(None if w is None else w.cpu() for w in (got[1], want[1])))
+    except AssertionError:
+        _settled()
+        raise
 
 
 def _make_x(mode: tuple, n: int, h: int, device: torch.device):
@@ -234,6 +238,7 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, tuning: NVLink
     num_recv = handle.num_recv_tokens
     _same(f"{tag} worst recv_src_idx", got_src[:num_recv], ref_handle.recv_src_idx)
     assert bool((got_src[num_recv:] == -1).all())
+    _settled()
     if rank == 0:
         print(f"ok {tag}", flush=True)
 
@@ -274,6 +279,7 @@ def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignme
     cached = nv.dispatch_experts(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
                                  config=dcfg)
     _same(f"{tag} cached expert_x", cached[0], out[0])
+    _settled()
     if rank == 0:
         print(f"ok {tag}", flush=True)
 
