@@ -17,6 +17,7 @@ import torch
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.ops import fp8
 from reference import routing
+from settle import settle
 
 MODES = ("sync", "async", "previous_event", "previous_event+async", "allocate_on_comm_stream")
 FORMS = ("bf16", "fp32", "fp8 tuple", "fp8 in send path", "fp8 in send path, fp8 out")
@@ -131,13 +132,7 @@ def run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> list
     """Run ``rnd`` on ``buffer`` and check every returned value; returns what mismatched (empty: all exact). Raises
     a wait of the round that timed out: its outputs were never written, which is that timeout, not a mismatch."""
     errors = _run(buffer, rnd, state, rank, world)
-    # after the checks, which must see the outputs as the stream modes order them (a device-wide wait first would
-    # hide a missing dependency)
-    if buffer.device.type == "cuda":
-        torch.cuda.synchronize(buffer.device)
-    check = getattr(buffer.transport, "check_error", None)
-    if check is not None:
-        check()
+    settle(buffer)
     return errors
 
 

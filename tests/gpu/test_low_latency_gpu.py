@@ -10,15 +10,20 @@ share it (gloo group, ``Buffer(device="cuda:0")``) and the reference runs on the
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer
-from moe_ep_plugin.launch import spawn
-from moe_ep_plugin.ops import library
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from moe_ep_plugin import Buffer  # noqa: E402
+from moe_ep_plugin.launch import spawn  # noqa: E402
+from moe_ep_plugin.ops import library  # noqa: E402
+from settle import settle  # noqa: E402
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -63,13 +68,6 @@ def _same(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)), f"{name} differs"
 
 
-def _settled(nv: Buffer) -> None:
-    """Wait for the kernels and raise a wait that timed out (a low-latency call never syncs, so a timeout shows at
-    the next call): a timed-out receive leaves its output unwritten, which must fail as the timeout, not as data."""
-    torch.cuda.synchronize()
-    nv.transport.check_error()
-
-
 def _check_dispatch(got: tuple, want: tuple, use_fp8: bool) -> list[int]:
     """Valid rows of every output equal; returns recv_count."""
     (gx, gc, gh), (wx, wc, wh) = got, want
@@ -106,7 +104,7 @@ def _cases() -> None:
             if hook:
                 g_hook()
             wx, wc, wh, _, _ = ref.low_latency_dispatch(x.to(ref_dev), idx.to(ref_dev), m, num_experts, **opts)
-            _settled(nv)
+            settle(nv)  # a low-latency call never syncs: raise a timed-out receive before comparing
             counts = _check_dispatch((gx, gc, gh), (wx, wc, wh), use_fp8)
             assert stats.cpu().tolist() == counts
             y = torch.randn(local, world * m, hidden, generator=gen).bfloat16()
@@ -122,7 +120,7 @@ def _cases() -> None:
                 c_hook()
             want, _, _ = ref.low_latency_combine(y.to(ref_dev), idx.to(ref_dev), w.to(ref_dev), wh)
             assert out is None or got is out
-            _settled(nv)
+            settle(nv)  # a low-latency call never syncs: raise a timed-out receive before comparing
             _same("combined", got, want)
         # normal mode on the same Buffer, then low latency again
         x, idx, w = _inputs(m, hidden, k, num_experts, gen, dev)
@@ -159,7 +157,7 @@ def _graph_replay(nv: Buffer, ref: Buffer, m: int, hidden: int, num_experts: int
         (q, s), _, handle, _, _ = ref.low_latency_dispatch(nx.to(ref_dev), nidx.to(ref_dev), m, num_experts)
         y = (q.float() * s.repeat_interleave(128, dim=2) * 2).bfloat16()
         want = ref.low_latency_combine(y, nidx.to(ref_dev), nw.to(ref_dev), handle)[0]
-        _settled(nv)
+        settle(nv)
         _same("graph replay combined", out, want)
     if dist.get_rank() == 0:
         print(f"ok CUDA-graph replay of low-latency dispatch -> stand-in -> combine (M={m})", flush=True)

@@ -22,10 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer
-from moe_ep_plugin.config import Config, NVLinkTuning
-from moe_ep_plugin.launch import spawn
-from moe_ep_plugin.ops import fp8, library
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from moe_ep_plugin import Buffer  # noqa: E402
+from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
+from moe_ep_plugin.launch import spawn  # noqa: E402
+from moe_ep_plugin.ops import fp8, library  # noqa: E402
+from settle import settle  # noqa: E402
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -58,7 +61,7 @@ def _cpu(v):
     return tuple(map(_cpu, v)) if isinstance(v, tuple) else v
 
 
-# This process's nvlink buffers, which _settled checks before any result is compared.
+# This process's nvlink buffers, which _settled checks.
 _LIVE: list[Buffer] = []
 
 
@@ -71,13 +74,8 @@ def _nvlink_buffer(timeout_s: float) -> Buffer:
 
 
 def _settled() -> None:
-    """Wait for the kernels and raise a wait that timed out: a kernel that timed out records it for the next call
-    and leaves its outputs unwritten, which must fail as the timeout (naming the rank), not as data. Called after a
-    comparison (a device-wide wait before it would hide a missing stream dependency) and at the end of each case."""
-    torch.cuda.synchronize()
-    for nv in _LIVE:
-        if not nv.destroyed:
-            nv.transport.check_error()
+    """``settle`` this process's nvlink buffers: after a failed comparison and at the end of each case."""
+    settle(*_LIVE)
 
 
 def _reference_buffer(timeout_s: float):
