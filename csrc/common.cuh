@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -105,9 +106,12 @@ __device__ __forceinline__ int4 ld_coherent(const int4* p) {
     return v;
 }
 
-// First error wins: it sets this rank's abort flag (which ends every other wait quickly) and fills the
-// host-mapped record Python reads.
-__device__ __forceinline__ void report_error(const DevCtx& c, int code, int a, int b) {
+// First error wins: it sets this rank's abort flag (which ends every other wait quickly), fills the host-mapped
+// record Python reads, names the error on stderr and traps. The trap ends this process's CUDA context: the failing
+// call's outputs were never (fully) written, and a caller that reads them, or that launches anything else, gets a
+// CUDA error instead of data (DeepEP traps alike). Python raises the recorded error (TimeoutError or ValueError
+// naming the rank) wherever it checks first: its next call, or the failed host read inside this one.
+static __device__ __noinline__ void report_error(const DevCtx& c, int code, int a, int b) {
     if (atomicCAS(&header(c.bufs[c.rank])->abort, 0, code) == 0) {
         volatile int32_t* rec = c.host_err;
         rec[1] = a;
@@ -115,6 +119,10 @@ __device__ __forceinline__ void report_error(const DevCtx& c, int code, int a, i
         rec[3] = c.rank;
         __threadfence_system();
         rec[0] = code;
+        __threadfence_system();
+        printf("moe_ep_plugin: rank %d: kernel error %d (%d, %d), see moe_ep.h; trapping: this process's CUDA "
+               "context is lost\n", c.rank, code, a, b);
+        __trap();
     }
 }
 

@@ -1,6 +1,6 @@
-"""Wait for a Buffer's kernels and raise what they recorded: a kernel wait that timed out records the error for
-the next call and leaves its outputs unwritten, so a check must fail as that timeout (naming the rank), not as
-differing data."""
+"""Wait for a Buffer's kernels and raise what they recorded: a kernel that timed out (or found ranks disagreeing)
+records the error and traps, so the wait fails with a bare CUDA error; a check must fail as the recorded error
+(naming the rank), not as that."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +14,13 @@ def settle(*buffers: Buffer) -> None:
     for buffer in buffers:
         if buffer.destroyed:
             continue
-        if buffer.device.type == "cuda":
-            torch.cuda.synchronize(buffer.device)
         check = getattr(buffer.transport, "check_error", None)  # the torch transport records nothing
+        if buffer.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(buffer.device)
+            except RuntimeError:
+                if check is not None:
+                    check()
+                raise
         if check is not None:
             check()

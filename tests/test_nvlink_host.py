@@ -457,6 +457,29 @@ def test_combine_experts_copy_engine_before_pull(fake: FakeLib, num_sms: int, be
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
 
+def test_a_kernel_that_trapped_raises_its_record(fake: FakeLib) -> None:
+    """A kernel wait that timed out records the stalled rank and traps; the host read inside the dispatch then
+    fails (the CUDA context is lost) and the dispatch raises the recorded TimeoutError naming the rank, not the
+    library's CUDA error. The next call raises it before launching anything; destroy leaves the device alone."""
+    t = _transport(fake, guess=16)
+    record = t._rt.error
+
+    def trapped(ctx: int) -> int:
+        record[:] = [library.ERR_DISPATCH_TIMEOUT, 0, 3, ME]
+        return 719  # cudaErrorLaunchFailure: what a trap makes every later CUDA call return
+
+    fake.moe_ep_read_wait = trapped
+    x, topk_idx, weights = _inputs()
+    message = r"rank 1/2: dispatch rows from rank 0 \(chunk 3\) did not arrive within 5 s"
+    with pytest.raises(TimeoutError, match=message):
+        t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
+    launched = len(fake.calls)
+    with pytest.raises(TimeoutError, match=message):
+        t.dispatch(_args(x, topk_idx, weights))
+    t.destroy()
+    assert len(fake.calls) == launched
+
+
 @pytest.mark.parametrize("guess, prefix, info", [
     (16, PREFIX, [NUM_RECV, 0]),
     (8, [6, 3, 10, 7], [7, 0]),  # the peer received 10 > 8 rows: both dispatch again

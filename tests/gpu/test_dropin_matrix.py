@@ -23,6 +23,7 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import library  # noqa: E402
 import rounds  # noqa: E402
 from reference import routing  # noqa: E402
+from settle import settle  # noqa: E402
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -111,26 +112,28 @@ def test_async_counts_at_deepep_shape() -> None:
     spawn(_async_counts_at_deepep_shape, 2, backend="gloo", timeout_s=600)
 
 
-def _disagreeing_ranks() -> None:
-    """notify's metadata words: every rank raises naming the field and the rank, for both notify kernels."""
+_DISAGREEING = ("hidden", "top-k width", "x dtype", "num_experts")
+
+
+def _disagreeing_ranks(field: str) -> None:
+    """notify's metadata words: every rank raises naming the field and the rank, for both notify kernels. The kernel
+    traps (the CUDA context is lost), so each field runs in processes of its own."""
     rank, world = dist.get_rank(), dist.get_world_size()
     odd = rank == world - 1
     x = torch.randn(64, 256).bfloat16().cuda()
     idx = routing("random", 64, 4, 8 * world, torch.Generator().manual_seed(rank)).cuda()
-    for call, field in (
-            (lambda b: b.dispatch(x[:, :128] if odd else x, topk_idx=idx, num_experts=8 * world), "hidden"),
-            (lambda b: b.dispatch(x, topk_idx=idx[:, :2] if odd else idx, num_experts=8 * world), "top-k width"),
-            (lambda b: b.dispatch_experts(x.float() if odd else x, idx, None, 8 * world), "x dtype"),
-            (lambda b: b.dispatch(x, topk_idx=idx, num_experts=(16 if odd else 8) * world,
-                                  num_worst_tokens=64 * world), "num_experts")):
-        buffer = _buffer()
-        with pytest.raises(ValueError, match=rf"disagree on {field}: rank\(s\) \[{world - 1}\] differ from rank 0"):
-            out = call(buffer)
-            torch.cuda.synchronize()
-            buffer.transport.check_error()  # num_worst_tokens: no host read inside the dispatch
-            del out
-        buffer.destroy()
+    call = {"hidden": lambda b: b.dispatch(x[:, :128] if odd else x, topk_idx=idx, num_experts=8 * world),
+            "top-k width": lambda b: b.dispatch(x, topk_idx=idx[:, :2] if odd else idx, num_experts=8 * world),
+            "x dtype": lambda b: b.dispatch_experts(x.float() if odd else x, idx, None, 8 * world),
+            "num_experts": lambda b: b.dispatch(x, topk_idx=idx, num_experts=(16 if odd else 8) * world,
+                                                num_worst_tokens=64 * world)}[field]
+    buffer = _buffer()
+    with pytest.raises(ValueError, match=rf"disagree on {field}: rank\(s\) \[{world - 1}\] differ from rank 0"):
+        call(buffer)
+        settle(buffer)  # num_worst_tokens: no host read inside the dispatch
+    buffer.destroy()
 
 
-def test_disagreeing_ranks_raise_on_every_rank() -> None:
-    spawn(_disagreeing_ranks, 2, backend="gloo", timeout_s=300)
+@pytest.mark.parametrize("field", _DISAGREEING)
+def test_disagreeing_ranks_raise_on_every_rank(field: str) -> None:
+    spawn(_disagreeing_ranks, 2, args=(field,), backend="gloo", timeout_s=300)

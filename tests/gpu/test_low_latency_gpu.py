@@ -172,8 +172,9 @@ def _absent_peer(timeout_s: float) -> None:
     x = torch.randn(4, 2048, device=dev).bfloat16()
     idx = torch.tensor([[0], [1], [2], [3]], device=dev)
     start = time.monotonic()
-    nv.low_latency_dispatch(x, idx, 8, 4)  # the receive spins until the timeout, then records rank 1
-    torch.cuda.synchronize()
+    recv_x = nv.low_latency_dispatch(x, idx, 8, 4)[0]  # the receive spins until the timeout, records rank 1, traps
+    with pytest.raises(RuntimeError):  # the context is lost: the unwritten output cannot be read as data
+        recv_x.float().sum().item()
     with pytest.raises(TimeoutError, match="from rank 1"):
         nv.low_latency_dispatch(x, idx, 8, 4)
     assert time.monotonic() - start < timeout_s + 4

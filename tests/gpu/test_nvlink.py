@@ -437,20 +437,68 @@ def _single_rank_entry() -> None:
 
 
 def _absent_peer(timeout_s: float) -> None:
-    """Rank 1 never dispatches: rank 0 must raise TimeoutError naming rank 1 within a few timeouts."""
+    """Rank 1 never dispatches: rank 0 must raise TimeoutError naming rank 1 within a few timeouts; its kernel
+    trapped, so its CUDA context is lost (every later call raises)."""
     nv = _nvlink_buffer(timeout_s)
     device = nv.device
     if dist.get_rank() == 0:
         x = torch.randn(16, 256, device=device).to(torch.bfloat16)
         idx = torch.arange(16 * 2, device=device).reshape(16, 2) % 4
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match="rank 1"):
+        with pytest.raises(TimeoutError, match="rank 1 did not reach the start-of-operation barrier"):
             nv.dispatch(x, topk_idx=idx, num_experts=4)
         assert time.monotonic() - start < 4 * timeout_s
-        with pytest.raises(TimeoutError):  # sticky: the transport stays unusable
+        with pytest.raises(TimeoutError, match="rank 1"):  # sticky
             nv.dispatch(x, topk_idx=idx, num_experts=4)
-    torch.cuda.synchronize(device)
+        with pytest.raises(RuntimeError):  # the trap: the context is lost
+            torch.cuda.synchronize(device)
+        nv.destroy()  # touches nothing on the lost context
+    else:
+        torch.cuda.synchronize(device)
     dist.barrier()
+
+
+class _Late:
+    """Stands in for a rank's dispatch launch: first a GPU sleep of ``cycles``, so the rank's dispatch kernel (after
+    its notify and host read) starts late on the device."""
+
+    def __init__(self, launch, cycles: int) -> None:
+        self.launch, self.cycles = launch, cycles
+
+    def __call__(self, params) -> None:
+        torch.cuda._sleep(self.cycles)
+        self.launch(params)
+
+
+def _late_peer(timeout_s: float) -> None:
+    """Rank 1 stalls inside a dispatch, past ``timeout_s``, after notify and the host read: rank 0's dispatch
+    returns before its kernel gave up on rank 1's rows. Reading those outputs must raise, not give data, and the next
+    call raises the TimeoutError naming rank 1. Rank 1's dispatch completes late (rank 0 had sent its rows); its next
+    call, whose barrier rank 0 never reaches, times out: reading its output raises, the call after raises naming
+    rank 0."""
+    nv = _nvlink_buffer(timeout_s)
+    device, rank = nv.device, dist.get_rank()
+    x = torch.randn(64, 256, device=device).to(torch.bfloat16)
+    idx = torch.arange(64 * 2, device=device).reshape(64, 2) % 4
+    recv_x, _, _, _, handle, _ = nv.dispatch(x, topk_idx=idx, num_experts=4)
+    nv.combine(recv_x, handle)  # a first round sizes the receive guess, so the late dispatch runs its kernel once
+    settle(nv)
+    if rank == 1:  # ~2 GHz at most while it holds the GPU: the sleep lasts at least 1.5 timeouts
+        nv.transport._rt.dispatch = _Late(nv.transport._rt.dispatch, int(3e9 * timeout_s))
+    recv_x, _, _, _, handle, _ = nv.dispatch(x, topk_idx=idx, num_experts=4)
+    if rank == 0:
+        with pytest.raises(RuntimeError):  # the dispatch kernel timed out and trapped: no data to read
+            recv_x.float().sum().item()
+        with pytest.raises(TimeoutError, match="dispatch rows from rank 1"):
+            nv.dispatch(x, topk_idx=idx, num_experts=4)
+    else:
+        out, _, _ = nv.combine(recv_x, handle)
+        with pytest.raises(RuntimeError):
+            out.float().sum().item()
+        with pytest.raises(TimeoutError, match="rank 0"):  # at the barrier (or, had rank 0's rows been lost, them)
+            nv.combine(recv_x, handle)
+    nv.destroy()
+    dist.barrier()  # rank 0 keeps its peer buffer mapped until rank 1 is done writing into it
 
 
 @pytest.mark.parametrize("part", PARTS)
@@ -465,3 +513,7 @@ def test_nvlink_single_rank_matches_torch_transport() -> None:
 
 def test_nvlink_peer_that_never_arrives_raises() -> None:
     spawn(_absent_peer, 2, args=(2.0,), backend=_PEER_BACKEND, timeout_s=120.0)
+
+
+def test_nvlink_late_peer_outputs_raise() -> None:
+    spawn(_late_peer, 2, args=(2.0,), backend=_PEER_BACKEND, timeout_s=120.0)

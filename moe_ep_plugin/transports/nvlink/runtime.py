@@ -3,8 +3,10 @@ context (barriers, notify, dispatch, combine), the host reads, the error record 
 
 Every rank owns one peer-visible buffer (``cudaMalloc``, mapped into the other ranks with CUDA IPC) with a
 staging region per source rank. Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel
-records what stalled in a host-mapped record, every later wait on that rank gives up at once, and
-:meth:`NVLinkRuntime.check_error` raises ``TimeoutError`` naming it.
+records what stalled in a host-mapped record and traps, which ends the process's CUDA context (a failed call's
+outputs can then not be read as data, only raise). :meth:`NVLinkRuntime.check_error` raises the record as
+``TimeoutError`` naming the rank: at the start of every call, and whenever a library call fails (the host read
+inside a dispatch fails so when the kernels before it trapped).
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ class NVLinkRuntime:
         return None
 
     def check_error(self) -> None:
-        """Raise if a kernel on this rank recorded a failure (timeouts are sticky: the transport is then unusable)."""
+        """Raise if a kernel on this rank recorded a failure. Sticky: the kernel trapped, so this process's CUDA
+        context is lost and the process must end."""
         code = self.error[0]
         if code == 0:
             return
@@ -93,13 +96,20 @@ class NVLinkRuntime:
         if code == library.ERR_WORST_TOKENS:
             raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
                              "the outputs of that dispatch are incomplete")
-        if code == library.ERR_MISMATCH:  # sticky like every kernel-recorded error: the peer buffer's state is unknown
+        if code == library.ERR_MISMATCH:
             raise metadata_error([f for f in range(len(META_FIELDS)) if b >> f & 1],
                                  [i for i in range(self.num_ranks) if a >> i & 1],
-                                 " (found by notify; this buffer is unusable now: destroy it and make a new one)")
+                                 " (found by notify; the kernel trapped: this process's CUDA context is lost)")
         if code == library.ERR_CAPACITY:
             raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
+
+    def _check(self, code: int, what: str) -> None:
+        """Raise for a failed library call: the recorded kernel error when there is one (a kernel that trapped made
+        the call fail, and the record says why), else the library's message."""
+        if code != 0:
+            self.check_error()
+        library.check(code, what)
 
     def stream(self) -> int:
         """The current stream of this rank's device, as the handle the library takes."""
@@ -108,21 +118,21 @@ class NVLinkRuntime:
     def barrier(self) -> None:
         """The barrier that orders an operation after every rank's previous one (peers are done with this rank's
         regions), on the current stream."""
-        library.check(self.lib.moe_ep_barrier(self.ctx, self.stream()), "barrier")
+        self._check(self.lib.moe_ep_barrier(self.ctx, self.stream()), "barrier")
 
     def notify_dispatch(self, *args: int) -> None:
         """``moe_ep_notify_dispatch`` on this context and the current stream (arguments as csrc/moe_ep.h)."""
-        library.check(self.lib.moe_ep_notify_dispatch(self.ctx, *args, self.stream()), "notify_dispatch")
+        self._check(self.lib.moe_ep_notify_dispatch(self.ctx, *args, self.stream()), "notify_dispatch")
 
     def notify_experts(self, *args: int) -> None:
         """``moe_ep_notify_experts`` on this context and the current stream (arguments as csrc/moe_ep.h)."""
-        library.check(self.lib.moe_ep_notify_experts(self.ctx, *args, self.stream()), "notify_experts")
+        self._check(self.lib.moe_ep_notify_experts(self.ctx, *args, self.stream()), "notify_experts")
 
     def dispatch(self, params: library.DispatchParams) -> None:
-        library.check(self.lib.moe_ep_dispatch(self.ctx, ctypes.byref(params), self.stream()), "dispatch")
+        self._check(self.lib.moe_ep_dispatch(self.ctx, ctypes.byref(params), self.stream()), "dispatch")
 
     def combine(self, params: library.CombineParams) -> None:
-        library.check(self.lib.moe_ep_combine(self.ctx, ctypes.byref(params), self.stream()), "combine")
+        self._check(self.lib.moe_ep_combine(self.ctx, ctypes.byref(params), self.stream()), "combine")
 
     @staticmethod
     def staging_offset() -> int:
@@ -132,7 +142,7 @@ class NVLinkRuntime:
     def low_latency(self, name: str, params: ctypes.Structure) -> None:
         """``moe_ep_ll_<name>`` (``dispatch_send``, ``dispatch_recv``, ``combine_send``, ``combine_recv``) on the
         current stream (csrc/kernels/low_latency.cuh)."""
-        library.check(getattr(self.lib, f"moe_ep_ll_{name}")(self.ctx, ctypes.byref(params), self.stream()),
+        self._check(getattr(self.lib, f"moe_ep_ll_{name}")(self.ctx, ctypes.byref(params), self.stream()),
                       f"low-latency {name}")
 
     def low_latency_combine_buffer(self, max_tokens: int, hidden: int, num_experts: int, buffer_set: int) -> int:
@@ -144,7 +154,7 @@ class NVLinkRuntime:
 
     def low_latency_clean(self) -> None:
         """Zero the low-latency buffer sets, then a barrier with every peer."""
-        library.check(self.lib.moe_ep_ll_clean(self.ctx, self.stream()), "clean_low_latency_buffer")
+        self._check(self.lib.moe_ep_ll_clean(self.ctx, self.stream()), "clean_low_latency_buffer")
 
     def pull_rows(self, row_bytes: int, num_topk: int) -> int:
         """The most combined rows of ``row_bytes`` (and ``num_topk`` weights) this rank's own region holds."""
@@ -154,18 +164,22 @@ class NVLinkRuntime:
         """Start a host read of ``length`` int32 at device address ``src``: copied to pinned memory on the
         library's side stream after the work enqueued so far, so the caller can enqueue more before it waits.
         Returns the wait, which gives the values (the memory must stay alive until then)."""
-        library.check(self.lib.moe_ep_read_start(self.ctx, src, 4 * length, self.stream()), "read_start")
+        self._check(self.lib.moe_ep_read_start(self.ctx, src, 4 * length, self.stream()), "read_start")
 
         def wait() -> list[int]:
-            library.check(self.lib.moe_ep_read_wait(self.ctx), "read_wait")
+            self._check(self.lib.moe_ep_read_wait(self.ctx), "read_wait")
             return self.read_buffer[:length]
         return wait
 
     def destroy(self) -> None:
-        """Free the peer buffer after every rank is done with it (collective)."""
+        """Free the peer buffer after every rank is done with it (collective). After a recorded kernel error the
+        CUDA context is lost: nothing on the device can be freed, so this only leaves."""
         if self.ctx is None:
+            return
+        if self.error[0] != 0:
+            self.ctx = None
             return
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        library.check(self.lib.moe_ep_destroy(self.ctx), "destroy")
+        self._check(self.lib.moe_ep_destroy(self.ctx), "destroy")
         self.ctx = None

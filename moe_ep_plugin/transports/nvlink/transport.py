@@ -151,7 +151,7 @@ class NVLinkTransport(Transport):
         self._rows_guess = 0  # expert-major rows a fused expert-major dispatch allocates before it reads the count
 
     def check_error(self) -> None:
-        """Raise if a kernel on this rank recorded a failure (timeouts are sticky: the transport is then unusable)."""
+        """Raise if a kernel on this rank recorded a failure (sticky: that kernel trapped, the CUDA context is lost)."""
         self._rt.check_error()
 
     def _num_sms(self, config: Config) -> int:
