@@ -189,8 +189,9 @@ class Buffer:
     # ---- streams ----
     def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,
                         allocate_on_comm_stream: bool, inputs: tuple) -> tuple:
-        """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream's work);
-        with ``async_finish`` the returned event marks its end, else the current stream waits for it.
+        """Raise what the transport recorded, then run ``fn`` on the communication stream after ``previous_event``
+        (or the current stream's work); with ``async_finish`` the returned event marks its end, else the current
+        stream waits for it.
 
         ``fn`` does all of an entry point's device work, its input conversions included (they must run after
         ``previous_event`` too), and reads every host value it returns there, on the communication stream, after
@@ -201,6 +202,7 @@ class Buffer:
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the point the comm stream waits for)")
+        self.transport.check_error()
         if self._comm_stream is None or (previous_event is None and not async_finish):
             # CPU, or nothing to overlap with while the caller waits anyway: the current stream gives the same
             # ordering without the stream switch, events and record_stream bookkeeping.

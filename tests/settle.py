@@ -14,13 +14,10 @@ def settle(*buffers: Buffer) -> None:
     for buffer in buffers:
         if buffer.destroyed:
             continue
-        check = getattr(buffer.transport, "check_error", None)  # the torch transport records nothing
         if buffer.device.type == "cuda":
             try:
                 torch.cuda.synchronize(buffer.device)
             except RuntimeError:
-                if check is not None:
-                    check()
+                buffer.transport.check_error()
                 raise
-        if check is not None:
-            check()
+        buffer.transport.check_error()

@@ -143,6 +143,11 @@ class Transport(abc.ABC):
         self.device = device
         self.timeout_s = timeout_s
 
+    def check_error(self) -> None:
+        """Raise the error a kernel of this transport recorded (a wait on a peer that timed out, ranks that
+        disagree); the Buffer calls it before any other work of an entry point, since such a kernel trapped and
+        any CUDA call would fail first without naming why. Default: nothing records."""
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``topk_idx`` ``[N, K]`` int64 → ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,

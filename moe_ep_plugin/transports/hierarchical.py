@@ -149,6 +149,9 @@ class HierarchicalTransport(Transport):
             if release is not None:
                 release()
 
+    def check_error(self) -> None:
+        self._stage("node", self.node_ranks, self.intra.check_error)
+
     def num_tokens_per_node(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
         """``[N, R]`` bool → ``[M]`` int32: tokens with at least one expert on each node."""
         return self._in_node(is_token_in_rank).sum(0, dtype=torch.int32)
