@@ -9,6 +9,7 @@ through the same fake. What the kernels compute is tests/gpu's business: this pi
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Callable, Iterator, Optional
 from unittest import mock
@@ -541,47 +542,88 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
 
 
 def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
-    """One rank: a push dispatch (nothing to pull from), and a push combine even where a pull would fit (no count
-    matrix to decide on); no expert weights."""
+    """One rank, every token with an expert: notify and its host read, then permute expands ``x`` itself with the
+    slots computed from notify's ``send_offset`` and ``expert_pos`` (no dispatch kernel); a cached dispatch is that
+    permute alone; the combine is unpermute straight into the output (no barrier, no combine kernel)."""
+    t = _transport(fake, guess=16, rank=0, num_ranks=1)
+    x, topk_idx, weights = _inputs()
+    topk_idx[1, 1], topk_idx[4, 0] = 1, 3  # every token names an expert (and -1 is left nowhere)
+    local = E  # every expert is local
+    fake.read_values = [N] + [N, 0, 16, 4, 4, 4, 4]  # rows received, no bad ids, M, aligned counts per expert
+    result = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
+    handle = result.handle
+    name, notified = fake.calls[0]
+    assert name == "moe_ep_notify_experts"
+    send_offset, expert_pos = notified[12], notified[11]
+    slot = handle.expert_layout.recv_slot
+    assert (tuple(slot.shape), slot.dtype) == ((N, K), torch.int32)
+    offsets = torch.frombuffer((ctypes.c_int32 * E).from_address(send_offset), dtype=torch.int32)
+    positions = torch.frombuffer((ctypes.c_int32 * (N * K)).from_address(expert_pos), dtype=torch.int32).view(N, K)
+    assert torch.equal(slot, offsets[topk_idx] + positions)
+    covered = fake.calls[3][1][12]
+    assert fake.calls == [
+        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, notified[7], notified[8],
+                                   notified[9], handle.is_token_in_rank.data_ptr(), expert_pos, send_offset,
+                                   notified[7] + 4, _meta(weights), STREAM)),
+        ("moe_ep_read_start", (CTX, notified[7], 4 * (1 + 3 + local), STREAM)),
+        ("moe_ep_read_wait", (CTX,)),
+        ("moe_ep_permute", (x.data_ptr(), slot.data_ptr(), weights.data_ptr(), 0, N, K, H * 2, 0, 16,
+                            result.x.data_ptr(), result.probs.data_ptr(), 0, covered, STREAM)),
+    ]
+    assert handle.num_recv_rows == N and handle.transport_state.host_counts == [N]
+    assert torch.equal(handle.recv_src_idx, torch.arange(N, dtype=torch.int32))
+
+    fake.calls.clear()
+    again = t.dispatch_experts(_args(x, None, None, handle=handle), ALIGNMENT)
+    assert fake.calls == [("moe_ep_permute", (x.data_ptr(), slot.data_ptr(), 0, 0, N, K, H * 2, 0, 16,
+                                              again.x.data_ptr(), 0, 0, fake.calls[0][1][12], STREAM))]
+
+    fake.calls.clear()
+    y = torch.randn(16, H).to(torch.bfloat16)
+    out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
+    assert fake.calls == [("moe_ep_unpermute", (y.data_ptr(), slot.data_ptr(), N, K, H, 16, 1, out.data_ptr(),
+                                                STREAM))]
+    assert tuple(out.shape) == (N, H) and out_weights is None
+
+
+def test_ep1_dispatch_experts_with_a_token_without_expert(fake: FakeLib) -> None:
+    """One rank, a token naming no expert: the received rows are not the tokens, so after notify and its read the
+    dispatch kernel runs (push: nothing to pull from) into buffers of exactly the received rows, then permute; the
+    combine is unpermute and the combine kernel (a push even where a pull would fit)."""
     t = _transport(fake, guess=16, rank=0, num_ranks=1)
     fake.pull_rows = 1000
     x, topk_idx, _ = _inputs(weights=False)
-    local = E  # every expert is local
-    fake.read_values = [N] + [N, 0, 16, 4, 4, 4, 4]  # rows received, no bad ids, M, aligned counts per expert
+    topk_idx[1] = -1
+    local = E
+    fake.read_values = [N - 1] + [N - 1, 0, 16, 4, 4, 4, 4]
     result = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
     handle = result.handle
     at = _notify_experts_at(fake, num_ranks=1)
+    dispatched = fake.calls[4][1][1]
+    assert [c[0] for c in fake.calls] == ["moe_ep_notify_experts", "moe_ep_read_start", "moe_ep_read_wait",
+                                          "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_permute"]
+    assert fake.calls[1] == ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM))
+    assert dispatched == _params(
+        library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
+        send_list=at(3), recv_x=dispatched["recv_x"], recv_src_idx=handle.recv_src_idx.data_ptr(), num_tokens=N,
+        hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=local, list_stride=N, num_recv_rows=N - 1,
+        num_sms=24, num_send_warps=5, send_pos=at(2), expert_major=1, expert_pos=at(4), send_offset=at(1),
+        expert_info=at(0, 1), recv_slot=handle.expert_layout.recv_slot.data_ptr(), alignment=ALIGNMENT)
+    assert result.probs is None and handle.num_recv_rows == N - 1
+    _check_view(handle.expert_layout.recv_slot, handle.expert_layout.recv_slot.data_ptr(), (N - 1, K))
 
-    recv_x = fake.calls[2][1][1]["recv_x"]
-    covered = fake.calls[4][1][12]
-    assert fake.calls == [
-        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, 1), _meta(None), STREAM)),
-        ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM)),
-        ("moe_ep_dispatch", (CTX, _params(
-            library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
-            send_list=at(3), recv_x=recv_x, recv_src_idx=at(5), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
-            num_local_experts=local, list_stride=N, num_recv_rows=16, num_sms=24, num_send_warps=5, send_pos=at(2),
-            expert_major=1, expert_pos=at(4), send_offset=at(1), expert_info=at(0, 1), recv_slot=at(6),
-            alignment=ALIGNMENT, speculative_rows=1), STREAM)),
-        ("moe_ep_read_wait", (CTX,)),
-        ("moe_ep_permute", (recv_x, at(6), 0, 0, N, K, H * 2, 0, 16, result.x.data_ptr(), 0, 0, covered, STREAM)),
-    ]
-    assert result.probs is None and handle.transport_state.host_counts == [N]
-    _check_view(handle.expert_layout.recv_slot, at(6), (N, K))
-
-    handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [8, -1], [1, 9], [12, 2], [-1, 10]],
-                                                      dtype=torch.int32))
+    handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [1, 9], [12, 2], [-1, 10]], dtype=torch.int32))
     fake.calls.clear()
     y = torch.randn(16, H).to(torch.bfloat16)
     out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
     recv_y = fake.calls[0][1][7]
     assert fake.calls == [
-        ("moe_ep_unpermute", (y.data_ptr(), at(6), N, K, H, 16, 1, recv_y, STREAM)),
+        ("moe_ep_unpermute", (y.data_ptr(), handle.expert_layout.recv_slot.data_ptr(), N - 1, K, H, 16, 1, recv_y,
+                              STREAM)),
         ("moe_ep_barrier", (CTX, STREAM)),
         ("moe_ep_combine", (CTX, _params(
             library.CombineParams, x=recv_y, rank_prefix_matrix=at(0), send_pos=at(2), out=out.data_ptr(),
-            num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N, num_sms=24, **PUSH), STREAM)),
+            num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N - 1, num_sms=24, **PUSH), STREAM)),
     ]
     assert recv_y not in (0, OWN_REGION) and out_weights is None
 

@@ -10,7 +10,8 @@ that sends rows back and sums each token's copies in fp32, in source-rank order.
 transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order. ``dispatch_experts`` folds the
 per-expert counts into notify and ships each row's expert-major destination rows with it (then ``permute``
 expands, on all SMs); ``combine_experts`` is ``unpermute`` + ``combine``, and when that combine pulls,
-``unpermute`` writes straight into the region the combine pulls from.
+``unpermute`` writes straight into the region the combine pulls from. At world size 1, when every token names an
+expert, neither kernel runs: ``permute`` expands ``x`` itself and ``unpermute`` writes the combined output.
 
 Every wait on a peer has a deadline (``timeout_s``, see ``runtime``): the next call on this transport (or the
 host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
@@ -406,6 +407,8 @@ class NVLinkTransport(Transport):
                                     send_pos=out.view(2), recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
                                     num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
                                     num_recv_rows=guess, transport_state=state)
+            if self._expands_locally(args):
+                return self._dispatch_experts_locally(args, handle, out, alignment)
 
             def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
                 # fused: the expert-major rows themselves; else the received rows (permute expands them below)
@@ -440,6 +443,42 @@ class NVLinkTransport(Transport):
             return ExpertDispatchResult(x, scales, probs, handle)
         return self._expert_dispatch(args, handle, None)
 
+    def _expands_locally(self, args: DispatchArgs) -> bool:
+        """Whether an expert-major dispatch may skip the dispatch kernel: at world size 1 every row stays here, so
+        ``permute`` can expand ``x`` itself (unless the rows are quantized on the way or the kernel expands them)."""
+        return self.num_ranks == 1 and not args.wire_fp8 and not args.config.nvlink.fused_dispatch
+
+    def _dispatch_experts_locally(self, args: DispatchArgs, handle: DispatchHandle, notified: _Carve,
+                                  alignment: int) -> ExpertDispatchResult:
+        """World size 1, after notify: the received rows are the tokens with an expert, in token order. When that is
+        every token they are ``x`` itself, and ``permute`` expands ``x`` into the expert-major rows with the slots
+        the dispatch kernel would record (``send_offset[e] + expert_pos[t, k]``, computed here while the host read
+        of the counts runs): no kernel copying ``x`` into receive rows first. Otherwise (a token with no expert) the
+        dispatch kernel runs, as at any world size. Same outputs and handle either way."""
+        n, k = args.topk_idx.shape
+        num_experts = args.num_experts
+        expert_pos, send_offset = notified.view(4, (n, k)), notified.view(1, (num_experts,))
+        # ids outside [-1, E) raise after the read; clamped so that the gather stays in bounds until then
+        topk_idx = args.topk_idx
+        slot = torch.where(topk_idx >= 0, send_offset[topk_idx.clamp(0, num_experts - 1)] + expert_pos, -1)
+        values = self._rt.start_read(notified.ptr(0), 4 + num_experts)()
+        self.check_error()
+        handle.transport_state.host_counts, info = values[:1], values[1:]
+        if info[1]:
+            raise invalid_ids_error([0], num_experts)
+        num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_experts]
+        handle.num_recv_tokens = handle.num_recv_rows = num_recv
+        if num_recv < n:
+            rows = _Carve(self.device, (num_recv,), (num_recv, k))
+            handle.recv_src_idx = rows.view(0)
+            handle.expert_layout = ExpertLayout(rows.view(1), tokens_per_expert, num_rows, alignment)
+            return self._expert_dispatch(args, handle, args.topk_weights)
+        handle.recv_src_idx = torch.arange(n, dtype=torch.int32, device=self.device)
+        handle.expert_layout = ExpertLayout(slot.to(torch.int32), tokens_per_expert, num_rows, alignment)
+        x, probs, scales = permute.permute_valid(args.x, handle.expert_layout.recv_slot, n, num_rows,
+                                                 args.topk_weights, args.x_scales)
+        return ExpertDispatchResult(x, scales, probs, handle)
+
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
                                 scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
                                 probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
@@ -466,8 +505,12 @@ class NVLinkTransport(Transport):
             if not isinstance(state, _NVLinkState) or state.expert is None:
                 raise ValueError("handle: it has no nvlink expert-major state (it did not come from "
                                  "NVLinkTransport.dispatch_experts)")
-        self._replay_barrier(handle)
         layout: ExpertLayout = handle.expert_layout
+        if self._expands_locally(args) and handle.num_recv_rows == handle.num_tokens:  # see _dispatch_experts_locally
+            x, probs, scales = permute.permute_valid(args.x, layout.recv_slot, handle.num_tokens, layout.num_rows,
+                                                     weights, args.x_scales)
+            return ExpertDispatchResult(x, scales, probs, handle)
+        self._replay_barrier(handle)
         fused = args.config.nvlink.fused_dispatch
         rows, scales = self._recv_tensors(args, layout.num_rows if fused else handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
@@ -559,6 +602,10 @@ class NVLinkTransport(Transport):
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
         # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
         kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need, the fused reduction's too
+        if self.num_ranks == 1 and slot.shape[0] == handle.num_tokens:
+            # Every token was received, in order: the combine would copy unpermute's rows into place (its fp32 sum
+            # over one rank rounds each back to itself) and the weights likewise.
+            return permute.unpermute_valid(y, slot, kernel), weights
         if config.nvlink.fused_combine and kernel and slot.shape[0] == handle.num_recv_rows:
             launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config, fused=True)
             params = launch.params
