@@ -187,6 +187,15 @@ class Buffer:
         self.destroyed = True
 
     # ---- streams ----
+    def _run(self, fn: Callable[[], tuple]) -> tuple:
+        """``fn()``; when it fails with a CUDA error, the error a kernel recorded first, if any (a kernel that
+        trapped makes the next host read fail, without naming why)."""
+        try:
+            return fn()
+        except RuntimeError:
+            self.transport.check_error()
+            raise
+
     def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,
                         allocate_on_comm_stream: bool, inputs: tuple) -> tuple:
         """Raise what the transport recorded, then run ``fn`` on the communication stream after ``previous_event``
@@ -206,7 +215,7 @@ class Buffer:
         if self._comm_stream is None or (previous_event is None and not async_finish):
             # CPU, or nothing to overlap with while the caller waits anyway: the current stream gives the same
             # ordering without the stream switch, events and record_stream bookkeeping.
-            return fn() + (EventOverlap(),)
+            return self._run(fn) + (EventOverlap(),)
         compute = torch.cuda.current_stream()
         comm = self._comm_stream
         if previous_event is not None and previous_event.event is not None:
@@ -214,7 +223,7 @@ class Buffer:
         else:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
-            outputs = fn()
+            outputs = self._run(fn)
         inputs = _tensors_in(tuple(item for item in inputs if item is not None))
         for t in inputs:
             t.record_stream(comm)

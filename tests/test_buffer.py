@@ -226,3 +226,29 @@ def _absent_peer(timeout_s: float) -> None:
 
 def test_absent_rank_times_out() -> None:
     spawn(_absent_peer, 2, args=(2.0,), backend="gloo")
+
+
+def _recorded_error_replaces_the_cuda_error() -> None:
+    buffer = Buffer(transport="torch", timeout_s=30)
+    recorded: list[TimeoutError] = []
+
+    def check_error() -> None:
+        if recorded:
+            raise recorded[0]
+
+    def trapped(args) -> None:  # a kernel recorded a timeout and trapped: the call's next host read fails
+        recorded.append(TimeoutError("rank 0/1: dispatch rows from rank 1 (chunk 0) did not arrive within 30 s"))
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    buffer.transport.check_error, buffer.transport.dispatch = check_error, trapped
+    x, idx = torch.ones(3, 8), torch.zeros(3, 1, dtype=torch.int64)
+    with pytest.raises(TimeoutError, match="dispatch rows from rank 1"):
+        buffer.dispatch(x, topk_idx=idx, num_experts=1)
+    with pytest.raises(TimeoutError, match="dispatch rows from rank 1"):  # every later call, before any work
+        buffer.get_dispatch_layout(idx, 1)
+
+
+def test_a_recorded_kernel_error_replaces_the_cuda_error() -> None:
+    """A kernel that records an error traps, so the call's next host read fails with a bare CUDA error: the Buffer
+    raises what the kernel recorded instead, and so does every later call."""
+    spawn(_recorded_error_replaces_the_cuda_error, 1, backend="gloo")

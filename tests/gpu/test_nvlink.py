@@ -471,11 +471,11 @@ class _Late:
 
 
 def _late_peer(timeout_s: float) -> None:
-    """Rank 1 stalls inside a dispatch, past ``timeout_s``, after notify and the host read: rank 0's dispatch
-    returns before its kernel gave up on rank 1's rows. Reading those outputs must raise, not give data, and the next
-    call raises the TimeoutError naming rank 1. Rank 1's dispatch completes late (rank 0 had sent its rows); its next
-    call, whose barrier rank 0 never reaches, times out: reading its output raises, the call after raises naming
-    rank 0."""
+    """Rank 1 stalls inside a dispatch, past ``timeout_s``, after notify: rank 0's dispatch (``num_worst_tokens``:
+    no host read waits for its kernel) returns before that kernel gave up on rank 1's rows. Reading those outputs
+    must raise, not give data, and the next call raises the TimeoutError naming rank 1. Rank 1's dispatch completes
+    late (rank 0 had sent its rows); its next call, whose barrier rank 0 never reaches, times out: reading its output
+    raises, the call after raises naming rank 0."""
     nv = _nvlink_buffer(timeout_s)
     device, rank = nv.device, dist.get_rank()
     x = torch.randn(64, 256, device=device).to(torch.bfloat16)
@@ -485,7 +485,7 @@ def _late_peer(timeout_s: float) -> None:
     settle(nv)
     if rank == 1:  # ~2 GHz at most while it holds the GPU: the sleep lasts at least 1.5 timeouts
         nv.transport._rt.dispatch = _Late(nv.transport._rt.dispatch, int(3e9 * timeout_s))
-    recv_x, _, _, _, handle, _ = nv.dispatch(x, topk_idx=idx, num_experts=4)
+    recv_x, _, _, _, handle, _ = nv.dispatch(x, topk_idx=idx, num_experts=4, num_worst_tokens=128)
     if rank == 0:
         with pytest.raises(RuntimeError):  # the dispatch kernel timed out and trapped: no data to read
             recv_x.float().sum().item()
