@@ -136,6 +136,7 @@ def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int, r
     t = object.__new__(NVLinkTransport)
     t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
     t._rt, t._recv_guess, t._rows_guess = rt, recv_guess, rows_guess
+    t._token_ids = torch.empty(0, dtype=torch.int32)
     lib.num_ranks = num_ranks
     return t
 

@@ -172,8 +172,8 @@ def _absent_peer(timeout_s: float) -> None:
     x = torch.randn(4, 2048, device=dev).bfloat16()
     idx = torch.tensor([[0], [1], [2], [3]], device=dev)
     start = time.monotonic()
-    recv_x = nv.low_latency_dispatch(x, idx, 8, 4)[0]  # the receive spins until the timeout, records rank 1, traps
-    with pytest.raises(RuntimeError):  # the context is lost: the unwritten output cannot be read as data
+    recv_x, _ = nv.low_latency_dispatch(x, idx, 8, 4)[0]  # FP8 rows and scales; the receive spins until the
+    with pytest.raises(RuntimeError):  # timeout, records rank 1, traps: the unwritten rows cannot be read as data
         recv_x.float().sum().item()
     with pytest.raises(TimeoutError, match="from rank 1"):
         nv.low_latency_dispatch(x, idx, 8, 4)

@@ -150,6 +150,7 @@ class NVLinkTransport(Transport):
         self.device = self._rt.device
         self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
         self._rows_guess = 0  # expert-major rows a fused expert-major dispatch allocates before it reads the count
+        self._token_ids = torch.empty(0, dtype=torch.int32, device=self.device)  # 0, 1, ...: recv_src_idx at EP1
 
     def check_error(self) -> None:
         """Raise if a kernel on this rank recorded a failure (sticky: that kernel trapped, the CUDA context is lost)."""
@@ -458,10 +459,11 @@ class NVLinkTransport(Transport):
         n, k = args.topk_idx.shape
         num_experts = args.num_experts
         expert_pos, send_offset = notified.view(4, (n, k)), notified.view(1, (num_experts,))
-        # ids outside [-1, E) raise after the read; clamped so that the gather stays in bounds until then
-        topk_idx = args.topk_idx
-        slot = torch.where(topk_idx >= 0, send_offset[topk_idx.clamp(0, num_experts - 1)] + expert_pos, -1)
-        values = self._rt.start_read(notified.ptr(0), 4 + num_experts)()
+        wait = self._rt.start_read(notified.ptr(0), 4 + num_experts)  # first: the slots' launches overlap the read
+        # A -1 id (expert_pos -1 there) reads the appended 0, so its slot is -1. Ids >= E raise after the read;
+        # clamped onto that 0 so that the gather stays in bounds until then.
+        slot = torch.nn.functional.pad(send_offset, (0, 1))[args.topk_idx.clamp(max=num_experts)] + expert_pos
+        values = wait()
         self.check_error()
         handle.transport_state.host_counts, info = values[:1], values[1:]
         if info[1]:
@@ -473,8 +475,10 @@ class NVLinkTransport(Transport):
             handle.recv_src_idx = rows.view(0)
             handle.expert_layout = ExpertLayout(rows.view(1), tokens_per_expert, num_rows, alignment)
             return self._expert_dispatch(args, handle, args.topk_weights)
-        handle.recv_src_idx = torch.arange(n, dtype=torch.int32, device=self.device)
-        handle.expert_layout = ExpertLayout(slot.to(torch.int32), tokens_per_expert, num_rows, alignment)
+        if self._token_ids.shape[0] < n:
+            self._token_ids = torch.arange(max(n, 2 * self._token_ids.shape[0]), dtype=torch.int32, device=self.device)
+        handle.recv_src_idx = self._token_ids[:n]
+        handle.expert_layout = ExpertLayout(slot, tokens_per_expert, num_rows, alignment)
         x, probs, scales = permute.permute_valid(args.x, handle.expert_layout.recv_slot, n, num_rows,
                                                  args.topk_weights, args.x_scales)
         return ExpertDispatchResult(x, scales, probs, handle)
