@@ -106,11 +106,12 @@ __device__ __forceinline__ int4 ld_coherent(const int4* p) {
     return v;
 }
 
-// First error wins: it sets this rank's abort flag (which ends every other wait quickly), fills the host-mapped
-// record Python reads, names the error on stderr and traps. The trap ends this process's CUDA context: the failing
-// call's outputs were never (fully) written, and a caller that reads them, or that launches anything else, gets a
-// CUDA error instead of data (DeepEP traps alike). Python raises the recorded error (TimeoutError or ValueError
-// naming the rank) wherever it checks first: its next call, or the failed host read inside this one.
+// First error wins: it sets this rank's abort flag (which ends every other wait quickly) and fills the host-mapped
+// record Python reads. A timeout also names itself on stderr and traps: that ends this process's CUDA context, so
+// the failing call's outputs (never fully written) raise a CUDA error when read instead of passing as data (DeepEP
+// traps alike), and Python raises the recorded TimeoutError naming the rank wherever it checks first (its next
+// call, or the failed host read inside this one). The other errors (ranks that disagree, a region or
+// num_worst_tokens too small) are programming errors of one call: the context stays usable and the next call raises.
 static __device__ __noinline__ void report_error(const DevCtx& c, int code, int a, int b) {
     if (atomicCAS(&header(c.bufs[c.rank])->abort, 0, code) == 0) {
         volatile int32_t* rec = c.host_err;
@@ -120,9 +121,12 @@ static __device__ __noinline__ void report_error(const DevCtx& c, int code, int 
         __threadfence_system();
         rec[0] = code;
         __threadfence_system();
-        printf("moe_ep_plugin: rank %d: kernel error %d (%d, %d), see moe_ep.h; trapping: this process's CUDA "
-               "context is lost\n", c.rank, code, a, b);
-        __trap();
+        if (code == MOE_EP_ERR_BARRIER_TIMEOUT || code == MOE_EP_ERR_DISPATCH_TIMEOUT ||
+            code == MOE_EP_ERR_COMBINE_TIMEOUT) {
+            printf("moe_ep_plugin: rank %d: timeout %d (%d, %d), see moe_ep.h; trapping: this process's CUDA "
+                   "context is lost\n", c.rank, code, a, b);
+            __trap();
+        }
     }
 }
 

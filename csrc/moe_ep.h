@@ -4,9 +4,9 @@
  * No torch headers: every tensor is a raw device pointer, every stream a cudaStream_t passed as void*.
  * Functions return 0 on success, or a nonzero code with a message in moe_ep_last_error().
  * Peer-memory waits inside kernels time out; what stalled is written to the context's error record
- * (moe_ep_error_info), which Python turns into an exception. A kernel that records an error then traps: the
- * process's CUDA context is lost (every later CUDA call fails), so a failed call's outputs cannot be read as data;
- * the record, in host memory, stays readable.
+ * (moe_ep_error_info), which Python turns into an exception. A kernel that records a timeout then traps: the
+ * process's CUDA context is lost (every later CUDA call fails), so the timed-out call's outputs cannot be read as
+ * data; the record, in host memory, stays readable.
  */
 #ifndef MOE_EP_H_
 #define MOE_EP_H_

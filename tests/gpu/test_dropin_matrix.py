@@ -116,8 +116,8 @@ _DISAGREEING = ("hidden", "top-k width", "x dtype", "num_experts")
 
 
 def _disagreeing_ranks(field: str) -> None:
-    """notify's metadata words: every rank raises naming the field and the rank, for both notify kernels. The kernel
-    traps (the CUDA context is lost), so each field runs in processes of its own."""
+    """notify's metadata words: every rank raises naming the field and the rank, for both notify kernels; each field
+    on fresh processes and a fresh Buffer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     odd = rank == world - 1
     x = torch.randn(64, 256).bfloat16().cuda()

@@ -3,8 +3,8 @@ context (barriers, notify, dispatch, combine), the host reads, the error record 
 
 Every rank owns one peer-visible buffer (``cudaMalloc``, mapped into the other ranks with CUDA IPC) with a
 staging region per source rank. Every wait on a peer has a deadline (``timeout_s``); when one expires the kernel
-records what stalled in a host-mapped record and traps, which ends the process's CUDA context (a failed call's
-outputs can then not be read as data, only raise). :meth:`NVLinkRuntime.check_error` raises the record as
+records what stalled in a host-mapped record and traps, which ends the process's CUDA context (the timed-out
+call's outputs can then not be read as data, only raise). :meth:`NVLinkRuntime.check_error` raises the record as
 ``TimeoutError`` naming the rank: at the start of every call, and whenever a library call fails (the host read
 inside a dispatch fails so when the kernels before it trapped).
 """
@@ -79,8 +79,8 @@ class NVLinkRuntime:
         return None
 
     def check_error(self) -> None:
-        """Raise if a kernel on this rank recorded a failure. Sticky: the kernel trapped, so this process's CUDA
-        context is lost and the process must end."""
+        """Raise if a kernel on this rank recorded a failure. Sticky: after a timeout the kernel trapped, so this
+        process's CUDA context is lost and the process must end; after another error the buffer is unusable."""
         code = self.error[0]
         if code == 0:
             return
@@ -99,7 +99,7 @@ class NVLinkRuntime:
         if code == library.ERR_MISMATCH:
             raise metadata_error([f for f in range(len(META_FIELDS)) if b >> f & 1],
                                  [i for i in range(self.num_ranks) if a >> i & 1],
-                                 " (found by notify; the kernel trapped: this process's CUDA context is lost)")
+                                 " (found by notify; this buffer is unusable now: destroy it and make a new one)")
         if code == library.ERR_CAPACITY:
             raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
@@ -172,11 +172,11 @@ class NVLinkRuntime:
         return wait
 
     def destroy(self) -> None:
-        """Free the peer buffer after every rank is done with it (collective). After a recorded kernel error the
-        CUDA context is lost: nothing on the device can be freed, so this only leaves."""
+        """Free the peer buffer after every rank is done with it (collective). After a timeout the CUDA context is
+        lost: nothing on the device can be freed, so this only leaves."""
         if self.ctx is None:
             return
-        if self.error[0] != 0:
+        if self.error[0] in library.TIMEOUTS:
             self.ctx = None
             return
         torch.cuda.synchronize(self.device)

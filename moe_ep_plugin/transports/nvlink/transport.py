@@ -153,7 +153,7 @@ class NVLinkTransport(Transport):
         self._token_ids = torch.empty(0, dtype=torch.int32, device=self.device)  # 0, 1, ...: recv_src_idx at EP1
 
     def check_error(self) -> None:
-        """Raise if a kernel on this rank recorded a failure (sticky: that kernel trapped, the CUDA context is lost)."""
+        """Raise if a kernel on this rank recorded a failure (sticky; after a timeout the CUDA context is lost)."""
         self._rt.check_error()
 
     def _num_sms(self, config: Config) -> int:
