@@ -4,9 +4,11 @@ GPU.
 ``NVLinkTransport``'s Python side runs on CPU tensors (their addresses serve its bookkeeping as well as device ones)
 over :class:`FakeLib`: :func:`installed` points ``ops.permute``'s launches and both stream queries at it, and
 :func:`nvlink_transport` builds the transport and its runtime without the process group, the library and the GPU
-their ``__init__`` needs. The fake kernels compute nothing; the one thing they write is what the host itself reads back: the host
-read of a dispatch brings ``read_values``, and an expert-major dispatch fills ``recv_slot`` with -1 (no local
-expert), so the host's indexing with it (``slot_weights``) stays in bounds.
+their ``__init__`` needs. The fake kernels compute nothing; what they write is what the host itself reads or indexes
+with: the host read of a dispatch brings ``read_values``, an expert-major dispatch fills ``recv_slot`` with -1 (no
+local expert), and an expert-major notify fills ``send_offset`` and ``expert_pos`` (the slots a world-size-1
+dispatch computes from them; all -1 unless a test sets them), so the host's indexing (``slot_weights``) stays in
+bounds.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class FakeLib:
         self.read_values: list[int] = []
         self.pull_rows = 0
         self.combine_memory: dict[str, Optional[list]] = {}
+        self.send_offset: Optional[list[int]] = None  # what notify writes there (None: zeros)
+        self.expert_pos: Optional[list[int]] = None  # (None: -1 everywhere)
         self._read_ints: Optional[int] = None
 
     def __getattr__(self, name: str):
@@ -62,6 +66,15 @@ class FakeLib:
     def _record(self, name: str, args: tuple) -> None:
         if self.record:
             self.calls.append((name, args))
+
+    def moe_ep_notify_experts(self, *args) -> int:
+        self._record("moe_ep_notify_experts", tuple(list(a) if isinstance(a, ctypes.Array) else a for a in args))
+        n, k, num_experts, expert_pos, send_offset = args[2], args[3], args[4], args[11], args[12]
+        offsets = self.send_offset if self.send_offset is not None else [0] * num_experts
+        positions = self.expert_pos if self.expert_pos is not None else [-1] * (n * k)
+        (ctypes.c_int32 * num_experts).from_address(send_offset)[:] = offsets
+        (ctypes.c_int32 * (n * k)).from_address(expert_pos)[:] = positions
+        return 0
 
     def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
         self._record("moe_ep_read_start", (ctx, src, nbytes, stream))
