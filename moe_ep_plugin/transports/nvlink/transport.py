@@ -211,10 +211,11 @@ class NVLinkTransport(Transport):
                    ) -> tuple[_T, list[int], list[int], bool]:
         """The one host read of a fresh dispatch around its speculative kernel: start reading notify's outputs at
         ``notified`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
-        kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far) while the read
-        runs, then wait. Returns ``(launch's result, host_counts, info, fits)``. Raises (every rank alike) when a
-        rank found out-of-range expert ids. When some rank received more rows than the guess, the guess grows to
-        that and ``fits`` is False: every rank (each sees the whole count matrix) then dispatches again."""
+        kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far), or at world
+        size 1 the slots that replace it, while the read runs, then wait. Returns ``(launch's result, host_counts,
+        info, fits)``. Raises (every rank alike) when a rank found out-of-range expert ids. When some rank received
+        more rows than the guess, the guess grows to that and ``fits`` is False: every rank (each sees the whole
+        count matrix) then dispatches again."""
         r = self.num_ranks
         guess = self._recv_guess
         wait = self._rt.start_read(notified, r * r + info_length)
@@ -390,8 +391,9 @@ class NVLinkTransport(Transport):
             fused = args.config.nvlink.fused_dispatch
             rows_guess = self._rows_guess
             # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows
-            # (see _speculate).
-            guess = self._recv_guess
+            # (see _speculate). At world size 1 it may not run at all (_expands_locally): then no receive rows.
+            local = self._expands_locally(args)
+            guess = 0 if local else self._recv_guess
             # notify's int32 outputs and the guessed receive metadata (recv_src_idx, recv_slot) from one
             # allocation; views only of what the handle exposes, built after the launch
             out = _Carve(self.device, (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k),
@@ -408,8 +410,6 @@ class NVLinkTransport(Transport):
                                     send_pos=out.view(2), recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
                                     num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
                                     num_recv_rows=guess, transport_state=state)
-            if self._expands_locally(args):
-                return self._dispatch_experts_locally(args, handle, out, alignment)
 
             def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
                 # fused: the expert-major rows themselves; else the received rows (permute expands them below)
@@ -421,18 +421,34 @@ class NVLinkTransport(Transport):
                                              alignment, args.topk_weights, fused, speculative_rows=1)
                 return recv_x, recv_scales, probs
 
+            def local_slots() -> torch.Tensor:
+                # What the dispatch kernel would record: send_offset[e] + expert_pos[t, k]. A -1 id (expert_pos -1
+                # there) reads the appended 0, so its slot is -1; ids >= E raise after the read, clamped onto that
+                # 0 so that the gather stays in bounds until then.
+                offsets = torch.nn.functional.pad(out.view(1, (num_experts,)), (0, 1))
+                return offsets[topk_idx.clamp(max=num_experts)] + out.view(4, (n, k))
+
             # fused: also the exact counts and then the most expert-major rows of any rank (info[3 + 2L])
-            (recv_x, recv_scales, probs), state.host_counts, info, fits = self._speculate(
-                out.ptr(0), 4 + 2 * num_local if fused else 3 + num_local, num_experts, launch)
+            launched, state.host_counts, info, fits = self._speculate(
+                out.ptr(0), 4 + 2 * num_local if fused else 3 + num_local, num_experts,
+                local_slots if local else launch)
             num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_local]
             if fused and info[3 + 2 * num_local] > rows_guess:
                 self._rows_guess, fits = info[3 + 2 * num_local], False
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
-            if not fits:
+            if local and num_recv == n:
+                # every token was received, in order: the received rows are x itself
+                handle.recv_src_idx = self._token_range(n)
+                handle.expert_layout = ExpertLayout(launched, tokens_per_expert, num_rows, alignment)
+                x, probs, scales = permute.permute_valid(args.x, launched, n, num_rows, args.topk_weights,
+                                                         args.x_scales)
+                return ExpertDispatchResult(x, scales, probs, handle)
+            if local or not fits:  # a token with no expert at world size 1: the kernel path, as at any size
                 again = _Carve(self.device, (num_recv,), (num_recv, k))
                 handle.recv_src_idx, recv_slot = again.view(0), again.view(1)
                 handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
                 return self._expert_dispatch(args, handle, args.topk_weights)
+            recv_x, recv_scales, probs = launched
             handle.recv_src_idx = out.view(5, (num_recv,))
             handle.expert_layout = ExpertLayout(out.view(6, (num_recv, k)), tokens_per_expert, num_rows, alignment)
             probs = None if probs is None else probs[:num_rows]
@@ -445,43 +461,17 @@ class NVLinkTransport(Transport):
         return self._expert_dispatch(args, handle, None)
 
     def _expands_locally(self, args: DispatchArgs) -> bool:
-        """Whether an expert-major dispatch may skip the dispatch kernel: at world size 1 every row stays here, so
-        ``permute`` can expand ``x`` itself (unless the rows are quantized on the way or the kernel expands them)."""
+        """Whether an expert-major dispatch may skip the dispatch kernel: at world size 1 every row stays here, in
+        token order, so when every token names an expert the received rows are ``x`` itself and ``permute`` can
+        expand it with the slots the kernel would record (unless the rows are quantized on the way or the kernel
+        expands them). Same outputs and handle either way."""
         return self.num_ranks == 1 and not args.wire_fp8 and not args.config.nvlink.fused_dispatch
 
-    def _dispatch_experts_locally(self, args: DispatchArgs, handle: DispatchHandle, notified: _Carve,
-                                  alignment: int) -> ExpertDispatchResult:
-        """World size 1, after notify: the received rows are the tokens with an expert, in token order. When that is
-        every token they are ``x`` itself, and ``permute`` expands ``x`` into the expert-major rows with the slots
-        the dispatch kernel would record (``send_offset[e] + expert_pos[t, k]``, computed here while the host read
-        of the counts runs): no kernel copying ``x`` into receive rows first. Otherwise (a token with no expert) the
-        dispatch kernel runs, as at any world size. Same outputs and handle either way."""
-        n, k = args.topk_idx.shape
-        num_experts = args.num_experts
-        expert_pos, send_offset = notified.view(4, (n, k)), notified.view(1, (num_experts,))
-        wait = self._rt.start_read(notified.ptr(0), 4 + num_experts)  # first: the slots' launches overlap the read
-        # A -1 id (expert_pos -1 there) reads the appended 0, so its slot is -1. Ids >= E raise after the read;
-        # clamped onto that 0 so that the gather stays in bounds until then.
-        slot = torch.nn.functional.pad(send_offset, (0, 1))[args.topk_idx.clamp(max=num_experts)] + expert_pos
-        values = wait()
-        self.check_error()
-        handle.transport_state.host_counts, info = values[:1], values[1:]
-        if info[1]:
-            raise invalid_ids_error([0], num_experts)
-        num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_experts]
-        handle.num_recv_tokens = handle.num_recv_rows = num_recv
-        if num_recv < n:
-            rows = _Carve(self.device, (num_recv,), (num_recv, k))
-            handle.recv_src_idx = rows.view(0)
-            handle.expert_layout = ExpertLayout(rows.view(1), tokens_per_expert, num_rows, alignment)
-            return self._expert_dispatch(args, handle, args.topk_weights)
+    def _token_range(self, n: int) -> torch.Tensor:
+        """``[n]`` int32 0, 1, ..., n - 1 (a view of one kept tensor): ``recv_src_idx`` when every token stays."""
         if self._token_ids.shape[0] < n:
             self._token_ids = torch.arange(max(n, 2 * self._token_ids.shape[0]), dtype=torch.int32, device=self.device)
-        handle.recv_src_idx = self._token_ids[:n]
-        handle.expert_layout = ExpertLayout(slot, tokens_per_expert, num_rows, alignment)
-        x, probs, scales = permute.permute_valid(args.x, handle.expert_layout.recv_slot, n, num_rows,
-                                                 args.topk_weights, args.x_scales)
-        return ExpertDispatchResult(x, scales, probs, handle)
+        return self._token_ids[:n]
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
                                 scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
@@ -510,7 +500,7 @@ class NVLinkTransport(Transport):
                 raise ValueError("handle: it has no nvlink expert-major state (it did not come from "
                                  "NVLinkTransport.dispatch_experts)")
         layout: ExpertLayout = handle.expert_layout
-        if self._expands_locally(args) and handle.num_recv_rows == handle.num_tokens:  # see _dispatch_experts_locally
+        if self._expands_locally(args) and handle.num_recv_rows == handle.num_tokens:
             x, probs, scales = permute.permute_valid(args.x, layout.recv_slot, handle.num_tokens, layout.num_rows,
                                                      weights, args.x_scales)
             return ExpertDispatchResult(x, scales, probs, handle)
