@@ -117,7 +117,7 @@ size_t expert_slots_smem(int num_local_experts) {
 }
 
 // Blocks of `kernel` (kBlockThreads threads, smem bytes) resident on the current device at once, cached per device
-// in `cache` (one per kernel and launch site): grid-stride grids are one full wave, cooperative grids must fit.
+// in `cache` (one per kernel and launch site): grid-stride grids are one full wave.
 int resident_blocks(const void* kernel, size_t smem, std::atomic<int>* cache, int* blocks) {
     int device = 0;
     if (int err = check_cuda(cudaGetDevice(&device), "cudaGetDevice")) return err;
@@ -426,40 +426,61 @@ extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* 
 }
 
 
+namespace {
+
+// Both expert_slots kernels over one grid (workspace: workspace_blocks * (L + 2) int32), at least one block when
+// `layout` is given (its outputs are written for zero entries too).
+int launch_expert_slots(const int64_t* topk_idx, int64_t num_entries, int64_t num_local_experts, int64_t alignment,
+                        int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks, const SlotsLayout& layout,
+                        cudaStream_t stream) {
+    if (num_entries > INT_MAX) return set_error(-1, "expert_slots: more than INT_MAX (row, top-k) entries");
+    const int64_t blocks = std::max<int64_t>(
+        1, std::min<int64_t>(ceil_div(num_entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks));
+    const int64_t per_warp = std::max<int64_t>(32, ceil_div(ceil_div(num_entries, blocks * kWarpsPerBlock), 32) * 32);
+    const size_t smem = expert_slots_smem(int(num_local_experts));
+    slot_counts_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries,
+                                                                          int(num_local_experts), per_warp, workspace,
+                                                                          layout);
+    if (int err = check_launch("slot_counts_kernel")) return err;
+    slot_place_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries, int(num_local_experts),
+                                                                         int(alignment), per_warp, recv_slot,
+                                                                         workspace, layout);
+    return check_launch("slot_place_kernel");
+}
+
+bool slots_args_ok(int64_t num_rows, int64_t num_topk, int64_t num_experts, int64_t alignment, int64_t blocks) {
+    return num_rows >= 0 && num_topk >= 1 && num_experts >= 1 && num_experts <= MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS &&
+           alignment >= 1 && alignment <= INT_MAX && blocks >= 1;
+}
+
+}  // namespace
+
 extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk,
                                    int64_t num_local_experts, int64_t alignment, int32_t* recv_slot,
                                    int32_t* workspace, int64_t workspace_blocks, void* stream) {
-    if (num_recv_rows < 0 || num_topk < 1 || num_local_experts < 1 ||
-        num_local_experts > MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS || alignment < 1 || alignment > INT_MAX ||
-        workspace_blocks < 1)
+    if (!slots_args_ok(num_recv_rows, num_topk, num_local_experts, alignment, workspace_blocks))
         return set_error(-1, "moe_ep_expert_slots: need num_recv_rows >= 0, num_topk >= 1, 1 <= num_local_experts <= " +
                                  std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
                                  ", alignment >= 1 and workspace_blocks >= 1");
     const int64_t entries = num_recv_rows * num_topk;
     if (entries == 0) return 0;
-    if (entries > INT_MAX) return set_error(-1, "moe_ep_expert_slots: more than INT_MAX (row, top-k) entries");
-    static std::atomic<int> cache[kMaxDevices];
-    int resident = 0;
-    if (int err = resident_blocks(reinterpret_cast<const void*>(expert_slots_kernel),
-                                  expert_slots_smem(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS), cache, &resident))
-        return err;
-    const int64_t blocks = std::min<int64_t>(
-        std::min<int64_t>(ceil_div(entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks), resident);
-    const int64_t per_warp = ceil_div(ceil_div(entries, blocks * kWarpsPerBlock), 32) * 32;
+    return launch_expert_slots(topk_idx, entries, num_local_experts, alignment, recv_slot, workspace,
+                               workspace_blocks, SlotsLayout{}, static_cast<cudaStream_t>(stream));
+}
 
-    cudaLaunchAttribute cooperative = {};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(blocks));
-    config.blockDim = dim3(kBlockThreads);
-    config.dynamicSmemBytes = expert_slots_smem(int(num_local_experts));
-    config.stream = static_cast<cudaStream_t>(stream);
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    return check_cuda(cudaLaunchKernelEx(&config, expert_slots_kernel, topk_idx, entries, int(num_local_experts),
-                                         int(alignment), per_warp, recv_slot, workspace),
-                      "expert_slots_kernel");
+extern "C" int moe_ep_local_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                                   int64_t alignment, int32_t* recv_slot, int32_t* expert_pos, int32_t* send_offset,
+                                   int32_t* info, int32_t* workspace, int64_t workspace_blocks, void* stream) {
+    if (!slots_args_ok(num_tokens, num_topk, num_experts, alignment, workspace_blocks) || num_tokens > INT_MAX)
+        return set_error(-1, "moe_ep_local_layout: need 0 <= num_tokens <= INT_MAX, num_topk >= 1, 1 <= num_experts <= " +
+                                 std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
+                                 ", alignment >= 1 and workspace_blocks >= 1");
+    if (info == nullptr || send_offset == nullptr || (num_tokens > 0 && (topk_idx == nullptr || recv_slot == nullptr ||
+                                                                         expert_pos == nullptr)))
+        return set_error(-1, "moe_ep_local_layout: topk_idx, recv_slot, expert_pos, send_offset and info are required");
+    SlotsLayout layout{info, expert_pos, send_offset, int(num_tokens), int(num_topk)};
+    return launch_expert_slots(topk_idx, num_tokens * num_topk, num_experts, alignment, recv_slot, workspace,
+                               workspace_blocks, layout, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,

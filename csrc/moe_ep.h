@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 8
+#define MOE_EP_ABI_VERSION 9
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
@@ -202,11 +202,20 @@ int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream)
 #define MOE_EP_PERMUTE_BF16 1
 
 /* topk_idx [num_recv_rows, num_topk] local expert ids (outside [0, num_local_experts) = none) -> recv_slot.
- * The counts are computed on the device (one cooperative kernel); workspace holds workspace_blocks *
- * num_local_experts int32 (workspace_blocks >= 1; the number of SMs is enough). */
+ * The counts are computed on the device (two kernels); workspace holds workspace_blocks * num_local_experts int32
+ * (workspace_blocks >= 1; the number of SMs is enough). */
 int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk, int64_t num_local_experts,
                         int64_t alignment, int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks,
                         void* stream);
+
+/* The whole layout of an expert-major dispatch at world size 1, where every expert is local and no row moves
+ * between ranks (the same two kernels, no context, no barrier): from topk_idx [N, K] global ids, recv_slot [N, K]
+ * (as moe_ep_expert_slots), and what moe_ep_notify_experts writes at one rank: expert_pos [N, K], send_offset [E]
+ * and `info` [1 + 4 + 2E] = the rank prefix matrix [1] (tokens with an expert), then notify's info. Out-of-range
+ * ids (< -1 or >= E) get slot -1 and set info's mask. workspace: workspace_blocks * (E + 2) int32. */
+int moe_ep_local_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                        int64_t alignment, int32_t* recv_slot, int32_t* expert_pos, int32_t* send_offset,
+                        int32_t* info, int32_t* workspace, int64_t workspace_blocks, void* stream);
 
 /* Scatter: every received row of x (row_bytes each; row_bytes and the pointers 16-byte aligned) is read once and
  * stored to each of its slots in out_x [num_rows, row_bytes]; weights [N, K] -> out_probs [num_rows] and scales

@@ -6,9 +6,8 @@ over :class:`FakeLib`: :func:`installed` points ``ops.permute``'s launches and b
 :func:`nvlink_transport` builds the transport and its runtime without the process group, the library and the GPU
 their ``__init__`` needs. The fake kernels compute nothing; what they write is what the host itself reads or indexes
 with: the host read of a dispatch brings ``read_values``, an expert-major dispatch fills ``recv_slot`` with -1 (no
-local expert), and an expert-major notify fills ``send_offset`` and ``expert_pos`` (the slots a world-size-1
-dispatch computes from them; all -1 unless a test sets them), so the host's indexing (``slot_weights``) stays in
-bounds.
+local expert), and the world-size-1 layout fills its ``recv_slot`` (-1 unless a test sets ``local_slots``), so the
+host's indexing (``slot_weights``) stays in bounds.
 """
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class FakeLib:
         self.read_values: list[int] = []
         self.pull_rows = 0
         self.combine_memory: dict[str, Optional[list]] = {}
-        self.send_offset: Optional[list[int]] = None  # what notify writes there (None: zeros)
-        self.expert_pos: Optional[list[int]] = None  # (None: -1 everywhere)
+        self.local_slots: Optional[list[int]] = None  # what the world-size-1 layout writes as recv_slot (None: -1)
         self._read_ints: Optional[int] = None
 
     def __getattr__(self, name: str):
@@ -67,13 +65,11 @@ class FakeLib:
         if self.record:
             self.calls.append((name, args))
 
-    def moe_ep_notify_experts(self, *args) -> int:
-        self._record("moe_ep_notify_experts", tuple(list(a) if isinstance(a, ctypes.Array) else a for a in args))
-        n, k, num_experts, expert_pos, send_offset = args[2], args[3], args[4], args[11], args[12]
-        offsets = self.send_offset if self.send_offset is not None else [0] * num_experts
-        positions = self.expert_pos if self.expert_pos is not None else [-1] * (n * k)
-        (ctypes.c_int32 * num_experts).from_address(send_offset)[:] = offsets
-        (ctypes.c_int32 * (n * k)).from_address(expert_pos)[:] = positions
+    def moe_ep_local_layout(self, *args) -> int:
+        self._record("moe_ep_local_layout", args)
+        n, k, recv_slot = args[1], args[2], args[5]
+        slots = self.local_slots if self.local_slots is not None else [-1] * (n * k)
+        (ctypes.c_int32 * (n * k)).from_address(recv_slot)[:] = slots
         return 0
 
     def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
@@ -150,6 +146,8 @@ def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int, r
     t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
     t._rt, t._recv_guess, t._rows_guess = rt, recv_guess, rows_guess
     t._token_ids = torch.empty(0, dtype=torch.int32)
+    t._in_rank = torch.empty(0, 1, dtype=torch.bool)
+    t._local_fallback = False
     lib.num_ranks = num_ranks
     return t
 

@@ -97,10 +97,9 @@ def _check_view(t: torch.Tensor, address: int, shape: tuple[int, ...]) -> None:
 
 
 def _notify_experts_at(lib: FakeLib, num_ranks: int = R) -> At:
-    """``at`` from the recorded ``moe_ep_notify_experts`` (first call) and the first dispatch after it. The one host
+    """``at`` from the first recorded ``moe_ep_notify_experts`` and the first dispatch after it. The one host
     read takes the rank prefix matrix and info together, so info must directly follow the matrix."""
-    name, args = lib.calls[0]
-    assert name == "moe_ep_notify_experts"
+    name, args = next(call for call in lib.calls if call[0] == "moe_ep_notify_experts")
     rpm, send_pos, send_list, expert_pos, send_offset, info = args[7], args[8], args[9], args[11], args[12], args[13]
     assert info == rpm + 4 * num_ranks * num_ranks, "info must follow the rank prefix matrix (one host read)"
     dispatched = next(a[1] for n, a in lib.calls if n == "moe_ep_dispatch")
@@ -541,85 +540,142 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
     assert t._recv_guess == max(guess, max(prefix[R:]))
 
 
+# One rank, top-2 of 4 experts, every token naming an expert (token 1 has a -1 column): the layout at alignment 1
+# (blocks of 2, 1, 3 and 3 rows) and the read that brings it (rank prefix matrix, rows received, no bad ids, M, rows
+# per expert).
+EP1_TOPK = [[0, 3], [2, -1], [1, 2], [3, 0], [3, 2]]
+EP1_SLOTS = [[0, 6], [3, -1], [2, 4], [7, 1], [8, 5]]
+EP1_READ = [N, N, 0, 9, 2, 1, 3, 3]
+
+
+def _local_layout_at(lib: FakeLib, call: int = 0) -> Callable[[int], int]:
+    """Addresses the recorded ``moe_ep_local_layout`` (call ``call``) wrote: 0 its read words (rank prefix matrix,
+    then info), 1 send_offset, 2 expert_pos, 3 recv_slot."""
+    name, args = lib.calls[call]
+    assert name == "moe_ep_local_layout"
+    parts = [args[8], args[7], args[6], args[5]]
+    return lambda i: parts[i]
+
+
 def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
-    """One rank, every token with an expert: notify and its host read, then permute expands ``x`` itself with the
-    slots computed from notify's ``send_offset`` and ``expert_pos`` (no dispatch kernel); a cached dispatch is that
-    permute alone; the combine is unpermute straight into the output (no barrier, no combine kernel)."""
+    """One rank, every token with an expert, alignment 1: one layout call (no notify), then permute expands ``x``
+    into N * K rows (the most M can be) before the host read is waited for; the outputs are views of the first M
+    rows. A cached dispatch is that permute alone; the combine is unpermute straight into the output (no barrier,
+    no combine kernel)."""
     t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    x, topk_idx, weights = _inputs()
-    topk_idx[4, 0] = 3  # every token names an expert; token 1 keeps a -1 column
-    local = E  # every expert is local
-    fake.read_values = [N] + [N, 0, 16, 4, 4, 4, 4]  # rows received, no bad ids, M, aligned counts per expert
-    # per expert the first row of its block, and each entry's index among its expert's entries (-1: none)
-    fake.send_offset = [0, 4, 8, 12]
-    fake.expert_pos = [0, 0, 0, -1, 0, 1, 1, 1, 2, 2]
-    result = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
+    x, _, weights = _inputs()
+    topk_idx = torch.tensor(EP1_TOPK)
+    fake.local_slots = sum(EP1_SLOTS, [])
+    fake.read_values = EP1_READ
+    result = t.dispatch_experts(_args(x, topk_idx, weights), 1)
     handle = result.handle
-    name, notified = fake.calls[0]
-    assert name == "moe_ep_notify_experts"
-    send_offset, expert_pos = notified[12], notified[11]
+    at = _local_layout_at(fake)
     slot = handle.expert_layout.recv_slot
-    assert (tuple(slot.shape), slot.dtype) == ((N, K), torch.int32)
-    assert slot.tolist() == [[0, 12], [8, -1], [4, 9], [13, 1], [14, 10]]
-    covered = fake.calls[3][1][12]
+    _check_view(slot, at(3), (N, K))
+    assert slot.tolist() == EP1_SLOTS
+    permuted = fake.calls[2][1]
     assert fake.calls == [
-        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, notified[7], notified[8],
-                                   notified[9], handle.is_token_in_rank.data_ptr(), expert_pos, send_offset,
-                                   notified[7] + 4, _meta(weights), STREAM)),
-        ("moe_ep_read_start", (CTX, notified[7], 4 * (1 + 3 + local), STREAM)),
+        ("moe_ep_local_layout", (topk_idx.data_ptr(), N, K, E, 1, at(3), at(2), at(1), at(0), fake.calls[0][1][9],
+                                 132, STREAM)),
+        ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + E), STREAM)),
+        ("moe_ep_permute", (x.data_ptr(), at(3), weights.data_ptr(), 0, N, K, H * 2, 0, N * K, permuted[9],
+                            permuted[10], 0, permuted[12], STREAM)),
         ("moe_ep_read_wait", (CTX,)),
-        ("moe_ep_permute", (x.data_ptr(), slot.data_ptr(), weights.data_ptr(), 0, N, K, H * 2, 0, 16,
-                            result.x.data_ptr(), result.probs.data_ptr(), 0, covered, STREAM)),
     ]
-    assert handle.num_recv_rows == N and handle.transport_state.host_counts == [N]
+    assert (result.x.data_ptr(), tuple(result.x.shape)) == (permuted[9], (9, H))
+    assert (result.probs.data_ptr(), tuple(result.probs.shape)) == (permuted[10], (9,))
+    assert handle.expert_layout.tokens_per_expert == [2, 1, 3, 3] and handle.expert_layout.num_rows == 9
+    assert (handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows) == (N, N, N)
+    _check_view(handle.rank_prefix_matrix, at(0), (1, 1))
     assert torch.equal(handle.recv_src_idx, torch.arange(N, dtype=torch.int32))
+    assert handle.send_pos.tolist() == [[i] for i in range(N)] and handle.is_token_in_rank.all()
+    assert tuple(handle.is_token_in_rank.shape) == (N, 1)
+    state = handle.transport_state
+    assert (state.send_list, state.list_stride, state.host_counts) == (handle.recv_src_idx.data_ptr(), N, [N])
+    assert (state.expert.topk_idx is topk_idx, state.expert.expert_pos, state.expert.send_offset,
+            state.expert.info) == (True, at(2), at(1), at(0) + 4)
 
     fake.calls.clear()
-    again = t.dispatch_experts(_args(x, None, None, handle=handle), ALIGNMENT)
-    assert fake.calls == [("moe_ep_permute", (x.data_ptr(), slot.data_ptr(), 0, 0, N, K, H * 2, 0, 16,
-                                              again.x.data_ptr(), 0, 0, fake.calls[0][1][12], STREAM))]
+    again = t.dispatch_experts(_args(x, None, None, handle=handle), 1)
+    assert fake.calls == [("moe_ep_permute", (x.data_ptr(), at(3), 0, 0, N, K, H * 2, 0, 9, again.x.data_ptr(), 0,
+                                              0, fake.calls[0][1][12], STREAM))]
 
     fake.calls.clear()
-    y = torch.randn(16, H).to(torch.bfloat16)
+    y = torch.randn(9, H).to(torch.bfloat16)
     out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
-    assert fake.calls == [("moe_ep_unpermute", (y.data_ptr(), slot.data_ptr(), N, K, H, 16, 1, out.data_ptr(),
-                                                STREAM))]
+    assert fake.calls == [("moe_ep_unpermute", (y.data_ptr(), at(3), N, K, H, 9, 1, out.data_ptr(), STREAM))]
     assert tuple(out.shape) == (N, H) and out_weights is None
 
 
+def test_ep1_dispatch_experts_guesses_aligned_rows(fake: FakeLib) -> None:
+    """One rank, alignment 4: the expert rows are guessed as the most seen so far, so the first dispatch (guess 0)
+    permutes after the read into exactly M rows, and the next permutes before the read into rows of that guess."""
+    t = _transport(fake, guess=16, rank=0, num_ranks=1)
+    x, _, _ = _inputs(weights=False)
+    topk_idx = torch.tensor(EP1_TOPK)
+    fake.local_slots = sum(EP1_SLOTS, [])
+    fake.read_values = [N, N, 0, 16, 4, 4, 4, 4]
+    first = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
+    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_read_wait",
+                                          "moe_ep_permute"]
+    assert fake.calls[3][1][8] == 16 and tuple(first.x.shape) == (16, H)
+    fake.read_values = [N, N, 0, 12, 4, 4, 0, 4]
+    fake.calls.clear()
+    second = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
+    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_permute",
+                                          "moe_ep_read_wait"]
+    assert fake.calls[2][1][8] == 16 and tuple(second.x.shape) == (12, H)
+    assert second.handle.expert_layout.tokens_per_expert == [4, 4, 0, 4]
+
+
+def test_ep1_bad_ids_raise_after_the_read(fake: FakeLib) -> None:
+    """One rank: out-of-range ids are found by the layout kernel and raised after the read, as notify's are."""
+    t = _transport(fake, guess=16, rank=0, num_ranks=1)
+    x, _, _ = _inputs(weights=False)
+    topk_idx = torch.tensor(EP1_TOPK)
+    topk_idx[2, 1] = E
+    fake.read_values = [N, N, 1, 8, 2, 1, 2, 3]
+    with pytest.raises(ValueError, match="topk_idx"):
+        t.dispatch_experts(_args(x, topk_idx, None), 1)
+
+
 def test_ep1_dispatch_experts_with_a_token_without_expert(fake: FakeLib) -> None:
-    """One rank, a token naming no expert: the received rows are not the tokens, so after notify and its read the
-    dispatch kernel runs (push: nothing to pull from) into buffers of exactly the received rows, then permute; the
-    combine is unpermute and the combine kernel (a push even where a pull would fit)."""
+    """One rank, a token naming no expert: the layout's read says so, and the received rows are not the tokens, so
+    notify and the dispatch kernel run (push: nothing to pull from) into buffers of the guessed rows, then permute;
+    the combine is unpermute and the combine kernel (a push even where a pull would fit). The next fresh dispatch
+    reads the layout before it permutes; one where every token names an expert brings the speculation back."""
     t = _transport(fake, guess=16, rank=0, num_ranks=1)
     fake.pull_rows = 1000
-    x, topk_idx, _ = _inputs(weights=False)
+    x, _, _ = _inputs(weights=False)
+    topk_idx = torch.tensor(EP1_TOPK)
     topk_idx[1] = -1
     local = E
-    fake.read_values = [N - 1] + [N - 1, 0, 16, 4, 4, 4, 4]
-    result = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
+    read = [N - 1, N - 1, 0, 8, 2, 1, 2, 3]
+    fake.read_values = read
+    result = t.dispatch_experts(_args(x, topk_idx, None), 1)
     handle = result.handle
+    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_permute",
+                                          "moe_ep_read_wait", "moe_ep_notify_experts", "moe_ep_read_start",
+                                          "moe_ep_dispatch", "moe_ep_read_wait", "moe_ep_permute"]
     at = _notify_experts_at(fake, num_ranks=1)
-    dispatched = fake.calls[4][1][1]
-    assert [c[0] for c in fake.calls] == ["moe_ep_notify_experts", "moe_ep_read_start", "moe_ep_read_wait",
-                                          "moe_ep_barrier", "moe_ep_dispatch", "moe_ep_permute"]
-    assert fake.calls[1] == ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM))
+    assert fake.calls[5] == ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM))
+    dispatched = fake.calls[6][1][1]
     assert dispatched == _params(
         library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
-        send_list=at(3), recv_x=dispatched["recv_x"], recv_src_idx=handle.recv_src_idx.data_ptr(), num_tokens=N,
-        hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=local, list_stride=N, num_recv_rows=N - 1,
+        send_list=at(3), recv_x=dispatched["recv_x"], recv_src_idx=at(5), num_tokens=N,
+        hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=local, list_stride=N, num_recv_rows=16,
         num_sms=24, num_send_warps=5, send_pos=at(2), expert_major=1, expert_pos=at(4), send_offset=at(1),
-        expert_info=at(0, 1), recv_slot=handle.expert_layout.recv_slot.data_ptr(), alignment=ALIGNMENT)
+        expert_info=at(0, 1), recv_slot=at(6), alignment=1, speculative_rows=1)
     assert result.probs is None and handle.num_recv_rows == N - 1
-    _check_view(handle.expert_layout.recv_slot, handle.expert_layout.recv_slot.data_ptr(), (N - 1, K))
+    _check_view(handle.expert_layout.recv_slot, at(6), (N - 1, K))
 
-    handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [1, 9], [12, 2], [-1, 10]], dtype=torch.int32))
+    handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [1, 6], [7, 2], [-1, 5]], dtype=torch.int32))
     fake.calls.clear()
-    y = torch.randn(16, H).to(torch.bfloat16)
+    y = torch.randn(8, H).to(torch.bfloat16)
     out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
     recv_y = fake.calls[0][1][7]
     assert fake.calls == [
-        ("moe_ep_unpermute", (y.data_ptr(), handle.expert_layout.recv_slot.data_ptr(), N - 1, K, H, 16, 1, recv_y,
+        ("moe_ep_unpermute", (y.data_ptr(), handle.expert_layout.recv_slot.data_ptr(), N - 1, K, H, 8, 1, recv_y,
                               STREAM)),
         ("moe_ep_barrier", (CTX, STREAM)),
         ("moe_ep_combine", (CTX, _params(
@@ -627,6 +683,19 @@ def test_ep1_dispatch_experts_with_a_token_without_expert(fake: FakeLib) -> None
             num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N - 1, num_sms=24, **PUSH), STREAM)),
     ]
     assert recv_y not in (0, OWN_REGION) and out_weights is None
+
+    fake.calls.clear()
+    t.dispatch_experts(_args(x, topk_idx, None), 1)
+    assert [c[0] for c in fake.calls[:3]] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_read_wait"]
+    fake.calls.clear()
+    fake.read_values = EP1_READ
+    t.dispatch_experts(_args(x, torch.tensor(EP1_TOPK), None), 1)
+    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_read_wait",
+                                          "moe_ep_permute"]
+    fake.calls.clear()
+    t.dispatch_experts(_args(x, torch.tensor(EP1_TOPK), None), 1)
+    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_permute",
+                                          "moe_ep_read_wait"]
 
 
 # ---- plan: the decisions as plain functions ----

@@ -6,7 +6,6 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <string>
 
@@ -15,8 +14,6 @@
 
 namespace moe_ep {
 namespace permute_kernels {
-
-namespace cg = cooperative_groups;
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kBlockThreads = kWarpsPerBlock * 32;
@@ -35,12 +32,23 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// expert_slots: one cooperative kernel. Phase 1: every warp counts the pairs per local expert in its contiguous
-// range of the flat [N * K] entries (row-major = the contract's order); blocks publish their totals. Grid sync.
-// Phase 2: every block derives the same aligned totals and bases from all blocks' counts (integer sums: exact and
-// deterministic; shared-memory atomics only add counts) and the first row of each expert for each of its warps.
-// Phase 3: warps walk their range again and hand out rows in order. Ranks inside a 32-entry step come from
-// __match_any_sync, never from atomics.
+// expert_slots: two kernels over the same grid, each warp on a contiguous range of the flat [N * K] entries
+// (row-major = the contract's order). Counts: every warp counts the pairs per local expert in its range; blocks
+// publish their totals. Place: every block counts its warps again, derives the same aligned totals and bases from all
+// blocks' counts (integer sums: exact and deterministic; shared-memory atomics only add counts) and the first row of
+// each expert for each of its warps, then the warps walk their range again and hand out rows in order. Ranks inside
+// a 32-entry step come from __match_any_sync, never from atomics. No grid-wide sync: the kernel boundary orders them.
+//
+// World-size-1 layout (SlotsLayout given): every expert is local, and the place kernel also writes what notify
+// would at one rank, so a dispatch_experts needs neither notify nor its barrier.
+
+// What the world-size-1 layout writes besides recv_slot (null pointers: plain expert_slots).
+struct SlotsLayout {
+    int32_t* info;         // [1 + 4 + 2E]: the rank prefix matrix [1], then notify's info (csrc/moe_ep.h)
+    int32_t* expert_pos;   // [N, K]: each entry's index among its expert's entries, -1 for none
+    int32_t* send_offset;  // [E]: first row of each expert's block
+    int num_tokens, num_topk;
+};
 
 // Local expert of flat entry i of a warp range ending at `end`, or -1 (past the end, -1, or not local).
 __device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, int64_t end, int num_local_experts) {
@@ -87,20 +95,16 @@ __device__ void block_exclusive_scan(int* s, int n, int* scratch) {
     __syncthreads();
 }
 
-__global__ void __launch_bounds__(kBlockThreads)
-    expert_slots_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts,
-                        int alignment, int64_t per_warp, int32_t* __restrict__ recv_slot, int32_t* block_counts) {
-    extern __shared__ int smem[];
-    const int L = num_local_experts;
-    int* counters = smem;                          // [warp][l]: the warp's pairs of l, then its next row of l
-    int* totals = counters + kWarpsPerBlock * L;   // [l]: aligned totals, then their exclusive prefix (bases)
-    int* before = totals + L;                      // [l]: pairs of l in the blocks before this one
-    int* scratch = before + L;                     // [33]: the block scan's scratch
+// The warp's range of entries and its pairs per local expert in `mine` (the warp's row of `counters` [warp][L]).
+struct WarpRange {
+    int64_t begin, end;
+};
+__device__ __forceinline__ WarpRange count_warp_range(const int64_t* topk_idx, int64_t num_entries, int L,
+                                                      int64_t per_warp, int* counters) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t begin = min((int64_t(blockIdx.x) * kWarpsPerBlock + warp) * per_warp, num_entries);
     const int64_t end = min(begin + per_warp, num_entries);
     int* mine = counters + warp * L;
-
     for (int i = threadIdx.x; i < kWarpsPerBlock * L; i += kBlockThreads) counters[i] = 0;
     __syncthreads();
     // Lanes naming the same expert elect their lowest lane, which adds the group's size: one writer per address.
@@ -109,14 +113,58 @@ __global__ void __launch_bounds__(kBlockThreads)
         __syncwarp();
     });
     __syncthreads();
+    return {begin, end};
+}
+
+// block_counts: [blocks][L] pairs per local expert, then (layout) [blocks] tokens without an expert and [blocks]
+// out-of-range ids.
+__global__ void __launch_bounds__(kBlockThreads)
+    slot_counts_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts,
+                       int64_t per_warp, int32_t* __restrict__ block_counts, SlotsLayout layout) {
+    extern __shared__ int smem[];
+    const int L = num_local_experts;
+    count_warp_range(topk_idx, num_entries, L, per_warp, smem);
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int sum = 0;
-        for (int w = 0; w < kWarpsPerBlock; ++w) sum += counters[w * L + l];
+        for (int w = 0; w < kWarpsPerBlock; ++w) sum += smem[w * L + l];
         block_counts[int64_t(blockIdx.x) * L + l] = sum;
-        totals[l] = 0;
-        before[l] = 0;
     }
-    cg::this_grid().sync();  // also makes every block's counts visible (plain loads below: written in this kernel)
+    if (layout.info == nullptr) return;
+    __shared__ int s_empty, s_invalid;
+    if (threadIdx.x == 0) s_empty = s_invalid = 0;
+    __syncthreads();
+    for (int t = blockIdx.x * kBlockThreads + threadIdx.x; t < layout.num_tokens; t += gridDim.x * kBlockThreads) {
+        bool any = false;
+        int invalid = 0;
+        for (int k = 0; k < layout.num_topk; ++k) {
+            const int64_t e = __ldg(topk_idx + int64_t(t) * layout.num_topk + k);
+            any |= e >= 0 && e < L;
+            invalid += e < -1 || e >= L;
+        }
+        if (!any) atomicAdd(&s_empty, 1);
+        if (invalid) atomicAdd(&s_invalid, invalid);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        block_counts[int64_t(gridDim.x) * L + blockIdx.x] = s_empty;
+        block_counts[int64_t(gridDim.x) * (L + 1) + blockIdx.x] = s_invalid;
+    }
+}
+
+__global__ void __launch_bounds__(kBlockThreads)
+    slot_place_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts, int alignment,
+                      int64_t per_warp, int32_t* __restrict__ recv_slot, const int32_t* __restrict__ block_counts,
+                      SlotsLayout layout) {
+    extern __shared__ int smem[];
+    const int L = num_local_experts;
+    int* counters = smem;                          // [warp][l]: the warp's pairs of l, then its next row of l
+    int* totals = counters + kWarpsPerBlock * L;   // [l]: aligned totals, then their exclusive prefix (bases)
+    int* before = totals + L;                      // [l]: pairs of l in the blocks before this one
+    int* scratch = before + L;                     // [33]: the block scan's scratch
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const WarpRange range = count_warp_range(topk_idx, num_entries, L, per_warp, counters);
+    for (int l = threadIdx.x; l < L; l += kBlockThreads) totals[l] = before[l] = 0;
+    __syncthreads();
 
     // All threads sweep the [blocks][L] counts, kCountsBatch loads in flight each.
     const int num_counts = int(gridDim.x) * L, earlier = int(blockIdx.x) * L;
@@ -125,7 +173,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
         for (int u = 0; u < kCountsBatch; ++u) {
             const int i = first + u * kBlockThreads;
-            c[u] = i < num_counts ? block_counts[i] : 0;
+            c[u] = i < num_counts ? __ldg(block_counts + i) : 0;
         }
 #pragma unroll
         for (int u = 0; u < kCountsBatch; ++u) {
@@ -136,10 +184,33 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
     }
     __syncthreads();
-    for (int l = threadIdx.x; l < L; l += kBlockThreads)
-        totals[l] = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
+    const bool writes_layout = layout.info != nullptr && blockIdx.x == 0;
+    int32_t* info = writes_layout ? layout.info + 1 : nullptr;  // after the rank prefix matrix
+    for (int l = threadIdx.x; l < L; l += kBlockThreads) {
+        const int aligned = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
+        if (writes_layout) {
+            info[3 + l] = aligned;
+            info[3 + L + l] = totals[l];
+        }
+        totals[l] = aligned;
+    }
     __syncthreads();
+    const int last_aligned = totals[L - 1];
     block_exclusive_scan(totals, L, scratch);
+    if (writes_layout) {
+        for (int l = threadIdx.x; l < L; l += kBlockThreads) layout.send_offset[l] = totals[l];
+        if (threadIdx.x == 0) {
+            int empty = 0, invalid = 0;
+            for (int b = 0; b < int(gridDim.x); ++b) {
+                empty += __ldg(block_counts + num_counts + b);
+                invalid += __ldg(block_counts + num_counts + gridDim.x + b);
+            }
+            const int rows = totals[L - 1] + last_aligned;
+            layout.info[0] = info[0] = layout.num_tokens - empty;  // one rank: every token with an expert stays
+            info[1] = invalid != 0 ? 1 : 0;
+            info[2] = info[3 + 2 * L] = rows;
+        }
+    }
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int next = totals[l] + before[l];
         for (int w = 0; w < kWarpsPerBlock; ++w) {
@@ -150,12 +221,16 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     __syncthreads();
 
-    walk_entries(topk_idx, begin, end, L, [&](int64_t i, int e, unsigned peers) {
+    int* mine = counters + warp * L;
+    walk_entries(topk_idx, range.begin, range.end, L, [&](int64_t i, int e, unsigned peers) {
         const int slot = e >= 0 ? mine[e] + __popc(peers & lanemask_lt()) : -1;
         __syncwarp();
         if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
         __syncwarp();
-        if (i < end) recv_slot[i] = slot;
+        if (i < range.end) {
+            recv_slot[i] = slot;
+            if (layout.expert_pos != nullptr) layout.expert_pos[i] = e >= 0 ? slot - totals[e] : -1;
+        }
     });
 }
 

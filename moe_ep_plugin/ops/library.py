@@ -12,7 +12,7 @@ from typing import Optional
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 8
+ABI_VERSION = 9
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -131,6 +131,7 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
     lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _p]
+    lib.moe_ep_local_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _p]
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_ll_set_bytes.restype = _i64
@@ -140,7 +141,7 @@ def load() -> ctypes.CDLL:
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
                  "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_wait",
-                 "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute", "moe_ep_ll_dispatch_send",
+                 "moe_ep_expert_slots", "moe_ep_local_layout", "moe_ep_permute", "moe_ep_unpermute", "moe_ep_ll_dispatch_send",
                  "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib

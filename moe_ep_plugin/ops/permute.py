@@ -67,6 +67,17 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
     return slot
 
 
+def local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int, recv_slot: int, expert_pos: int,
+                 send_offset: int, info: int, workspace: int, workspace_blocks: int) -> None:
+    """The layout of an expert-major dispatch at world size 1 (csrc/moe_ep.h ``moe_ep_local_layout``) from CUDA
+    ``topk_idx`` ``[N, K]`` int64 (contiguous, global ids, every expert local), into device addresses:
+    ``recv_slot``/``expert_pos`` ``[N, K]``, ``send_offset`` ``[E]``, ``info`` ``[1 + 4 + 2E]`` int32 and the
+    ``workspace`` of ``workspace_blocks * (E + 2)`` int32. For the nvlink transport's own buffers (no checks)."""
+    n, k = topk_idx.shape
+    _launch(topk_idx, "moe_ep_local_layout", topk_idx.data_ptr(), n, k, num_experts, alignment, recv_slot, expert_pos,
+            send_offset, info, workspace, workspace_blocks)
+
+
 def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: Optional[torch.Tensor] = None,
             recv_scales: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -420,7 +420,10 @@ def _variants(nv: Buffer, ref, cases: list[dict]) -> None:
 
 
 def _single_rank() -> None:
-    """EP1: no peers, every row stays local."""
+    """EP1: no peers, every row stays local. The expert-major cases take, in this order, the layout kernel (no
+    tokens, then every token with an expert), its fallback (sparse: tokens without an expert), the read-first
+    permute after that fallback (one expert), and the rows guessed at alignment 16; then a handle of the layout
+    kernel replayed through the dispatch kernel (FP8 on the wire), which reads what the layout wrote for notify."""
     nv, ref = _nvlink_buffer(20.0), _reference_buffer(20.0)
     Buffer.set_num_sms(24)
     for case in (CASES[0], CASES[4]):
@@ -428,6 +431,18 @@ def _single_rank() -> None:
             _check_case(nv, ref, case, mode)
             _check_expert_case(nv, ref, case, mode, 1)
         _check_expert_case(nv, ref, case, MODES[2], 16)
+    for case in (CASES[1], CASES[0], CASES[2], CASES[3], CASES[5]):
+        for alignment in (1, 16):
+            _check_expert_case(nv, ref, case, MODES[0], alignment)
+    device = nv.device
+    n, h, k, num_experts = 300, 1024, 4, 16
+    x = torch.randn(n, h, device=device).to(torch.bfloat16)
+    idx = _routing("random", n, k, num_experts, device)
+    handle = nv.dispatch_experts(x, idx, None, num_experts)[4]
+    ref_handle = ref.dispatch_experts(x, idx, None, num_experts)[4]
+    _same("layout handle replayed with FP8", nv.dispatch_experts(x, handle=handle, fp8_dispatch=True)[0],
+          ref.dispatch_experts(x, handle=ref_handle, fp8_dispatch=True)[0])
+    _settled()
     torch.cuda.synchronize()
     nv.destroy()
 

@@ -11,7 +11,8 @@ transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order. ``disp
 per-expert counts into notify and ships each row's expert-major destination rows with it (then ``permute``
 expands, on all SMs); ``combine_experts`` is ``unpermute`` + ``combine``, and when that combine pulls,
 ``unpermute`` writes straight into the region the combine pulls from. At world size 1, when every token names an
-expert, neither kernel runs: ``permute`` expands ``x`` itself and ``unpermute`` writes the combined output.
+expert, neither kernel runs: one layout call (no notify) and ``permute`` expand ``x`` itself, and ``unpermute``
+writes the combined output.
 
 Every wait on a peer has a deadline (``timeout_s``, see ``runtime``): the next call on this transport (or the
 host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
@@ -151,6 +152,8 @@ class NVLinkTransport(Transport):
         self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
         self._rows_guess = 0  # expert-major rows a fused expert-major dispatch allocates before it reads the count
         self._token_ids = torch.empty(0, dtype=torch.int32, device=self.device)  # 0, 1, ...: recv_src_idx at EP1
+        self._in_rank = torch.empty(0, 1, dtype=torch.bool, device=self.device)  # all True: is_token_in_rank at EP1
+        self._local_fallback = False  # the last fresh EP1 expert-major dispatch had a token without an expert
 
     def check_error(self) -> None:
         """Raise if a kernel on this rank recorded a failure (sticky; after a timeout the CUDA context is lost)."""
@@ -211,9 +214,8 @@ class NVLinkTransport(Transport):
                    ) -> tuple[_T, list[int], list[int], bool]:
         """The one host read of a fresh dispatch around its speculative kernel: start reading notify's outputs at
         ``notified`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
-        kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far), or at world
-        size 1 the slots that replace it, while the read runs, then wait. Returns ``(launch's result, host_counts,
-        info, fits)``. Raises (every rank alike) when a rank found out-of-range expert ids. When some rank received
+        kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far) while the read
+        runs, then wait. Returns ``(launch's result, host_counts, info, fits)``. Raises (every rank alike) when a rank found out-of-range expert ids. When some rank received
         more rows than the guess, the guess grows to that and ``fits`` is False: every rank (each sees the whole
         count matrix) then dispatches again."""
         r = self.num_ranks
@@ -374,7 +376,8 @@ class NVLinkTransport(Transport):
         With ``config.nvlink.fused_dispatch`` the kernel itself writes every received row into all of its
         expert-major rows (no receive buffer, no ``permute``): its output is then guessed too (the most expert-major
         rows any rank had so far; notify reports the most of this call to every rank, so all agree on a second
-        dispatch)."""
+        dispatch). At world size 1 neither notify nor the dispatch kernel runs (:meth:`_local_dispatch_experts`)
+        unless a token names no expert."""
         self.check_error()
         self._check_rows(args)
         n = args.x.shape[0]
@@ -384,6 +387,10 @@ class NVLinkTransport(Transport):
             if num_experts > MAX_EXPERTS:
                 raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {MAX_EXPERTS} "
                                  f"experts, got {num_experts}")
+            if self._expands_locally(args):
+                result = self._local_dispatch_experts(args, alignment)
+                if result is not None:
+                    return result
             topk_idx = args.topk_idx
             k = topk_idx.shape[1]
             num_local = num_experts // self.num_ranks
@@ -391,9 +398,8 @@ class NVLinkTransport(Transport):
             fused = args.config.nvlink.fused_dispatch
             rows_guess = self._rows_guess
             # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows
-            # (see _speculate). At world size 1 it may not run at all (_expands_locally): then no receive rows.
-            local = self._expands_locally(args)
-            guess = 0 if local else self._recv_guess
+            # (see _speculate).
+            guess = self._recv_guess
             # notify's int32 outputs and the guessed receive metadata (recv_src_idx, recv_slot) from one
             # allocation; views only of what the handle exposes, built after the launch
             out = _Carve(self.device, (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k),
@@ -421,29 +427,14 @@ class NVLinkTransport(Transport):
                                              alignment, args.topk_weights, fused, speculative_rows=1)
                 return recv_x, recv_scales, probs
 
-            def local_slots() -> torch.Tensor:
-                # What the dispatch kernel would record: send_offset[e] + expert_pos[t, k]. A -1 id (expert_pos -1
-                # there) reads the appended 0, so its slot is -1; ids >= E raise after the read, clamped onto that
-                # 0 so that the gather stays in bounds until then.
-                offsets = torch.nn.functional.pad(out.view(1, (num_experts,)), (0, 1))
-                return offsets[topk_idx.clamp(max=num_experts)] + out.view(4, (n, k))
-
             # fused: also the exact counts and then the most expert-major rows of any rank (info[3 + 2L])
             launched, state.host_counts, info, fits = self._speculate(
-                out.ptr(0), 4 + 2 * num_local if fused else 3 + num_local, num_experts,
-                local_slots if local else launch)
+                out.ptr(0), 4 + 2 * num_local if fused else 3 + num_local, num_experts, launch)
             num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_local]
             if fused and info[3 + 2 * num_local] > rows_guess:
                 self._rows_guess, fits = info[3 + 2 * num_local], False
             handle.num_recv_tokens = handle.num_recv_rows = num_recv
-            if local and num_recv == n:
-                # every token was received, in order: the received rows are x itself
-                handle.recv_src_idx = self._token_range(n)
-                handle.expert_layout = ExpertLayout(launched, tokens_per_expert, num_rows, alignment)
-                x, probs, scales = permute.permute_valid(args.x, launched, n, num_rows, args.topk_weights,
-                                                         args.x_scales)
-                return ExpertDispatchResult(x, scales, probs, handle)
-            if local or not fits:  # a token with no expert at world size 1: the kernel path, as at any size
+            if not fits:
                 again = _Carve(self.device, (num_recv,), (num_recv, k))
                 handle.recv_src_idx, recv_slot = again.view(0), again.view(1)
                 handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
@@ -460,6 +451,50 @@ class NVLinkTransport(Transport):
             return ExpertDispatchResult(x, scales, probs, handle)
         return self._expert_dispatch(args, handle, None)
 
+    def _local_dispatch_experts(self, args: DispatchArgs, alignment: int) -> Optional[ExpertDispatchResult]:
+        """A fresh expert-major dispatch at world size 1, where no row crosses: one layout call
+        (``moe_ep_local_layout``: every slot, and what notify writes at one rank, without notify's barrier) and
+        ``permute`` expanding ``x`` itself, both launched before the one host read of the counts. The expert rows
+        are allocated for the most there can be (N * K at alignment 1, else the most seen so far; more means a
+        second permute) and returned as views of the first M. None when a token names no expert: its row is not
+        received, so the received rows are not the tokens and the kernel path serves; the next calls then read
+        before they permute, until every token names an expert again. Out-of-range ids raise after the read, as
+        notify's do."""
+        x, topk_idx, num_experts = args.x, args.topk_idx, args.num_experts
+        n, k = topk_idx.shape
+        blocks = self._rt.device_sms
+        read = 1 + 3 + num_experts  # the rank prefix matrix [1], then rows received, bad-id mask, M, aligned counts
+        out = _Carve(self.device, (read + 1 + num_experts,), (num_experts,), (n, k), (n, k),
+                     (blocks * (num_experts + 2),))
+        slot = out.view(3)
+        permute.local_layout(topk_idx, num_experts, alignment, out.ptr(3), out.ptr(2), out.ptr(1), out.ptr(0),
+                             out.ptr(4), blocks)
+        wait = self._rt.start_read(out.ptr(0), read)
+        rows = n * k if alignment == 1 else self._rows_guess
+        speculate = not self._local_fallback
+        expanded = permute.permute_valid(x, slot, n, rows, args.topk_weights, args.x_scales) if speculate else None
+        values = wait()
+        self.check_error()
+        if values[2]:
+            raise invalid_ids_error([0], num_experts)
+        self._local_fallback = values[1] != n
+        if self._local_fallback:
+            return None
+        num_rows, tokens_per_expert = values[3], values[4:read]
+        if expanded is None or num_rows > rows:
+            self._rows_guess = max(self._rows_guess, num_rows)
+            expanded = permute.permute_valid(x, slot, n, num_rows, args.topk_weights, args.x_scales)
+        expert_x, probs, scales = (None if t is None else t[:num_rows] for t in expanded)
+        tokens = self._token_range(max(n, 1))
+        state = _NVLinkState(out, tokens.data_ptr(), max(n, 1), [n],
+                             _ExpertState(topk_idx, out.ptr(2), out.ptr(1), out.ptr(0, 1)))
+        handle = DispatchHandle(rank_prefix_matrix=out.view(0, (1, 1)), is_token_in_rank=self._all_in_rank(n),
+                                send_pos=tokens[:n].view(n, 1), recv_src_idx=tokens[:n], num_tokens=n,
+                                num_recv_tokens=n, num_experts=num_experts, rank=0, num_ranks=1, num_recv_rows=n,
+                                transport_state=state,
+                                expert_layout=ExpertLayout(slot, tokens_per_expert, num_rows, alignment))
+        return ExpertDispatchResult(expert_x, scales, probs, handle)
+
     def _expands_locally(self, args: DispatchArgs) -> bool:
         """Whether an expert-major dispatch may skip the dispatch kernel: at world size 1 every row stays here, in
         token order, so when every token names an expert the received rows are ``x`` itself and ``permute`` can
@@ -472,6 +507,12 @@ class NVLinkTransport(Transport):
         if self._token_ids.shape[0] < n:
             self._token_ids = torch.arange(max(n, 2 * self._token_ids.shape[0]), dtype=torch.int32, device=self.device)
         return self._token_ids[:n]
+
+    def _all_in_rank(self, n: int) -> torch.Tensor:
+        """``[n, 1]`` bool, all True (a view of one kept tensor): ``is_token_in_rank`` when every token stays."""
+        if self._in_rank.shape[0] < n:
+            self._in_rank = torch.ones(max(n, 2 * self._in_rank.shape[0]), 1, dtype=torch.bool, device=self.device)
+        return self._in_rank[:n]
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
                                 scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
