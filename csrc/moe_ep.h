@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 9
+#define MOE_EP_ABI_VERSION 10
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
@@ -145,9 +145,13 @@ void* moe_ep_own_region(void* ctx);
 
 /* Host read of up to MOE_EP_READ_BYTES of device memory, started after the work enqueued on `stream` so far and
  * copied on a side stream, so the caller can enqueue more before it waits; moe_ep_read_wait blocks until the
- * values are in moe_ep_read_buffer (pinned host memory, valid until the next read). */
+ * values are in moe_ep_read_buffer (pinned host memory, valid until the next read). moe_ep_read_mark records that
+ * point on `stream` ahead of time and moe_ep_read_marked starts the copy after it: work enqueued in between is
+ * launched first and need not finish before the values arrive. */
 #define MOE_EP_READ_BYTES 16384
 int moe_ep_read_start(void* ctx, const void* src, int64_t bytes, void* stream);
+int moe_ep_read_mark(void* ctx, void* stream);
+int moe_ep_read_marked(void* ctx, const void* src, int64_t bytes);
 int moe_ep_read_wait(void* ctx);
 const int32_t* moe_ep_read_buffer(void* ctx);
 

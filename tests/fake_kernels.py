@@ -77,6 +77,11 @@ class FakeLib:
         self._read_ints = nbytes // 4
         return 0
 
+    def moe_ep_read_marked(self, ctx: int, src: int, nbytes: int) -> int:
+        self._record("moe_ep_read_marked", (ctx, src, nbytes))
+        self._read_ints = nbytes // 4
+        return 0
+
     def moe_ep_read_wait(self, ctx: int) -> int:
         self._record("moe_ep_read_wait", (ctx,))
         assert self._read_ints is not None, "read_wait without read_start"

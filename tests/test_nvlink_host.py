@@ -546,6 +546,10 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
 EP1_TOPK = [[0, 3], [2, -1], [1, 2], [3, 0], [3, 2]]
 EP1_SLOTS = [[0, 6], [3, -1], [2, 4], [7, 1], [8, 5]]
 EP1_READ = [N, N, 0, 9, 2, 1, 3, 3]
+# The calls of a fresh EP1 dispatch_experts: the permute before the read (the read waits for the layout only), or
+# after it (the rows are not guessed)
+EP1_EARLY = ["moe_ep_local_layout", "moe_ep_read_mark", "moe_ep_permute", "moe_ep_read_marked", "moe_ep_read_wait"]
+EP1_LATE = ["moe_ep_local_layout", "moe_ep_read_mark", "moe_ep_read_marked", "moe_ep_read_wait", "moe_ep_permute"]
 
 
 def _local_layout_at(lib: FakeLib, call: int = 0) -> Callable[[int], int]:
@@ -577,9 +581,10 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
     assert fake.calls == [
         ("moe_ep_local_layout", (topk_idx.data_ptr(), N, K, E, 1, at(3), at(2), at(1), at(0), fake.calls[0][1][9],
                                  132, STREAM)),
-        ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + E), STREAM)),
+        ("moe_ep_read_mark", (CTX, STREAM)),
         ("moe_ep_permute", (x.data_ptr(), at(3), weights.data_ptr(), 0, N, K, H * 2, 0, N * K, permuted[9],
                             permuted[10], 0, permuted[12], STREAM)),
+        ("moe_ep_read_marked", (CTX, at(0), 4 * (1 + 3 + E))),
         ("moe_ep_read_wait", (CTX,)),
     ]
     assert (result.x.data_ptr(), tuple(result.x.shape)) == (permuted[9], (9, H))
@@ -616,14 +621,12 @@ def test_ep1_dispatch_experts_guesses_aligned_rows(fake: FakeLib) -> None:
     fake.local_slots = sum(EP1_SLOTS, [])
     fake.read_values = [N, N, 0, 16, 4, 4, 4, 4]
     first = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
-    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_read_wait",
-                                          "moe_ep_permute"]
-    assert fake.calls[3][1][8] == 16 and tuple(first.x.shape) == (16, H)
+    assert [c[0] for c in fake.calls] == EP1_LATE
+    assert fake.calls[4][1][8] == 16 and tuple(first.x.shape) == (16, H)
     fake.read_values = [N, N, 0, 12, 4, 4, 0, 4]
     fake.calls.clear()
     second = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
-    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_permute",
-                                          "moe_ep_read_wait"]
+    assert [c[0] for c in fake.calls] == EP1_EARLY
     assert fake.calls[2][1][8] == 16 and tuple(second.x.shape) == (12, H)
     assert second.handle.expert_layout.tokens_per_expert == [4, 4, 0, 4]
 
@@ -654,12 +657,11 @@ def test_ep1_dispatch_experts_with_a_token_without_expert(fake: FakeLib) -> None
     fake.read_values = read
     result = t.dispatch_experts(_args(x, topk_idx, None), 1)
     handle = result.handle
-    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_permute",
-                                          "moe_ep_read_wait", "moe_ep_notify_experts", "moe_ep_read_start",
-                                          "moe_ep_dispatch", "moe_ep_read_wait", "moe_ep_permute"]
+    assert [c[0] for c in fake.calls] == EP1_EARLY + ["moe_ep_notify_experts", "moe_ep_read_start", "moe_ep_dispatch",
+                                                      "moe_ep_read_wait", "moe_ep_permute"]
     at = _notify_experts_at(fake, num_ranks=1)
-    assert fake.calls[5] == ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM))
-    dispatched = fake.calls[6][1][1]
+    assert fake.calls[6] == ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM))
+    dispatched = fake.calls[7][1][1]
     assert dispatched == _params(
         library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
         send_list=at(3), recv_x=dispatched["recv_x"], recv_src_idx=at(5), num_tokens=N,
@@ -686,16 +688,14 @@ def test_ep1_dispatch_experts_with_a_token_without_expert(fake: FakeLib) -> None
 
     fake.calls.clear()
     t.dispatch_experts(_args(x, topk_idx, None), 1)
-    assert [c[0] for c in fake.calls[:3]] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_read_wait"]
+    assert [c[0] for c in fake.calls[:4]] == EP1_LATE[:4]
     fake.calls.clear()
     fake.read_values = EP1_READ
     t.dispatch_experts(_args(x, torch.tensor(EP1_TOPK), None), 1)
-    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_read_wait",
-                                          "moe_ep_permute"]
+    assert [c[0] for c in fake.calls] == EP1_LATE
     fake.calls.clear()
     t.dispatch_experts(_args(x, torch.tensor(EP1_TOPK), None), 1)
-    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_start", "moe_ep_permute",
-                                          "moe_ep_read_wait"]
+    assert [c[0] for c in fake.calls] == EP1_EARLY
 
 
 # ---- plan: the decisions as plain functions ----

@@ -12,7 +12,7 @@ from typing import Optional
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 9
+ABI_VERSION = 10
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -118,6 +118,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_own_region.restype = _p
     lib.moe_ep_own_region.argtypes = [_p]
     lib.moe_ep_read_start.argtypes = [_p, _p, _i64, _p]
+    lib.moe_ep_read_mark.argtypes = [_p, _p]
+    lib.moe_ep_read_marked.argtypes = [_p, _p, _i64]
     lib.moe_ep_read_wait.argtypes = [_p]
     lib.moe_ep_read_buffer.restype = ctypes.POINTER(ctypes.c_int32)
     lib.moe_ep_read_buffer.argtypes = [_p]
@@ -140,7 +142,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_ll_combine_buffer.argtypes = [_p, _i64, _i64, _i64, _i64]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
-                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_wait",
+                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_mark",
+                 "moe_ep_read_marked", "moe_ep_read_wait",
                  "moe_ep_expert_slots", "moe_ep_local_layout", "moe_ep_permute", "moe_ep_unpermute", "moe_ep_ll_dispatch_send",
                  "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int

@@ -431,7 +431,7 @@ def _single_rank() -> None:
             _check_case(nv, ref, case, mode)
             _check_expert_case(nv, ref, case, mode, 1)
         _check_expert_case(nv, ref, case, MODES[2], 16)
-    for case in (CASES[1], CASES[0], CASES[2], CASES[3], CASES[5]):
+    for case in (CASES[1], CASES[0], CASES[2], CASES[3]):
         for alignment in (1, 16):
             _check_expert_case(nv, ref, case, MODES[0], alignment)
     device = nv.device

@@ -454,7 +454,8 @@ class NVLinkTransport(Transport):
     def _local_dispatch_experts(self, args: DispatchArgs, alignment: int) -> Optional[ExpertDispatchResult]:
         """A fresh expert-major dispatch at world size 1, where no row crosses: one layout call
         (``moe_ep_local_layout``: every slot, and what notify writes at one rank, without notify's barrier) and
-        ``permute`` expanding ``x`` itself, both launched before the one host read of the counts. The expert rows
+        ``permute`` expanding ``x`` itself, launched before the one host read of the counts, which waits for the
+        layout only. The expert rows
         are allocated for the most there can be (N * K at alignment 1, else the most seen so far; more means a
         second permute) and returned as views of the first M. None when a token names no expert: its row is not
         received, so the received rows are not the tokens and the kernel path serves; the next calls then read
@@ -469,11 +470,11 @@ class NVLinkTransport(Transport):
         slot = out.view(3)
         permute.local_layout(topk_idx, num_experts, alignment, out.ptr(3), out.ptr(2), out.ptr(1), out.ptr(0),
                              out.ptr(4), blocks)
-        wait = self._rt.start_read(out.ptr(0), read)
+        self._rt.mark_read()  # the read waits for the layout only, though the permute is launched before it
         rows = n * k if alignment == 1 else self._rows_guess
         speculate = not self._local_fallback
         expanded = permute.permute_valid(x, slot, n, rows, args.topk_weights, args.x_scales) if speculate else None
-        values = wait()
+        values = self._rt.start_read(out.ptr(0), read, marked=True)()
         self.check_error()
         if values[2]:
             raise invalid_ids_error([0], num_experts)
