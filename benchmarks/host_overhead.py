@@ -17,8 +17,8 @@ One process, a gloo group of world size 1, a tiny BF16 shape. Three transports u
   conversion and the CUDA launches (a few µs each on the GPU machine).
 
 Each row is ``time.perf_counter`` over ``--iters`` calls after warm-up (best of ``--repeats``), µs per call,
-cumulative (a row includes the layers below it). On CPU ``dispatch_preprocess`` runs the torch-op fallback of
-``routing_map_to_topk`` (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
+cumulative (a row includes the layers below it). On CPU ``token_dispatch`` runs the torch-op fallback of the
+routing-map conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
 (experts = ``rows * probs``, ``autograd.grad``). ``--profile`` adds cProfile's top cumulative entries of the
 dispatcher forward + backward on ``nvlink*``.
 """
@@ -42,6 +42,7 @@ from moe_ep_plugin.buffer_cache import get_buffer
 from moe_ep_plugin.launch import free_port
 from moe_ep_plugin.config import Config
 from moe_ep_plugin.handle import DispatchHandle
+from moe_ep_plugin.ops.routing import routing_map_to_topk
 from moe_ep_plugin.transports.base import DispatchArgs, ExpertDispatchResult, Transport
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
 from standard_shape import add_shape_arguments
@@ -155,6 +156,7 @@ class MegatronCase:
         self.d = EPPluginTokenDispatcher(args.experts, list(range(args.experts)), config, get_default_pg_collection(),
                                          options=PluginOptions(transport="torch"))
         _, probs = routing(args.tokens, args.experts, args.topk, gen)
+        self.topk = args.topk
         self.routing_map = probs > 0
         self.tokens = x.view(args.tokens, 1, args.hidden).clone().requires_grad_(True)
         self.probs = probs.requires_grad_(True)
@@ -165,7 +167,8 @@ class MegatronCase:
         """Run the methods once and keep what each one hands to the next."""
         d = self.d
         self.h, self.w = d.dispatch_preprocess(self.tokens, self.routing_map, self.probs)
-        self.topk_idx = d._topk_idx
+        # what token_dispatch derives from the map: the stand-in transports are recorded from it
+        self.topk_idx, self.topk_weights = routing_map_to_topk(self.routing_map, self.probs.detach(), self.topk)
         self.rows, self.rows_probs = d.token_dispatch(self.h, self.w)
         self.tokens_per_expert, self.handle, self.buffer = list(d._tokens_per_expert), d._handle, d._buffer
         d.dispatch_postprocess(self.rows, self.rows_probs)
@@ -189,11 +192,11 @@ class MegatronCase:
 
         def preprocess() -> object:
             out = d.dispatch_preprocess(self.tokens, self.routing_map, self.probs)
-            d._topk_idx = None
+            d._routing_map = None
             return out
 
         def token_dispatch() -> object:
-            d._topk_idx = self.topk_idx
+            d._routing_map = self.routing_map
             out = d.token_dispatch(self.h, self.w)
             d._tokens_per_expert = d._handle = d._buffer = None
             return out
@@ -251,7 +254,7 @@ def main() -> None:
                 buffer.transport = stand_in(buffer, x, idx, w, args.experts)
                 if megatron is not None:
                     b = megatron.buffer
-                    b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.w.detach(),
+                    b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.topk_weights,
                                            args.experts)
             elif label == "nvlink*":
                 buffer.transport = nvlink_star(idx, args.experts)

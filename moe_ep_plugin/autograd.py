@@ -15,6 +15,7 @@ import torch
 from .buffer import Buffer
 from .config import Config
 from .handle import DispatchHandle
+from .ops.routing import check_routing_map, routing_map_topk, topk_weights_grad
 
 
 def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
@@ -30,9 +31,9 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 # autograd.dispatch_experts from 8.2 to 7.5 us per call on CPU (benchmarks/host_overhead.py). ``configs``:
 # ``(dispatch Config, combine Config)`` for the forward and the backward alike, or None for the Buffer's defaults.
 # ``layout``: the caller's ``(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)`` (a dispatch without
-# top-k) or None.
+# top-k) or, for an expert-major dispatch from a routing map, ``(routing_map [N, E] bool, topk)``; else None.
 Configs = Optional[tuple[Config, Config]]
-_Layout = Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+_Layout = Optional[tuple]
 _DispatchCall = tuple[Buffer, Optional[torch.Tensor], Optional[int], bool, int, bool, Configs, _Layout]
 
 
@@ -99,9 +100,18 @@ class _Combine(torch.autograd.Function):
 
 
 class _DispatchExperts(torch.autograd.Function):
+    """With a routing map in ``call`` (its ``layout`` slot), ``topk_weights`` are the ``[N, E]`` router probs: the
+    top-k ids and weights come from the map inside the forward, and the weights' gradient scatters back into the
+    probs' in the backward (one autograd node for both steps: host time)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
-        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, _ = call
+        buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, routing = call
+        ctx.routing = None
+        if routing is not None:
+            probs_dtype = topk_weights.dtype
+            topk_idx, topk_weights = routing_map_topk(routing[0], topk_weights, routing[1])
+            ctx.routing = (topk_idx, probs_dtype)
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
             x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,
             round_scale=round_scale, config=configs and configs[0])
@@ -117,6 +127,11 @@ class _DispatchExperts(torch.autograd.Function):
         expert_weights = grad_probs if ctx.has_weights else None
         grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x, ctx.handle, expert_weights,
                                                              config=ctx.configs and ctx.configs[1])
+        if ctx.routing is not None:
+            topk_idx, probs_dtype = ctx.routing
+            grad_weights = topk_weights_grad(grad_weights, topk_idx, ctx.handle.num_experts)
+            if grad_weights.dtype != probs_dtype:
+                grad_weights = grad_weights.to(probs_dtype)
         return grad_x, grad_weights, None
 
 
@@ -167,6 +182,21 @@ def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, to
     _check_configs(configs)
     return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
                                                     round_scale, configs, None))
+
+
+def dispatch_experts_from_routing_map(buffer: Buffer, x: torch.Tensor, routing_map: torch.Tensor,
+                                      probs: torch.Tensor, topk: int, num_experts: int, *, fp8_dispatch: bool = False,
+                                      expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None
+                                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+    """:func:`dispatch_experts` of ``x`` ``[N, H]`` routed by Megatron-Core's multi-hot ``routing_map`` ``[N, E]``
+    bool with router ``probs`` ``[N, E]`` (any float dtype): each token's selected experts (at most ``topk``; the
+    slots past them are -1) in ascending order, weighted by their probs, as ``ops.routing.routing_map_to_topk``
+    gives them. Same returns; gradients reach ``x`` and ``probs`` (zero where no expert was selected)."""
+    _check_inputs(buffer, x)
+    _check_configs(configs)
+    check_routing_map(routing_map, probs, topk)
+    return _DispatchExperts.apply(x, probs, (buffer, None, num_experts, fp8_dispatch, expert_alignment, round_scale,
+                                             configs, (routing_map, topk)))
 
 
 def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.launch import spawn
+from moe_ep_plugin.ops.routing import routing_map_to_topk
 from reference import dense_reference
 
 HIDDEN, TOPK, LOCAL = 128, 3, 2
@@ -78,3 +79,52 @@ def test_autograd_rejects_non_buffer() -> None:
         autograd.dispatch(object(), torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int64), None, 1)
     with pytest.raises(TypeError, match="buffer"):
         autograd.combine(object(), torch.zeros(1, 8), None)
+
+
+def _routing_map_case(seed: int) -> None:
+    """dispatch_experts_from_routing_map equals dispatch_experts of routing_map_to_topk's ids and weights, outputs
+    and gradients (x and the [N, E] probs, in the probs' dtype), for tokens with fewer selected experts than top-k,
+    a token with none, and a rank with no tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts = 4 * world
+    k = 3
+    buffer = Buffer(transport="torch", timeout_s=60)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        gen = torch.Generator().manual_seed(seed * 7 + rank)
+        n = 0 if rank == 1 else 9
+        routing_map = torch.rand(n, num_experts, generator=gen) < 0.4
+        if n:
+            routing_map[0] = False  # a token with no expert
+        scores = torch.rand(n, num_experts, generator=gen).to(dtype)
+        g = torch.randn(n, HIDDEN, generator=gen)
+        runs = []
+        for fused in (True, False):
+            x = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed + rank)).requires_grad_(True)
+            probs = scores.clone().requires_grad_(True)
+            if fused:
+                rows, rows_probs, counts, handle = autograd.dispatch_experts_from_routing_map(
+                    buffer, x, routing_map, probs, k, num_experts, expert_alignment=2)
+            else:
+                idx, w = routing_map_to_topk(routing_map, probs, k)
+                rows, rows_probs, counts, handle = autograd.dispatch_experts(buffer, x, idx, w, num_experts,
+                                                                            expert_alignment=2)
+            out = autograd.combine_experts(buffer, rows * rows_probs.unsqueeze(1), handle)
+            (out * g).sum().backward()
+            runs.append((rows, rows_probs, counts, out, x.grad, probs.grad))
+        for fused_value, value in zip(*runs):
+            if isinstance(value, torch.Tensor):
+                assert fused_value.dtype == value.dtype, dtype
+                torch.testing.assert_close(fused_value, value, rtol=0, atol=0)
+            else:
+                assert fused_value == value
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dispatch_experts_from_routing_map(world: int) -> None:
+    spawn(_routing_map_case, world, args=(int(time.time()) % 1000,), backend="gloo")
+
+
+def test_dispatch_experts_from_routing_map_validates() -> None:
+    with pytest.raises(ValueError, match="routing_map"):
+        autograd.dispatch_experts_from_routing_map(Buffer.__new__(Buffer), torch.zeros(2, 8), torch.zeros(2, 4),
+                                                   torch.zeros(2, 4), 2, 4)

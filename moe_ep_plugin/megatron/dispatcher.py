@@ -3,10 +3,12 @@
 Data flow for one MoE layer (T local tokens, E experts, K = top-k, L = E / EP local experts, H hidden,
 M = expert-major rows on this rank):
 
-    dispatch_preprocess  routing_map [T, E] bool, probs [T, E]  ->  tokens [T, H], top-k weights [T, K] fp32
-                         (the top-k expert ids [T, K] int64, -1 = dropped, are kept for token_dispatch)
-    token_dispatch       ``autograd.dispatch_experts``: every token crosses once per destination rank and lands
-                         in the expert-major layout -> rows [M, H], probs [M] fp32 (0 on padding rows)
+    dispatch_preprocess  routing_map [T, E] bool, probs [T, E]  ->  tokens [T, H], probs [T, E] (validated; the
+                         routing map is kept for token_dispatch)
+    token_dispatch       ``autograd.dispatch_experts_from_routing_map``: each token's selected experts (top-k ids,
+                         -1 = dropped, and their probs) from the map, then every token crosses once per
+                         destination rank and lands in the expert-major layout -> rows [M, H], probs [M] fp32 (0
+                         on padding rows)
     dispatch_postprocess the same rows and probs, tokens_per_expert [L] int64 (CPU)
     (experts apply the probs)
     combine_preprocess   identity: combine_experts takes the expert outputs [M, H] as they are
@@ -28,7 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
-from ..ops.routing import routing_map_to_topk
+from ..ops.routing import check_routing_map
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
 
@@ -80,7 +82,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self._clear_state()
 
     def _clear_state(self) -> None:
-        self._topk_idx: Optional[torch.Tensor] = None
+        self._routing_map: Optional[torch.Tensor] = None
         self._tokens_per_expert: Optional[list[int]] = None
         self._handle = None
         self._buffer = None
@@ -92,8 +94,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.shared_experts = shared_experts
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
-        """``tokens`` ``[S, B, H]`` (or ``[T, H]``), ``routing_map``/``probs`` ``[T, E]`` →
-        ``(tokens [T, H], topk_weights [T, K] float32)``."""
+        """``tokens`` ``[S, B, H]`` (or ``[T, H]``), ``routing_map``/``probs`` ``[T, E]`` → ``(tokens [T, H],
+        probs [T, E])``, validated; token_dispatch takes the experts from ``routing_map``."""
         self.hidden_shape = tokens.shape
         hidden = tokens.reshape(-1, self.hidden_shape[-1])
         if routing_map.shape != (hidden.shape[0], self.num_experts):
@@ -101,25 +103,26 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                              f"{tuple(routing_map.shape)}")
         if self.options.fp8_dispatch and hidden.shape[1] % 128:
             raise ValueError(f"fp8_dispatch needs hidden % 128 == 0, got hidden {hidden.shape[1]}")
-        self._topk_idx, weights = routing_map_to_topk(routing_map, probs, self.topk)
+        check_routing_map(routing_map, probs, self.topk)
+        self._routing_map = routing_map
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens.view(self.hidden_shape))
-        return hidden, weights
+        return hidden, probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Send every token once to each rank holding one of its experts, straight into that rank's expert-major
-        layout; ``probs`` (the ``[T, K]`` weights) travel with the rows. → ``(rows [M, H], probs [M] float32)``,
-        expert ``l`` owning rows ``[sum(tpe[:l]), sum(tpe[:l+1]))``, each block padded with zero rows (prob 0) to
-        the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
-        if self._topk_idx is None or self._topk_idx.shape[0] != hidden_states.shape[0]:
+        layout; each token's selected probs (``probs`` ``[T, E]``) travel with its rows. → ``(rows [M, H], probs [M]
+        float32)``, expert ``l`` owning rows ``[sum(tpe[:l]), sum(tpe[:l+1]))``, each block padded with zero rows
+        (prob 0) to the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
+        if self._routing_map is None or self._routing_map.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
         self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
-        expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
-            self._buffer, hidden_states, self._topk_idx, probs, self.num_experts,
+        expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
+            self._buffer, hidden_states, self._routing_map, probs, self.topk, self.num_experts,
             fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
             round_scale=self.options.round_scale, configs=self._configs)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
-        self._topk_idx = None
+        self._routing_map = None
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(expert_x)
         return expert_x, expert_probs
