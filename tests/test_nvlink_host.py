@@ -631,6 +631,20 @@ def test_ep1_dispatch_experts_guesses_aligned_rows(fake: FakeLib) -> None:
     assert second.handle.expert_layout.tokens_per_expert == [4, 4, 0, 4]
 
 
+def test_ep1_dispatch_experts_without_tokens(fake: FakeLib) -> None:
+    """One rank and no tokens after a dispatch that set the aligned-rows guess: no expert rows (M = 0), so no
+    permute kernel is launched (its inputs would be empty, its outputs not)."""
+    t = nvlink_transport(fake, 0, 1, 16, rows_guess=16)
+    x = torch.empty(0, H).to(torch.bfloat16)
+    topk_idx, weights = torch.empty(0, K, dtype=torch.int64), torch.empty(0, K)
+    fake.read_values = [0, 0, 0, 0, 0, 0, 0, 0]
+    result = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
+    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_mark", "moe_ep_read_marked",
+                                          "moe_ep_read_wait"]
+    assert tuple(result.x.shape) == (0, H) and tuple(result.probs.shape) == (0,)
+    assert result.handle.expert_layout.tokens_per_expert == [0] * E and result.handle.num_recv_rows == 0
+
+
 def test_ep1_bad_ids_raise_after_the_read(fake: FakeLib) -> None:
     """One rank: out-of-range ids are found by the layout kernel and raised after the read, as notify's are."""
     t = _transport(fake, guess=16, rank=0, num_ranks=1)

@@ -471,7 +471,7 @@ class NVLinkTransport(Transport):
         permute.local_layout(topk_idx, num_experts, alignment, out.ptr(3), out.ptr(2), out.ptr(1), out.ptr(0),
                              out.ptr(4), blocks)
         self._rt.mark_read()  # the read waits for the layout only, though the permute is launched before it
-        rows = n * k if alignment == 1 else self._rows_guess
+        rows = n * k if alignment == 1 or n == 0 else self._rows_guess  # the most M can be, or a guess
         speculate = not self._local_fallback
         expanded = permute.permute_valid(x, slot, n, rows, args.topk_weights, args.x_scales) if speculate else None
         values = self._rt.start_read(out.ptr(0), read, marked=True)()
