@@ -15,7 +15,7 @@ import torch
 from .buffer import Buffer
 from .config import Config
 from .handle import DispatchHandle
-from .ops.routing import check_routing_map, routing_map_topk, topk_weights_grad
+from .ops.routing import check_routing_map, topk_from_routing_map, topk_weights_grad
 
 
 def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
@@ -110,7 +110,7 @@ class _DispatchExperts(torch.autograd.Function):
         ctx.routing = None
         if routing is not None:
             probs_dtype = topk_weights.dtype
-            topk_idx, topk_weights = routing_map_topk(routing[0], topk_weights, routing[1])
+            topk_idx, topk_weights = topk_from_routing_map(routing[0], topk_weights, routing[1])
             ctx.routing = (topk_idx, probs_dtype)
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
             x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,

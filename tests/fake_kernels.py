@@ -20,7 +20,7 @@ import torch
 
 from moe_ep_plugin.handle import align_counts
 from moe_ep_plugin.ops import permute
-from moe_ep_plugin.transports.nvlink import NVLinkTransport, runtime
+from moe_ep_plugin.transports.nvlink import NVLinkTransport, runtime, transport
 from moe_ep_plugin.transports.nvlink.runtime import NVLinkRuntime
 
 CTX = 0xC7C000  # the library context, as moe_ep_create would return it
@@ -150,8 +150,7 @@ def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int, r
     t = object.__new__(NVLinkTransport)
     t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
     t._rt, t._recv_guess, t._rows_guess = rt, recv_guess, rows_guess
-    t._token_ids = torch.empty(0, dtype=torch.int32)
-    t._in_rank = torch.empty(0, 1, dtype=torch.bool)
+    t._token_range, t._all_in_rank = transport._world_size_one_views(t.device)
     t._local_fallback = False
     lib.num_ranks = num_ranks
     return t

@@ -3,8 +3,8 @@
 Data flow for one MoE layer (T local tokens, E experts, K = top-k, L = E / EP local experts, H hidden,
 M = expert-major rows on this rank):
 
-    dispatch_preprocess  routing_map [T, E] bool, probs [T, E]  ->  tokens [T, H], probs [T, E] (validated; the
-                         routing map is kept for token_dispatch)
+    dispatch_preprocess  routing_map [T, E] bool, probs [T, E]  ->  tokens [T, H], probs [T, E] (the routing map is
+                         kept for token_dispatch)
     token_dispatch       ``autograd.dispatch_experts_from_routing_map``: each token's selected experts (top-k ids,
                          -1 = dropped, and their probs) from the map, then every token crosses once per
                          destination rank and lands in the expert-major layout -> rows [M, H], probs [M] fp32 (0
@@ -30,7 +30,6 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
-from ..ops.routing import check_routing_map
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
 
 
@@ -95,7 +94,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """``tokens`` ``[S, B, H]`` (or ``[T, H]``), ``routing_map``/``probs`` ``[T, E]`` → ``(tokens [T, H],
-        probs [T, E])``, validated; token_dispatch takes the experts from ``routing_map``."""
+        probs [T, E])``; token_dispatch takes the experts from ``routing_map`` (and checks it with ``probs``)."""
         self.hidden_shape = tokens.shape
         hidden = tokens.reshape(-1, self.hidden_shape[-1])
         if routing_map.shape != (hidden.shape[0], self.num_experts):
@@ -103,8 +102,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                              f"{tuple(routing_map.shape)}")
         if self.options.fp8_dispatch and hidden.shape[1] % 128:
             raise ValueError(f"fp8_dispatch needs hidden % 128 == 0, got hidden {hidden.shape[1]}")
-        check_routing_map(routing_map, probs, self.topk)
-        self._routing_map = routing_map
+        self._routing_map = routing_map  # the rest of the routing map's checks: token_dispatch, before any transfer
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens.view(self.hidden_shape))
         return hidden, probs

@@ -142,10 +142,9 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_ll_combine_buffer.argtypes = [_p, _i64, _i64, _i64, _i64]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
-                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_mark",
-                 "moe_ep_read_marked", "moe_ep_read_wait",
-                 "moe_ep_expert_slots", "moe_ep_local_layout", "moe_ep_permute", "moe_ep_unpermute", "moe_ep_ll_dispatch_send",
-                 "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
+                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_mark", "moe_ep_read_marked",
+                 "moe_ep_read_wait", "moe_ep_expert_slots", "moe_ep_local_layout", "moe_ep_permute", "moe_ep_unpermute",
+                 "moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

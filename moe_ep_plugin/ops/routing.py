@@ -2,7 +2,7 @@
 
 CUDA float32 probs go through one kernel (csrc/layout.cu ``moe_ep_routing_map_topk``) when the kernel library
 loads, everything else through four torch ops; both give the same ids and weights. ``routing_map_to_topk`` is
-differentiable; ``routing_map_topk`` and ``topk_weights_grad`` are its two halves for a caller that folds the
+differentiable; ``topk_from_routing_map`` (no autograd) and ``topk_weights_grad`` are its two halves for a caller that folds the
 conversion into its own autograd function (the Megatron dispatcher's dispatch).
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def check_routing_map(routing_map: object, probs: object, topk: object) -> None:
         raise ValueError(f"topk must be in [1, {routing_map.shape[1]}], got {topk}")
 
 
-def routing_map_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`routing_map_to_topk` without autograd, of arguments :func:`check_routing_map` accepted: for callers
     that give ``probs`` its gradient themselves (:func:`topk_weights_grad`)."""
     if _ROUTING_KERNEL.usable(routing_map, probs):
@@ -66,7 +66,7 @@ def routing_map_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) 
 
 
 def topk_weights_grad(grad_weights: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The gradient of ``routing_map_topk``'s weights ``[T, K]`` float32 as the ``[T, E]`` float32 gradient of its
+    """The gradient of ``topk_from_routing_map``'s weights ``[T, K]`` float32 as the ``[T, E]`` float32 gradient of its
     probs (zero where no expert was selected)."""
     grad = torch.zeros(topk_idx.shape[0], num_experts, dtype=torch.float32, device=topk_idx.device)
     # -1 slots are sent to column 0 with a zero gradient (an add, so they cannot overwrite a real one)
@@ -81,7 +81,7 @@ def _routing_kernel(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
     # The kernel reads the bool map as bytes through its pointer: no uint8 view needed.
     library.check(library.load().moe_ep_routing_map_topk(
         routing_map.data_ptr(), probs.data_ptr(), n, num_experts, topk, idx.data_ptr(), weights.data_ptr(),
-        current_stream_handle(probs.get_device())), "routing_map_topk")
+        current_stream_handle(probs.get_device())), "topk_from_routing_map")
     return idx, weights
 
 

@@ -78,6 +78,26 @@ class _Carve:
         return self._flat.as_strided(shape, (shape[1], 1), self._starts[i])
 
 
+class _KeptPrefix:
+    """The first ``n`` rows of one kept tensor, made by ``make(rows)`` and remade twice as long when too short: a
+    view per call, no allocation."""
+
+    def __init__(self, make: Callable[[int], torch.Tensor]) -> None:
+        self._make, self._kept = make, make(0)
+
+    def __call__(self, n: int) -> torch.Tensor:
+        if self._kept.shape[0] < n:
+            self._kept = self._make(max(n, 2 * self._kept.shape[0]))
+        return self._kept[:n]
+
+
+def _world_size_one_views(device: torch.device) -> tuple[_KeptPrefix, _KeptPrefix]:
+    """What a world-size-1 handle takes when every token stays: ``[n]`` int32 0, 1, ..., n - 1 (``recv_src_idx``,
+    ``send_pos`` and the send list) and ``[n, 1]`` bool all True (``is_token_in_rank``)."""
+    return (_KeptPrefix(lambda rows: torch.arange(rows, dtype=torch.int32, device=device)),
+            _KeptPrefix(lambda rows: torch.ones(rows, 1, dtype=torch.bool, device=device)))
+
+
 @dataclass
 class _ExpertState:
     """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64 and the addresses (inside
@@ -150,9 +170,8 @@ class NVLinkTransport(Transport):
         self._rt = NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
         self.device = self._rt.device
         self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
-        self._rows_guess = 0  # expert-major rows a fused expert-major dispatch allocates before it reads the count
-        self._token_ids = torch.empty(0, dtype=torch.int32, device=self.device)  # 0, 1, ...: recv_src_idx at EP1
-        self._in_rank = torch.empty(0, 1, dtype=torch.bool, device=self.device)  # all True: is_token_in_rank at EP1
+        self._rows_guess = 0  # expert-major rows a fused (or EP1 aligned) dispatch allocates before it reads the count
+        self._token_range, self._all_in_rank = _world_size_one_views(self.device)
         self._local_fallback = False  # the last fresh EP1 expert-major dispatch had a token without an expert
 
     def check_error(self) -> None:
@@ -215,9 +234,9 @@ class NVLinkTransport(Transport):
         """The one host read of a fresh dispatch around its speculative kernel: start reading notify's outputs at
         ``notified`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
         kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far) while the read
-        runs, then wait. Returns ``(launch's result, host_counts, info, fits)``. Raises (every rank alike) when a rank found out-of-range expert ids. When some rank received
-        more rows than the guess, the guess grows to that and ``fits`` is False: every rank (each sees the whole
-        count matrix) then dispatches again."""
+        runs, then wait. Returns ``(launch's result, host_counts, info, fits)``. Raises (every rank alike) when a
+        rank found out-of-range expert ids. When some rank received more rows than the guess, the guess grows to
+        that and ``fits`` is False: every rank (each sees the whole count matrix) then dispatches again."""
         r = self.num_ranks
         guess = self._recv_guess
         wait = self._rt.start_read(notified, r * r + info_length)
@@ -455,9 +474,8 @@ class NVLinkTransport(Transport):
         """A fresh expert-major dispatch at world size 1, where no row crosses: one layout call
         (``moe_ep_local_layout``: every slot, and what notify writes at one rank, without notify's barrier) and
         ``permute`` expanding ``x`` itself, launched before the one host read of the counts, which waits for the
-        layout only. The expert rows
-        are allocated for the most there can be (N * K at alignment 1, else the most seen so far; more means a
-        second permute) and returned as views of the first M. None when a token names no expert: its row is not
+        layout only. The expert rows are allocated for the most there can be (N * K at alignment 1, else the most
+        seen so far; more means a second permute) and returned as views of the first M. None when a token names no expert: its row is not
         received, so the received rows are not the tokens and the kernel path serves; the next calls then read
         before they permute, until every token names an expert again. Out-of-range ids raise after the read, as
         notify's do."""
@@ -502,18 +520,6 @@ class NVLinkTransport(Transport):
         expand it with the slots the kernel would record (unless the rows are quantized on the way or the kernel
         expands them). Same outputs and handle either way."""
         return self.num_ranks == 1 and not args.wire_fp8 and not args.config.nvlink.fused_dispatch
-
-    def _token_range(self, n: int) -> torch.Tensor:
-        """``[n]`` int32 0, 1, ..., n - 1 (a view of one kept tensor): ``recv_src_idx`` when every token stays."""
-        if self._token_ids.shape[0] < n:
-            self._token_ids = torch.arange(max(n, 2 * self._token_ids.shape[0]), dtype=torch.int32, device=self.device)
-        return self._token_ids[:n]
-
-    def _all_in_rank(self, n: int) -> torch.Tensor:
-        """``[n, 1]`` bool, all True (a view of one kept tensor): ``is_token_in_rank`` when every token stays."""
-        if self._in_rank.shape[0] < n:
-            self._in_rank = torch.ones(max(n, 2 * self._in_rank.shape[0]), 1, dtype=torch.bool, device=self.device)
-        return self._in_rank[:n]
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
                                 scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
