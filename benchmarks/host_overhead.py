@@ -12,14 +12,17 @@ One process, a gloo group of world size 1, a tiny BF16 shape. Three transports u
   validation/streams/config, the autograd functions, the Megatron-Core dispatcher's six methods.
 - ``nvlink*``: ``NVLinkTransport``'s host side on CPU tensors over ``tests/fake_kernels.py`` (no recording):
   the stand-in plus what the nvlink transport and ``permute`` do in Python per call (validation, allocations, the
-  ctypes parameter structs, the host read's bookkeeping). The fake kernels do nothing (their outputs hold garbage)
-  and the read brings the counts this routing implies; what the real library adds is missing: ctypes' argument
-  conversion and the CUDA launches (a few µs each on the GPU machine).
+  ctypes parameter structs, the host read's bookkeeping), and the routing-map conversion through its one-kernel
+  path as on the GPU. The fake kernels do nothing (their outputs hold garbage; the routing kernel's are copied
+  from a recorded answer) and the read brings the counts this routing implies; what the real library adds is
+  missing: the CUDA calls (a few µs each on the GPU machine).
 
 Each row is ``time.perf_counter`` over ``--iters`` calls after warm-up (best of ``--repeats``), µs per call,
 cumulative (a row includes the layers below it). On CPU ``token_dispatch`` runs the torch-op fallback of the
 routing-map conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
-(experts = ``rows * probs``, ``autograd.grad``). ``--profile`` adds cProfile's top cumulative entries of the
+(experts = ``rows * probs``, ``autograd.grad``). ``... to the permute launch`` (``nvlink*`` only): from the
+forward's start (``dispatch_preprocess``) to the host's call of the permute kernel, the host time the GPU waits
+through at 4096 tokens on the GPU machine (docs/open_work.md). ``--profile`` adds cProfile's top cumulative entries of the
 dispatcher forward + backward on ``nvlink*``.
 """
 from __future__ import annotations
@@ -48,10 +51,12 @@ from moe_ep_plugin.transports.nvlink import NVLinkTransport
 from standard_shape import add_shape_arguments
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
-from fake_kernels import FakeLib, expert_read_values, installed, nvlink_transport  # noqa: E402  (a test double)
+from fake_kernels import (FakeLib, expert_read_values, installed, nvlink_transport,  # noqa: E402  (test doubles)
+                          routing_kernel_installed)
 
 Timed = list[tuple[str, Callable[[], object]]]
 COLUMNS = ("torch", "stand-in", "nvlink*")
+TO_PERMUTE = "dispatcher forward: to the permute launch"
 
 
 class StandInTransport(Transport):
@@ -187,6 +192,22 @@ class MegatronCase:
         out = self.forward()
         return torch.autograd.grad(out, (self.tokens, self.probs), self.grad_out)
 
+    def to_permute_launch(self, lib: FakeLib) -> Callable[[], float]:
+        """A call that runs one forward over ``lib`` and returns the seconds from its start to permute's launch."""
+        launched = [0.0]
+
+        def permute_call(*args: int) -> int:
+            launched[0] = time.perf_counter()
+            return 0
+
+        lib.moe_ep_permute = permute_call
+
+        def call() -> float:
+            start = time.perf_counter()
+            self.forward()
+            return launched[0] - start
+        return call
+
     def timed_calls(self) -> Timed:
         d = self.d
 
@@ -258,15 +279,23 @@ def main() -> None:
                                            args.experts)
             elif label == "nvlink*":
                 buffer.transport = nvlink_star(idx, args.experts)
-                stack.enter_context(installed(buffer.transport._rt.lib))  # kept until the profile is done
+                lib = stack.enter_context(installed(buffer.transport._rt.lib))  # kept until the profile is done
                 if megatron is not None:
                     megatron.buffer.transport = nvlink_star(megatron.topk_idx, args.experts)
+                    lib.routing_answer = (megatron.topk_idx, megatron.topk_weights)
+                    stack.enter_context(routing_kernel_installed(lib))
             if megatron is not None and label != "torch":  # handles of this column's transport
                 megatron.record()
             rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None
                                                                    else [])
             for name, fn in rows:
                 results.setdefault(name, []).append(per_call_us(fn, args.iters, args.repeats))
+            if megatron is not None and label == "nvlink*":
+                launch = megatron.to_permute_launch(lib)
+                for _ in range(max(1, args.iters // 10)):
+                    launch()
+                seconds = sorted(launch() for _ in range(args.iters))
+                results.setdefault(TO_PERMUTE, [float("nan")] * (len(columns) - 1)).append(seconds[len(seconds) // 2] * 1e6)
 
         print(f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, "
               f"{args.experts} experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, "
@@ -275,7 +304,7 @@ def main() -> None:
               + "".join(f" {label:>8} |" for label in columns))
         print(f"|{'-' * 48}|" + f"{'-' * 9}:|" * len(columns))
         for name, times in results.items():
-            print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" for t in times))
+            print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" if t == t else f" {'-':>8} |" for t in times))
 
         if args.profile and megatron is not None:
             profiler = cProfile.Profile()

@@ -48,6 +48,8 @@ class FakeLib:
         self.pull_rows = 0
         self.combine_memory: dict[str, Optional[list]] = {}
         self.local_slots: Optional[list[int]] = None  # what the world-size-1 layout writes as recv_slot (None: -1)
+        # what the routing-map kernel writes: (topk_idx [T, K] int64, weights [T, K] float32) on CPU, copied as bytes
+        self.routing_answer: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._read_ints: Optional[int] = None
 
     def __getattr__(self, name: str):
@@ -68,8 +70,20 @@ class FakeLib:
     def moe_ep_local_layout(self, *args) -> int:
         self._record("moe_ep_local_layout", args)
         n, k, recv_slot = args[1], args[2], args[5]
-        slots = self.local_slots if self.local_slots is not None else [-1] * (n * k)
-        (ctypes.c_int32 * (n * k)).from_address(recv_slot)[:] = slots
+        if self.local_slots is None:
+            ctypes.memset(recv_slot, 0xFF, 4 * n * k)  # -1 in every int32: as cheap as the real call's host side
+        else:
+            (ctypes.c_int32 * (n * k)).from_address(recv_slot)[:] = self.local_slots
+        return 0
+
+    def moe_ep_routing_map_topk(self, routing_map: int, probs: int, n: int, num_experts: int, topk: int, idx: int,
+                                weights: int, stream: int) -> int:
+        self._record("moe_ep_routing_map_topk", (routing_map, probs, n, num_experts, topk, idx, weights, stream))
+        assert self.routing_answer is not None, "set routing_answer before the routing-map kernel runs"
+        answer_idx, answer_weights = self.routing_answer
+        assert tuple(answer_idx.shape) == (n, topk), (tuple(answer_idx.shape), n, topk)
+        ctypes.memmove(idx, answer_idx.data_ptr(), 8 * n * topk)
+        ctypes.memmove(weights, answer_weights.data_ptr(), 4 * n * topk)
         return 0
 
     def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
@@ -122,6 +136,19 @@ def _stream_of(index: int) -> int:
     # the transport asks for its device's stream, permute's launch for its tensor's device (-1: a CPU tensor)
     assert index in (DEVICE_INDEX, -1), index
     return STREAM
+
+
+@contextlib.contextmanager
+def routing_kernel_installed(lib: FakeLib) -> Iterator[FakeLib]:
+    """While inside: ``ops.routing``'s one-kernel path serves CPU float32 probs too, through ``lib`` (which writes
+    its ``routing_answer``), as it serves CUDA probs on the GPU machine."""
+    from moe_ep_plugin.ops import routing
+    with contextlib.ExitStack() as stack:
+        for target, name, value in ((routing._ROUTING_KERNEL, "usable", lambda routing_map, probs: True),
+                                    (routing.library, "load", lambda: lib),
+                                    (routing, "current_stream_handle", _stream_of)):
+            stack.enter_context(mock.patch.object(target, name, value))
+        yield lib
 
 
 @contextlib.contextmanager
