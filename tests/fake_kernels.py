@@ -177,7 +177,7 @@ def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int, r
     t = object.__new__(NVLinkTransport)
     t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
     t._rt, t._recv_guess, t._rows_guess = rt, recv_guess, rows_guess
-    t._token_range, t._all_in_rank = transport._world_size_one_views(t.device)
+    t._staying = transport._StayingTokens(t.device)
     t._local_fallback = False
     lib.num_ranks = num_ranks
     return t

@@ -20,6 +20,7 @@ host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
@@ -59,10 +60,7 @@ class _Carve:
 
     def __init__(self, device: torch.device, *shapes: tuple[int, ...]):
         self._shapes = shapes
-        self._starts, total = [], 0
-        for shape in shapes:
-            self._starts.append(total)
-            total += (math.prod(shape) + 3) // 4 * 4
+        self._starts, total = _carve_starts(shapes)
         self._flat = torch.empty(total, dtype=torch.int32, device=device)
         self._base = self._flat.data_ptr()
 
@@ -78,24 +76,42 @@ class _Carve:
         return self._flat.as_strided(shape, (shape[1], 1), self._starts[i])
 
 
-class _KeptPrefix:
-    """The first ``n`` rows of one kept tensor, made by ``make(rows)`` and remade twice as long when too short: a
-    view per call, no allocation."""
-
-    def __init__(self, make: Callable[[int], torch.Tensor]) -> None:
-        self._make, self._kept = make, make(0)
-
-    def __call__(self, n: int) -> torch.Tensor:
-        if self._kept.shape[0] < n:
-            self._kept = self._make(max(n, 2 * self._kept.shape[0]))
-        return self._kept[:n]
+@functools.lru_cache(maxsize=256)
+def _carve_starts(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], int]:
+    """Where each of ``shapes`` starts in a :class:`_Carve` (int32 elements, 16-byte aligned), and the total: the same
+    few shapes recur call after call, so this is computed once per shape set (host time)."""
+    starts, total = [], 0
+    for shape in shapes:
+        starts.append(total)
+        total += (math.prod(shape) + 3) // 4 * 4
+    return tuple(starts), total
 
 
-def _world_size_one_views(device: torch.device) -> tuple[_KeptPrefix, _KeptPrefix]:
-    """What a world-size-1 handle takes when every token stays: ``[n]`` int32 0, 1, ..., n - 1 (``recv_src_idx``,
-    ``send_pos`` and the send list) and ``[n, 1]`` bool all True (``is_token_in_rank``)."""
-    return (_KeptPrefix(lambda rows: torch.arange(rows, dtype=torch.int32, device=device)),
-            _KeptPrefix(lambda rows: torch.ones(rows, 1, dtype=torch.bool, device=device)))
+class _StayingTokens:
+    """What a world-size-1 handle takes when every one of ``n`` tokens stays: ``(recv_src_idx [n] int32 0, 1, ...,
+    n - 1, send_pos [n, 1] (the same values), is_token_in_rank [n, 1] bool all True)``, views of two kept tensors
+    (regrown twice as long when too short); :attr:`address` is the send list's (the same values, at least one row).
+    The views of the last ``n`` are handed out again (host time: a repeated token count makes no torch call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._n: Optional[int] = None
+        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()
+        self._grow(1)
+
+    def _grow(self, rows: int) -> None:
+        self._range = torch.arange(rows, dtype=torch.int32, device=self._device)
+        self._ones = torch.ones(rows, 1, dtype=torch.bool, device=self._device)
+        self.address = self._range.data_ptr()
+        self._n = None
+
+    def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if n != self._n:
+            if self._range.shape[0] < n:
+                self._grow(max(n, 2 * self._range.shape[0]))
+            tokens = self._range[:n]
+            self._views, self._n = (tokens, tokens.view(n, 1), self._ones[:n]), n
+        return self._views
 
 
 @dataclass
@@ -171,7 +187,7 @@ class NVLinkTransport(Transport):
         self.device = self._rt.device
         self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
         self._rows_guess = 0  # expert-major rows a fused (or EP1 aligned) dispatch allocates before it reads the count
-        self._token_range, self._all_in_rank = _world_size_one_views(self.device)
+        self._staying = _StayingTokens(self.device)
         self._local_fallback = False  # the last fresh EP1 expert-major dispatch had a token without an expert
 
     def check_error(self) -> None:
@@ -502,15 +518,16 @@ class NVLinkTransport(Transport):
         num_rows, tokens_per_expert = values[3], values[4:read]
         if expanded is None or num_rows > rows:
             self._rows_guess = max(self._rows_guess, num_rows)
-            expanded = permute.permute_valid(x, slot, n, num_rows, args.topk_weights, args.x_scales)
-        expert_x, probs, scales = (None if t is None else t[:num_rows] for t in expanded)
-        tokens = self._token_range(max(n, 1))
-        state = _NVLinkState(out, tokens.data_ptr(), max(n, 1), [n],
+            expanded, rows = permute.permute_valid(x, slot, n, num_rows, args.topk_weights, args.x_scales), num_rows
+        # rows past M (their slots were fewer) are cut off; every row is M's when each token's K ids were valid
+        expert_x, probs, scales = expanded if rows == num_rows else (None if t is None else t[:num_rows]
+                                                                     for t in expanded)
+        recv_src_idx, send_pos, in_rank = self._staying(n)
+        state = _NVLinkState(out, self._staying.address, max(n, 1), [n],
                              _ExpertState(topk_idx, out.ptr(2), out.ptr(1), out.ptr(0, 1)))
-        handle = DispatchHandle(rank_prefix_matrix=out.view(0, (1, 1)), is_token_in_rank=self._all_in_rank(n),
-                                send_pos=tokens[:n].view(n, 1), recv_src_idx=tokens[:n], num_tokens=n,
-                                num_recv_tokens=n, num_experts=num_experts, rank=0, num_ranks=1, num_recv_rows=n,
-                                transport_state=state,
+        handle = DispatchHandle(rank_prefix_matrix=out.view(0, (1, 1)), is_token_in_rank=in_rank, send_pos=send_pos,
+                                recv_src_idx=recv_src_idx, num_tokens=n, num_recv_tokens=n, num_experts=num_experts,
+                                rank=0, num_ranks=1, num_recv_rows=n, transport_state=state,
                                 expert_layout=ExpertLayout(slot, tokens_per_expert, num_rows, alignment))
         return ExpertDispatchResult(expert_x, scales, probs, handle)
 
