@@ -588,7 +588,12 @@ def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
         ("moe_ep_read_wait", (CTX,)),
     ]
     assert (result.x.data_ptr(), tuple(result.x.shape)) == (permuted[9], (9, H))
-    assert (result.probs.data_ptr(), tuple(result.probs.shape)) == (permuted[10], (9,))
+    assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (permuted[10], (9,),
+                                                                                        torch.float32)
+    # the permute's probs [N * K] float32 and covered [N * K] uint8 follow the layout's workspace in its allocation
+    workspace = fake.calls[0][1][9]
+    assert workspace + 4 * 132 * (E + 2) <= permuted[10] and permuted[10] + 4 * N * K <= permuted[12]
+    assert permuted[12] + N * K <= workspace + 4 * (132 * (E + 2) + N * K + (N * K + 3) // 4 + 8)
     assert handle.expert_layout.tokens_per_expert == [2, 1, 3, 3] and handle.expert_layout.num_rows == 9
     assert (handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows) == (N, N, N)
     _check_view(handle.rank_prefix_matrix, at(0), (1, 1))

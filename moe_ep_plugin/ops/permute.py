@@ -115,18 +115,27 @@ def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, we
     device with the kernel library loaded, ``x`` ``[>= n, H]`` with rows of a multiple of 16 bytes, ``slot``
     ``[n, K]`` int32 (1 <= K <= 32), ``weights`` ``[n, K]`` / ``scales`` ``[>= n, S]`` float32, all contiguous.
     The nvlink transport calls it on buffers it made itself, skipping the checks and the slicing (host time)."""
-    k = slot.shape[1]
     out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    num_scales = 0 if scales is None else scales.shape[1]
-    out_scales = None if scales is None else torch.empty(num_rows, num_scales, dtype=torch.float32, device=x.device)
+    out_scales = None if scales is None else torch.empty(num_rows, scales.shape[1], dtype=torch.float32,
+                                                         device=x.device)
     if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
         return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
-    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k,
-            x.shape[1] * x.element_size(), num_scales, num_rows, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales),
-            covered.data_ptr())
+    permute_into(x, slot, n, num_rows, weights, scales, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales),
+                 covered.data_ptr())
     return out_x, out_probs, out_scales
+
+
+def permute_into(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, weights: Optional[torch.Tensor],
+                 scales: Optional[torch.Tensor], out_x: int, out_probs: int, out_scales: int, covered: int) -> None:
+    """:func:`permute_valid`'s kernel writing at device addresses (0 = none): ``out_x`` ``[M, H]`` ``x.dtype``
+    (16-byte aligned), ``out_probs`` ``[M]`` float32 (given with ``weights``), ``out_scales`` ``[M, S]`` float32
+    (given with ``scales``) and the kernel's scratch ``covered`` ``[M]`` uint8, for M = ``num_rows`` >= 1 (e.g. the
+    nvlink transport's one allocation for the small ones: no tensor needs to exist before the launch)."""
+    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, slot.shape[1],
+            x.shape[1] * x.element_size(), 0 if scales is None else scales.shape[1], num_rows, out_x, out_probs,
+            out_scales, covered)
 
 
 def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:

@@ -491,23 +491,31 @@ class NVLinkTransport(Transport):
         (``moe_ep_local_layout``: every slot, and what notify writes at one rank, without notify's barrier) and
         ``permute`` expanding ``x`` itself, launched before the one host read of the counts, which waits for the
         layout only. The expert rows are allocated for the most there can be (N * K at alignment 1, else the most
-        seen so far; more means a second permute) and returned as views of the first M. None when a token names no expert: its row is not
-        received, so the received rows are not the tokens and the kernel path serves; the next calls then read
-        before they permute, until every token names an expert again. Out-of-range ids raise after the read, as
-        notify's do."""
-        x, topk_idx, num_experts = args.x, args.topk_idx, args.num_experts
+        seen so far; more means a second permute) and returned as views of the first M; that permute's probs and
+        scratch come from the layout's allocation (one allocation, the rows', before its launch). None when a token
+        names no expert: its row is not received, so the received rows are not the tokens and the kernel path
+        serves; the next calls then read before they permute, until every token names an expert again.
+        Out-of-range ids raise after the read, as notify's do."""
+        x, topk_idx, weights, num_experts = args.x, args.topk_idx, args.topk_weights, args.num_experts
         n, k = topk_idx.shape
         blocks = self._rt.device_sms
         read = 1 + 3 + num_experts  # the rank prefix matrix [1], then rows received, bad-id mask, M, aligned counts
+        rows = n * k if alignment == 1 or n == 0 else self._rows_guess  # the most M can be, or a guess
+        speculate = rows > 0 and not self._local_fallback
+        # the speculative permute's probs [rows] float32 (when weighted) and its covered [rows] uint8 scratch
+        permute_shapes = ((rows if weights is not None else 0,), ((rows + 3) // 4,)) if speculate else ()
         out = _Carve(self.device, (read + 1 + num_experts,), (num_experts,), (n, k), (n, k),
-                     (blocks * (num_experts + 2),))
+                     (blocks * (num_experts + 2),), *permute_shapes)
         slot = out.view(3)
         permute.local_layout(topk_idx, num_experts, alignment, out.ptr(3), out.ptr(2), out.ptr(1), out.ptr(0),
                              out.ptr(4), blocks)
         self._rt.mark_read()  # the read waits for the layout only, though the permute is launched before it
-        rows = n * k if alignment == 1 or n == 0 else self._rows_guess  # the most M can be, or a guess
-        speculate = not self._local_fallback
-        expanded = permute.permute_valid(x, slot, n, rows, args.topk_weights, args.x_scales) if speculate else None
+        if speculate:
+            expert_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=self.device)
+            scales = (None if args.x_scales is None else
+                      torch.empty(rows, args.x_scales.shape[1], dtype=torch.float32, device=self.device))
+            permute.permute_into(x, slot, n, rows, weights, args.x_scales, expert_x.data_ptr(),
+                                 0 if weights is None else out.ptr(5), _ptr(scales), out.ptr(6))
         values = self._rt.start_read(out.ptr(0), read, marked=True)()
         self.check_error()
         if values[2]:
@@ -516,12 +524,13 @@ class NVLinkTransport(Transport):
         if self._local_fallback:
             return None
         num_rows, tokens_per_expert = values[3], values[4:read]
-        if expanded is None or num_rows > rows:
+        if speculate and num_rows <= rows:
+            probs = None if weights is None else out.view(5).view(torch.float32)
+            if rows != num_rows:  # rows past M (their slots were fewer) are cut off
+                expert_x, probs, scales = (None if t is None else t[:num_rows] for t in (expert_x, probs, scales))
+        else:
             self._rows_guess = max(self._rows_guess, num_rows)
-            expanded, rows = permute.permute_valid(x, slot, n, num_rows, args.topk_weights, args.x_scales), num_rows
-        # rows past M (their slots were fewer) are cut off; every row is M's when each token's K ids were valid
-        expert_x, probs, scales = expanded if rows == num_rows else (None if t is None else t[:num_rows]
-                                                                     for t in expanded)
+            expert_x, probs, scales = permute.permute_valid(x, slot, n, num_rows, weights, args.x_scales)
         recv_src_idx, send_pos, in_rank = self._staying(n)
         state = _NVLinkState(out, self._staying.address, max(n, 1), [n],
                              _ExpertState(topk_idx, out.ptr(2), out.ptr(1), out.ptr(0, 1)))
