@@ -122,18 +122,19 @@ def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, we
     if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
         return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
-    permute_into(x, slot, n, num_rows, weights, scales, out_x.data_ptr(), _ptr(out_probs), _ptr(out_scales),
-                 covered.data_ptr())
+    permute_into(x, slot.data_ptr(), n, slot.shape[1], num_rows, weights, scales, out_x.data_ptr(), _ptr(out_probs),
+                 _ptr(out_scales), covered.data_ptr())
     return out_x, out_probs, out_scales
 
 
-def permute_into(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, weights: Optional[torch.Tensor],
+def permute_into(x: torch.Tensor, slot: int, n: int, k: int, num_rows: int, weights: Optional[torch.Tensor],
                  scales: Optional[torch.Tensor], out_x: int, out_probs: int, out_scales: int, covered: int) -> None:
-    """:func:`permute_valid`'s kernel writing at device addresses (0 = none): ``out_x`` ``[M, H]`` ``x.dtype``
-    (16-byte aligned), ``out_probs`` ``[M]`` float32 (given with ``weights``), ``out_scales`` ``[M, S]`` float32
-    (given with ``scales``) and the kernel's scratch ``covered`` ``[M]`` uint8, for M = ``num_rows`` >= 1 (e.g. the
-    nvlink transport's one allocation for the small ones: no tensor needs to exist before the launch)."""
-    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, slot.shape[1],
+    """:func:`permute_valid`'s kernel on device addresses (0 = none): the ``[n, k]`` int32 ``slot``, and the
+    outputs ``out_x`` ``[M, H]`` ``x.dtype`` (16-byte aligned), ``out_probs`` ``[M]`` float32 (given with
+    ``weights``), ``out_scales`` ``[M, S]`` float32 (given with ``scales``) and the kernel's scratch ``covered``
+    ``[M]`` uint8, for M = ``num_rows`` >= 1: no tensor needs to exist before the launch (the nvlink transport's
+    world-size-1 layout holds the small ones in its own allocation)."""
+    _launch(x, "moe_ep_permute", x.data_ptr(), slot, _ptr(weights), _ptr(scales), n, k,
             x.shape[1] * x.element_size(), 0 if scales is None else scales.shape[1], num_rows, out_x, out_probs,
             out_scales, covered)
 

@@ -506,7 +506,6 @@ class NVLinkTransport(Transport):
         permute_shapes = ((rows if weights is not None else 0,), ((rows + 3) // 4,)) if speculate else ()
         out = _Carve(self.device, (read + 1 + num_experts,), (num_experts,), (n, k), (n, k),
                      (blocks * (num_experts + 2),), *permute_shapes)
-        slot = out.view(3)
         permute.local_layout(topk_idx, num_experts, alignment, out.ptr(3), out.ptr(2), out.ptr(1), out.ptr(0),
                              out.ptr(4), blocks)
         self._rt.mark_read()  # the read waits for the layout only, though the permute is launched before it
@@ -514,8 +513,9 @@ class NVLinkTransport(Transport):
             expert_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=self.device)
             scales = (None if args.x_scales is None else
                       torch.empty(rows, args.x_scales.shape[1], dtype=torch.float32, device=self.device))
-            permute.permute_into(x, slot, n, rows, weights, args.x_scales, expert_x.data_ptr(),
+            permute.permute_into(x, out.ptr(3), n, k, rows, weights, args.x_scales, expert_x.data_ptr(),
                                  0 if weights is None else out.ptr(5), _ptr(scales), out.ptr(6))
+        slot = out.view(3)  # after the launches: the host time before them is the GPU's wait
         values = self._rt.start_read(out.ptr(0), read, marked=True)()
         self.check_error()
         if values[2]:
