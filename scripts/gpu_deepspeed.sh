@@ -1,22 +1,12 @@
 #!/usr/bin/env bash
 # DeepSpeed integration on 2 GPUs (nvidia-h200-x2), run from the repo root; needs .whl/ carried (git-ignored).
-# 1. installs DeepSpeed 0.19.8 and what the GPU image lacks (pydantic + pydantic-core cp312, annotated-types,
-#    typing-inspection, hjson, typing-extensions >= 4.14.1 for pydantic) from .whl/ into /tmp/site: nothing is
-#    fetched and no DeepSpeed op is compiled;
+# 1. installs DeepSpeed 0.19.8 and what the GPU image lacks from .whl/ (gpu_env.sh's deepspeed_env);
 # 2. trains the example at EP 2 with stock DeepSpeed MoE, then with the plugin (same weights and data), and prints
 #    the step-time table; 3. the plugin again with FP8 dispatch; 4. benchmarks/deepspeed_compare.py at EP1 (stock,
 #    plugin loop, plugin grouped, profiled). A few minutes in all.
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_deepspeed
-python3 -m pip install -q --no-index --no-deps --target /tmp/site \
-  .whl/deepspeed-0.19.8-py3-none-any.whl .whl/pydantic-2.13.4-py3-none-any.whl \
-  .whl/pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl \
-  .whl/annotated_types-0.7.0-py3-none-any.whl .whl/typing_inspection-0.4.2-py3-none-any.whl \
-  .whl/hjson-3.1.0-py3-none-any.whl .whl/typing_extensions-4.15.0-py3-none-any.whl
-export PYTHONPATH="/tmp/site:$PYTHONPATH"
-export DS_BUILD_OPS=0  # DeepSpeed builds nothing ahead of time; the example uses torch's AdamW, so no JIT op either
-python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__, \
-'accelerator', deepspeed.get_accelerator().device_name())"
+deepspeed_env
 # $1: output file, then the example's arguments; returns the example's exit status (the script goes on)
 run() {
   local out="$1"; shift

@@ -31,3 +31,16 @@ mps_on() {
 mps_off() {
     if [ "${MPS:-0}" -eq 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; MPS=0; fi
 }
+# deepspeed_env: DeepSpeed 0.19.8 and what the GPU image lacks for it (pydantic + pydantic-core cp312, annotated-types,
+# typing-inspection, hjson, typing-extensions >= 4.14.1 for pydantic) from the carried .whl/ (scripts/fetch_wheels.sh)
+# into /tmp/site, on PYTHONPATH; nothing is fetched and no DeepSpeed op is compiled (DS_BUILD_OPS=0).
+deepspeed_env() {
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+      .whl/deepspeed-0.19.8-py3-none-any.whl .whl/pydantic-2.13.4-py3-none-any.whl \
+      .whl/pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl \
+      .whl/annotated_types-0.7.0-py3-none-any.whl .whl/typing_inspection-0.4.2-py3-none-any.whl \
+      .whl/hjson-3.1.0-py3-none-any.whl .whl/typing_extensions-4.15.0-py3-none-any.whl || return 1
+    export PYTHONPATH="/tmp/site:$PYTHONPATH" DS_BUILD_OPS=0
+    python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__, \
+'accelerator', deepspeed.get_accelerator().device_name())"
+}

@@ -9,13 +9,9 @@
 # Run it after scripts/gpu_kernels.sh, which builds moe_ep_plugin/lib/libmoe_ep_kernels.so (without the library
 # the ep_plugin:nvlink rows report FAILED and transport "auto" falls back to torch).
 #
-# The device machine has no megatron-core. Carry its wheel (2.4 MB; it needs torch, numpy, packaging, plus triton,
-# pyyaml and einops, all present there). Here, in the repo root:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl megatron-core==0.19.2
-#   -> .whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
-# and name .whl in the run's carry. scripts/gpu_env.sh installs that wheel into /tmp/mcore when megatron.core is missing.
+# The device machine has no megatron-core: `bash scripts/fetch_wheels.sh` here puts its wheel (and the others the
+# GPU scripts install) into .whl; name .whl in the run's carry. scripts/gpu_env.sh installs that wheel into /tmp/mcore
+# when megatron.core is missing.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" gpu_megatron
 LOG="$LOGS/megatron_gpu.log"  # one file: the device tool returns at most 8 files for all scripts together
