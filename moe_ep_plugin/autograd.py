@@ -129,7 +129,8 @@ class _DispatchExperts(torch.autograd.Function):
                                                              config=ctx.configs and ctx.configs[1])
         if ctx.routing is not None:
             topk_idx, probs_dtype = ctx.routing
-            grad_weights = topk_weights_grad(grad_weights, topk_idx, ctx.handle.num_experts)
+            # combine_experts' weights are 0 where topk_idx is -1 (its contract): no mask needed
+            grad_weights = topk_weights_grad(grad_weights, topk_idx, ctx.handle.num_experts, masked=False)
             if grad_weights.dtype != probs_dtype:
                 grad_weights = grad_weights.to(probs_dtype)
         return grad_x, grad_weights, None

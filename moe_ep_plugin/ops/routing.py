@@ -65,12 +65,16 @@ def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: 
         return _torch_topk(routing_map, probs, topk)
 
 
-def topk_weights_grad(grad_weights: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+def topk_weights_grad(grad_weights: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *,
+                      masked: bool = True) -> torch.Tensor:
     """The gradient of ``topk_from_routing_map``'s weights ``[T, K]`` float32 as the ``[T, E]`` float32 gradient of its
-    probs (zero where no expert was selected)."""
+    probs (zero where no expert was selected). ``masked=False`` when ``grad_weights`` is already 0 wherever
+    ``topk_idx`` is -1 (a combine's weights are): two kernels fewer."""
     grad = torch.zeros(topk_idx.shape[0], num_experts, dtype=torch.float32, device=topk_idx.device)
+    if masked:
+        grad_weights = torch.where(topk_idx >= 0, grad_weights.float(), 0.0)
     # -1 slots are sent to column 0 with a zero gradient (an add, so they cannot overwrite a real one)
-    return grad.scatter_add_(1, topk_idx.clamp(min=0), torch.where(topk_idx >= 0, grad_weights.float(), 0.0))
+    return grad.scatter_add_(1, topk_idx.clamp(min=0), grad_weights)
 
 
 def _routing_kernel(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
