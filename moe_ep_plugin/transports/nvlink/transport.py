@@ -492,7 +492,8 @@ class NVLinkTransport(Transport):
         ``permute`` expanding ``x`` itself, launched before the one host read of the counts, which waits for the
         layout only. The expert rows are allocated for the most there can be (N * K at alignment 1, else the most
         seen so far; more means a second permute) and returned as views of the first M; that permute's probs and
-        scratch come from the layout's allocation (one allocation, the rows', before its launch). None when a token
+        scratch come from the layout's allocation (its rows, and FP8 rows' scales, are the only allocations between
+        the two launches: host time the GPU waits through). None when a token
         names no expert: its row is not received, so the received rows are not the tokens and the kernel path
         serves; the next calls then read before they permute, until every token names an expert again.
         Out-of-range ids raise after the read, as notify's do."""
