@@ -630,9 +630,15 @@ def test_ep1_dispatch_experts_guesses_aligned_rows(fake: FakeLib) -> None:
     assert fake.calls[4][1][8] == 16 and tuple(first.x.shape) == (16, H)
     fake.read_values = [N, N, 0, 12, 4, 4, 0, 4]
     fake.calls.clear()
-    second = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
+    weights = torch.rand(N, K)
+    second = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
     assert [c[0] for c in fake.calls] == EP1_EARLY
-    assert fake.calls[2][1][8] == 16 and tuple(second.x.shape) == (12, H)
+    permuted = fake.calls[2][1]
+    assert permuted[8] == 16 and tuple(second.x.shape) == (12, H)
+    # the first M of the 16 guessed rows, their probs the first M of the layout allocation's [16] float32
+    assert (second.x.data_ptr(), second.probs.data_ptr(), tuple(second.probs.shape)) == (permuted[9], permuted[10],
+                                                                                       (12,))
+    assert permuted[10] + 4 * 16 <= permuted[12]
     assert second.handle.expert_layout.tokens_per_expert == [4, 4, 0, 4]
 
 
