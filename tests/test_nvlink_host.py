@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
+from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, expert_read_values, installed, nvlink_transport
 from moe_ep_plugin.config import Config, NVLinkTuning
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops import library, permute
@@ -654,6 +654,29 @@ def test_ep1_dispatch_experts_without_tokens(fake: FakeLib) -> None:
                                           "moe_ep_read_wait"]
     assert tuple(result.x.shape) == (0, H) and tuple(result.probs.shape) == (0,)
     assert result.handle.expert_layout.tokens_per_expert == [0] * E and result.handle.num_recv_rows == 0
+
+
+def test_ep1_handles_across_token_counts(fake: FakeLib) -> None:
+    """One rank, fresh dispatches of 5, 40 (more than the kept index tensors hold: they are remade), 0 and 5 tokens:
+    each handle's recv_src_idx / send_pos are 0..n-1, is_token_in_rank all True, the send list at the kept indices;
+    a handle made before the indices were remade keeps its values; a repeated count gets the same views."""
+    t = _transport(fake, guess=16, rank=0, num_ranks=1)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    handles = []
+    for n in (5, 40, 0, 5):
+        x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+        topk_idx = torch.rand(n, E, generator=gen).topk(K, dim=1).indices
+        fake.read_values = expert_read_values(topk_idx, E, 1)
+        handle = t.dispatch_experts(_args(x, topk_idx, torch.rand(n, K, generator=gen)), 1).handle
+        assert torch.equal(handle.recv_src_idx, torch.arange(n, dtype=torch.int32))
+        assert torch.equal(handle.send_pos, torch.arange(n, dtype=torch.int32).view(n, 1))
+        assert tuple(handle.is_token_in_rank.shape) == (n, 1) and bool(handle.is_token_in_rank.all())
+        assert handle.transport_state.send_list == t._staying.address
+        handles.append(handle)
+    assert torch.equal(handles[0].recv_src_idx, torch.arange(5, dtype=torch.int32))  # made before the regrowth
+    assert handles[3].recv_src_idx is not handles[0].recv_src_idx  # the kept indices were remade in between
+    again = t.dispatch_experts(_args(x, topk_idx, None), 1).handle
+    assert again.recv_src_idx is handles[3].recv_src_idx and again.is_token_in_rank is handles[3].is_token_in_rank
 
 
 def test_ep1_bad_ids_raise_after_the_read(fake: FakeLib) -> None:
