@@ -20,17 +20,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-from moe_ep_plugin.ops import library  # noqa: E402
 import rounds  # noqa: E402
 from reference import routing  # noqa: E402
+from gpu_marks import NEEDS_KERNELS  # noqa: E402
 from settle import settle  # noqa: E402
 
-_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [
-    pytest.mark.skipif(_GPUS < 1, reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_GPUS >= 1 and library.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
-]
+pytestmark = NEEDS_KERNELS
 
 
 def _buffer() -> Buffer:

@@ -27,16 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-from moe_ep_plugin.ops import fp8, library  # noqa: E402
+from moe_ep_plugin.ops import fp8  # noqa: E402
+from gpu_marks import NEEDS_KERNELS  # noqa: E402
 from reference import routing  # noqa: E402
 from test_nvlink import _fail_fast  # noqa: E402  (a failed rank leaves at once, its traceback printed)
 
-_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [
-    pytest.mark.skipif(_GPUS < 1, reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_GPUS >= 1 and library.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
-]
+pytestmark = NEEDS_KERNELS
 
 # Row forms: (name, dispatch keywords, x from a BF16 [N, H] tensor)
 FORMS = (

@@ -8,23 +8,21 @@ checks were added 2026-12-02, also not yet run."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep_plugin import Buffer, Config, autograd
-from moe_ep_plugin.launch import spawn
-from moe_ep_plugin.ops import fp8, library
-from moe_ep_plugin.transports import RAIL_ENV_VAR
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [
-    pytest.mark.skipif(_GPUS < 1, reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_GPUS >= 1 and library.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
-]
+from moe_ep_plugin import Buffer, Config, autograd  # noqa: E402
+from moe_ep_plugin.launch import spawn  # noqa: E402
+from moe_ep_plugin.ops import fp8  # noqa: E402
+from moe_ep_plugin.transports import RAIL_ENV_VAR  # noqa: E402
+from gpu_marks import NEEDS_KERNELS  # noqa: E402
+
+pytestmark = NEEDS_KERNELS
 
 
 def _buffers() -> tuple[Buffer, Buffer]:

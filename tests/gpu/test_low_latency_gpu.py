@@ -22,16 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-from moe_ep_plugin.ops import library  # noqa: E402
+from gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
 from settle import settle  # noqa: E402
 
-_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [
-    pytest.mark.skipif(_GPUS < 1, reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_GPUS >= 1 and library.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
-]
-_RUNS = [(1, "gloo")] + ([(min(_GPUS, 8), "nccl")] if _GPUS >= 2 else [(r, "gloo") for r in (2, 3, 4)])
+pytestmark = NEEDS_KERNELS
+_RUNS = [(1, "gloo")] + ([(min(GPUS, 8), "nccl")] if GPUS >= 2 else [(r, "gloo") for r in (2, 3, 4)])
 
 # (M, hidden, experts per rank, top-k): DeepEP's standard decode shape first, then small and odd ones.
 CASES = [(128, 7168, 32, 8), (16, 2048, 4, 3), (7, 4096, 8, 9), (33, 2560, 2, 1)]
@@ -186,4 +181,4 @@ def test_low_latency_kernels_match_torch_form(ranks: int, backend: str) -> None:
 
 
 def test_low_latency_peer_that_never_arrives_raises() -> None:
-    spawn(_absent_peer, 2, args=(3.0,), backend="nccl" if _GPUS >= 2 else "gloo")
+    spawn(_absent_peer, 2, args=(3.0,), backend="nccl" if GPUS >= 2 else "gloo")

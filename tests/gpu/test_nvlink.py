@@ -27,18 +27,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-from moe_ep_plugin.ops import fp8, library  # noqa: E402
+from moe_ep_plugin.ops import fp8  # noqa: E402
+from gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
 from settle import settle  # noqa: E402
 
-_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [
-    pytest.mark.skipif(_GPUS < 1, reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_GPUS >= 1 and library.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
-]
+pytestmark = NEEDS_KERNELS
 # (ranks, backend) of the multi-rank runs: one rank per GPU, or 2-4 ranks sharing the only GPU
-_RUNS = [(min(_GPUS, 8), "nccl")] if _GPUS >= 2 else [(r, "gloo") for r in (2, 3, 4)]
-_PEER_BACKEND = "nccl" if _GPUS >= 2 else "gloo"
+_RUNS = [(min(GPUS, 8), "nccl")] if GPUS >= 2 else [(r, "gloo") for r in (2, 3, 4)]
+_PEER_BACKEND = "nccl" if GPUS >= 2 else "gloo"
 
 
 class _OnCpu:
