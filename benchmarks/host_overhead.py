@@ -18,8 +18,8 @@ One process, a gloo group of world size 1, a tiny BF16 shape. Three transports u
   missing: the CUDA calls (a few µs each on the GPU machine).
 
 Each row is ``time.perf_counter`` over ``--iters`` calls after warm-up (best of ``--repeats``), µs per call,
-cumulative (a row includes the layers below it). On CPU ``token_dispatch`` runs the torch-op fallback of the
-routing-map conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
+cumulative (a row includes the layers below it). In the ``torch`` and ``stand-in`` columns ``token_dispatch`` runs the
+torch-op fallback of the routing-map conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
 (experts = ``rows * probs``, ``autograd.grad``). ``... to the permute launch`` (``nvlink*`` only): from the
 forward's start (``dispatch_preprocess``) to the host's call of the permute kernel, the host time the GPU waits
 through at 4096 tokens on the GPU machine (docs/open_work.md). ``--profile`` adds cProfile's top cumulative entries of the

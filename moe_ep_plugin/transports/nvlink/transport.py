@@ -95,15 +95,14 @@ class _StayingTokens:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._n: Optional[int] = None
-        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()
+        self._views: tuple[torch.Tensor, ...] = ()  # those of the token count self._n (set by _grow / __call__)
         self._grow(1)
 
     def _grow(self, rows: int) -> None:
         self._range = torch.arange(rows, dtype=torch.int32, device=self._device)
         self._ones = torch.ones(rows, 1, dtype=torch.bool, device=self._device)
         self.address = self._range.data_ptr()
-        self._n = None
+        self._n: Optional[int] = None
 
     def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if n != self._n:
