@@ -19,8 +19,19 @@ def check_num_sms(value: object, name: str) -> int:
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _round_up(x: int, a: int) -> int:
+def round_up(x, a: int):
+    """``x`` (an int or an integer tensor) rounded up to a multiple of ``a`` >= 1: the one rounding rule (row
+    alignment, buffer sizes, expert-block padding)."""
     return (x + a - 1) // a * a
+
+
+def positive_int(value: object, name: str, minimum: int = 1) -> int:
+    """The one check of an int argument: ``value`` when it is an int (not a bool) of at least ``minimum``, else a
+    ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,7 @@ class Config:
         rdma_ranks = max(1, num_ranks // 8)
         per_token = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4  # row + worst-case top-k idx/weights + scales
         size = channels * peers * (2 * rdma_ranks + 3) * 4 + channels * peers * self.num_max_nvl_chunked_recv_tokens * per_token
-        return _round_up(size, _ALIGN)
+        return round_up(size, _ALIGN)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """RDMA bytes: none while all ranks share one host (the only case these kernels serve)."""

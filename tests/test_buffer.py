@@ -116,7 +116,7 @@ def _check_fp8(buffer: Buffer, x, idx, w, num_experts, recv_x, recv_idx) -> None
 
 def _suite(seed: int) -> None:
     buffer = Buffer(transport="torch", timeout_s=60)
-    assert buffer.transport_name == "torch"
+    assert buffer.transport_name == ("local" if dist.get_world_size() == 1 else "torch")
     for i, case in enumerate(CASES):
         for dtype in (torch.bfloat16, torch.float32):
             _check_dispatch_case(buffer, case, seed + i, dtype)
@@ -170,12 +170,19 @@ def _errors() -> None:
         call, exc, needle = entry
         with pytest.raises(exc, match=needle):
             call()
-    # transport selection: $MOE_EP_TRANSPORT overrides "auto"; nvlink needs CUDA, so on CPU it is a clear error
+    # transport selection: $MOE_EP_TRANSPORT overrides "auto"; nvlink needs CUDA, so on CPU it is a clear error;
+    # a group of one rank gets the local transport for every request
     os.environ["MOE_EP_TRANSPORT"] = "torch"
-    assert Buffer(transport="auto").transport_name == "torch"
+    assert Buffer(transport="auto").transport_name == ("local" if world == 1 else "torch")
     os.environ["MOE_EP_TRANSPORT"] = "nvlink"
-    with pytest.raises(ValueError, match="transport='nvlink' is not usable"):
-        Buffer(transport="auto")
+    if world == 1:
+        assert Buffer(transport="auto").transport_name == "local"
+        assert Buffer(transport="hierarchical").transport_name == "local"
+    else:
+        with pytest.raises(ValueError, match="transport='nvlink' is not usable"):
+            Buffer(transport="auto")
+        with pytest.raises(ValueError, match="transport='local' serves a group of one rank, got"):
+            Buffer(transport="local")
     os.environ["MOE_EP_TRANSPORT"] = "smoke-signals"
     with pytest.raises(ValueError, match="transport must be one of"):
         Buffer()

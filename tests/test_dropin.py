@@ -307,7 +307,8 @@ def _rounds(seed: int) -> None:
         rnd.tokens = [min(t, 40) for t in rnd.tokens]
         assert rounds.run(buffer, rnd, state, rank, world) == [], rnd.describe()
     # a transport off by one row in combine and in the per-expert counts: the checker reports both
-    original_combine, original_dispatch = TorchTransport.combine, TorchTransport.dispatch
+    cls = type(buffer.transport)  # torch, or local at one rank
+    original_combine, original_dispatch = cls.combine, cls.dispatch
 
     def bad_combine(self, *args):
         out, weights = original_combine(self, *args)
@@ -319,8 +320,8 @@ def _rounds(seed: int) -> None:
             result.host_counts = [c + 1 for c in result.host_counts]
         return result
     mp = pytest.MonkeyPatch()
-    mp.setattr(TorchTransport, "combine", bad_combine)
-    mp.setattr(TorchTransport, "dispatch", bad_dispatch)
+    mp.setattr(cls, "combine", bad_combine)
+    mp.setattr(cls, "dispatch", bad_dispatch)
     try:
         rnd = rounds.draw(seed, world, entry="dispatch", mode="sync", form="bf16", topk=2)
         rnd.tokens, rnd.alignment = [5] * world, 1  # alignment 1: an aligned count could hide the extra one

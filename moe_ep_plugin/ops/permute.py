@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..config import round_up
 from ..event import current_stream_handle
 from . import library
 
@@ -50,32 +51,31 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
     n, k = recv_topk_idx.shape
     if n * k > _INT32_MAX or sum(tokens_per_expert) > _INT32_MAX:
         raise ValueError(f"recv_topk_idx: {n} x {k} entries into {sum(tokens_per_expert)} rows exceed int32 slots")
-    num_local = len(tokens_per_expert)
     idx = recv_topk_idx.contiguous()
-    if _kernels_for(idx) and num_local <= _MAX_KERNEL_LOCAL_EXPERTS:
-        slot = torch.empty(n, k, dtype=torch.int32, device=idx.device)
-        if n:
-            blocks = torch.cuda.get_device_properties(idx.device).multi_processor_count
-            workspace = torch.empty(blocks * num_local, dtype=torch.int32, device=idx.device)
-            _launch(idx, "moe_ep_expert_slots", idx.data_ptr(), n, k, num_local, alignment, slot.data_ptr(),
-                    workspace.data_ptr(), blocks)
-        return slot
-    slot, aligned = _torch_expert_slots(idx, num_local, alignment)
+    slot, aligned = slot_layout(idx, len(tokens_per_expert), alignment)
     if idx.device.type == "cpu" and aligned.tolist() != list(tokens_per_expert):
         raise ValueError(f"tokens_per_expert: recv_topk_idx implies {aligned.tolist()} (pairs per local expert rounded "
                          f"up to alignment={alignment}), got {list(tokens_per_expert)}")
     return slot
 
 
-def local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int, recv_slot: int, expert_pos: int,
-                 send_offset: int, info: int, workspace: int, workspace_blocks: int) -> None:
-    """The layout of an expert-major dispatch at world size 1 (csrc/moe_ep.h ``moe_ep_local_layout``) from CUDA
-    ``topk_idx`` ``[N, K]`` int64 (contiguous, global ids, every expert local), into device addresses:
-    ``recv_slot``/``expert_pos`` ``[N, K]``, ``send_offset`` ``[E]``, ``info`` ``[1 + 4 + 2E]`` int32 and the
-    ``workspace`` of ``workspace_blocks * (E + 2)`` int32. For the nvlink transport's own buffers (no checks)."""
-    n, k = topk_idx.shape
-    _launch(topk_idx, "moe_ep_local_layout", topk_idx.data_ptr(), n, k, num_experts, alignment, recv_slot, expert_pos,
-            send_offset, info, workspace, workspace_blocks)
+def slot_layout(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert-major layout of contiguous ``idx`` ``[N, K]`` int64 local expert ids (ids outside ``[0, L)``
+    count as none) on its device, with no host sync → ``(recv_slot [N, K] int32, tokens_per_expert [L] int64:
+    pairs per local expert rounded up to alignment)``. Slots from the kernel on CUDA, else torch ops."""
+    if not (kernels_for(idx) and num_local <= _MAX_KERNEL_LOCAL_EXPERTS):
+        return _torch_expert_slots(idx, num_local, alignment)
+    n, k = idx.shape
+    slot = torch.empty(n, k, dtype=torch.int32, device=idx.device)
+    if n:
+        blocks = torch.cuda.get_device_properties(idx.device).multi_processor_count
+        workspace = torch.empty(blocks * num_local, dtype=torch.int32, device=idx.device)
+        _launch(idx, "moe_ep_expert_slots", idx.data_ptr(), n, k, num_local, alignment, slot.data_ptr(),
+                workspace.data_ptr(), blocks)
+    flat = idx.reshape(-1)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, torch.where((flat >= 0) & (flat < num_local), flat, num_local), torch.ones_like(flat))
+    return slot, round_up(counts[:num_local], alignment)
 
 
 def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: Optional[torch.Tensor] = None,
@@ -101,7 +101,7 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     weights = None if recv_weights is None else recv_weights.contiguous()
     scales = None if recv_scales is None else recv_scales.contiguous()
     row_bytes = x.shape[1] * x.element_size()
-    if not (_kernels_for(x) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
+    if not (kernels_for(x) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
             and x.data_ptr() % 16 == 0):
         with torch.no_grad():  # like the kernels, the torch path records no graph: autograd.py owns the gradients
             return _torch_permute(x, slot, num_rows, weights, scales)
@@ -122,21 +122,10 @@ def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, we
     if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
         return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
-    permute_into(x, slot.data_ptr(), n, slot.shape[1], num_rows, weights, scales, out_x.data_ptr(), _ptr(out_probs),
-                 _ptr(out_scales), covered.data_ptr())
+    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, slot.shape[1],
+            x.shape[1] * x.element_size(), 0 if scales is None else scales.shape[1], num_rows, out_x.data_ptr(),
+            _ptr(out_probs), _ptr(out_scales), covered.data_ptr())
     return out_x, out_probs, out_scales
-
-
-def permute_into(x: torch.Tensor, slot: int, n: int, k: int, num_rows: int, weights: Optional[torch.Tensor],
-                 scales: Optional[torch.Tensor], out_x: int, out_probs: int, out_scales: int, covered: int) -> None:
-    """:func:`permute_valid`'s kernel on device addresses (0 = none): the ``[n, k]`` int32 ``slot``, and the
-    outputs ``out_x`` ``[M, H]`` ``x.dtype`` (16-byte aligned), ``out_probs`` ``[M]`` float32 (given with
-    ``weights``), ``out_scales`` ``[M, S]`` float32 (given with ``scales``) and the kernel's scratch ``covered``
-    ``[M]`` uint8, for M = ``num_rows`` >= 1: no tensor needs to exist before the launch (the nvlink transport's
-    world-size-1 layout holds the small ones in its own allocation)."""
-    _launch(x, "moe_ep_permute", x.data_ptr(), slot, _ptr(weights), _ptr(scales), n, k,
-            x.shape[1] * x.element_size(), 0 if scales is None else scales.shape[1], num_rows, out_x, out_probs,
-            out_scales, covered)
 
 
 def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
@@ -166,7 +155,7 @@ def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Te
 def unpermute_kernel_takes(y: torch.Tensor, slot: torch.Tensor) -> bool:
     """Whether the unpermute kernel takes valid arguments (as :func:`unpermute_inputs` returns them)."""
     row_bytes = y.shape[1] * y.element_size()
-    return (_kernels_for(y) and 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and row_bytes > 0 and row_bytes % 16 == 0
+    return (kernels_for(y) and 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and row_bytes > 0 and row_bytes % 16 == 0
             and y.data_ptr() % 16 == 0)
 
 
@@ -201,7 +190,7 @@ def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tu
     key = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # num_local = no local expert: sorts last
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=idx.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
-    aligned = (counts[:num_local] + alignment - 1) // alignment * alignment
+    aligned = round_up(counts[:num_local], alignment)
     base = torch.cumsum(aligned, 0) - aligned
     first = torch.cumsum(counts, 0) - counts  # first sorted position of each key
     order = torch.sort(key, stable=True).indices
@@ -271,7 +260,8 @@ def _kernels() -> Optional[ctypes.CDLL]:
         return None
 
 
-def _kernels_for(t: torch.Tensor) -> bool:
+def kernels_for(t: torch.Tensor) -> bool:
+    """Whether ``t``'s operations run on the kernels (a CUDA tensor and the library loads)."""
     return t.is_cuda and _kernels() is not None
 
 

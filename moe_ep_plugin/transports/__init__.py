@@ -1,5 +1,7 @@
-"""Transport registry: ``auto`` → ``hierarchical`` when the group spans nodes and ``nvlink`` serves every node,
-``nvlink`` kernels when usable on this (one-host) group, else ``torch``."""
+"""Transport registry: a group of one rank gets ``local`` whatever was asked for (nothing crosses, so no transport
+has anything to add); otherwise ``auto`` → ``hierarchical`` when the group spans nodes and ``nvlink`` serves every
+node, ``nvlink`` kernels when usable on this (one-host) group, else ``torch``. The stages of ``hierarchical``
+follow the same rule: a node or rail group of one rank gets ``local``."""
 from __future__ import annotations
 
 import importlib
@@ -10,15 +12,13 @@ import torch
 import torch.distributed as dist
 
 from .base import DispatchArgs, DispatchResult, Transport
-from .low_latency_base import LowLatencyTransport
 from .hierarchical import HierarchicalTransport, NodeSplit, node_ids, split_by_node
+from .local import LocalLowLatency, LocalTransport
+from .low_latency_base import LowLatencyTransport
 from .torch_transport import TorchTransport
 
-TRANSPORTS = ("torch", "nvlink", "hierarchical")
+TRANSPORTS = ("local", "torch", "nvlink", "hierarchical")
 ENV_VAR = "MOE_EP_TRANSPORT"
-# Test-only: the hierarchical transport's rail stage on the nvlink kernels, for ranks that emulate nodes on one
-# host (a gloo group cannot carry CUDA tensors). Never set on a real cluster: the rail ranks span hosts there.
-RAIL_ENV_VAR = "MOE_EP_TEST_RAIL_NVLINK"
 
 
 def _nvlink_class():
@@ -54,6 +54,10 @@ def resolve_transport(requested: str, group: dist.ProcessGroup, device: torch.de
     name = os.environ.get(ENV_VAR, requested) if requested == "auto" else requested
     if name not in TRANSPORTS + ("auto",):
         raise ValueError(f"transport must be one of {('auto',) + TRANSPORTS}, got {name!r}")
+    if dist.get_world_size(group) == 1:
+        return "local", None
+    if name == "local":
+        raise ValueError(f"transport='local' serves a group of one rank, got {dist.get_world_size(group)} ranks")
     if name == "nvlink":
         reason = nvlink_unavailable_reason(group, device)
         if reason is not None:
@@ -73,30 +77,43 @@ def resolve_transport(requested: str, group: dist.ProcessGroup, device: torch.de
     return ("nvlink" if nvlink_unavailable_reason(group, device) is None else "torch"), None
 
 
+def _stage(name: str, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
+           num_nvl_bytes: int) -> Transport:
+    """A hierarchical stage over ``group``: ``local`` for one rank, else the named one-host transport."""
+    if dist.get_world_size(group) == 1:
+        return LocalTransport(group, device, timeout_s)
+    if name == "nvlink":
+        return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
+    return TorchTransport(group, device, timeout_s)
+
+
 def create_transport(name: str, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
-                     num_nvl_bytes: int, split: Optional[NodeSplit] = None) -> Transport:
+                     num_nvl_bytes: int, split: Optional[NodeSplit] = None, rail: str = "torch") -> Transport:
+    """The transport ``name`` (from :func:`resolve_transport`) over ``group``. ``rail``: the hierarchical
+    transport's stage between nodes, ``torch`` (a real cluster: the rail ranks span hosts) or ``nvlink`` (ranks
+    that emulate nodes on one host with a gloo group, which cannot carry CUDA tensors: the GPU tests)."""
+    if name == "local":
+        return LocalTransport(group, device, timeout_s)
     if name == "torch":
         return TorchTransport(group, device, timeout_s)
     if name == "nvlink":
         return _nvlink_class()(group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
     # Inside a node: the kernels when they serve every node, else the torch transport over the node group.
-    if _nvlink_on_every_node(group, split, device):
-        intra: Transport = _nvlink_class()(split.node_group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
-    else:
-        intra = TorchTransport(split.node_group, device, timeout_s)
-    if os.environ.get(RAIL_ENV_VAR) == "1":
-        rail: Transport = _nvlink_class()(split.rail_group, device, timeout_s, num_nvl_bytes=num_nvl_bytes)
-    else:
-        rail = TorchTransport(split.rail_group, device, timeout_s)
-    if device.type == "cuda" and dist.get_backend(group) != "nccl" and "torch" in (intra.name, rail.name):
+    intra_name = "nvlink" if _nvlink_on_every_node(group, split, device) else "torch"
+    intra = _stage(intra_name, split.node_group, device, timeout_s, num_nvl_bytes)
+    rail_stage = _stage(rail, split.rail_group, device, timeout_s, num_nvl_bytes)
+    if device.type == "cuda" and dist.get_backend(group) != "nccl" and "torch" in (intra.name, rail_stage.name):
         raise ValueError(f"device: the hierarchical transport's torch stages move rows with the group's collectives, "
                          f"and a {dist.get_backend(group)} group cannot carry {device} tensors; use an NCCL group")
-    return HierarchicalTransport(group, device, timeout_s, split, intra, rail)
+    return HierarchicalTransport(group, device, timeout_s, split, intra, rail_stage)
 
 
 def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> LowLatencyTransport:
     """The low-latency form for a Buffer whose normal-mode transport is ``transport``: the peer-memory kernels
-    (``low_latency_nvlink``) beside ``nvlink``, the collectives (``low_latency_torch``) beside ``torch``."""
+    (``low_latency_nvlink``) beside ``nvlink``, the collectives (``low_latency_torch``) beside ``torch``, and
+    their one-rank form beside ``local``."""
+    if isinstance(transport, LocalTransport):
+        return LocalLowLatency(transport)
     if isinstance(transport, TorchTransport):
         from .low_latency_torch import TorchLowLatency
         return TorchLowLatency(transport)
@@ -107,6 +124,6 @@ def create_low_latency_transport(transport: Transport, num_rdma_bytes: int) -> L
     return NVLinkLowLatency(transport.group, transport.device, transport.timeout_s, num_rdma_bytes)
 
 
-__all__ = ["DispatchArgs", "DispatchResult", "LowLatencyTransport", "Transport", "TorchTransport",
+__all__ = ["DispatchArgs", "DispatchResult", "LocalTransport", "LowLatencyTransport", "Transport", "TorchTransport",
            "HierarchicalTransport", "TRANSPORTS", "create_low_latency_transport", "create_transport",
            "resolve_transport", "nvlink_unavailable_reason"]

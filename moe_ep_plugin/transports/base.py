@@ -119,6 +119,19 @@ def layout_error(ranks: list[int]) -> ValueError:
                       "only topk_idx and num_experts; every rank raises before any row moves")
 
 
+def layout_contradiction(args: DispatchArgs) -> torch.Tensor:
+    """``[1]`` int64: 1 when the caller's layout contradicts itself or the top-k (checked only for a layout the
+    caller passed; on the device, no host sync)."""
+    if not args.layout_given:
+        return torch.zeros(1, dtype=torch.int64, device=args.x.device)
+    in_rank = args.is_token_in_rank
+    bad = (args.num_tokens_per_rank.to(torch.int64) != in_rank.sum(0)).any()
+    if args.topk_idx is not None:
+        derived = dispatch_layout(args.topk_idx, args.num_experts, in_rank.shape[1])[2]
+        bad = bad | (derived != in_rank).any()
+    return bad.to(torch.int64).reshape(1)
+
+
 def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:
     """``expert_weights`` ``[M]`` float32 → ``[N_recv, K]``: each received (row, column) pair's value, 0 where the
     column has no local expert (None stays None)."""

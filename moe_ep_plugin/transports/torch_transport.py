@@ -24,8 +24,9 @@ import torch.distributed as dist
 from ..ops import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
-from ..ops.layout import count_invalid, dispatch_layout, invalid_ids_error, send_positions
-from .base import META_FIELDS, DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_error, meta_mismatch
+from ..ops.layout import count_invalid, invalid_ids_error, send_positions
+from .base import (META_FIELDS, DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_contradiction,
+                   layout_error, meta_mismatch)
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -147,7 +148,7 @@ class TorchTransport(Transport):
             per_expert = args.num_tokens_per_expert.to(torch.int64)
             invalid = per_rank.new_zeros(1)
         inline = num_experts <= INLINE_EXPERTS
-        checks = [per_rank, invalid, self._layout_contradiction(args),
+        checks = [per_rank, invalid, layout_contradiction(args),
                   torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64, device=per_rank.device),
                   per_expert if inline else per_expert.new_zeros(0), per_expert.new_zeros(
                       INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS)]
@@ -185,19 +186,6 @@ class TorchTransport(Transport):
                 num_recv_rows=max(num_recv, args.num_worst_tokens), transport_state=state)
             return handle, expert_counts.to(torch.int32), host_experts[:, local_experts].sum(0).tolist()
         return finish
-
-    @staticmethod
-    def _layout_contradiction(args: DispatchArgs) -> torch.Tensor:
-        """``[1]`` int64: 1 when the caller's layout contradicts itself or the top-k (checked only for a layout
-        the caller passed; on the device, no host sync)."""
-        in_rank = args.is_token_in_rank
-        if not args.layout_given:
-            return in_rank.new_zeros(1, dtype=torch.int64)
-        bad = (args.num_tokens_per_rank.to(torch.int64) != in_rank.sum(0)).any()
-        if args.topk_idx is not None:
-            derived = dispatch_layout(args.topk_idx, args.num_experts, in_rank.shape[1])[2]
-            bad = bad | (derived != in_rank).any()
-        return bad.to(torch.int64).reshape(1)
 
     def _check_exchanged(self, rows: list[list[int]], num_experts: int) -> None:
         """Raise, on every rank alike (each holds every rank's words), when any rank's dispatch is bad: ranks that

@@ -1,0 +1,251 @@
+"""The ``local`` transport: a group of one rank, where every row a dispatch sends stays on this rank.
+
+The registry (``transports/__init__.py``) picks it for every one-rank group, whatever transport was asked for:
+nothing crosses, so no communication kernel runs and no peer buffer is reserved. Results equal the other
+transports' at one rank bit for bit: a dispatch receives the tokens that name an expert, in token order (FP8 rows
+quantized and, unless ``fp8_out``, dequantized on the way as the senders do); combine sums each token's one
+copy in fp32 from 0.0 (``permute.unpermute``, which also adds nothing for a token that was not sent) plus the
+biases. An expert-major dispatch lays out ``x`` itself (``permute.slot_layout`` and ``permute.permute``:
+kernels on CUDA, torch ops on CPU) and its combine is one ``unpermute``. One host read per fresh dispatch: the
+received row count, the out-of-range ids and the counts; at alignment 1 the expert-major rows are expanded before
+it, into ``N * K`` rows (the most ``M`` can be) of which the first ``M`` are returned.
+
+Low-latency mode at one rank is :class:`LocalLowLatency`: the collectives form (``low_latency_torch``) with its
+exchange replaced by the rows themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..handle import DispatchHandle, ExpertLayout
+from ..ops import fp8, permute
+from ..ops.layout import (
+    count_invalid,
+    dispatch_layout,
+    invalid_ids_error,
+    kernel_dispatch_layout,
+    send_positions,
+)
+from .base import (
+    DispatchArgs,
+    DispatchResult,
+    ExpertDispatchResult,
+    Transport,
+    layout_contradiction,
+    layout_error,
+    slot_weights,
+)
+from .low_latency_torch import TorchLowLatency
+
+
+@dataclass
+class _LocalState:
+    """Kept in ``DispatchHandle.transport_state``: ``src`` ``[N_recv]`` int64, the token of each received row;
+    for an expert-major handle ``slot`` ``[N, K]`` int32, the expert-major rows of every token's top-k columns
+    (-1 where none; a token that was not received has none)."""
+
+    src: torch.Tensor
+    slot: Optional[torch.Tensor] = None
+
+
+class LocalTransport(Transport):
+    """Dispatch and combine of a one-rank ``group`` as local copies (see the module docstring)."""
+
+    name = "local"
+    expert_layout_from_topk = True
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+        super().__init__(group, device, timeout_s)
+        if self.num_ranks != 1:
+            raise ValueError(f"group: the local transport serves a group of one rank, got {self.num_ranks}")
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if permute.kernels_for(topk_idx):
+            return kernel_dispatch_layout(topk_idx.contiguous(), num_experts, 1)
+        return dispatch_layout(topk_idx, num_experts, 1)
+
+    # ---- dispatch ----
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        if args.handle is not None:
+            handle = args.handle
+            recv_x, recv_scales = _rows(args, _state(handle).src, handle.num_recv_rows)
+            return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+        in_rank = args.is_token_in_rank.contiguous()
+        topk = args.topk_idx
+        if topk is not None:
+            per_expert = _expert_counts(topk, args.num_experts)
+        else:
+            per_expert = args.num_tokens_per_expert.to(torch.int64)
+        num_recv, counts = self._read(in_rank[:, 0], topk, args, per_expert)
+        if 0 < args.num_worst_tokens < num_recv:
+            raise ValueError(f"num_worst_tokens: smaller than the rows a rank receives (rank 0: {num_recv} rows, "
+                             f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves")
+        rows = max(num_recv, args.num_worst_tokens)
+        src = _received(in_rank[:, 0], num_recv)
+        handle = _handle(in_rank, src, args.num_experts, rows, _LocalState(src))
+        recv_x, recv_scales = _rows(args, src, rows)
+        recv_topk_idx = recv_topk_weights = None
+        if topk is not None:
+            local = topk.index_select(0, src)
+            valid = (local >= 0) & (local < args.num_experts)
+            recv_topk_idx = _padded(torch.where(valid, local, -1), rows, -1)
+            if args.topk_weights is not None:
+                weights = args.topk_weights.index_select(0, src)
+                recv_topk_weights = _padded(torch.where(valid, weights, 0.0), rows, 0)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32),
+                              handle, counts)
+
+    def _read(self, in_rank: torch.Tensor, topk_idx: Optional[torch.Tensor], args: DispatchArgs,
+              tail: torch.Tensor) -> tuple[int, list[int]]:
+        """The one host read of a fresh dispatch: received rows (tokens with ``in_rank`` ``[N]`` bool), then
+        ``tail`` ``[C]`` int64 as a list; raises for out-of-range ids in ``topk_idx`` or a layout contradicting
+        itself or the top-k."""
+        invalid = (count_invalid(topk_idx, args.num_experts).to(torch.int64) if topk_idx is not None
+                   else tail.new_zeros(1))
+        words = torch.cat([in_rank.sum(dtype=torch.int64).reshape(1), invalid, layout_contradiction(args), tail])
+        values = words.tolist()
+        if values[1]:
+            raise invalid_ids_error([0], args.num_experts)
+        if values[2]:
+            raise layout_error([0])
+        return values[0], values[3:]
+
+    def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
+        """The received rows are ``x``'s rows of the tokens that name an expert, so ``x`` itself is laid out
+        expert-major: the slots of every token, then ``permute`` (launched before the host read at alignment 1)."""
+        x, x_scales = _sent_rows(args.x, args.x_scales, args)
+        if args.handle is not None:
+            handle = args.handle
+            layout: ExpertLayout = handle.expert_layout
+            slot = _state(handle).slot
+            if slot is None:
+                raise ValueError("handle: it has no expert-major layout (it did not come from dispatch_experts)")
+            rows, _, scales = permute.permute(x, slot, layout.num_rows, None, x_scales)
+            return ExpertDispatchResult(rows, scales, None, handle)
+        topk, n = args.topk_idx, x.shape[0]
+        slot, aligned = permute.slot_layout(topk, args.num_experts, alignment)
+        valid = (topk >= 0) & (topk < args.num_experts)
+        most = n * topk.shape[1]
+        if alignment == 1:  # M <= N * K: expanded now, the first M rows returned after the read
+            expanded = permute.permute(x, slot, most, args.topk_weights, x_scales)
+        num_recv, counts = self._read(valid.any(1), topk, args, aligned)
+        num_rows = sum(counts)
+        if alignment == 1:
+            rows, probs, scales = (t if t is None or num_rows == most else t[:num_rows] for t in expanded)
+        else:
+            rows, probs, scales = permute.permute(x, slot, num_rows, args.topk_weights, x_scales)
+        in_rank = valid.any(1, keepdim=True)
+        src = _received(in_rank[:, 0], num_recv)
+        handle = _handle(in_rank, src, args.num_experts, num_recv, _LocalState(src, slot))
+        recv_slot = slot if num_recv == n else slot.index_select(0, src)
+        handle.expert_layout = ExpertLayout(recv_slot, counts, num_rows, alignment)
+        return ExpertDispatchResult(rows, scales, probs, handle)
+
+    # ---- combine ----
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # send_pos [N, 1]: each token's received row, -1 when it was not sent: the one copy unpermute sums
+        _state(handle)
+        slot = handle.send_pos
+        if bias:
+            acc = permute.unpermute(x.float(), slot)
+            for b in bias:
+                acc += b
+            combined = acc.to(x.dtype)
+        else:
+            combined = permute.unpermute(x, slot)
+        return combined, None if topk_weights is None else permute.unpermute(topk_weights, slot)
+
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
+                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One ``unpermute`` over every token's slots: a token's sum over its experts is its combined row (the
+        fp32 sum of one copy rounds back to itself), 0 for a token without experts."""
+        slot = _state(handle).slot
+        if slot is None:
+            raise ValueError("handle: it has no expert-major layout (it did not come from dispatch_experts)")
+        return permute.unpermute(y, slot), slot_weights(expert_weights, replace(handle.expert_layout, recv_slot=slot))
+
+
+class LocalLowLatency(TorchLowLatency):
+    """Low-latency mode of a one-rank group: the collectives form, whose send block is what this rank receives."""
+
+    name = "local"
+
+    def _agree(self, call: int, m: int, hidden: int, num_experts: int, flags: tuple[bool, bool, bool],
+               topk_idx: Optional[torch.Tensor]) -> None:
+        """One rank agrees with itself; only out-of-range expert ids raise (one host read)."""
+        if topk_idx is not None and int(count_invalid(topk_idx, num_experts)):
+            raise invalid_ids_error([0], num_experts)
+
+    def _exchange(self, send: torch.Tensor, what: str) -> Callable[[], tuple[torch.Tensor, int]]:
+        return lambda: (send, 0)
+
+
+def _state(handle: DispatchHandle) -> _LocalState:
+    state = handle.transport_state
+    if not isinstance(state, _LocalState):
+        raise ValueError("handle: it was not made by the local transport (a dispatch of this Buffer)")
+    return state
+
+
+def _expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64: entries of ``topk_idx`` ``[N, K]`` naming each expert (out-of-range ids count nowhere)."""
+    flat = topk_idx.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)
+    counts.scatter_add_(0, torch.where(valid, flat, num_experts), valid.to(torch.int64))
+    return counts[:num_experts]
+
+
+def _received(in_rank: torch.Tensor, num_recv: int) -> torch.Tensor:
+    """``[num_recv]`` int64: the tokens with ``in_rank`` ``[N]`` bool, ascending (no host sync)."""
+    if num_recv == in_rank.shape[0]:
+        return torch.arange(num_recv, dtype=torch.int64, device=in_rank.device)
+    return torch.argsort((~in_rank).to(torch.uint8), stable=True)[:num_recv]
+
+
+def _handle(in_rank: torch.Tensor, src: torch.Tensor, num_experts: int, rows: int, state: _LocalState
+            ) -> DispatchHandle:
+    """The handle of a dispatch that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows`` rows."""
+    num_recv = src.shape[0]
+    return DispatchHandle(
+        rank_prefix_matrix=torch.full((1, 1), num_recv, dtype=torch.int32, device=in_rank.device),
+        is_token_in_rank=in_rank, send_pos=send_positions(in_rank), recv_src_idx=src.to(torch.int32),
+        num_tokens=in_rank.shape[0], num_recv_tokens=num_recv, num_experts=num_experts, rank=0, num_ranks=1,
+        num_recv_rows=rows, transport_state=state)
+
+
+def _sent_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor], args: DispatchArgs
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Rows ``x`` (of ``args.x``) as a sender puts them on the wire and a receiver keeps them: quantized with
+    ``wire_fp8`` (and dequantized back unless ``fp8_out``); FP8 input keeps its scales ``x_scales``."""
+    if not args.wire_fp8:
+        return x, x_scales
+    q, scales = fp8.quantize(x, round_scale=args.round_scale)
+    if args.fp8_out:
+        return q, scales
+    return fp8.dequantize(q, scales, x.dtype), None
+
+
+def _rows(args: DispatchArgs, src: torch.Tensor, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(recv_x [rows, H], recv_scales [rows, H/128] or None)``: the rows of tokens ``src``, zero rows after."""
+    x = args.x.index_select(0, src) if args.x.dtype != fp8.FP8_DTYPE else \
+        args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
+    scales = None if args.x_scales is None else args.x_scales.index_select(0, src)
+    x, scales = _sent_rows(x, scales, args)
+    return _padded(x, rows, 0), None if scales is None else _padded(scales, rows, 0)
+
+
+def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """``t`` ``[n, ...]`` extended to ``rows`` rows of ``fill`` (``num_worst_tokens`` outputs)."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows,) + tuple(t.shape[1:])) if fill == 0 else t.new_full((rows,) + tuple(t.shape[1:]), fill)
+    out[:t.shape[0]] = t
+    return out
