@@ -1,38 +1,28 @@
 """Host (Python/CPU) time per call of each layer of the Megatron dispatcher path, on CPU.
 
 Run from the repository root: PYTHONPATH=. python3 benchmarks/host_overhead.py [--tokens 128 --hidden 256
---experts 16 --topk 4 --iters 2000 --repeats 3] [--columns torch stand-in nvlink*] [--profile]
+--experts 16 --topk 4 --iters 2000 --repeats 3] [--columns local stand-in] [--profile]
 
-One process, a gloo group of world size 1, a tiny BF16 shape. Three transports under the same ``Buffer``:
+One process, a gloo group of world size 1, a tiny BF16 shape. Two transports under the same ``Buffer``:
 
-- ``torch``: the reference transport doing its real work on CPU (torch-op layout, expert-major permute, a
-  ``copy_`` in place of each all-to-all at world size 1, the count all-gather through gloo).
-- ``stand-in``: answers every call with the ``torch`` transport's results recorded once (and, like ``nvlink``,
-  derives the layout from top-k itself), so what is timed is the layers above the transport alone: ``Buffer``
+- ``local``: the one-rank transport doing its real work on CPU (torch-op layout, expert-major permute, local
+  copies, no communication).
+- ``stand-in``: answers every call with the ``local`` transport's results recorded once (and, like it, derives the
+  layout from top-k itself), so what is timed is the layers above the transport alone: ``Buffer``
   validation/streams/config, the autograd functions, the Megatron-Core dispatcher's six methods.
-- ``nvlink*``: ``NVLinkTransport``'s host side on CPU tensors over ``tests/fake_kernels.py`` (no recording):
-  the stand-in plus what the nvlink transport and ``permute`` do in Python per call (validation, allocations, the
-  ctypes parameter structs, the host read's bookkeeping), and the routing-map conversion through its one-kernel
-  path as on the GPU. The fake kernels do nothing (their outputs hold garbage; the routing kernel's are copied
-  from a recorded answer) and the read brings the counts this routing implies; what the real library adds is
-  missing: the CUDA calls (a few µs each on the GPU machine).
 
 Each row is ``time.perf_counter`` over ``--iters`` calls after warm-up (best of ``--repeats``), µs per call,
-cumulative (a row includes the layers below it). In the ``torch`` and ``stand-in`` columns ``token_dispatch`` runs the
-torch-op fallback of the routing-map conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
-(experts = ``rows * probs``, ``autograd.grad``). ``... to the permute launch`` (``nvlink*`` only): from the
-forward's start (``dispatch_preprocess``) to the host's call of the permute kernel, the host time the GPU waits
-through at 4096 tokens on the GPU machine (docs/open_work.md). ``--profile`` adds cProfile's top cumulative entries of the
-dispatcher forward + backward on ``nvlink*``.
+cumulative (a row includes the layers below it). ``token_dispatch`` runs the torch-op form of the routing-map
+conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math (experts =
+``rows * probs``, ``autograd.grad``). ``--profile`` adds cProfile's top cumulative entries of the dispatcher
+forward + backward on the last column.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import os
 import pstats
-import sys
 import time
 from typing import Callable, Optional
 
@@ -47,16 +37,10 @@ from moe_ep_plugin.config import Config
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops.routing import routing_map_to_topk
 from moe_ep_plugin.transports.base import DispatchArgs, ExpertDispatchResult, Transport
-from moe_ep_plugin.transports.nvlink import NVLinkTransport
 from standard_shape import add_shape_arguments
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
-from fake_kernels import (FakeLib, expert_read_values, installed, nvlink_transport,  # noqa: E402  (test doubles)
-                          routing_kernel_installed)
-
 Timed = list[tuple[str, Callable[[], object]]]
-COLUMNS = ("torch", "stand-in", "nvlink*")
-TO_PERMUTE = "dispatcher forward: to the permute launch"
+COLUMNS = ("local", "stand-in")
 
 
 class StandInTransport(Transport):
@@ -138,14 +122,6 @@ def stand_in(buffer: Buffer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
                             buffer.combine_experts(ex, handle)[:2], buffer.combine_experts(ex, handle, probs)[:2])
 
 
-def nvlink_star(topk_idx: torch.Tensor, experts: int) -> NVLinkTransport:
-    """An ``NVLinkTransport`` (rank 0 of 1) over a fake library that records nothing and whose host read answers
-    what ``topk_idx`` ``[T, K]`` implies; permute's launches reach the fake installed by the caller."""
-    lib = FakeLib(1, record=False)
-    lib.read_values = expert_read_values(topk_idx, experts, 1)
-    return nvlink_transport(lib, rank=0, num_ranks=1, recv_guess=0)
-
-
 class MegatronCase:
     """One ``EPPluginTokenDispatcher`` (all experts local) and the state between its methods, so each method can
     be timed on its own with the inputs its predecessor leaves (with autograd recording, as in training)."""
@@ -192,22 +168,6 @@ class MegatronCase:
         out = self.forward()
         return torch.autograd.grad(out, (self.tokens, self.probs), self.grad_out)
 
-    def to_permute_launch(self, lib: FakeLib) -> Callable[[], float]:
-        """A call that runs one forward over ``lib`` and returns the seconds from its start to permute's launch."""
-        launched = [0.0]
-
-        def permute_call(*args: int) -> int:
-            launched[0] = time.perf_counter()
-            return 0
-
-        lib.moe_ep_permute = permute_call
-
-        def call() -> float:
-            start = time.perf_counter()
-            self.forward()
-            return launched[0] - start
-        return call
-
     def timed_calls(self) -> Timed:
         d = self.d
 
@@ -249,7 +209,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS), help="transports to time")
-    p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward (nvlink*)")
+    p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward")
     args = p.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -269,51 +229,37 @@ def main() -> None:
 
     columns = [label for label in COLUMNS if label in args.columns]  # in this order: each replaces the last
     results: dict[str, list[float]] = {}
-    with contextlib.ExitStack() as stack:
-        for label in columns:
-            if label == "stand-in":  # recorded from the torch transport, still the buffers' own
-                buffer.transport = stand_in(buffer, x, idx, w, args.experts)
-                if megatron is not None:
-                    b = megatron.buffer
-                    b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.topk_weights,
-                                           args.experts)
-            elif label == "nvlink*":
-                buffer.transport = nvlink_star(idx, args.experts)
-                lib = stack.enter_context(installed(buffer.transport._rt.lib))  # kept until the profile is done
-                if megatron is not None:
-                    megatron.buffer.transport = nvlink_star(megatron.topk_idx, args.experts)
-                    lib.routing_answer = (megatron.topk_idx, megatron.topk_weights)
-                    stack.enter_context(routing_kernel_installed(lib))
-            if megatron is not None and label != "torch":  # handles of this column's transport
-                megatron.record()
-            rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None
-                                                                   else [])
-            for name, fn in rows:
-                results.setdefault(name, []).append(per_call_us(fn, args.iters, args.repeats))
-            if megatron is not None and label == "nvlink*":
-                launch = megatron.to_permute_launch(lib)
-                for _ in range(max(1, args.iters // 10)):
-                    launch()
-                seconds = sorted(launch() for _ in range(args.iters))
-                results.setdefault(TO_PERMUTE, [float("nan")] * (len(columns) - 1)).append(seconds[len(seconds) // 2] * 1e6)
+    for label in columns:
+        if label == "stand-in":  # recorded from the torch transport, still the buffers' own
+            buffer.transport = stand_in(buffer, x, idx, w, args.experts)
+            if megatron is not None:
+                b = megatron.buffer
+                b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.topk_weights,
+                                       args.experts)
+        if megatron is not None and label != "local":  # handles of this column's transport
+            megatron.record()
+        rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None
+                                                               else [])
+        for name, fn in rows:
+            results.setdefault(name, []).append(per_call_us(fn, args.iters, args.repeats))
 
-        print(f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, "
-              f"{args.experts} experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, "
-              f"torch {torch.__version__})")
-        print(f"| {'layer (cumulative: includes the layers below)':<46} |"
-              + "".join(f" {label:>8} |" for label in columns))
-        print(f"|{'-' * 48}|" + f"{'-' * 9}:|" * len(columns))
-        for name, times in results.items():
-            print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" if t == t else f" {'-':>8} |" for t in times))
+    print(f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, "
+          f"{args.experts} experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, "
+          f"torch {torch.__version__})")
+    print(f"| {'layer (cumulative: includes the layers below)':<46} |"
+          + "".join(f" {label:>8} |" for label in columns))
+    print(f"|{'-' * 48}|" + f"{'-' * 9}:|" * len(columns))
+    for name, times in results.items():
+        print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" if t == t else f" {'-':>8} |" for t in times))
 
-        if args.profile and megatron is not None:
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(args.iters):
-                megatron.step()
-            profiler.disable()
-            print(f"\ncProfile, dispatcher forward + backward on nvlink*, {args.iters} steps:")
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    if args.profile and megatron is not None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.iters):
+            megatron.step()
+        profiler.disable()
+        print(f"\ncProfile, dispatcher forward + backward on {columns[-1]}, {args.iters} steps:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     dist.destroy_process_group()
 
 

@@ -8,12 +8,9 @@ slowest rank's median is reported. Before timing, each kind's output is checked 
 (``x`` rounded through FP8 first for FP8-dispatch kinds).
 
 Kinds: ``alltoall``, ``flex`` (Megatron's flex dispatcher with whatever ``deep_ep`` provides), ``flex_plugin``
-(the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8][:<fusion>]`` with
-transport ``torch`` / ``nvlink`` / ``auto`` and fusion (nvlink) ``fused`` (both of:) ``fused-dispatch``
-(``PluginOptions.fused_dispatch``: the dispatch kernel writes rows straight into the experts' layout) or
-``fused-combine`` (``PluginOptions.fused_combine``: the combine kernel sums each token's expert rows itself).
-The table gives each row's time over the first kind's at the same token count and, for a fused kind, over the same
-kind without its fusion flag.
+(the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8]`` with
+transport ``torch`` / ``nvlink`` / ``auto``. The table gives each row's time over the first kind's at the same token
+count.
 Run: torchrun --nproc-per-node N benchmarks/mcore_dispatchers.py [--tokens 4096,128] [--kinds ...]
 Without CUDA it runs on CPU ranks (gloo) as a smoke check of the harness itself; those timings mean nothing.
 """
@@ -33,12 +30,7 @@ p.add_argument("--experts", type=int, default=256)
 p.add_argument("--topk", type=int, default=8)
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--num-sms", type=int, default=24, help="SMs for the communication kernels (plugin and DeepEP)")
-p.add_argument("--fused-sms", type=int, default=0,
-               help="SMs of the fused dispatch kernel of the :fused kinds (0: --num-sms; at most the device's)")
-p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fused,"
-                                   "ep_plugin:nvlink:fp8,ep_plugin:nvlink:fp8:fused,flex_plugin")
-FUSIONS = {"fused": ("fused_dispatch", "fused_combine"), "fused-dispatch": ("fused_dispatch",),
-           "fused-combine": ("fused_combine",)}
+p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
 p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
 p.add_argument("--trace", action="store_true",
                help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
@@ -94,12 +86,9 @@ def make_dispatcher(kind):
         ep_megatron.install(ep_megatron.PluginOptions(transport="auto"))
         return MoEFlexTokenDispatcher(L, local_idx, cfg(kind), pg_collection=pg), False
     name, transport, *flags = kind.split(":") + ["auto"] * (kind.count(":") == 0)
-    if name != "ep_plugin" or any(f != "fp8" and f not in FUSIONS for f in flags):
+    if name != "ep_plugin" or any(f != "fp8" for f in flags):
         raise ValueError(f"unknown kind {kind!r}")
-    fused = {option for f in flags for option in FUSIONS.get(f, ())}
-    options = ep_megatron.PluginOptions(transport=transport, fp8_dispatch="fp8" in flags, num_sms=a.num_sms,
-                                        fused_dispatch_sms=a.fused_sms if "fused_dispatch" in fused else 0,
-                                        **{option: True for option in fused})
+    options = ep_megatron.PluginOptions(transport=transport, fp8_dispatch="fp8" in flags, num_sms=a.num_sms)
     return ep_megatron.EPPluginTokenDispatcher(L, local_idx, cfg(kind), pg, options=options), options.fp8_dispatch
 
 
@@ -238,8 +227,8 @@ def bench(fn, iters):
 
 
 def ratios(rows):
-    """Each row plus its forward and forward+backward times over the first kind's at its token count, and for a
-    fused kind over the same kind without its fusion flag (empty where a time is missing)."""
+    """Each row plus its forward and forward+backward times over the first kind's at its token count (empty where
+    a time is missing)."""
     times = {(kind, tokens): (fwd, fb) for kind, tokens, fwd, fb, _ in rows if fwd != "-"}
     first = a.kinds.split(",")[0]
 
@@ -247,10 +236,7 @@ def ratios(rows):
         if key not in times or base not in times:
             return ""
         return "/".join(f"{float(t) / float(b):.2f}" for t, b in zip(times[key], times[base]))
-    def unfused(kind):
-        return ":".join(f for f in kind.split(":") if f not in FUSIONS)
-    return [r + (over((r[0], r[1]), (first, r[1])),
-                 over((r[0], r[1]), (unfused(r[0]), r[1])) if unfused(r[0]) != r[0] else "") for r in rows]
+    return [r + (over((r[0], r[1]), (first, r[1])),) for r in rows]
 
 
 rows = []
@@ -295,7 +281,7 @@ for tokens in (int(t) for t in a.tokens.split(",")):
                 print(f"RESULT mcore-{kind} tokens={tokens} FAILED {type(ex).__name__}: {ex}", flush=True)
         dist.barrier()
 if rank == 0:
-    header = ("kind", "tokens", "fwd us", "fwd+bwd us", "correct", f"/ {a.kinds.split(',')[0]}", "fused / unfused")
+    header = ("kind", "tokens", "fwd us", "fwd+bwd us", "correct", f"/ {a.kinds.split(',')[0]}")
     rows = ratios(rows)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     print(f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "

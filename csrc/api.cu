@@ -224,7 +224,7 @@ extern "C" int moe_ep_barrier(void* handle, void* stream) {
 extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* params, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const moe_ep_dispatch_params& p = *params;
-    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
+    if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, 0)) return err;
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
     if (p.expert_major != 0 && (p.send_offset == nullptr || p.expert_info == nullptr || p.num_topk < 1))
         return set_error(-1, "expert-major dispatch needs top-k, send_offset and expert_info");
@@ -244,32 +244,17 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
     const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
     if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
-    const bool fused = p.fused_expansion != 0;
-    if (fused && (p.expert_major == 0 || p.num_expert_rows < 0 || (p.num_expert_rows > 0 && p.expert_x == nullptr) ||
-                  (p.num_expert_rows > 0 && dispatch_fp8_out(p, p.wire_fp8 != 0) != (p.expert_scales != nullptr))))
-        return set_error(-1, "fused expansion: needs expert-major mode, num_expert_rows >= 0, expert_x, and "
-                             "expert_scales exactly when FP8 rows are received");
-    // the fused expansion's per-warp row lists follow the histogram (both within the default 48 KiB)
-    const size_t smem = size_t(hist_bytes) + (fused ? size_t(kFanBytes) : 0);
-    if (smem > 48 * 1024) return set_error(-1, "too many local experts for the fused expansion");
+    const size_t smem = size_t(hist_bytes);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
-    if (p.num_send_blocks == 0 && p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
+    if (p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
-// The fused expansion is always its own kernel (expert-major mode fixed), so the default kernels stay as they were.
 #define DISPATCH_LAUNCH_CASE(kQuant)                                                                                \
-    if (fused) {                                                                                                    \
-        SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                         \
-                    SWITCH_MODE(kPull, p.pull != 0,                                                                 \
-                                dispatch_kernel<kQuant, kFp8Out, kExpertTopk, kPull, 1>                             \
-                                <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes)));                       \
-    } else {                                                                                                        \
-        SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                         \
-                    SWITCH_TOPK(kTopk, dispatch_topk(p),                                                            \
-                                SWITCH_MODE(kPull, p.pull != 0,                                                     \
-                                            dispatch_kernel<kQuant, kFp8Out, kTopk, kPull, 0>                       \
-                                            <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))));          \
-    }
+    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                             \
+                SWITCH_TOPK(kTopk, dispatch_topk(p),                                                                \
+                            SWITCH_MODE(kPull, p.pull != 0,                                                         \
+                                        dispatch_kernel<kQuant, kFp8Out, kTopk, kPull>                              \
+                                        <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))));
     if (!quantize) {
         DISPATCH_LAUNCH_CASE(0);
     } else if (p.x_elem_bytes == 2) {
@@ -301,16 +286,6 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     char* own = static_cast<char*>(moe_ep_own_region(mut));
     if (p.x_in_region != 0 && (p.pull == 0 || p.x != own))
         return set_error(-1, "x_in_region: needs a pull combine whose x is this rank's own region (moe_ep_own_region)");
-    const bool fused = p.fused_reduction != 0;
-    // recv_slot may be null only when no rows arrived (an empty tensor's address)
-    if (fused && (p.pull != 0 || ce || (p.recv_slot == nullptr && p.num_recv_rows > 0) || p.slot_topk < 1 ||
-                  p.slot_topk > MOE_EP_MAX_TOPK))
-        return set_error(-1, "fused reduction: needs a push combine (no pull, no copy engine), recv_slot and 1 <= "
-                                 "slot_topk <= " + std::to_string(MOE_EP_MAX_TOPK) + "; got pull=" +
-                                 std::to_string(p.pull) + " copy_engine=" + std::to_string(p.copy_engine) +
-                                 " recv_slot=" + (p.recv_slot == nullptr ? "null" : "set") +
-                                 " slot_topk=" + std::to_string(p.slot_topk));
-    const size_t smem = fused ? size_t(kWarps) * 32 * sizeof(int) : 0;  // each warp's slot list
     if (p.pull != 0) {
         if (ce || p.num_send_warps != 0 || p.num_send_blocks != 0)
             return set_error(-1, "a pull combine has no senders and no copy engine");
@@ -350,21 +325,14 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         if (int err = check_copy_rows(ctx, p.host_counts, row_bytes + 4 * p.num_topk)) return err;
         if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
     }
-#define MOE_EP_LAUNCH_COMBINE(T, kFuse)                                                             \
-    if (R <= 2) combine_kernel<T, 2, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);            \
-    else if (R <= 4) combine_kernel<T, 4, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);       \
-    else combine_kernel<T, 8, kFuse><<<grid, kThreads, smem, s>>>(ctx->dev, p);
-    // the fused reduction is its own kernel, so the default kernels stay as they were
+#define MOE_EP_LAUNCH_COMBINE(T)                                                                    \
+    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);                         \
+    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p);                    \
+    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
     if (p.elem_bytes == 2) {
-        if (fused) {
-            MOE_EP_LAUNCH_COMBINE(__nv_bfloat16, 1)
-        } else {
-            MOE_EP_LAUNCH_COMBINE(__nv_bfloat16, 0)
-        }
-    } else if (fused) {
-        MOE_EP_LAUNCH_COMBINE(float, 1)
+        MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {
-        MOE_EP_LAUNCH_COMBINE(float, 0)
+        MOE_EP_LAUNCH_COMBINE(float)
     }
 #undef MOE_EP_LAUNCH_COMBINE
     if (int err = check_launch("combine_kernel")) return err;
@@ -428,23 +396,20 @@ extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* 
 
 namespace {
 
-// Both expert_slots kernels over one grid (workspace: workspace_blocks * (L + 2) int32), at least one block when
-// `layout` is given (its outputs are written for zero entries too).
+// Both expert_slots kernels over one grid (workspace: workspace_blocks * L int32).
 int launch_expert_slots(const int64_t* topk_idx, int64_t num_entries, int64_t num_local_experts, int64_t alignment,
-                        int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks, const SlotsLayout& layout,
-                        cudaStream_t stream) {
+                        int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks, cudaStream_t stream) {
     if (num_entries > INT_MAX) return set_error(-1, "expert_slots: more than INT_MAX (row, top-k) entries");
     const int64_t blocks = std::max<int64_t>(
         1, std::min<int64_t>(ceil_div(num_entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks));
     const int64_t per_warp = std::max<int64_t>(32, ceil_div(ceil_div(num_entries, blocks * kWarpsPerBlock), 32) * 32);
     const size_t smem = expert_slots_smem(int(num_local_experts));
     slot_counts_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries,
-                                                                          int(num_local_experts), per_warp, workspace,
-                                                                          layout);
+                                                                          int(num_local_experts), per_warp, workspace);
     if (int err = check_launch("slot_counts_kernel")) return err;
     slot_place_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries, int(num_local_experts),
                                                                          int(alignment), per_warp, recv_slot,
-                                                                         workspace, layout);
+                                                                         workspace);
     return check_launch("slot_place_kernel");
 }
 
@@ -465,22 +430,7 @@ extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_row
     const int64_t entries = num_recv_rows * num_topk;
     if (entries == 0) return 0;
     return launch_expert_slots(topk_idx, entries, num_local_experts, alignment, recv_slot, workspace,
-                               workspace_blocks, SlotsLayout{}, static_cast<cudaStream_t>(stream));
-}
-
-extern "C" int moe_ep_local_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
-                                   int64_t alignment, int32_t* recv_slot, int32_t* expert_pos, int32_t* send_offset,
-                                   int32_t* info, int32_t* workspace, int64_t workspace_blocks, void* stream) {
-    if (!slots_args_ok(num_tokens, num_topk, num_experts, alignment, workspace_blocks) || num_tokens > INT_MAX)
-        return set_error(-1, "moe_ep_local_layout: need 0 <= num_tokens <= INT_MAX, num_topk >= 1, 1 <= num_experts <= " +
-                                 std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
-                                 ", alignment >= 1 and workspace_blocks >= 1");
-    if (info == nullptr || send_offset == nullptr || (num_tokens > 0 && (topk_idx == nullptr || recv_slot == nullptr ||
-                                                                         expert_pos == nullptr)))
-        return set_error(-1, "moe_ep_local_layout: topk_idx, recv_slot, expert_pos, send_offset and info are required");
-    SlotsLayout layout{info, expert_pos, send_offset, int(num_tokens), int(num_topk)};
-    return launch_expert_slots(topk_idx, num_tokens * num_topk, num_experts, alignment, recv_slot, workspace,
-                               workspace_blocks, layout, static_cast<cudaStream_t>(stream));
+                               workspace_blocks, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,

@@ -191,8 +191,7 @@ struct Vec<float> {
 };
 
 // Vector v of the sum of rows list[0, n) of y (row_vecs 16-byte vectors each), in fp32 from 0.0f in list order,
-// rounded once to T; the loads of kBatch rows are in flight together. What unpermute writes per received row, and
-// what the fused combine reduction makes of it on the way.
+// rounded once to T; the loads of kBatch rows are in flight together. What unpermute writes per received row.
 template <typename T, int kBatch>
 __device__ __forceinline__ int4 sum_rows(const int4* y, int64_t row_vecs, const int* list, int n, int64_t v) {
     float acc[Vec<T>::kN];

@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 10
+#define MOE_EP_ABI_VERSION 11
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
@@ -56,8 +56,7 @@ typedef struct {
     int32_t* recv_expert_count;        /* [num_local_experts], zeroed by the caller; or NULL */
     int64_t num_tokens, hidden, x_elem_bytes, num_topk, num_local_experts, list_stride, num_recv_rows;
     int64_t wire_fp8, fp8_in, fp8_out, round_scale, num_sms;
-    int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) ... */
-    int64_t num_send_blocks; /* ... or, when > 0, how many whole blocks send */
+    int64_t num_send_warps;  /* of each block's warps, how many send (the rest receive) */
     const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
     /* expert-major mode */
     int64_t expert_major;
@@ -74,15 +73,6 @@ typedef struct {
      * (destinations in rank order) and its peers' receivers load them over NVLink; every rank decides this for
      * every source alike from rank_prefix_matrix. */
     int64_t pull;
-    /* fused_expansion != 0 (expert-major mode only): receivers write each received row straight into all of its
-     * expert-major rows of expert_x [num_expert_rows, row bytes] (BF16/FP32, or FP8 e4m3 with its scales in
-     * expert_scales [num_expert_rows, hidden/128]) and zero the padding rows (scales too) instead of filling recv_x /
-     * recv_scales (unused, may be NULL); no permute is needed after. With speculative_rows, a rank whose expert-major
-     * rows (expert_info[2]) exceed num_expert_rows skips receiving as for too few receive rows. */
-    int64_t fused_expansion;
-    void* expert_x;
-    float* expert_scales;
-    int64_t num_expert_rows;
 } moe_ep_dispatch_params;
 
 /* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
@@ -115,14 +105,6 @@ typedef struct {
      * launches no second one. topk_weights, when given, is still a separate [num_recv_rows, K] array and is still
      * copied into the region's weights area. */
     int64_t x_in_region;
-    /* fused_reduction != 0 (push only: no pull, no copy engine): x is the expert-major y [num_expert_rows, hidden] of
-     * an expert-major dispatch, and received row r (what would be x[r]) is made where it is needed: the sum over its
-     * valid recv_slot [num_recv_rows, slot_topk] entries, k ascending, in fp32 from 0.0f, rounded once to the element
-     * type (moe_ep_unpermute's row), by the senders for the rows they send back and by the receivers for this rank's
-     * own tokens: one row per token crosses, and no unpermute runs. */
-    int64_t fused_reduction;
-    const int32_t* recv_slot;
-    int64_t slot_topk, num_expert_rows;
 } moe_ep_combine_params;
 
 /* Rows of `row_bytes` a pull combine with num_topk weights per row can hold in one region. */
@@ -145,13 +127,9 @@ void* moe_ep_own_region(void* ctx);
 
 /* Host read of up to MOE_EP_READ_BYTES of device memory, started after the work enqueued on `stream` so far and
  * copied on a side stream, so the caller can enqueue more before it waits; moe_ep_read_wait blocks until the
- * values are in moe_ep_read_buffer (pinned host memory, valid until the next read). moe_ep_read_mark records that
- * point on `stream` ahead of time and moe_ep_read_marked starts the copy after it: work enqueued in between is
- * launched first and need not finish before the values arrive. */
+ * values are in moe_ep_read_buffer (pinned host memory, valid until the next read). */
 #define MOE_EP_READ_BYTES 16384
 int moe_ep_read_start(void* ctx, const void* src, int64_t bytes, void* stream);
-int moe_ep_read_mark(void* ctx, void* stream);
-int moe_ep_read_marked(void* ctx, const void* src, int64_t bytes);
 int moe_ep_read_wait(void* ctx);
 const int32_t* moe_ep_read_buffer(void* ctx);
 
@@ -211,15 +189,6 @@ int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream)
 int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk, int64_t num_local_experts,
                         int64_t alignment, int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks,
                         void* stream);
-
-/* The whole layout of an expert-major dispatch at world size 1, where every expert is local and no row moves
- * between ranks (the same two kernels, no context, no barrier): from topk_idx [N, K] global ids, recv_slot [N, K]
- * (as moe_ep_expert_slots), and what moe_ep_notify_experts writes at one rank: expert_pos [N, K], send_offset [E]
- * and `info` [1 + 4 + 2E] = the rank prefix matrix [1] (tokens with an expert), then notify's info. Out-of-range
- * ids (< -1 or >= E) get slot -1 and set info's mask. workspace: workspace_blocks * (E + 2) int32. */
-int moe_ep_local_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
-                        int64_t alignment, int32_t* recv_slot, int32_t* expert_pos, int32_t* send_offset,
-                        int32_t* info, int32_t* workspace, int64_t workspace_blocks, void* stream);
 
 /* Scatter: every received row of x (row_bytes each; row_bytes and the pointers 16-byte aligned) is read once and
  * stored to each of its slots in out_x [num_rows, row_bytes]; weights [N, K] -> out_probs [num_rows] and scales

@@ -195,27 +195,19 @@ void* moe_ep_own_region(void* handle) {
     return ctx->dev.bufs[ctx->dev.rank] + kStagingOffset + int64_t(ctx->dev.rank) * ctx->dev.region_bytes;
 }
 
-int moe_ep_read_mark(void* handle, void* stream) {
-    return check_cuda(cudaEventRecord(static_cast<Context*>(handle)->read_ready, static_cast<cudaStream_t>(stream)),
-                      "cudaEventRecord(read)");
-}
-
-int moe_ep_read_marked(void* handle, const void* src, int64_t bytes) {
+int moe_ep_read_start(void* handle, const void* src, int64_t bytes, void* stream) {
     Context* ctx = static_cast<Context*>(handle);
     if (bytes < 0 || bytes > MOE_EP_READ_BYTES)
         return set_error(-1, "moe_ep_read_start: " + std::to_string(bytes) + " bytes (at most " +
                                  std::to_string(MOE_EP_READ_BYTES) + ")");
-    int err = check_cuda(cudaStreamWaitEvent(ctx->read_stream, ctx->read_ready, 0), "cudaStreamWaitEvent(read)");
+    int err = check_cuda(cudaEventRecord(ctx->read_ready, static_cast<cudaStream_t>(stream)), "cudaEventRecord(read)");
+    if (!err)
+        err = check_cuda(cudaStreamWaitEvent(ctx->read_stream, ctx->read_ready, 0), "cudaStreamWaitEvent(read)");
     if (!err)
         err = check_cuda(cudaMemcpyAsync(ctx->read_host, src, size_t(bytes), cudaMemcpyDeviceToHost, ctx->read_stream),
                          "cudaMemcpyAsync(read)");
     if (!err) err = check_cuda(cudaEventRecord(ctx->read_done, ctx->read_stream), "cudaEventRecord(read done)");
     return err;
-}
-
-int moe_ep_read_start(void* handle, const void* src, int64_t bytes, void* stream) {
-    if (int err = moe_ep_read_mark(handle, stream)) return err;
-    return moe_ep_read_marked(handle, src, bytes);
 }
 
 int moe_ep_read_wait(void* handle) {

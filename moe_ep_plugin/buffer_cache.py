@@ -6,8 +6,7 @@ The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all ta
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -27,17 +26,12 @@ def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: Optional[int] = N
                combine_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
 
-def sm_configs(num_sms: Optional[int], num_ranks: int, hierarchical_chunks: int = 1,
-               **nvlink: Any) -> Optional[tuple[Config, Config]]:
-    """The ``(dispatch, combine)`` Configs of ``num_sms`` SMs (None: ``Buffer.num_sms``) for a call, with
-    ``hierarchical_chunks`` and the ``NVLinkTuning`` fields ``nvlink`` names set; None (the Buffer's defaults) when
-    none is given."""
-    if num_sms is None and not nvlink and hierarchical_chunks == 1:
+def sm_configs(num_sms: Optional[int], num_ranks: int) -> Optional[tuple[Config, Config]]:
+    """The ``(dispatch, combine)`` Configs of ``num_sms`` SMs for a call; None (the Buffer's defaults) when
+    ``num_sms`` is None."""
+    if num_sms is None:
         return None
-    sms = Buffer.num_sms if num_sms is None else num_sms
-    configs = dispatch_config(sms, num_ranks), combine_config(sms, num_ranks)
-    return tuple(dataclasses.replace(c, hierarchical_chunks=hierarchical_chunks,
-                                     nvlink=dataclasses.replace(c.nvlink, **nvlink)) for c in configs)
+    return dispatch_config(num_sms, num_ranks), combine_config(num_sms, num_ranks)
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",

@@ -39,8 +39,8 @@ class NVLinkTuning:
     """How the ``nvlink`` kernels split their roles and move rows (``transports/nvlink/plan.py`` decides from it).
     Defaults: the fastest settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md, docs/kernels.md).
 
-    - ``*_send_warps``: of the 16 warps of every block, how many send (the rest receive); ``*_send_blocks`` > 0
-      (and below the grid's ``num_sms``): that many whole blocks send instead. A dispatch that quantizes in the
+    - ``*_send_warps``: of the 16 warps of every block, how many send (the rest receive); ``combine_send_blocks``
+      > 0 (and below the grid's ``num_sms``): that many whole blocks send a combine's rows instead. A dispatch that quantizes in the
       send path has its own warp count (``quantizing_``), and another when its receivers dequantize again
       (``dequantizing_``).
     - ``dispatch_pull`` / ``quantizing_dispatch_pull``: senders stage rows in their own region with
@@ -50,22 +50,11 @@ class NVLinkTuning:
       host-bound combines more than they save).
     - ``copy_engine_combine_below_sms``: with fewer SMs than this the copy engines carry every combined row
       (``copy_streams`` streams, pieces of at least ``copy_piece_rows`` rows) and every warp reduces; 0 = never.
-    - ``fused_dispatch``: the expert-major dispatch kernel writes each received row straight into all of its
-      expert-major rows (FP8 scales and probs too) instead of into a receive buffer that ``permute`` then expands:
-      one HBM round trip and one launch fewer, the K-fold writes on ``num_sms`` SMs instead of all. Off until timed
-      on the GPU (the same results bit for bit either way; docs/expert_major.md). ``fused_dispatch_sms`` > 0: that
-      many blocks for a fused dispatch kernel instead of the call's ``num_sms`` (at most the device's SMs: all must
-      be resident), since its K-fold writes may want more SMs than the transfer.
-    - ``fused_combine``: ``combine_experts`` pushes, and its kernel makes each received row from the token's
-      expert-major rows itself (summed in fp32, rounded once: unpermute's row) where it is needed: senders for the
-      rows they send back, receivers for this rank's own tokens; one row per token crosses and no unpermute runs.
-      It takes the push data path even where ``combine_pull`` or the copy engines would be chosen. Off until timed.
     """
 
     dispatch_send_warps: int = 6
     quantizing_dispatch_send_warps: int = 11
     dequantizing_dispatch_send_warps: int = 10
-    dispatch_send_blocks: int = 0
     combine_send_warps: int = 6
     combine_send_blocks: int = 10
     dispatch_pull: bool = True
@@ -76,21 +65,17 @@ class NVLinkTuning:
     copy_engine_combine_below_sms: int = 20
     copy_piece_rows: int = 512
     copy_streams: int = 2
-    fused_dispatch: bool = False
-    fused_dispatch_sms: int = 0
-    fused_combine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
                      "pull_dispatch_send_warps"):
             _check_int(f"NVLinkTuning.{name}", getattr(self, name), 1, WARPS_PER_BLOCK - 1)
         _check_int("NVLinkTuning.combine_send_warps", self.combine_send_warps, 1, WARPS_PER_BLOCK - 1)
-        for name in ("dispatch_send_blocks", "combine_send_blocks", "pull_combine_min_bytes",
-                     "copy_engine_combine_below_sms", "fused_dispatch_sms"):
+        for name in ("combine_send_blocks", "pull_combine_min_bytes", "copy_engine_combine_below_sms"):
             _check_int(f"NVLinkTuning.{name}", getattr(self, name), 0, None)
         _check_int("NVLinkTuning.copy_piece_rows", self.copy_piece_rows, 1, None)
         _check_int("NVLinkTuning.copy_streams", self.copy_streams, 1, MAX_COPY_STREAMS)
-        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull", "fused_dispatch", "fused_combine"):
+        for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"NVLinkTuning.{name}: expected a bool, got {getattr(self, name)!r}")
 

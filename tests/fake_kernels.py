@@ -3,11 +3,9 @@ GPU.
 
 ``NVLinkTransport``'s Python side runs on CPU tensors (their addresses serve its bookkeeping as well as device ones)
 over :class:`FakeLib`: :func:`installed` points ``ops.permute``'s launches and both stream queries at it, and
-:func:`nvlink_transport` builds the transport and its runtime without the process group, the library and the GPU
-their ``__init__`` needs. The fake kernels compute nothing; what they write is what the host itself reads or indexes
-with: the host read of a dispatch brings ``read_values``, an expert-major dispatch fills ``recv_slot`` with -1 (no
-local expert), and the world-size-1 layout fills its ``recv_slot`` (-1 unless a test sets ``local_slots``), so the
-host's indexing (``slot_weights``) stays in bounds.
+:func:`nvlink_transport` passes the transport a :class:`FakeRuntime` over it (no process group, library or GPU). The fake kernels compute nothing; what they write is what the host itself reads or indexes
+with: the host read of a dispatch brings ``read_values`` and an expert-major dispatch fills ``recv_slot`` with -1
+(no local expert), so the host's indexing (``slot_weights``) stays in bounds.
 """
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from unittest import mock
 
 import torch
 
-from moe_ep_plugin.handle import align_counts
 from moe_ep_plugin.ops import permute
-from moe_ep_plugin.transports.nvlink import NVLinkTransport, runtime, transport
+from moe_ep_plugin.transports.nvlink import NVLinkTransport, runtime
 from moe_ep_plugin.transports.nvlink.runtime import NVLinkRuntime
 
 CTX = 0xC7C000  # the library context, as moe_ep_create would return it
@@ -47,7 +44,6 @@ class FakeLib:
         self.read_values: list[int] = []
         self.pull_rows = 0
         self.combine_memory: dict[str, Optional[list]] = {}
-        self.local_slots: Optional[list[int]] = None  # what the world-size-1 layout writes as recv_slot (None: -1)
         # what the routing-map kernel writes: (topk_idx [T, K] int64, weights [T, K] float32) on CPU, copied as bytes
         self.routing_answer: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._read_ints: Optional[int] = None
@@ -67,15 +63,6 @@ class FakeLib:
         if self.record:
             self.calls.append((name, args))
 
-    def moe_ep_local_layout(self, *args) -> int:
-        self._record("moe_ep_local_layout", args)
-        n, k, recv_slot = args[1], args[2], args[5]
-        if self.local_slots is None:
-            ctypes.memset(recv_slot, 0xFF, 4 * n * k)  # -1 in every int32: as cheap as the real call's host side
-        else:
-            (ctypes.c_int32 * (n * k)).from_address(recv_slot)[:] = self.local_slots
-        return 0
-
     def moe_ep_routing_map_topk(self, routing_map: int, probs: int, n: int, num_experts: int, topk: int, idx: int,
                                 weights: int, stream: int) -> int:
         self._record("moe_ep_routing_map_topk", (routing_map, probs, n, num_experts, topk, idx, weights, stream))
@@ -88,11 +75,6 @@ class FakeLib:
 
     def moe_ep_read_start(self, ctx: int, src: int, nbytes: int, stream: int) -> int:
         self._record("moe_ep_read_start", (ctx, src, nbytes, stream))
-        self._read_ints = nbytes // 4
-        return 0
-
-    def moe_ep_read_marked(self, ctx: int, src: int, nbytes: int) -> int:
-        self._record("moe_ep_read_marked", (ctx, src, nbytes))
         self._read_ints = nbytes // 4
         return 0
 
@@ -159,36 +141,28 @@ def installed(lib: FakeLib) -> Iterator[FakeLib]:
         for target, name, value in ((runtime, "current_stream_handle", _stream_of),
                                     (permute, "current_stream_handle", _stream_of),
                                     (permute, "_kernels", lambda: lib),
-                                    (permute, "_kernels_for", lambda t: True),
+                                    (permute, "kernels_for", lambda t: True),
                                     # permute._launch: already on the tensor's device
                                     (torch.cuda, "current_device", lambda: -1)):
             stack.enter_context(mock.patch.object(target, name, value))
         yield lib
 
 
-def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int, rows_guess: int = 0) -> NVLinkTransport:
-    """An NVLinkTransport on CPU over ``lib`` with what the ``__init__`` of it and of its runtime set (there from
-    the process group, the library and the GPU; ``rows_guess``: the expert-major rows a fused dispatch guesses);
-    to be used inside :func:`installed`."""
-    rt = object.__new__(NVLinkRuntime)
-    rt.group, rt.rank, rt.num_ranks, rt.device, rt.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
-    rt.lib, rt.index, rt.ctx, rt.error = lib, DEVICE_INDEX, CTX, [0, 0, 0, 0]
-    rt.region_bytes, rt.own_region, rt.read_buffer, rt.device_sms = 1 << 24, OWN_REGION, lib.read_buffer, 132
-    t = object.__new__(NVLinkTransport)
-    t.group, t.rank, t.num_ranks, t.device, t.timeout_s = None, rank, num_ranks, torch.device("cpu"), 5.0
-    t._rt, t._recv_guess, t._rows_guess = rt, recv_guess, rows_guess
-    t._staying = transport._StayingTokens(t.device)
-    t._local_fallback = False
-    lib.num_ranks = num_ranks
+class FakeRuntime(NVLinkRuntime):
+    """The runtime of one rank over ``lib`` (a :class:`FakeLib`) on CPU tensors: what ``NVLinkRuntime.__init__``
+    takes from the process group, the library and the GPU, given instead; every library call goes to ``lib``."""
+
+    def __init__(self, lib: FakeLib, rank: int, num_ranks: int) -> None:
+        self.group, self.rank, self.num_ranks, self.timeout_s = None, rank, num_ranks, 5.0
+        self.device, self.index = torch.device("cpu"), DEVICE_INDEX
+        self.lib, self.ctx, self.error = lib, CTX, [0, 0, 0, 0]
+        self.region_bytes, self.own_region, self.read_buffer, self.device_sms = 1 << 24, OWN_REGION, lib.read_buffer, 132
+        lib.num_ranks = num_ranks
+
+
+def nvlink_transport(lib: FakeLib, rank: int, num_ranks: int, recv_guess: int) -> NVLinkTransport:
+    """An NVLinkTransport on CPU over ``lib`` (its runtime a :class:`FakeRuntime`) whose receive buffers start at
+    ``recv_guess`` rows; to be used inside :func:`installed`."""
+    t = NVLinkTransport(None, torch.device("cpu"), 5.0, runtime=FakeRuntime(lib, rank, num_ranks))
+    t._recv_guess = recv_guess  # what earlier dispatches would have left: the most rows any rank received
     return t
-
-
-def expert_read_values(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
-    """What the host read of an expert-major dispatch brings at world size 1 for ``topk_idx`` ``[N, K]`` (ids in
-    ``[0, num_experts)`` or -1): the rank prefix matrix ``[1]`` then ``info`` (csrc/moe_ep.h): rows received (the
-    tokens with an expert), no invalid ids, the expert-major rows, the aligned rows per expert."""
-    valid = topk_idx >= 0
-    counts = torch.bincount(topk_idx[valid], minlength=num_experts).tolist()
-    aligned = align_counts(counts, alignment)
-    num_recv = int(valid.any(1).sum())
-    return [num_recv, num_recv, 0, sum(aligned)] + aligned

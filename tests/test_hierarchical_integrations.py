@@ -103,13 +103,14 @@ def test_megatron_dispatcher_hierarchical_equals_torch() -> None:
     launch.spawn(_dispatcher_equal, 4, backend="gloo", timeout_s=300)
 
 
-def test_hierarchical_chunks_option_reaches_the_configs() -> None:
-    """``hierarchical_chunks`` from the integrations' YAML options lands on both per-call Configs; bad values are a
-    ValueError naming the option."""
-    opts = PluginOptions.from_dict({"transport": "hierarchical", "hierarchical_chunks": 3}, "ep_plugin")
-    configs = sm_configs(opts.num_sms, 4, opts.hierarchical_chunks, **opts.nvlink_tuning())
-    assert configs is not None and [c.hierarchical_chunks for c in configs] == [3, 3]
-    assert sm_configs(None, 4, 1) is None
-    for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="hierarchical_chunks"):
-            PluginOptions.from_dict({"hierarchical_chunks": bad}, "ep_plugin")
+def test_integration_options_set_only_the_sm_count() -> None:
+    """The integrations' options reach the per-call Configs as an SM count only: chunking and kernel modes are
+    ``Config`` fields a caller sets on its own calls, not YAML keys."""
+    opts = PluginOptions.from_dict({"transport": "hierarchical", "num_sms": 16}, "ep_plugin")
+    configs = sm_configs(opts.num_sms, 4)
+    assert configs is not None and [c.num_sms for c in configs] == [16, 16]
+    assert [c.hierarchical_chunks for c in configs] == [1, 1]
+    assert sm_configs(None, 4) is None
+    for key in ("hierarchical_chunks", "fused_dispatch", "fused_combine", "fused_dispatch_sms"):
+        with pytest.raises(ValueError, match=f"ep_plugin.{key}: unknown option"):
+            PluginOptions.from_dict({key: 1}, "ep_plugin")

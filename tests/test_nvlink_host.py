@@ -9,7 +9,6 @@ through the same fake. What the kernels compute is tests/gpu's business: this pi
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from typing import Callable, Iterator, Optional
 from unittest import mock
@@ -17,14 +16,13 @@ from unittest import mock
 import pytest
 import torch
 
-from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, expert_read_values, installed, nvlink_transport
+from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
 from moe_ep_plugin.config import Config, NVLinkTuning
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops import library, permute
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.nvlink import NVLinkTransport
-from moe_ep_plugin.transports.nvlink.plan import (Roles, combine_roles, dispatch_roles, fused_combine_roles,
-                                                 most_received, send_blocks)
+from moe_ep_plugin.transports.nvlink.plan import Roles, combine_roles, dispatch_roles, most_received, send_blocks
 
 # at(i, offset=0): address of int32 element `offset` of notify's output i (0 rank prefix matrix, then info; 1
 # send_offset; 2 send_pos; 3 send_list; 4 expert_pos), or of the guessed receive metadata (5 recv_src_idx, 6
@@ -172,9 +170,9 @@ def test_fresh_dispatch_experts(fake: FakeLib) -> None:
     assert (handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows) == (N, NUM_RECV, NUM_RECV)
     assert (handle.num_experts, handle.rank, handle.num_ranks) == (E, ME, R)
     state = handle.transport_state
-    assert (state.send_list, state.list_stride, state.host_counts) == (at(3), N, COUNTS)
-    assert (state.expert.topk_idx is topk_idx, state.expert.expert_pos, state.expert.send_offset,
-            state.expert.info) == (True, at(4), at(1), at(0, R * R))
+    assert (state.send_list.data_ptr(), state.send_list.shape[1], state.host_counts) == (at(3), N, COUNTS)
+    assert (state.expert.topk_idx is topk_idx, state.expert.expert_pos.data_ptr(),
+            state.expert.send_offset.data_ptr()) == (True, at(4), at(1))
     assert t._recv_guess == 16  # nobody received more than the guess
 
 
@@ -221,83 +219,6 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     _check_view(layout.recv_slot, second["recv_slot"], (num_recv, K))
     assert {second["recv_src_idx"], second["recv_slot"]}.isdisjoint({at(5), at(6)})
     _check_view(handle.rank_prefix_matrix, at(0), (R, R))
-
-
-FUSED = dataclasses.replace(CONFIG, nvlink=dataclasses.replace(TUNING, fused_dispatch=True))
-EXACT_PER_EXPERT = [7, 11]  # RECV_SLOT's rows per expert without the padding
-
-
-@pytest.mark.parametrize("rows_guess, most", [(24, 20), (16, 20), (24, 30)],
-                         ids=["fits", "own-over-guess", "peer-over-guess"])
-def test_fused_dispatch_experts(fake: FakeLib, rows_guess: int, most: int) -> None:
-    """``fused_dispatch``: the kernel writes the expert-major rows (a guess of the most any rank had, then exactly
-    this rank's when some rank had more than the guess: notify's last info word, read with the exact counts), no
-    receive buffer and no permute."""
-    t = nvlink_transport(fake, ME, R, 16, rows_guess)
-    x, topk_idx, weights = _inputs()
-    fake.read_values = PREFIX + INFO + EXACT_PER_EXPERT + [most]
-    result = t.dispatch_experts(dataclasses.replace(_args(x, topk_idx, weights), config=FUSED), ALIGNMENT)
-    at = _notify_experts_at(fake)
-    handle, layout = result.handle, result.handle.expert_layout
-    first = fake.calls[2][1][1]
-    expected = [
-        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights),
-                                   STREAM)),
-        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 4 + 2 * L), STREAM)),
-        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_src_idx=at(5), recv_slot=at(6),
-                                                   expert_probs=first["expert_probs"], num_recv_rows=16,
-                                                   speculative_rows=1, fused_expansion=1,
-                                                   expert_x=first["expert_x"], num_expert_rows=rows_guess),
-                             STREAM)),
-        ("moe_ep_read_wait", (CTX,)),
-    ]
-    if most <= rows_guess:
-        assert fake.calls == expected
-        assert (result.x.data_ptr(), result.probs.data_ptr()) == (first["expert_x"], first["expert_probs"])
-    else:
-        second = fake.calls[5][1][1]
-        assert fake.calls == expected + [
-            ("moe_ep_barrier", (CTX, STREAM)),
-            ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_src_idx=second["recv_src_idx"],
-                                                       recv_slot=second["recv_slot"],
-                                                       expert_probs=result.probs.data_ptr(), num_recv_rows=NUM_RECV,
-                                                       fused_expansion=1, expert_x=result.x.data_ptr(),
-                                                       num_expert_rows=NUM_ROWS), STREAM))]
-    assert t._rows_guess == max(rows_guess, most)
-    assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
-    assert tuple(result.probs.shape) == (NUM_ROWS,)
-    assert (layout.tokens_per_expert, layout.num_rows) == (TOKENS_PER_EXPERT, NUM_ROWS)
-
-
-@pytest.mark.parametrize("sms, launched", [(0, 24), (64, 64), (200, 132)])
-def test_fused_dispatch_sms(fake: FakeLib, sms: int, launched: int) -> None:
-    """``fused_dispatch_sms`` sets a fused dispatch kernel's blocks (at most the device's 132 SMs; 0: num_sms)."""
-    t = nvlink_transport(fake, ME, R, 16, 24)
-    x, topk_idx, weights = _inputs()
-    fake.read_values = PREFIX + INFO + EXACT_PER_EXPERT + [NUM_ROWS]
-    config = dataclasses.replace(FUSED, nvlink=dataclasses.replace(FUSED.nvlink, fused_dispatch_sms=sms))
-    t.dispatch_experts(dataclasses.replace(_args(x, topk_idx, weights), config=config), ALIGNMENT)
-    assert [a[1]["num_sms"] for name, a in fake.calls if name == "moe_ep_dispatch"] == [launched]
-
-
-def test_fused_cached_dispatch_experts(fake: FakeLib) -> None:
-    """A cached dispatch with ``fused_dispatch`` (the backward of combine_experts): barrier and the kernel writing
-    the handle's expert-major rows, no permute."""
-    t = _transport(fake, guess=16)
-    fresh, x, topk_idx, _, at = _fresh(fake, t)
-    fake.calls.clear()
-    x2 = torch.randn(N, H).to(torch.bfloat16)
-    args = _args(x2, None, None, handle=fresh.handle, num_experts=fresh.handle.num_experts)
-    result = t.dispatch_experts(dataclasses.replace(args, config=FUSED), ALIGNMENT)
-    assert fake.calls == [
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_dispatch", (CTX, _expert_dispatch(x2, topk_idx, None, at, recv_src_idx=at(5), recv_slot=at(6),
-                                                   num_recv_rows=NUM_RECV, fused_expansion=1,
-                                                   expert_x=result.x.data_ptr(), num_expert_rows=NUM_ROWS),
-                             STREAM)),
-    ]
-    assert result.probs is None and tuple(result.x.shape) == (NUM_ROWS, H)
 
 
 def test_cached_dispatch_experts(fake: FakeLib) -> None:
@@ -375,26 +296,6 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
         (N, H), torch.bfloat16, (N, K), torch.float32)
 
 
-@pytest.mark.parametrize("tuning", [dict(), dict(pull_combine_min_bytes=0), dict(copy_engine_combine_below_sms=1000)],
-                         ids=["push", "pull-otherwise", "copy-engine-otherwise"])
-def test_fused_combine_experts(fake: FakeLib, tuning: dict) -> None:
-    """``fused_combine``: no unpermute; the start barrier and a push combine whose kernel sums each received row from
-    ``y`` through recv_slot, even where the tuning would pull or use the copy engines."""
-    t = _transport(fake, guess=16)
-    fake.pull_rows = 1000
-    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(fused_combine=True, **tuning))
-    combined = fake.calls[-1][1][1]
-    assert fake.calls == [
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, y.data_ptr(), out, out_weights, combined["topk_weights"], **PUSH,
-                                          fused_reduction=1, recv_slot=at(6), slot_topk=K, num_expert_rows=NUM_ROWS),
-                            STREAM)),
-    ]
-    assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
-    assert (tuple(out.shape), out.dtype, tuple(out_weights.shape)) == ((N, H), torch.bfloat16, (N, K))
-
-
 @pytest.mark.parametrize("min_bytes", [0, NUM_RECV * H * 2], ids=["no-threshold", "at-threshold"])
 def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> None:
     """Pull: the start barrier, unpermute straight into the own region, the combine reading it there
@@ -420,7 +321,7 @@ def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
     t = _transport(fake, guess=16)
     fake.pull_rows = 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    with mock.patch.object(permute, "_kernels_for", lambda t: False):
+    with mock.patch.object(permute, "kernels_for", lambda t: False):
         out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=0))
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
@@ -535,215 +436,9 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
     assert handle.is_token_in_rank is in_rank and handle.expert_layout is None
     assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
     state = handle.transport_state
-    assert (state.send_list, state.list_stride, state.expert) == (at(2), N, None)
+    assert (state.send_list.data_ptr(), state.send_list.shape[1], state.expert) == (at(2), N, None)
     assert state.host_counts == [prefix[0], prefix[1], prefix[2] - prefix[0], prefix[3] - prefix[1]]
     assert t._recv_guess == max(guess, max(prefix[R:]))
-
-
-# One rank, top-2 of 4 experts, every token naming an expert (token 1 has a -1 column): the layout at alignment 1
-# (blocks of 2, 1, 3 and 3 rows) and the read that brings it (rank prefix matrix, rows received, no bad ids, M, rows
-# per expert).
-EP1_TOPK = [[0, 3], [2, -1], [1, 2], [3, 0], [3, 2]]
-EP1_SLOTS = [[0, 6], [3, -1], [2, 4], [7, 1], [8, 5]]
-EP1_READ = [N, N, 0, 9, 2, 1, 3, 3]
-# The calls of a fresh EP1 dispatch_experts: the permute before the read (the read waits for the layout only), or
-# after it (the rows are not guessed)
-EP1_EARLY = ["moe_ep_local_layout", "moe_ep_read_mark", "moe_ep_permute", "moe_ep_read_marked", "moe_ep_read_wait"]
-EP1_LATE = ["moe_ep_local_layout", "moe_ep_read_mark", "moe_ep_read_marked", "moe_ep_read_wait", "moe_ep_permute"]
-
-
-def _local_layout_at(lib: FakeLib, call: int = 0) -> Callable[[int], int]:
-    """Addresses the recorded ``moe_ep_local_layout`` (call ``call``) wrote: 0 its read words (rank prefix matrix,
-    then info), 1 send_offset, 2 expert_pos, 3 recv_slot."""
-    name, args = lib.calls[call]
-    assert name == "moe_ep_local_layout"
-    parts = [args[8], args[7], args[6], args[5]]
-    return lambda i: parts[i]
-
-
-def test_ep1_dispatch_and_combine_experts(fake: FakeLib) -> None:
-    """One rank, every token with an expert, alignment 1: one layout call (no notify), then permute expands ``x``
-    into N * K rows (the most M can be) before the host read is waited for; the outputs are views of the first M
-    rows. A cached dispatch is that permute alone; the combine is unpermute straight into the output (no barrier,
-    no combine kernel)."""
-    t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    x, _, weights = _inputs()
-    topk_idx = torch.tensor(EP1_TOPK)
-    fake.local_slots = sum(EP1_SLOTS, [])
-    fake.read_values = EP1_READ
-    result = t.dispatch_experts(_args(x, topk_idx, weights), 1)
-    handle = result.handle
-    at = _local_layout_at(fake)
-    slot = handle.expert_layout.recv_slot
-    _check_view(slot, at(3), (N, K))
-    assert slot.tolist() == EP1_SLOTS
-    permuted = fake.calls[2][1]
-    assert fake.calls == [
-        ("moe_ep_local_layout", (topk_idx.data_ptr(), N, K, E, 1, at(3), at(2), at(1), at(0), fake.calls[0][1][9],
-                                 132, STREAM)),
-        ("moe_ep_read_mark", (CTX, STREAM)),
-        ("moe_ep_permute", (x.data_ptr(), at(3), weights.data_ptr(), 0, N, K, H * 2, 0, N * K, permuted[9],
-                            permuted[10], 0, permuted[12], STREAM)),
-        ("moe_ep_read_marked", (CTX, at(0), 4 * (1 + 3 + E))),
-        ("moe_ep_read_wait", (CTX,)),
-    ]
-    assert (result.x.data_ptr(), tuple(result.x.shape)) == (permuted[9], (9, H))
-    assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (permuted[10], (9,),
-                                                                                        torch.float32)
-    # the permute's probs [N * K] float32 and covered [N * K] uint8 follow the layout's workspace in its allocation
-    workspace = fake.calls[0][1][9]
-    assert workspace + 4 * 132 * (E + 2) <= permuted[10] and permuted[10] + 4 * N * K <= permuted[12]
-    assert permuted[12] + N * K <= workspace + 4 * (132 * (E + 2) + N * K + (N * K + 3) // 4 + 8)
-    assert handle.expert_layout.tokens_per_expert == [2, 1, 3, 3] and handle.expert_layout.num_rows == 9
-    assert (handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows) == (N, N, N)
-    _check_view(handle.rank_prefix_matrix, at(0), (1, 1))
-    assert torch.equal(handle.recv_src_idx, torch.arange(N, dtype=torch.int32))
-    assert handle.send_pos.tolist() == [[i] for i in range(N)] and handle.is_token_in_rank.all()
-    assert tuple(handle.is_token_in_rank.shape) == (N, 1)
-    state = handle.transport_state
-    assert (state.send_list, state.list_stride, state.host_counts) == (handle.recv_src_idx.data_ptr(), N, [N])
-    assert (state.expert.topk_idx is topk_idx, state.expert.expert_pos, state.expert.send_offset,
-            state.expert.info) == (True, at(2), at(1), at(0) + 4)
-
-    fake.calls.clear()
-    again = t.dispatch_experts(_args(x, None, None, handle=handle), 1)
-    assert fake.calls == [("moe_ep_permute", (x.data_ptr(), at(3), 0, 0, N, K, H * 2, 0, 9, again.x.data_ptr(), 0,
-                                              0, fake.calls[0][1][12], STREAM))]
-
-    fake.calls.clear()
-    y = torch.randn(9, H).to(torch.bfloat16)
-    out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
-    assert fake.calls == [("moe_ep_unpermute", (y.data_ptr(), at(3), N, K, H, 9, 1, out.data_ptr(), STREAM))]
-    assert tuple(out.shape) == (N, H) and out_weights is None
-
-
-def test_ep1_dispatch_experts_guesses_aligned_rows(fake: FakeLib) -> None:
-    """One rank, alignment 4: the expert rows are guessed as the most seen so far, so the first dispatch (guess 0)
-    permutes after the read into exactly M rows, and the next permutes before the read into rows of that guess."""
-    t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    x, _, _ = _inputs(weights=False)
-    topk_idx = torch.tensor(EP1_TOPK)
-    fake.local_slots = sum(EP1_SLOTS, [])
-    fake.read_values = [N, N, 0, 16, 4, 4, 4, 4]
-    first = t.dispatch_experts(_args(x, topk_idx, None), ALIGNMENT)
-    assert [c[0] for c in fake.calls] == EP1_LATE
-    assert fake.calls[4][1][8] == 16 and tuple(first.x.shape) == (16, H)
-    fake.read_values = [N, N, 0, 12, 4, 4, 0, 4]
-    fake.calls.clear()
-    weights = torch.rand(N, K)
-    second = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
-    assert [c[0] for c in fake.calls] == EP1_EARLY
-    permuted = fake.calls[2][1]
-    assert permuted[8] == 16 and tuple(second.x.shape) == (12, H)
-    # the first M of the 16 guessed rows, their probs the first M of the layout allocation's [16] float32
-    assert (second.x.data_ptr(), second.probs.data_ptr(), tuple(second.probs.shape)) == (permuted[9], permuted[10],
-                                                                                       (12,))
-    assert permuted[10] + 4 * 16 <= permuted[12]
-    assert second.handle.expert_layout.tokens_per_expert == [4, 4, 0, 4]
-
-
-def test_ep1_dispatch_experts_without_tokens(fake: FakeLib) -> None:
-    """One rank and no tokens after a dispatch that set the aligned-rows guess: no expert rows (M = 0), so no
-    permute kernel is launched (its inputs would be empty, its outputs not)."""
-    t = nvlink_transport(fake, 0, 1, 16, rows_guess=16)
-    x = torch.empty(0, H).to(torch.bfloat16)
-    topk_idx, weights = torch.empty(0, K, dtype=torch.int64), torch.empty(0, K)
-    fake.read_values = [0, 0, 0, 0, 0, 0, 0, 0]
-    result = t.dispatch_experts(_args(x, topk_idx, weights), ALIGNMENT)
-    assert [c[0] for c in fake.calls] == ["moe_ep_local_layout", "moe_ep_read_mark", "moe_ep_read_marked",
-                                          "moe_ep_read_wait"]
-    assert tuple(result.x.shape) == (0, H) and tuple(result.probs.shape) == (0,)
-    assert result.handle.expert_layout.tokens_per_expert == [0] * E and result.handle.num_recv_rows == 0
-
-
-def test_ep1_handles_across_token_counts(fake: FakeLib) -> None:
-    """One rank, fresh dispatches of 5, 40 (more than the kept index tensors hold: they are remade), 0 and 5 tokens:
-    each handle's recv_src_idx / send_pos are 0..n-1, is_token_in_rank all True, the send list at the kept indices;
-    a handle made before the indices were remade keeps its values; a repeated count gets the same views."""
-    t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    handles = []
-    for n in (5, 40, 0, 5):
-        x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
-        topk_idx = torch.rand(n, E, generator=gen).topk(K, dim=1).indices
-        fake.read_values = expert_read_values(topk_idx, E, 1)
-        handle = t.dispatch_experts(_args(x, topk_idx, torch.rand(n, K, generator=gen)), 1).handle
-        assert torch.equal(handle.recv_src_idx, torch.arange(n, dtype=torch.int32))
-        assert torch.equal(handle.send_pos, torch.arange(n, dtype=torch.int32).view(n, 1))
-        assert tuple(handle.is_token_in_rank.shape) == (n, 1) and bool(handle.is_token_in_rank.all())
-        assert handle.transport_state.send_list == t._staying.address
-        handles.append(handle)
-    assert torch.equal(handles[0].recv_src_idx, torch.arange(5, dtype=torch.int32))  # made before the regrowth
-    assert handles[3].recv_src_idx is not handles[0].recv_src_idx  # the kept indices were remade in between
-    again = t.dispatch_experts(_args(x, topk_idx, None), 1).handle
-    assert again.recv_src_idx is handles[3].recv_src_idx and again.is_token_in_rank is handles[3].is_token_in_rank
-
-
-def test_ep1_bad_ids_raise_after_the_read(fake: FakeLib) -> None:
-    """One rank: out-of-range ids are found by the layout kernel and raised after the read, as notify's are."""
-    t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    x, _, _ = _inputs(weights=False)
-    topk_idx = torch.tensor(EP1_TOPK)
-    topk_idx[2, 1] = E
-    fake.read_values = [N, N, 1, 8, 2, 1, 2, 3]
-    with pytest.raises(ValueError, match="topk_idx"):
-        t.dispatch_experts(_args(x, topk_idx, None), 1)
-
-
-def test_ep1_dispatch_experts_with_a_token_without_expert(fake: FakeLib) -> None:
-    """One rank, a token naming no expert: the layout's read says so, and the received rows are not the tokens, so
-    notify and the dispatch kernel run (push: nothing to pull from) into buffers of the guessed rows, then permute;
-    the combine is unpermute and the combine kernel (a push even where a pull would fit). The next fresh dispatch
-    reads the layout before it permutes; one where every token names an expert brings the speculation back."""
-    t = _transport(fake, guess=16, rank=0, num_ranks=1)
-    fake.pull_rows = 1000
-    x, _, _ = _inputs(weights=False)
-    topk_idx = torch.tensor(EP1_TOPK)
-    topk_idx[1] = -1
-    local = E
-    read = [N - 1, N - 1, 0, 8, 2, 1, 2, 3]
-    fake.read_values = read
-    result = t.dispatch_experts(_args(x, topk_idx, None), 1)
-    handle = result.handle
-    assert [c[0] for c in fake.calls] == EP1_EARLY + ["moe_ep_notify_experts", "moe_ep_read_start", "moe_ep_dispatch",
-                                                      "moe_ep_read_wait", "moe_ep_permute"]
-    at = _notify_experts_at(fake, num_ranks=1)
-    assert fake.calls[6] == ("moe_ep_read_start", (CTX, at(0), 4 * (1 + 3 + local), STREAM))
-    dispatched = fake.calls[7][1][1]
-    assert dispatched == _params(
-        library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), rank_prefix_matrix=at(0),
-        send_list=at(3), recv_x=dispatched["recv_x"], recv_src_idx=at(5), num_tokens=N,
-        hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=local, list_stride=N, num_recv_rows=16,
-        num_sms=24, num_send_warps=5, send_pos=at(2), expert_major=1, expert_pos=at(4), send_offset=at(1),
-        expert_info=at(0, 1), recv_slot=at(6), alignment=1, speculative_rows=1)
-    assert result.probs is None and handle.num_recv_rows == N - 1
-    _check_view(handle.expert_layout.recv_slot, at(6), (N - 1, K))
-
-    handle.expert_layout.recv_slot.copy_(torch.tensor([[0, 4], [1, 6], [7, 2], [-1, 5]], dtype=torch.int32))
-    fake.calls.clear()
-    y = torch.randn(8, H).to(torch.bfloat16)
-    out, out_weights = t.combine_experts(y, handle, None, _config(pull_combine_min_bytes=0))
-    recv_y = fake.calls[0][1][7]
-    assert fake.calls == [
-        ("moe_ep_unpermute", (y.data_ptr(), handle.expert_layout.recv_slot.data_ptr(), N - 1, K, H, 8, 1, recv_y,
-                              STREAM)),
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _params(
-            library.CombineParams, x=recv_y, rank_prefix_matrix=at(0), send_pos=at(2), out=out.data_ptr(),
-            num_tokens=N, hidden=H, elem_bytes=2, num_recv_rows=N - 1, num_sms=24, **PUSH), STREAM)),
-    ]
-    assert recv_y not in (0, OWN_REGION) and out_weights is None
-
-    fake.calls.clear()
-    t.dispatch_experts(_args(x, topk_idx, None), 1)
-    assert [c[0] for c in fake.calls[:4]] == EP1_LATE[:4]
-    fake.calls.clear()
-    fake.read_values = EP1_READ
-    t.dispatch_experts(_args(x, torch.tensor(EP1_TOPK), None), 1)
-    assert [c[0] for c in fake.calls] == EP1_LATE
-    fake.calls.clear()
-    t.dispatch_experts(_args(x, torch.tensor(EP1_TOPK), None), 1)
-    assert [c[0] for c in fake.calls] == EP1_EARLY
 
 
 # ---- plan: the decisions as plain functions ----
@@ -760,38 +455,20 @@ def test_send_blocks_only_when_receivers_keep_blocks(blocks: int, num_sms: int, 
     assert send_blocks(blocks, num_sms) == expected
 
 
-@pytest.mark.parametrize("wire_fp8, fp8_out, num_ranks, expected", [
-    (False, False, 2, (True, False, 6, 0)),  # BF16 pulls
-    (False, False, 1, (False, False, 5, 0)),  # nothing crosses at world size 1: push
-    (True, True, 2, (False, False, 11, 0)),  # quantizing pushes (slower pulled)
-    (True, False, 2, (False, False, 10, 0)),  # quantizing with dequantizing receivers
-], ids=["bf16-pull", "ep1-push", "quantize", "quantize-dequantize"])
-def test_dispatch_roles(wire_fp8: bool, fp8_out: bool, num_ranks: int, expected: Roles) -> None:
-    assert dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out) == expected
+@pytest.mark.parametrize("wire_fp8, fp8_out, expected", [
+    (False, False, (True, 6)),  # BF16 pulls
+    (True, True, (False, 11)),  # quantizing pushes (slower pulled)
+    (True, False, (False, 10)),  # quantizing with dequantizing receivers
+], ids=["bf16-pull", "quantize", "quantize-dequantize"])
+def test_dispatch_roles(wire_fp8: bool, fp8_out: bool, expected: tuple[bool, int]) -> None:
+    assert dispatch_roles(TUNING, wire_fp8, fp8_out) == expected
 
 
 def test_dispatch_roles_follow_the_tuning() -> None:
-    tuning = dataclasses.replace(TUNING, dispatch_pull=False, dispatch_send_blocks=4, quantizing_dispatch_pull=True,
+    tuning = dataclasses.replace(TUNING, dispatch_pull=False, quantizing_dispatch_pull=True,
                                  pull_dispatch_send_warps=3)
-    assert dispatch_roles(tuning, 24, 2, False, False) == (False, False, 5, 4)
-    assert dispatch_roles(tuning, 4, 2, False, False) == (False, False, 5, 0)  # 4 blocks leave no receivers
-    assert dispatch_roles(tuning, 24, 2, True, True) == (True, False, 3, 0)
-
-
-def test_fused_combine_roles() -> None:
-    """A fused combine reduction pushes: the tuning's senders, one sender warp at world size 1."""
-    assert fused_combine_roles(TUNING, 24, 1) == (False, False, 1, 0)
-    assert fused_combine_roles(TUNING, 24, 2) == (False, False, 6, 10)
-    assert fused_combine_roles(TUNING, 8, 4) == (False, False, 6, 0)  # 10 sender blocks leave no reducers
-
-
-def test_fused_dispatch_roles() -> None:
-    """A fused expansion with nothing to send (world size 1) keeps one sender warp; else the tuning's roles."""
-    for wire_fp8, fp8_out in ((False, False), (True, False), (True, True)):
-        assert dispatch_roles(TUNING, 24, 1, wire_fp8, fp8_out, fused=True) == (False, False, 1, 0)
-        for num_ranks in (2, 4):
-            assert (dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out, fused=True)
-                    == dispatch_roles(TUNING, 24, num_ranks, wire_fp8, fp8_out))
+    assert dispatch_roles(tuning, False, False) == (False, 5)
+    assert dispatch_roles(tuning, True, True) == (True, 3)
 
 
 @pytest.mark.parametrize("num_sms, most, row_bytes, capacity, expected, asks", [

@@ -34,7 +34,7 @@ __device__ __forceinline__ float fp8_to_float(uint32_t byte) {
 }
 
 // 16 FP8 bytes times `scale` (fp32 products) → 16 values of OutT (BF16 rounded to nearest even, or FP32), packed
-// into sizeof(OutT) 16-byte vectors: computed once, stored to as many rows as want them (fused expansion).
+// into sizeof(OutT) 16-byte vectors.
 template <typename OutT>
 __device__ __forceinline__ void dequant16(const int4& q, float scale, int4 (&o)[sizeof(OutT)]) {
     const uint32_t words[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
@@ -66,11 +66,6 @@ __device__ __forceinline__ void store_dequant16(OutT* out, const int4& q, float 
     store16(out, o);
 }
 
-// The quantizer's default extra output: none.
-struct NoExtraOutput {
-    __device__ __forceinline__ void operator()(int, const int4&, float, bool) const {}
-};
-
 #ifndef MOE_EP_QUANT_LOADS
 #define MOE_EP_QUANT_LOADS 8  // a build-time tuning knob: 16-byte loads in flight per lane while quantizing
 #endif
@@ -81,13 +76,10 @@ constexpr int kQuantLoads = MOE_EP_QUANT_LOADS;
 // scale = 2^ceil(log2(amax / 448)) from the exponent bits and q = fp8(x * (1 / scale)). RNE, satfinite.
 // Each lane handles 16 channels of a 512-channel group (8 lanes = one 128-channel block); the loads of
 // kGroups groups are issued together. Any of the outputs (q_wire/s_wire, a local copy q_out/s_out, deq_out: the
-// dequantized row in type T) may be null. `extra(c0, q, scale, scale_lane)` receives every lane's 16 FP8 bytes of
-// channels [c0, c0 + 16) and their block's scale too (scale_lane: the lane that stores it), for outputs beyond
-// those (the fused expansion's expert-major rows).
-template <typename T, typename Extra = NoExtraOutput>
+// dequantized row in type T) may be null.
+template <typename T>
 __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_wire, float* s_wire, uint8_t* q_out,
-                                             float* s_out, T* deq_out, bool round_scale, int lane,
-                                             const Extra& extra = Extra()) {
+                                             float* s_out, T* deq_out, bool round_scale, int lane) {
     constexpr int kVecs = In16<T>::kVecs;
     constexpr int kGroups = kQuantLoads / kVecs > 0 ? kQuantLoads / kVecs : 1;
 #pragma unroll 1
@@ -140,7 +132,6 @@ __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_
             if (q_out != nullptr) *reinterpret_cast<int4*>(q_out + c0) = q;
             if (s_out != nullptr && scale_lane) s_out[c0 / 128] = scale;
             if (deq_out != nullptr) store_dequant16(deq_out + c0, q, scale);
-            extra(c0, q, scale, scale_lane);
         }
     }
 }

@@ -12,10 +12,8 @@
 // Expert-major mode: instead of local expert ids, every sender ships each row's destination rows in the
 // receiver's expert-major (grouped-GEMM) layout, known to it from notify's per-expert count exchange; receivers
 // record them (recv_slot) and the weights at those rows, and an all-SM permute kernel expands the rows after.
-// (Expanding inside this kernel was measured slower: 24 SMs cannot write the K-fold rows at HBM speed.) The fused
-// expansion (kFuse, NVLinkTuning.fused_dispatch, off by default until timed) does expand here: receivers (and the
-// senders that write own copies) store each row straight into all of its expert-major rows, with no recv_x
-// round trip through HBM and no permute launch.
+// (Expanding inside this kernel was measured slower: 24 SMs cannot write the K-fold rows at HBM speed; a fused
+// expansion mode that did so is in git tag pre-structure-2026-12-05, docs/kernels.md.)
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -51,10 +49,9 @@ __device__ __forceinline__ int4 load16B(const int4* p) {
     return kPeerWritten ? ld_coherent(p) : __ldg(p);
 }
 
-// Where a row's local copy goes (the copy helpers below call each(f) with every destination's (head, tail)):
-// OneRow: one output row at `head` (null: none) whose tail part (an FP8 row's scales) lives at `tail`; FanRows: the
-// fused expansion's expert-major rows of one received row, list[0, count) (shared memory), row r at head + r * stride
-// and its tail at tail + r * tail_stride. scales() is the same destinations' tails as rows of their own.
+// Where a row's local copy goes (the copy helpers below call each(f) with the destination's (head, tail)):
+// OneRow: one output row at `head` (null: none) whose tail part (an FP8 row's scales) lives at `tail`. scales() is
+// the destination's tail as a row of its own.
 struct OneRow {
     char* head;
     char* tail;
@@ -66,34 +63,7 @@ struct OneRow {
         if (head != nullptr) f(head, tail);
     }
 };
-struct FanRows {
-    char* head;
-    int64_t stride;
-    char* tail;
-    int64_t tail_stride;
-    const int* list;
-    int count;
-    __device__ __forceinline__ bool any() const { return count > 0; }
-    __device__ __forceinline__ FanRows scales() const {
-        return {tail, tail_stride, nullptr, 0, list, tail != nullptr ? count : 0};
-    }
-    template <typename F>
-    __device__ __forceinline__ void each(F&& f) const {
-        for (int i = 0; i < count; ++i) {
-            const int64_t r = list[i];
-            f(head + r * stride, tail != nullptr ? tail + r * tail_stride : nullptr);
-        }
-    }
-};
-
-// Whether `out` is at most one row: only then do the copies load an FP8 row's scales in the payload's batch (for
-// FanRows, choosing head or tail per vector and destination spilled 1.1 KB in the fused kernels, ptxas).
-template <typename Out>
-__device__ __forceinline__ constexpr bool one_row(const Out&) {
-    return std::is_same<Out, OneRow>::value;
-}
-
-// Warp-wide copy of n 16-byte vectors from src to `wire` (may be null) and to every destination of `out`. Each lane
+// Warp-wide copy of n 16-byte vectors from src to `wire` (may be null) and to the destination of `out`. Each lane
 // keeps kCopyBatch loads in flight (guarded, so short rows and row tails cost one memory latency per batch, not per
 // vector): copies are latency-bound, not issue-bound.
 // kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
@@ -150,8 +120,8 @@ __device__ __forceinline__ void copy_floats(float* wire, const Out& out, const f
     }
 }
 
-// Warp-wide dequantization of one FP8 row into OutT rows, every destination of `out` (16 bytes per lane per step,
-// kCopyBatch steps in flight; each step dequantized once, whatever the number of destinations).
+// Warp-wide dequantization of one FP8 row into the OutT row of `out` (16 bytes per lane per step, kCopyBatch steps
+// in flight).
 template <bool kPeerWritten, typename OutT, typename Out>
 __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, const Out& out, int hidden, int lane) {
 #pragma unroll 1
@@ -492,17 +462,11 @@ __device__ __forceinline__ void for_each_entry(int rows, int K, int tok, int lan
     }
 }
 
-// Fused expansion: shared memory per warp for one chunk's expert-major rows ([kChunkRows][K], -1 = none) and the
-// list of the row being copied (FanRows), after the kernel's expert histogram.
-constexpr int kFanInts = kChunkRows * MOE_EP_MAX_TOPK + 32;
-constexpr int kFanBytes = kWarps * kFanInts * 4;
-
-template <int kQuant, int kFp8Out, int kTopk, int kPull, int kFuse>
+template <int kQuant, int kFp8Out, int kTopk, int kPull>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl,
                                                                int hist_bytes) {
     using T = typename InputType<kQuant>::type;
     using OutT = typename std::conditional<kQuant == 2, float, __nv_bfloat16>::type;  // dequantized rows
-    static_assert(kFuse == 0 || kTopk == kExpertTopk, "the fused expansion is an expert-major mode");
     extern __shared__ __align__(16) char smem[];
     int* s_hist = reinterpret_cast<int*>(smem);
     const int R = c.num_ranks, me = c.rank;
@@ -530,27 +494,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 
     const int seq = ld_volatile(&header(c.bufs[me])->barrier_count);
     const int total_recv = rpm[(R - 1) * R + me];
-    // (a guess may be short of both receive rows and, fused, expert-major rows)
-    const bool fits = total_recv <= p.num_recv_rows && (kFuse == 0 || p.expert_info[2] <= p.num_expert_rows);
+    const bool fits = total_recv <= p.num_recv_rows;
     if (!fits && p.speculative_rows == 0 && blockIdx.x == 0 && threadIdx.x == 0)
         report_error(c, MOE_EP_ERR_WORST_TOKENS, total_recv, int(p.num_recv_rows));
     const int cap_rows = int(min(c.region_bytes / sl.slot_bytes, int64_t(kMaxRegionRows)));
-    const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
+    const Role role = assign_role(int(p.num_send_warps), 0, warp);
     // Pulling: source s stages its rows in its own region of its own buffer when all of them fit there (every rank
     // computes this alike from the rank prefix matrix), and receivers load them over NVLink.
     auto pulls = [&](int s) {
         return pull && staged_row(rpm, R, s, R) * sl.slot_bytes <= c.region_bytes;
     };
 
-    // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to the destinations of `out`
-    // (OneRow / FanRows; each skipped when null / empty). A plain copy goes through registers; FP8 rows come from
+    // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to the destination of `out`
+    // (OneRow; each skipped when null). A plain copy goes through registers; FP8 rows come from
     // the quantizer, dequantized again for outputs that want BF16/FP32.
     auto write_to = [&](int t, char* wire, const auto& out) {
         if (wire == nullptr && !out.any()) return;
         const char* src = x + int64_t(t) * in_row_bytes;
         if constexpr (kQuant == 0) {  // FP8 input rows and their scales arrive as they are
             const float* xs = fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
-            if (one_row(out) && fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
+            if (fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
                 // the scales (16-byte rows) in the same batch of loads as the payload
                 copy_row<false>(reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
                                 (sl.payload_bytes + 4 * S) / 16, lane, sl.payload_bytes / 16,
@@ -562,21 +525,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, out.scales(), xs,
                                    S, lane);
             }
-        } else if constexpr (kFuse != 0) {  // every expert-major row takes the quantizer's output as it comes
-            quantize_row<T>(reinterpret_cast<const T*>(src), H, reinterpret_cast<uint8_t*>(wire),
-                            wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, nullptr, nullptr, nullptr,
-                            p.round_scale != 0, lane, [&](int c0, const int4& q, float scale, bool scale_lane) {
-                                if (dequant) {
-                                    int4 o[sizeof(T)];
-                                    dequant16<T>(q, scale, o);
-                                    out.each([&](char* head, char*) { store16(reinterpret_cast<T*>(head) + c0, o); });
-                                } else {
-                                    out.each([&](char* head, char* tail) {
-                                        *reinterpret_cast<int4*>(head + c0) = q;
-                                        if (scale_lane) reinterpret_cast<float*>(tail)[c0 / 128] = scale;
-                                    });
-                                }
-                            });
         } else {
             const bool out_q = out.head != nullptr && !dequant;
             quantize_row<T>(reinterpret_cast<const T*>(src), H, reinterpret_cast<uint8_t*>(wire),
@@ -587,33 +535,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                             p.round_scale != 0, lane);
         }
     };
-    // Fused expansion: this warp's expert-major rows of the chunk at hand ([kChunkRows][K]), written by the
-    // for_each_entry calls below, and fan(i): the destinations of the chunk's row i (a warp-uniform call).
-    int* s_fan = reinterpret_cast<int*>(smem + hist_bytes) + warp * kFanInts;
-    auto fan = [&](int i) {
-        int* list = s_fan + kChunkRows * MOE_EP_MAX_TOPK;
-        __syncwarp();  // the previous row's copies have read the list
-        const int row = lane < K ? s_fan[i * K + lane] : -1;
-        const uint32_t valid = __ballot_sync(0xffffffffu, row >= 0);
-        if (row >= 0) list[__popc(valid & ((1u << lane) - 1u))] = row;
-        __syncwarp();
-        return FanRows{static_cast<char*>(p.expert_x), out_row_bytes,
-                       wire_fp8 && !dequant ? reinterpret_cast<char*>(p.expert_scales) : nullptr, 4 * int64_t(S), list,
-                       __popc(valid)};
-    };
-    // This rank's output of received row r (-1: none), the i-th of its chunk: row r of recv_x, or with the fused
-    // expansion its expert-major rows.
-    auto write_row = [&](int t, char* wire, int64_t r, int i) {
-        if constexpr (kFuse != 0) {
-            if (r < 0) {
-                write_to(t, wire, OneRow{nullptr, nullptr});
-            } else {
-                write_to(t, wire, fan(i));
-            }
-        } else {
-            write_to(t, wire, OneRow{r < 0 ? nullptr : recv_x + r * out_row_bytes,
-                                     r < 0 ? nullptr : reinterpret_cast<char*>(p.recv_scales + r * S)});
-        }
+    // This rank's output of received row r (-1: none): row r of recv_x.
+    auto write_row = [&](int t, char* wire, int64_t r) {
+        write_to(t, wire, OneRow{r < 0 ? nullptr : recv_x + r * out_row_bytes,
+                                 r < 0 ? nullptr : reinterpret_cast<char*>(p.recv_scales + r * S)});
     };
     // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the
     // order me+1, me+2, ...: that sender also writes this rank's own output row; the receivers write the rest.
@@ -664,18 +589,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 const int pos = __ldg(p.send_pos + int64_t(tok) * R + me);
                 if (pos >= 0 && first_peer(tok) == d) own_row = self_base + pos;
             }
-            if constexpr (kFuse != 0) {  // the own copies' expert-major rows on this rank
-                if (__any_sync(0xffffffffu, own_row >= 0))
-                    for_each_entry(rows, K, tok, lane, [&](int i, int k, int t) {
-                        int row;
-                        float weight;
-                        expert_entry(p, t, me, k, row, weight);
-                        s_fan[i * K + k] = row;
-                    });
-            }
             for (int i = 0; i < rows; ++i)
                 write_row(__shfl_sync(0xffffffffu, tok, i), first + int64_t(i) * sl.slot_bytes,
-                          __shfl_sync(0xffffffffu, own_row, i), i);
+                          __shfl_sync(0xffffffffu, own_row, i));
             publish(flags(c.bufs[d], me) + chunk, seq, lane);
         }
     } else {
@@ -708,7 +624,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                         if (expert) {
                             expert_entry(p, t, me, k, idx, weight);
                             record_slot(p, out_first + i, k, idx, weight);
-                            if constexpr (kFuse != 0) s_fan[i * K + k] = idx;
                         } else if (recv_topk) {
                             localize(p, t, me, k, idx, weight);
                             emit_entry(p, out_first + i, k, idx, weight, s_hist);
@@ -716,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     });
                 if (lane < rows) p.recv_src_idx[out_first + lane] = tok;
                 for (int i = 0; i < rows; ++i)
-                    write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, (own_rows >> i) & 1u ? out_first + i : -1, i);
+                    write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, (own_rows >> i) & 1u ? out_first + i : -1);
                 continue;
             }
             if (!wait_rows(c, s, begin, Arrival{0, 1} /* every row by SM stores */, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, seen[s], lane)) break;
@@ -729,7 +644,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     const float weight = reinterpret_cast<const volatile float*>(slot + sl.w_off)[k];
                     if (expert) {
                         record_slot(p, out_first + i, k, idx, weight);
-                        if constexpr (kFuse != 0) s_fan[i * K + k] = idx;
                     } else {
                         emit_entry(p, out_first + i, k, idx, weight, s_hist);
                     }
@@ -737,14 +651,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             if (lane < rows)
                 p.recv_src_idx[out_first + lane] =
                     *reinterpret_cast<const volatile int*>(first + int64_t(lane) * sl.slot_bytes + sl.src_off);
-            // The staged row `slot` into this rank's output(s) `out` (OneRow / FanRows).
+            // The staged row `slot` into this rank's output `out` (OneRow).
             auto receive_row = [&](const char* slot, const auto& out) {
                 if (dequant) {
                     dequant_row<true, OutT>(reinterpret_cast<const uint8_t*>(slot),
                                             reinterpret_cast<const float*>(slot + sl.scales_off), out, H, lane);
                     return;
                 }
-                if (one_row(out) && wire_fp8 && S % 4 == 0) {  // the scales in the payload's batch of loads (as above)
+                if (wire_fp8 && S % 4 == 0) {  // the scales in the payload's batch of loads (as above)
                     copy_row<true>(nullptr, out, reinterpret_cast<const int4*>(slot), (sl.payload_bytes + 4 * S) / 16,
                                    lane, sl.payload_bytes / 16);
                     return;
@@ -756,13 +670,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             };
             for (int i = 0; i < rows; ++i) {
                 const char* slot = first + int64_t(i) * sl.slot_bytes;
-                if constexpr (kFuse != 0) {
-                    receive_row(slot, fan(i));
-                } else {
-                    receive_row(slot, OneRow{recv_x + (out_first + i) * out_row_bytes,
-                                             wire_fp8 ? reinterpret_cast<char*>(p.recv_scales + (out_first + i) * S)
-                                                      : nullptr});
-                }
+                receive_row(slot, OneRow{recv_x + (out_first + i) * out_row_bytes,
+                                         wire_fp8 ? reinterpret_cast<char*>(p.recv_scales + (out_first + i) * S)
+                                                  : nullptr});
             }
         }
     }
@@ -773,22 +683,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     if (!fits) return;
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, nthreads = int64_t(gridDim.x) * blockDim.x;
     if (expert) {
-        // Padding rows at the end of each local expert's block get probability 0 (permute zeroes their rows; the
-        // fused expansion zeroes them here, and their scales).
-        if (p.alignment <= 1) return;
-        const int64_t vecs = out_row_bytes / 16, scales = wire_fp8 && !dequant ? S : 0;
-        if (kFuse == 0 && p.expert_probs == nullptr) return;
+        // Padding rows at the end of each local expert's block get probability 0 (permute zeroes their rows).
+        if (p.alignment <= 1 || p.expert_probs == nullptr) return;
         int64_t base = 0;
         for (int l = 0; l < L; ++l) {
             const int aligned = p.expert_info[3 + l], exact = p.expert_info[3 + L + l];
-            if (kFuse == 0 || p.expert_probs != nullptr)
-                for (int64_t i = tid; i < aligned - exact; i += nthreads) p.expert_probs[base + exact + i] = 0.0f;
-            if constexpr (kFuse != 0) {
-                int4* rows = static_cast<int4*>(p.expert_x) + (base + exact) * vecs;
-                for (int64_t i = tid; i < (aligned - exact) * vecs; i += nthreads) rows[i] = make_int4(0, 0, 0, 0);
-                for (int64_t i = tid; i < (aligned - exact) * scales; i += nthreads)
-                    p.expert_scales[(base + exact) * scales + i] = 0.0f;
-            }
+            for (int64_t i = tid; i < aligned - exact; i += nthreads) p.expert_probs[base + exact + i] = 0.0f;
             base += aligned;
         }
         return;
@@ -814,24 +714,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
 // warps or (copy_engine) all of them by the host-side copy streams, straight from x; the origin sums each token's copies in source-rank order in fp32, then the biases.
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
-// kFuse (combine_experts' fused reduction, push only): x is the expert-major y, and each received row is summed
-// from its expert rows where it is needed (senders: the rows they push; receivers: this rank's own tokens).
-//
-// Fused reduction (kFuse): received row r of a combine's input made from the expert-major rows y as unpermute makes
-// it (its valid recv_slot entries, k ascending, into the warp's `list` in shared memory; then sum_rows per vector).
-// Returns the entries' number; a warp-uniform call.
-__device__ __forceinline__ int slot_list(const moe_ep_combine_params& p, int64_t r, int* list) {
-    __syncwarp();  // the previous row's sums have read the list
-    return permute_kernels::row_slots(p.recv_slot, r, int(p.slot_topk), p.num_expert_rows, list).count;
-}
-
-constexpr int kSumBatch = 8;  // expert rows whose loads the fused reduction keeps in flight together (unpermute's)
-
-template <typename T, int kRanks, int kFuse>
+template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p) {
     constexpr int kN = Vec<T>::kN;
-    // fused: a quarter of the vectors in flight (at least one), so that the own row's sums fit the registers
-    constexpr int kUnroll = kFuse == 0 ? kCopyBatch / kRanks : kCopyBatch / kRanks / 4 > 0 ? kCopyBatch / kRanks / 4 : 1;
+    constexpr int kUnroll = kCopyBatch / kRanks;
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = int(p.num_topk);
@@ -844,12 +730,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     const bool ce = p.copy_engine != 0;
     const int cap_rows = int(min(c.region_bytes / (row_bytes + 4 * K), int64_t(kMaxRegionRows)));
     const Role role = assign_role(int(p.num_send_warps), int(p.num_send_blocks), warp);
-    extern __shared__ int s_lists[];  // fused reduction: each warp's slot list
-    int* list = s_lists + warp * 32;
 
     if (role.send) {
-        // the rows chunk by chunk, interleaved over peers (none when the copy engines carry them); fused, each row
-        // summed from its expert rows on the way
+        // the rows chunk by chunk, interleaved over peers (none when the copy engines carry them)
         const int gw = role.gw, nw = role.nw;
         int max_chunks = 0;
         for (int d = 0; d < R; ++d) {
@@ -867,19 +750,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             }
             const int64_t base = offset_from(rpm, R, d, me);
             char* dst_region = region(c, d, me);
-            if constexpr (kFuse != 0) {
-                for (int i = 0; i < end - begin; ++i) {
-                    const int n = slot_list(p, base + begin + i, list);
-                    int4* wire = reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes);
-                    for (int j = lane; j < n16; j += 32)
-                        wire[j] = sum_rows<T, kSumBatch>(reinterpret_cast<const int4*>(x), n16, list, n, j);
-                }
-            } else {
-                prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
-                for (int i = 0; i < end - begin; ++i)
-                    copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes), OneRow{nullptr, nullptr},
-                                    reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
-            }
+            prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
+            for (int i = 0; i < end - begin; ++i)
+                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes), OneRow{nullptr, nullptr},
+                                reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
             if (p.topk_weights != nullptr) {
                 float* w = reinterpret_cast<float*>(dst_region + count * row_bytes) + int64_t(begin) * K;
                 for (int e = lane; e < (end - begin) * K; e += 32) w[e] = __ldg(p.topk_weights + (base + begin) * K + e);
@@ -943,11 +817,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             src[r] = row_base[r] + int64_t(pos) * row_bytes;
         }
         if (!ok) break;
-        int own_slots = 0;  // fused: this rank's own row is summed from its expert rows
-        if constexpr (kFuse != 0) {  // (send_pos again, not cur_pos[me]: a run-time index would put cur_pos in memory)
-            const int pos = __ldg(p.send_pos + int64_t(t) * R + me);
-            if (pos >= 0) own_slots = slot_list(p, self_base + pos, list);
-        }
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
 #pragma unroll 1
         for (int j0 = lane; j0 < n16; j0 += 32 * kUnroll) {
@@ -959,11 +828,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                     const int j = j0 + 32 * u;
                     if (src[r] != nullptr && j < n16) {
                         const int4* a = reinterpret_cast<const int4*>(src[r]) + j;
-                        if (kFuse != 0 && r == me) {
-                            v[r][u] = sum_rows<T, kSumBatch>(reinterpret_cast<const int4*>(x), n16, list, own_slots, j);
-                        } else {
-                            v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
-                        }
+                        v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
                     }
                 }
 #pragma unroll

@@ -1,7 +1,7 @@
 #pragma once
 // Device code of the local expert-major permutation (csrc/moe_ep.h; launched from csrc/api.cu): slot assignment,
-// the row scatter into expert blocks and the fixed-order gather-sum back. Every transport without fused dispatch/combine kernels composes its dispatch and
-// combine with these.
+// the row scatter into expert blocks and the fixed-order gather-sum back. The transports compose their expert-major
+// dispatch and combine with these.
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -38,17 +38,7 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 // blocks' counts (integer sums: exact and deterministic; shared-memory atomics only add counts) and the first row of
 // each expert for each of its warps, then the warps walk their range again and hand out rows in order. Ranks inside
 // a 32-entry step come from __match_any_sync, never from atomics. No grid-wide sync: the kernel boundary orders them.
-//
-// World-size-1 layout (SlotsLayout given): every expert is local, and the place kernel also writes what notify
-// would at one rank, so a dispatch_experts needs neither notify nor its barrier.
 
-// What the world-size-1 layout writes besides recv_slot (null pointers: plain expert_slots).
-struct SlotsLayout {
-    int32_t* info;         // [1 + 4 + 2E]: the rank prefix matrix [1], then notify's info (csrc/moe_ep.h)
-    int32_t* expert_pos;   // [N, K]: each entry's index among its expert's entries, -1 for none
-    int32_t* send_offset;  // [E]: first row of each expert's block
-    int num_tokens, num_topk;
-};
 
 // Local expert of flat entry i of a warp range ending at `end`, or -1 (past the end, -1, or not local).
 __device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, int64_t end, int num_local_experts) {
@@ -116,11 +106,10 @@ __device__ __forceinline__ WarpRange count_warp_range(const int64_t* topk_idx, i
     return {begin, end};
 }
 
-// block_counts: [blocks][L] pairs per local expert, then (layout) [blocks] tokens without an expert and [blocks]
-// out-of-range ids.
+// block_counts: [blocks][L] pairs per local expert.
 __global__ void __launch_bounds__(kBlockThreads)
     slot_counts_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts,
-                       int64_t per_warp, int32_t* __restrict__ block_counts, SlotsLayout layout) {
+                       int64_t per_warp, int32_t* __restrict__ block_counts) {
     extern __shared__ int smem[];
     const int L = num_local_experts;
     count_warp_range(topk_idx, num_entries, L, per_warp, smem);
@@ -129,32 +118,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         for (int w = 0; w < kWarpsPerBlock; ++w) sum += smem[w * L + l];
         block_counts[int64_t(blockIdx.x) * L + l] = sum;
     }
-    if (layout.info == nullptr) return;
-    __shared__ int s_empty, s_invalid;
-    if (threadIdx.x == 0) s_empty = s_invalid = 0;
-    __syncthreads();
-    for (int t = blockIdx.x * kBlockThreads + threadIdx.x; t < layout.num_tokens; t += gridDim.x * kBlockThreads) {
-        bool any = false;
-        int invalid = 0;
-        for (int k = 0; k < layout.num_topk; ++k) {
-            const int64_t e = __ldg(topk_idx + int64_t(t) * layout.num_topk + k);
-            any |= e >= 0 && e < L;
-            invalid += e < -1 || e >= L;
-        }
-        if (!any) atomicAdd(&s_empty, 1);
-        if (invalid) atomicAdd(&s_invalid, invalid);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        block_counts[int64_t(gridDim.x) * L + blockIdx.x] = s_empty;
-        block_counts[int64_t(gridDim.x) * (L + 1) + blockIdx.x] = s_invalid;
-    }
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
     slot_place_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts, int alignment,
-                      int64_t per_warp, int32_t* __restrict__ recv_slot, const int32_t* __restrict__ block_counts,
-                      SlotsLayout layout) {
+                      int64_t per_warp, int32_t* __restrict__ recv_slot, const int32_t* __restrict__ block_counts) {
     extern __shared__ int smem[];
     const int L = num_local_experts;
     int* counters = smem;                          // [warp][l]: the warp's pairs of l, then its next row of l
@@ -184,33 +152,10 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
     }
     __syncthreads();
-    const bool writes_layout = layout.info != nullptr && blockIdx.x == 0;
-    int32_t* info = writes_layout ? layout.info + 1 : nullptr;  // after the rank prefix matrix
-    for (int l = threadIdx.x; l < L; l += kBlockThreads) {
-        const int aligned = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
-        if (writes_layout) {
-            info[3 + l] = aligned;
-            info[3 + L + l] = totals[l];
-        }
-        totals[l] = aligned;
-    }
+    for (int l = threadIdx.x; l < L; l += kBlockThreads)
+        totals[l] = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
     __syncthreads();
-    const int last_aligned = totals[L - 1];
     block_exclusive_scan(totals, L, scratch);
-    if (writes_layout) {
-        for (int l = threadIdx.x; l < L; l += kBlockThreads) layout.send_offset[l] = totals[l];
-        if (threadIdx.x == 0) {
-            int empty = 0, invalid = 0;
-            for (int b = 0; b < int(gridDim.x); ++b) {
-                empty += __ldg(block_counts + num_counts + b);
-                invalid += __ldg(block_counts + num_counts + gridDim.x + b);
-            }
-            const int rows = totals[L - 1] + last_aligned;
-            layout.info[0] = info[0] = layout.num_tokens - empty;  // one rank: every token with an expert stays
-            info[1] = invalid != 0 ? 1 : 0;
-            info[2] = info[3 + 2 * L] = rows;
-        }
-    }
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int next = totals[l] + before[l];
         for (int w = 0; w < kWarpsPerBlock; ++w) {
@@ -227,10 +172,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         __syncwarp();
         if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
         __syncwarp();
-        if (i < range.end) {
-            recv_slot[i] = slot;
-            if (layout.expert_pos != nullptr) layout.expert_pos[i] = e >= 0 ? slot - totals[e] : -1;
-        }
+        if (i < range.end) recv_slot[i] = slot;
     });
 }
 

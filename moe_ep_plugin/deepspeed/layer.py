@@ -108,8 +108,7 @@ class PluginMOELayer(MOELayer):
         options = self.options
         buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), options.transport, options.timeout_s,
                             options.num_sms, options.ranks_per_node)
-        configs = sm_configs(options.num_sms, buffer.group_size, options.hierarchical_chunks,
-                             **options.nvlink_tuning())
+        configs = sm_configs(options.num_sms, buffer.group_size)
         self._time(FIRST_ALLTOALL_TIMER, True)
         rows, probs, counts, handle = ep_autograd.dispatch_experts(
             buffer, x, routes.topk_idx, routes.topk_weights, self.num_experts,
@@ -150,16 +149,13 @@ class MoE(DeepSpeedMoE):
                  expert_bias_rate: float = 0.0, fp8_dispatch: bool = False, round_scale: bool = False,
                  transport: str = "auto", num_sms: Optional[int] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, ranks_per_node: Optional[int] = None,
-                 expert_compute: str = "auto", fused_dispatch: bool = False, fused_dispatch_sms: int = 0,
-                 fused_combine: bool = False, hierarchical_chunks: int = 1) -> None:
+                 expert_compute: str = "auto") -> None:
         options = DeepSpeedOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                    num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
                                    expert_bias_rate=expert_bias_rate, fp8_dispatch=fp8_dispatch,
                                    round_scale=round_scale, transport=transport, num_sms=num_sms,
                                    timeout_s=timeout_s, ranks_per_node=ranks_per_node,
-                                   expert_compute=expert_compute, fused_dispatch=fused_dispatch,
-                                   fused_dispatch_sms=fused_dispatch_sms, fused_combine=fused_combine,
-                                   hierarchical_chunks=hierarchical_chunks)
+                                   expert_compute=expert_compute)
         if not isinstance(expert, torch.nn.Module):
             raise TypeError(f"expert: expected a torch.nn.Module, got {type(expert).__name__}")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):

@@ -137,8 +137,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, num_sms,
                                 options.ranks_per_node)
             self._shared_buffer, self._shared_buffer_key = buffer, key
-            self._configs = sm_configs(options.num_sms, buffer.group_size, options.hierarchical_chunks,
-                                       **options.nvlink_tuning())
+            self._configs = sm_configs(options.num_sms, buffer.group_size)
         return buffer
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):

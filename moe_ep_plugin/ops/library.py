@@ -12,7 +12,7 @@ from typing import Optional
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 10
+ABI_VERSION = 11
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -39,11 +39,10 @@ class DispatchParams(ctypes.Structure):
         "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
             "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
-            "wire_fp8", "fp8_in", "fp8_out", "round_scale", "num_sms", "num_send_warps", "num_send_blocks")] + [
+            "wire_fp8", "fp8_in", "fp8_out", "round_scale", "num_sms", "num_send_warps")] + [
         ("send_pos", _p), ("expert_major", _i64)] + [
         (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
-        (name, _i64) for name in ("alignment", "speculative_rows", "pull", "fused_expansion")] + [
-        ("expert_x", _p), ("expert_scales", _p), ("num_expert_rows", _i64)]
+        (name, _i64) for name in ("alignment", "speculative_rows", "pull")]
 
 
 class CombineParams(ctypes.Structure):
@@ -54,8 +53,7 @@ class CombineParams(ctypes.Structure):
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
                                   "num_send_warps", "num_send_blocks", "copy_engine", "copy_piece_rows",
                                   "copy_streams")] + [
-        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64), ("fused_reduction", _i64), ("recv_slot", _p),
-        ("slot_topk", _i64), ("num_expert_rows", _i64)]
+        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
 
 
 class LLDispatchParams(ctypes.Structure):
@@ -118,8 +116,6 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_own_region.restype = _p
     lib.moe_ep_own_region.argtypes = [_p]
     lib.moe_ep_read_start.argtypes = [_p, _p, _i64, _p]
-    lib.moe_ep_read_mark.argtypes = [_p, _p]
-    lib.moe_ep_read_marked.argtypes = [_p, _p, _i64]
     lib.moe_ep_read_wait.argtypes = [_p]
     lib.moe_ep_read_buffer.restype = ctypes.POINTER(ctypes.c_int32)
     lib.moe_ep_read_buffer.argtypes = [_p]
@@ -133,7 +129,6 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
     lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _p]
-    lib.moe_ep_local_layout.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _p]
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_ll_set_bytes.restype = _i64
@@ -142,8 +137,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_ll_combine_buffer.argtypes = [_p, _i64, _i64, _i64, _i64]
     for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
-                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start", "moe_ep_read_mark", "moe_ep_read_marked",
-                 "moe_ep_read_wait", "moe_ep_expert_slots", "moe_ep_local_layout", "moe_ep_permute", "moe_ep_unpermute",
+                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start",
+                 "moe_ep_read_wait", "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute",
                  "moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib

@@ -1,6 +1,6 @@
 """The hierarchical transport on one GPU: 4 ranks share it as 2 emulated nodes x 2 ranks (gloo group,
 ``Buffer(device=...)``), the node stage on the nvlink kernels, and — a gloo group cannot carry CUDA tensors —
-the rail stage on the nvlink kernels too (the test-only switch ``MOE_EP_TEST_RAIL_NVLINK=1``). Every output is
+the rail stage on the nvlink kernels too (``create_transport(..., rail="nvlink")``). Every output is
 compared with the CPU hierarchical transport (torch stages over gloo) on the same inputs, which
 tests/test_hierarchical.py proves against the plain-loop reference. Skips without a GPU or the kernel library.
 Written without a GPU to run it on (2026-12-01): not yet run; the chunked (``Config.hierarchical_chunks``)
@@ -19,18 +19,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 from moe_ep_plugin import Buffer, Config, autograd  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8  # noqa: E402
-from moe_ep_plugin.transports import RAIL_ENV_VAR  # noqa: E402
+from moe_ep_plugin.transports import create_transport, node_ids, split_by_node  # noqa: E402
 from gpu_marks import NEEDS_KERNELS  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 
 
 def _buffers() -> tuple[Buffer, Buffer]:
-    os.environ[RAIL_ENV_VAR] = "1"
-    try:
-        gpu = Buffer(transport="hierarchical", ranks_per_node=2, device="cuda:0", timeout_s=60)
-    finally:
-        del os.environ[RAIL_ENV_VAR]
+    """A Buffer of the shared GPU whose transport is the hierarchical one with both stages on the kernels (built
+    by the registry with ``rail="nvlink"``: a gloo group cannot carry the GPU's rows between emulated nodes), and
+    the CPU reference."""
+    group, device = dist.group.WORLD, torch.device("cuda", 0)
+    gpu = Buffer(transport="nvlink", device=device, timeout_s=60)
+    gpu.transport.destroy()
+    gpu.transport = create_transport("hierarchical", group, device, 60, 0, split_by_node(group, node_ids(group, 2)),
+                                     rail="nvlink")
     cpu = Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=60)
     assert type(gpu.transport.intra).__name__ == "NVLinkTransport"
     assert type(gpu.transport.rail).__name__ == "NVLinkTransport"

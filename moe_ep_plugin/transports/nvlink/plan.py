@@ -47,41 +47,26 @@ def send_blocks(blocks: int, num_sms: int) -> int:
     return blocks if 0 < blocks < num_sms else 0
 
 
-# How one kernel launch moves rows: ``(pull, copy_engine, num_send_warps, num_send_blocks)``: receivers load
+# How one combine launch moves rows: ``(pull, copy_engine, num_send_warps, num_send_blocks)``: receivers load
 # peers' rows over NVLink; the copy engines carry every combined row; sender warps per block and whole sender
-# blocks (0 and 0: every warp receives or reduces). A plain tuple: built on every call (a NamedTuple costs 0.25 us).
+# blocks (0 and 0: every warp receives or reduces).
 Roles = tuple[bool, bool, int, int]
 
 
-def dispatch_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int, wire_fp8: bool, fp8_out: bool,
-                   fused: bool = False) -> Roles:
-    """A dispatch's roles: pull when the tuning says so for this mode (never at world size 1: nothing crosses),
-    else push with the mode's sender warps (quantizing senders do more work, and dequantizing receivers too).
-    A fused expansion (``fused``) at world size 1 keeps only the one sender warp the kernel requires: there is
-    nothing to send, and its receivers write every row K times."""
-    if fused and num_ranks == 1:
-        return False, False, 1, 0
-    if (tuning.quantizing_dispatch_pull if wire_fp8 else tuning.dispatch_pull) and num_ranks > 1:
-        return True, False, tuning.pull_dispatch_send_warps, 0
+def dispatch_roles(tuning: NVLinkTuning, wire_fp8: bool, fp8_out: bool) -> tuple[bool, int]:
+    """A dispatch's ``(pull, num_send_warps)``: pull when the tuning says so for this mode, else push with the
+    mode's sender warps (quantizing senders do more work, and dequantizing receivers too)."""
+    if tuning.quantizing_dispatch_pull if wire_fp8 else tuning.dispatch_pull:
+        return True, tuning.pull_dispatch_send_warps
     if not wire_fp8:
-        warps = tuning.dispatch_send_warps
-    else:
-        warps = tuning.quantizing_dispatch_send_warps if fp8_out else tuning.dequantizing_dispatch_send_warps
-    return False, False, warps, send_blocks(tuning.dispatch_send_blocks, num_sms)
-
-
-def fused_combine_roles(tuning: NVLinkTuning, num_sms: int, num_ranks: int) -> Roles:
-    """A fused combine reduction's roles: always push (its senders make the rows they send), with the tuning's
-    senders, but only the one sender warp the kernel requires at world size 1 (nothing to send)."""
-    if num_ranks == 1:
-        return False, False, 1, 0
-    return False, False, tuning.combine_send_warps, send_blocks(tuning.combine_send_blocks, num_sms)
+        return False, tuning.dispatch_send_warps
+    return False, tuning.quantizing_dispatch_send_warps if fp8_out else tuning.dequantizing_dispatch_send_warps
 
 
 def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: Optional[int], row_bytes: int,
                   pull_capacity: Callable[[], int]) -> Roles:
     """A combine's roles. ``most_rows``: the most rows any rank received (None when the counts are not on the host:
-    a ``num_worst_tokens`` handle, another transport's handle, or world size 1), which the copy engines and the
+    a ``num_worst_tokens`` handle or another transport's handle), which the copy engines and the
     pull need; every rank decides alike. Copy engines first (below ``copy_engine_combine_below_sms``), then pull
     (rows of at least ``pull_combine_min_bytes`` in all that fit the own region: ``pull_capacity()`` rows, asked
     only then), else push."""

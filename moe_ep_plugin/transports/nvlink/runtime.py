@@ -160,25 +160,16 @@ class NVLinkRuntime:
         """The most combined rows of ``row_bytes`` (and ``num_topk`` weights) this rank's own region holds."""
         return self.lib.moe_ep_pull_rows(self.ctx, row_bytes, num_topk)
 
-    def start_read(self, src: int, length: int, marked: bool = False) -> Callable[[], list[int]]:
+    def start_read(self, src: int, length: int) -> Callable[[], list[int]]:
         """Start a host read of ``length`` int32 at device address ``src``: copied to pinned memory on the
-        library's side stream after the work enqueued so far (``marked``: after the last :meth:`mark_read`), so the
-        caller can enqueue more before it waits. Returns the wait, which gives the values (the memory must stay
-        alive until then)."""
-        if marked:
-            self._check(self.lib.moe_ep_read_marked(self.ctx, src, 4 * length), "read_start")
-        else:
-            self._check(self.lib.moe_ep_read_start(self.ctx, src, 4 * length, self.stream()), "read_start")
+        library's side stream after the work enqueued so far, so the caller can enqueue more before it waits.
+        Returns the wait, which gives the values (the memory must stay alive until then)."""
+        self._check(self.lib.moe_ep_read_start(self.ctx, src, 4 * length, self.stream()), "read_start")
 
         def wait() -> list[int]:
             self._check(self.lib.moe_ep_read_wait(self.ctx), "read_wait")
             return self.read_buffer[:length]
         return wait
-
-    def mark_read(self) -> None:
-        """Mark the point of the current stream after which the next ``start_read(..., marked=True)`` copies: work
-        enqueued after the mark and before that call is launched first but not waited for."""
-        self._check(self.lib.moe_ep_read_mark(self.ctx, self.stream()), "read_mark")
 
     def destroy(self) -> None:
         """Free the peer buffer after every rank is done with it (collective). After a timeout the CUDA context is

@@ -20,8 +20,6 @@ host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
 from __future__ import annotations
 
 import ctypes
-import functools
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
@@ -32,10 +30,29 @@ from ...config import Config
 from ...handle import DispatchHandle, ExpertLayout
 from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
-from ...ops.library import MAX_EXPERTS, MAX_TOPK, META_WORDS, CombineParams, DispatchParams
-from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, dispatch_meta, slot_weights
-from .plan import (combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, fused_combine_roles,
-                   most_received, staging_capacity)
+from ...ops.library import (
+    MAX_EXPERTS,
+    MAX_TOPK,
+    META_WORDS,
+    CombineParams,
+    DispatchParams,
+)
+from ..base import (
+    DispatchArgs,
+    DispatchResult,
+    ExpertDispatchResult,
+    Transport,
+    dispatch_meta,
+    slot_weights,
+)
+from .plan import (
+    combine_roles,
+    combine_row_bytes,
+    dispatch_roles,
+    dispatch_slot_bytes,
+    most_received,
+    staging_capacity,
+)
 from .runtime import NVLinkRuntime
 
 _T = TypeVar("_T")
@@ -48,93 +65,36 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 _MetaWords = ctypes.c_int32 * META_WORDS
 
 
+def _info(prefix: torch.Tensor, num_ranks: int) -> int:
+    """Address of notify's ``info`` words, right after the rank prefix matrix ``[R, R]`` in ``prefix``."""
+    return prefix.data_ptr() + 4 * num_ranks * num_ranks
+
+
 def _meta_words(args: DispatchArgs) -> ctypes.Array:
     """``dispatch_meta(args)`` as the ``MOE_EP_META_WORDS`` int32 words notify exchanges (zero-padded)."""
     return _MetaWords(*dispatch_meta(args))
 
 
-class _Carve:
-    """Int32 tensors of several shapes in one allocation, each starting 16-byte aligned. Their addresses are known
-    before any view exists, so a kernel can be launched on them first, and only the tensors callers see get a view
-    (host time: one allocation instead of several, one torch call per view, none for addresses)."""
-
-    def __init__(self, device: torch.device, *shapes: tuple[int, ...]):
-        self._shapes = shapes
-        self._starts, total = _carve_starts(shapes)
-        self._flat = torch.empty(total, dtype=torch.int32, device=device)
-        self._base = self._flat.data_ptr()
-
-    def ptr(self, i: int, offset: int = 0) -> int:
-        """Address of element ``offset`` of tensor ``i``."""
-        return self._base + 4 * (self._starts[i] + offset)
-
-    def view(self, i: int, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
-        """Tensor ``i``, or its first elements as a contiguous ``shape``, in one torch call."""
-        shape = self._shapes[i] if shape is None else shape
-        if len(shape) == 1:
-            return self._flat[self._starts[i]:self._starts[i] + shape[0]]
-        return self._flat.as_strided(shape, (shape[1], 1), self._starts[i])
-
-
-@functools.lru_cache(maxsize=256)
-def _carve_starts(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], int]:
-    """Where each of ``shapes`` starts in a :class:`_Carve` (int32 elements, 16-byte aligned), and the total: the same
-    few shapes recur call after call, so this is computed once per shape set (host time)."""
-    starts, total = [], 0
-    for shape in shapes:
-        starts.append(total)
-        total += (math.prod(shape) + 3) // 4 * 4
-    return tuple(starts), total
-
-
-class _StayingTokens:
-    """What a world-size-1 handle takes when every one of ``n`` tokens stays: ``(recv_src_idx [n] int32 0, 1, ...,
-    n - 1, send_pos [n, 1] (the same values), is_token_in_rank [n, 1] bool all True)``, views of two kept tensors
-    (regrown twice as long when too short); :attr:`address` is the send list's (the same values, at least one row).
-    The views of the last ``n`` are handed out again (host time: a repeated token count makes no torch call)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._views: tuple[torch.Tensor, ...] = ()  # those of the token count self._n (set by _grow / __call__)
-        self._grow(1)
-
-    def _grow(self, rows: int) -> None:
-        self._range = torch.arange(rows, dtype=torch.int32, device=self._device)
-        self._ones = torch.ones(rows, 1, dtype=torch.bool, device=self._device)
-        self.address = self._range.data_ptr()
-        self._n: Optional[int] = None
-
-    def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if n != self._n:
-            if self._range.shape[0] < n:
-                self._grow(max(n, 2 * self._range.shape[0]))
-            tokens = self._range[:n]
-            self._views, self._n = (tokens, tokens.view(n, 1), self._ones[:n]), n
-        return self._views
-
-
 @dataclass
 class _ExpertState:
-    """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64 and the addresses (inside
-    the notify outputs the handle's state keeps) of each entry's position among this rank's entries for its expert
-    ``[N, K]`` int32, ``send_offset`` ``[E]`` int32 and notify's ``info`` ``[3 + 2L]`` int32 (csrc/moe_ep.h)."""
+    """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64, each entry's position
+    among this rank's entries for its expert ``expert_pos`` ``[N, K]`` int32 and ``send_offset`` ``[E]`` int32
+    (notify's outputs; notify's ``info`` ``[3 + 2L]`` int32 follows the rank prefix matrix, csrc/moe_ep.h)."""
 
     topk_idx: torch.Tensor
-    expert_pos: int
-    send_offset: int
-    info: int
+    expert_pos: torch.Tensor
+    send_offset: torch.Tensor
 
 
 @dataclass
 class _NVLinkState:
-    """Kept in ``DispatchHandle.transport_state``: notify's outputs (kept alive: the kernels read them by address),
-    the address and row stride of the tokens sent to each rank, in order (``[R, list_stride]`` int32), the count
+    """Kept in ``DispatchHandle.transport_state``: notify's ``prefix`` (the rank prefix matrix ``[R * R]`` then
+    ``info``, int32), the tokens sent to each rank, in order (``send_list`` ``[R, max(N, 1)]`` int32), the count
     matrix on the host (``host_counts[i * R + j]``: rows rank i sends to rank j; None after a ``num_worst_tokens``
     dispatch, which reads nothing back) and, for an expert-major handle, its layout state."""
 
-    notified: _Carve
-    send_list: int
-    list_stride: int
+    prefix: torch.Tensor
+    send_list: torch.Tensor
     host_counts: Optional[list[int]] = None
     expert: Optional[_ExpertState] = None
     _counts_array: Optional[ctypes.Array] = field(default=None, repr=False)
@@ -180,14 +140,15 @@ class NVLinkTransport(Transport):
         """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
         return NVLinkRuntime.unavailable_reason(group, device)
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int = 0) -> None:
-        super().__init__(group, device, timeout_s)
-        self._rt = NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
-        self.device = self._rt.device
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int = 0,
+                 runtime: Optional[NVLinkRuntime] = None) -> None:
+        """``runtime``: the peer memory and library calls to use (default: a new :class:`NVLinkRuntime` over
+        ``group``, collective); the rank, group size and device are the runtime's."""
+        rt = runtime if runtime is not None else NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
+        self.group, self.rank, self.num_ranks, self.timeout_s = group, rt.rank, rt.num_ranks, timeout_s
+        self._rt = rt
+        self.device = rt.device
         self._recv_guess = 0  # receive rows a dispatch allocates before it reads the count
-        self._rows_guess = 0  # expert-major rows a fused (or EP1 aligned) dispatch allocates before it reads the count
-        self._staying = _StayingTokens(self.device)
-        self._local_fallback = False  # the last fresh EP1 expert-major dispatch had a token without an expert
 
     def check_error(self) -> None:
         """Raise if a kernel on this rank recorded a failure (sticky; after a timeout the CUDA context is lost)."""
@@ -212,12 +173,12 @@ class NVLinkTransport(Transport):
         return kernel_dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     # ---- dispatch ----
-    def _notify(self, args: DispatchArgs) -> _Carve:
+    def _notify(self, args: DispatchArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Barrier + count exchange (token counts into the rank prefix matrix, out-of-range expert ids, the
         ``dispatch_meta`` words every rank checks, and without top-k the per-expert counts) into ``info``
         (csrc/moe_ep.h); returns notify's outputs: the rank prefix matrix ``[R, R]`` directly followed by ``info``
         ``[2]`` (``[2 + L]`` without top-k; one host read brings both), ``send_pos`` ``[N, R]``, the send list
-        ``[R, max(N, 1)]``."""
+        ``[R, max(N, 1)]``, all int32."""
         in_rank = args.is_token_in_rank.contiguous()
         n, r = in_rank.shape[0], self.num_ranks
         if args.layout_given:  # derived, not trusted: a count contradicting is_token_in_rank would read past the rows
@@ -235,26 +196,30 @@ class NVLinkTransport(Transport):
                                  f"{MAX_EXPERTS} experts' counts, got {args.num_experts}")
             per_expert = args.num_tokens_per_expert.to(device=self.device, dtype=torch.int32).contiguous()
         info = 2 + (args.num_experts // r if per_expert is not None else 0)
-        out = _Carve(self.device, (r * r + info,), (n, r), (r, max(n, 1)))
-        self._rt.notify_dispatch(_ptr(counts), _ptr(invalid), _ptr(in_rank), n, max(n, 1), out.ptr(0), out.ptr(1),
-                                 out.ptr(2), out.ptr(0, r * r), _meta_words(args), _ptr(per_expert), args.num_experts)
-        return out
+        prefix, send_pos, send_list = self._int32((r * r + info,), (n, r), (r, max(n, 1)))
+        self._rt.notify_dispatch(_ptr(counts), _ptr(invalid), _ptr(in_rank), n, max(n, 1), prefix.data_ptr(),
+                                 send_pos.data_ptr(), send_list.data_ptr(), _info(prefix, r), _meta_words(args),
+                                 _ptr(per_expert), args.num_experts)
+        return prefix, send_pos, send_list
 
-    def _prefix_matrix(self, notified: _Carve) -> torch.Tensor:
-        """The rank prefix matrix ``[R, R]`` int32 at the start of notify's first output."""
-        return notified.view(0, (self.num_ranks, self.num_ranks))
+    def _int32(self, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=torch.int32, device=self.device) for shape in shapes]
 
-    def _speculate(self, notified: int, info_length: int, num_experts: int, launch: Callable[[], _T]
+    def _prefix_matrix(self, prefix: torch.Tensor) -> torch.Tensor:
+        """The rank prefix matrix ``[R, R]`` int32 at the start of notify's ``prefix``."""
+        return prefix[:self.num_ranks * self.num_ranks].view(self.num_ranks, self.num_ranks)
+
+    def _speculate(self, prefix: torch.Tensor, info_length: int, num_experts: int, launch: Callable[[], _T]
                    ) -> tuple[_T, list[int], list[int], bool]:
         """The one host read of a fresh dispatch around its speculative kernel: start reading notify's outputs at
-        ``notified`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
+        ``prefix`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
         kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far) while the read
         runs, then wait. Returns ``(launch's result, host_counts, info, fits)``. Raises (every rank alike) when a
         rank found out-of-range expert ids. When some rank received more rows than the guess, the guess grows to
         that and ``fits`` is False: every rank (each sees the whole count matrix) then dispatches again."""
         r = self.num_ranks
         guess = self._recv_guess
-        wait = self._rt.start_read(notified, r * r + info_length)
+        wait = self._rt.start_read(prefix.data_ptr(), r * r + info_length)
         launched = launch()
         values = wait()
         self.check_error()
@@ -300,25 +265,22 @@ class NVLinkTransport(Transport):
                          recv_x: Optional[torch.Tensor], recv_scales: Optional[torch.Tensor],
                          topk_weights: Optional[torch.Tensor], alignment: int = 1, **outputs: int) -> None:
         """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` fields, addresses as
-        ints (passed to the struct's constructor with the rest: no attribute set per field). ``recv_x`` is None when
-        the fused expansion writes the expert-major rows instead."""
+        ints (passed to the struct's constructor with the rest: no attribute set per field)."""
         x = args.x
         n, hidden = x.shape
         state: _NVLinkState = handle.transport_state
         tuning = args.config.nvlink
-        fused = bool(outputs.get("fused_expansion"))
-        num_sms = (min(tuning.fused_dispatch_sms, self._rt.device_sms) if fused and tuning.fused_dispatch_sms
-                   else self._num_sms(args.config))
-        pull, _, warps, blocks = dispatch_roles(tuning, num_sms, self.num_ranks, args.wire_fp8, args.fp8_out, fused)
+        num_sms = self._num_sms(args.config)
+        pull, warps = dispatch_roles(tuning, args.wire_fp8, args.fp8_out)
         params = DispatchParams(
             x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list,
+            rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list.data_ptr(),
             recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden,
             x_elem_bytes=x.element_size(), num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
-            num_local_experts=args.num_experts // self.num_ranks, list_stride=state.list_stride,
+            num_local_experts=args.num_experts // self.num_ranks, list_stride=state.send_list.shape[1],
             num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
             fp8_out=int(args.fp8_out), round_scale=int(args.round_scale), num_sms=num_sms,
-            num_send_warps=warps, num_send_blocks=blocks, pull=int(pull),
+            num_send_warps=warps, num_send_blocks=0, pull=int(pull),
             send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
         self._rt.dispatch(params)
 
@@ -342,39 +304,39 @@ class NVLinkTransport(Transport):
         if args.handle is not None:
             self._replay_barrier(args.handle)
             return self._dispatch_rows(args, args.handle)
-        notified = self._notify(args)
+        prefix, send_pos, send_list = self._notify(args)
         worst = args.num_worst_tokens > 0  # no host read, so out-of-range ids are not reported in this mode
-        handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(notified),
-                                is_token_in_rank=args.is_token_in_rank.contiguous(), send_pos=notified.view(1),
+        handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(prefix),
+                                is_token_in_rank=args.is_token_in_rank.contiguous(), send_pos=send_pos,
                                 recv_src_idx=None,  # set by _dispatch_rows, which makes it
                                 num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
                                 num_ranks=self.num_ranks,
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
-                                transport_state=_NVLinkState(notified, notified.ptr(2), max(n, 1)))
+                                transport_state=_NVLinkState(prefix, send_list))
         if worst:
-            return self._without_topk_counts(args, self._dispatch_rows(args, handle), notified, None)
+            return self._without_topk_counts(args, self._dispatch_rows(args, handle), prefix, None)
         num_local = args.num_experts // self.num_ranks
         result, handle.transport_state.host_counts, info, fits = self._speculate(
-            notified.ptr(0), 2 + (num_local if args.topk_idx is None else 0), args.num_experts,
+            prefix, 2 + (num_local if args.topk_idx is None else 0), args.num_experts,
             lambda: self._dispatch_rows(args, handle, speculative_rows=1))
         num_recv = handle.num_recv_tokens = handle.num_recv_rows = info[0]
         if not fits:
             self._replay_barrier(handle)
-            return self._without_topk_counts(args, self._dispatch_rows(args, handle), notified, info)
+            return self._without_topk_counts(args, self._dispatch_rows(args, handle), prefix, info)
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
         cut = [None if t is None else t[:num_recv]
                for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
         return self._without_topk_counts(args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle),
-                                         notified, info)
+                                         prefix, info)
 
-    def _without_topk_counts(self, args: DispatchArgs, result: DispatchResult, notified: _Carve,
+    def _without_topk_counts(self, args: DispatchArgs, result: DispatchResult, prefix: torch.Tensor,
                              info: Optional[list[int]]) -> DispatchResult:
         """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every
         rank's ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``info``) when read."""
         if args.topk_idx is not None:
             return result
         r, num_local = self.num_ranks, args.num_experts // self.num_ranks
-        result.num_recv_tokens_per_expert = notified.view(0, (r * r + 2 + num_local,))[r * r + 2:]
+        result.num_recv_tokens_per_expert = prefix[r * r + 2:r * r + 2 + num_local]
         result.host_counts = None if info is None else info[2:2 + num_local]
         return result
 
@@ -405,199 +367,96 @@ class NVLinkTransport(Transport):
         ``permute.permute`` (all SMs) expands the received rows. One host read in all (the received row count and
         the per-expert counts together), taken while the dispatch kernel already runs: that kernel is launched
         right after notify with receive buffers of the most rows any rank received so far; when a rank receives
-        more, every rank (each sees the whole count matrix) dispatches once more with buffers that fit.
-
-        With ``config.nvlink.fused_dispatch`` the kernel itself writes every received row into all of its
-        expert-major rows (no receive buffer, no ``permute``): its output is then guessed too (the most expert-major
-        rows any rank had so far; notify reports the most of this call to every rank, so all agree on a second
-        dispatch). At world size 1 neither notify nor the dispatch kernel runs (:meth:`_local_dispatch_experts`)
-        unless a token names no expert."""
+        more, every rank (each sees the whole count matrix) dispatches once more with buffers that fit."""
         self.check_error()
         self._check_rows(args)
-        n = args.x.shape[0]
-        handle = args.handle
-        if handle is None:
-            num_experts = args.num_experts
-            if num_experts > MAX_EXPERTS:
-                raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {MAX_EXPERTS} "
-                                 f"experts, got {num_experts}")
-            if self._expands_locally(args):
-                result = self._local_dispatch_experts(args, alignment)
-                if result is not None:
-                    return result
-            topk_idx = args.topk_idx
-            k = topk_idx.shape[1]
-            num_local = num_experts // self.num_ranks
-            r = self.num_ranks
-            fused = args.config.nvlink.fused_dispatch
-            rows_guess = self._rows_guess
-            # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows
-            # (see _speculate).
-            guess = self._recv_guess
-            # notify's int32 outputs and the guessed receive metadata (recv_src_idx, recv_slot) from one
-            # allocation; views only of what the handle exposes, built after the launch
-            out = _Carve(self.device, (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k),
-                         (guess,), (guess, k))
-            in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
-            # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
-            self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), out.ptr(0), out.ptr(2),
-                                    out.ptr(3), _ptr(in_rank), out.ptr(4), out.ptr(1), out.ptr(0, r * r),
-                                    _meta_words(args))
-            state = _NVLinkState(out, out.ptr(3), max(n, 1), None,
-                                 _ExpertState(topk_idx, out.ptr(4), out.ptr(1), out.ptr(0, r * r)))
-            # recv_src_idx: set once the row count is known (the kernel writes it by address)
-            handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(out), is_token_in_rank=in_rank,
-                                    send_pos=out.view(2), recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
-                                    num_experts=num_experts, rank=self.rank, num_ranks=self.num_ranks,
-                                    num_recv_rows=guess, transport_state=state)
+        if args.handle is not None:
+            return self._expert_dispatch(args, args.handle, None)
+        num_experts = args.num_experts
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {MAX_EXPERTS} "
+                             f"experts, got {num_experts}")
+        topk_idx = args.topk_idx
+        (n, k), r = topk_idx.shape, self.num_ranks
+        num_local = num_experts // r
+        # The dispatch kernel starts before the counts are on the host, with receive buffers of `guess` rows
+        # (see _speculate); it writes recv_src_idx and recv_slot by address.
+        guess = self._recv_guess
+        prefix, send_offset, send_pos, send_list, expert_pos, recv_src_idx, recv_slot = self._int32(
+            (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k), (guess,), (guess, k))
+        in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
+        # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
+        self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), prefix.data_ptr(),
+                                send_pos.data_ptr(), send_list.data_ptr(), _ptr(in_rank), expert_pos.data_ptr(),
+                                send_offset.data_ptr(), _info(prefix, r), _meta_words(args))
+        state = _NVLinkState(prefix, send_list, None, _ExpertState(topk_idx, expert_pos, send_offset))
+        handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(prefix), is_token_in_rank=in_rank,
+                                send_pos=send_pos, recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
+                                num_experts=num_experts, rank=self.rank, num_ranks=r, num_recv_rows=guess,
+                                transport_state=state)
 
-            def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-                # fused: the expert-major rows themselves; else the received rows (permute expands them below)
-                recv_x, recv_scales = self._recv_tensors(args, rows_guess if fused else guess)
-                probs_rows = rows_guess if fused else guess * k + num_local * alignment  # the most M can be
-                probs = (torch.empty(probs_rows, dtype=torch.float32, device=self.device)
-                         if args.topk_weights is not None else None)
-                self._launch_expert_dispatch(args, handle, recv_x, recv_scales, out.ptr(5), out.ptr(6), probs,
-                                             alignment, args.topk_weights, fused, speculative_rows=1)
-                return recv_x, recv_scales, probs
+        def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+            recv_x, recv_scales = self._recv_tensors(args, guess)
+            probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
+                     if args.topk_weights is not None else None)  # the most M can be
+            self._launch_expert_dispatch(args, handle, recv_x, recv_scales, recv_src_idx, recv_slot, probs,
+                                         alignment, args.topk_weights, speculative_rows=1)
+            return recv_x, recv_scales, probs
 
-            # fused: also the exact counts and then the most expert-major rows of any rank (info[3 + 2L])
-            launched, state.host_counts, info, fits = self._speculate(
-                out.ptr(0), 4 + 2 * num_local if fused else 3 + num_local, num_experts, launch)
-            num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_local]
-            if fused and info[3 + 2 * num_local] > rows_guess:
-                self._rows_guess, fits = info[3 + 2 * num_local], False
-            handle.num_recv_tokens = handle.num_recv_rows = num_recv
-            if not fits:
-                again = _Carve(self.device, (num_recv,), (num_recv, k))
-                handle.recv_src_idx, recv_slot = again.view(0), again.view(1)
-                handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
-                return self._expert_dispatch(args, handle, args.topk_weights)
-            recv_x, recv_scales, probs = launched
-            handle.recv_src_idx = out.view(5, (num_recv,))
-            handle.expert_layout = ExpertLayout(out.view(6, (num_recv, k)), tokens_per_expert, num_rows, alignment)
-            probs = None if probs is None else probs[:num_rows]
-            if fused:
-                return ExpertDispatchResult(recv_x[:num_rows], None if recv_scales is None else recv_scales[:num_rows],
-                                            probs, handle)
-            x, _, scales = permute.permute_valid(recv_x, handle.expert_layout.recv_slot, num_recv, num_rows, None,
-                                                 recv_scales)
-            return ExpertDispatchResult(x, scales, probs, handle)
-        return self._expert_dispatch(args, handle, None)
-
-    def _local_dispatch_experts(self, args: DispatchArgs, alignment: int) -> Optional[ExpertDispatchResult]:
-        """A fresh expert-major dispatch at world size 1, where no row crosses: one layout call
-        (``moe_ep_local_layout``: every slot, and what notify writes at one rank, without notify's barrier) and
-        ``permute`` expanding ``x`` itself, launched before the one host read of the counts, which waits for the
-        layout only. The expert rows are allocated for the most there can be (N * K at alignment 1, else the most
-        seen so far; more means a second permute) and returned as views of the first M; that permute's probs and
-        scratch come from the layout's allocation (its rows, and FP8 rows' scales, are the only allocations between
-        the two launches: host time the GPU waits through). None when a token
-        names no expert: its row is not received, so the received rows are not the tokens and the kernel path
-        serves; the next calls then read before they permute, until every token names an expert again.
-        Out-of-range ids raise after the read, as notify's do."""
-        x, topk_idx, weights, num_experts = args.x, args.topk_idx, args.topk_weights, args.num_experts
-        n, k = topk_idx.shape
-        blocks = self._rt.device_sms
-        read = 1 + 3 + num_experts  # the rank prefix matrix [1], then rows received, bad-id mask, M, aligned counts
-        rows = n * k if alignment == 1 or n == 0 else self._rows_guess  # the most M can be, or a guess
-        speculate = rows > 0 and not self._local_fallback
-        # the speculative permute's probs [rows] float32 (when weighted) and its covered [rows] uint8 scratch
-        permute_shapes = ((rows if weights is not None else 0,), ((rows + 3) // 4,)) if speculate else ()
-        out = _Carve(self.device, (read + 1 + num_experts,), (num_experts,), (n, k), (n, k),
-                     (blocks * (num_experts + 2),), *permute_shapes)
-        permute.local_layout(topk_idx, num_experts, alignment, out.ptr(3), out.ptr(2), out.ptr(1), out.ptr(0),
-                             out.ptr(4), blocks)
-        self._rt.mark_read()  # the read waits for the layout only, though the permute is launched before it
-        if speculate:
-            expert_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=self.device)
-            scales = (None if args.x_scales is None else
-                      torch.empty(rows, args.x_scales.shape[1], dtype=torch.float32, device=self.device))
-            permute.permute_into(x, out.ptr(3), n, k, rows, weights, args.x_scales, expert_x.data_ptr(),
-                                 0 if weights is None else out.ptr(5), _ptr(scales), out.ptr(6))
-        slot = out.view(3)  # after the launches: the host time before them is the GPU's wait
-        values = self._rt.start_read(out.ptr(0), read, marked=True)()
-        self.check_error()
-        if values[2]:
-            raise invalid_ids_error([0], num_experts)
-        self._local_fallback = values[1] != n
-        if self._local_fallback:
-            return None
-        num_rows, tokens_per_expert = values[3], values[4:read]
-        if speculate and num_rows <= rows:
-            probs = None if weights is None else out.view(5).view(torch.float32)
-            if rows != num_rows:  # rows past M (their slots were fewer) are cut off
-                expert_x, probs, scales = (None if t is None else t[:num_rows] for t in (expert_x, probs, scales))
-        else:
-            self._rows_guess = max(self._rows_guess, num_rows)
-            expert_x, probs, scales = permute.permute_valid(x, slot, n, num_rows, weights, args.x_scales)
-        recv_src_idx, send_pos, in_rank = self._staying(n)
-        state = _NVLinkState(out, self._staying.address, max(n, 1), [n],
-                             _ExpertState(topk_idx, out.ptr(2), out.ptr(1), out.ptr(0, 1)))
-        handle = DispatchHandle(rank_prefix_matrix=out.view(0, (1, 1)), is_token_in_rank=in_rank, send_pos=send_pos,
-                                recv_src_idx=recv_src_idx, num_tokens=n, num_recv_tokens=n, num_experts=num_experts,
-                                rank=0, num_ranks=1, num_recv_rows=n, transport_state=state,
-                                expert_layout=ExpertLayout(slot, tokens_per_expert, num_rows, alignment))
-        return ExpertDispatchResult(expert_x, scales, probs, handle)
-
-    def _expands_locally(self, args: DispatchArgs) -> bool:
-        """Whether an expert-major dispatch may skip the dispatch kernel: at world size 1 every row stays here, in
-        token order, so when every token names an expert the received rows are ``x`` itself and ``permute`` can
-        expand it with the slots the kernel would record (unless the rows are quantized on the way or the kernel
-        expands them). Same outputs and handle either way."""
-        return self.num_ranks == 1 and not args.wire_fp8 and not args.config.nvlink.fused_dispatch
+        launched, state.host_counts, info, fits = self._speculate(prefix, 3 + num_local, num_experts, launch)
+        num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_local]
+        handle.num_recv_tokens = handle.num_recv_rows = num_recv
+        if not fits:
+            handle.recv_src_idx, recv_slot = self._int32((num_recv,), (num_recv, k))
+            handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, num_rows, alignment)
+            return self._expert_dispatch(args, handle, args.topk_weights)
+        recv_x, recv_scales, probs = launched
+        handle.recv_src_idx = recv_src_idx[:num_recv]
+        handle.expert_layout = ExpertLayout(recv_slot[:num_recv], tokens_per_expert, num_rows, alignment)
+        x, _, scales = permute.permute_valid(recv_x, handle.expert_layout.recv_slot, num_recv, num_rows, None,
+                                             recv_scales)
+        return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
-                                scales: Optional[torch.Tensor], recv_src_idx: int, recv_slot: int,
+                                scales: Optional[torch.Tensor], recv_src_idx: torch.Tensor, recv_slot: torch.Tensor,
                                 probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
-                                fused: bool, speculative_rows: int = 0) -> None:
-        """The expert-major dispatch kernel; ``recv_src_idx``/``recv_slot``: the addresses it writes them at.
-        ``rows`` ``[rows, H]`` and ``scales`` ``[rows, H/128]`` float32 (FP8 rows) or None: the received rows, or
-        with ``fused`` the expert-major rows the kernel expands them into."""
+                                speculative_rows: int = 0) -> None:
+        """The expert-major dispatch kernel into the received rows ``rows`` ``[rows, H]`` and ``scales``
+        ``[rows, H/128]`` float32 (FP8 rows) or None, writing ``recv_src_idx`` and ``recv_slot``."""
         expert: _ExpertState = handle.transport_state.expert
-        fused_outputs = (dict(fused_expansion=1, expert_x=rows.data_ptr(), expert_scales=_ptr(scales),
-                              num_expert_rows=rows.shape[0]) if fused else {})
-        self._launch_dispatch(args, handle, expert.topk_idx, None if fused else rows, None if fused else scales,
-                              weights, alignment, recv_src_idx=recv_src_idx, expert_major=1,
-                              expert_pos=expert.expert_pos, send_offset=expert.send_offset, expert_info=expert.info,
-                              recv_slot=recv_slot, expert_probs=_ptr(probs), speculative_rows=speculative_rows,
-                              **fused_outputs)
+        self._launch_dispatch(args, handle, expert.topk_idx, rows, scales, weights, alignment,
+                              recv_src_idx=recv_src_idx.data_ptr(), expert_major=1,
+                              expert_pos=expert.expert_pos.data_ptr(), send_offset=expert.send_offset.data_ptr(),
+                              expert_info=_info(handle.transport_state.prefix, self.num_ranks),
+                              recv_slot=recv_slot.data_ptr(), expert_probs=_ptr(probs),
+                              speculative_rows=speculative_rows)
 
     def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: Optional[torch.Tensor]
                          ) -> ExpertDispatchResult:
-        """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute unless the kernel expands
-        the rows itself: ``config.nvlink.fused_dispatch``), with ``weights`` (the forward's, whose probs it returns)
-        or without (a cached dispatch: its probs are the caller's)."""
+        """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute), with ``weights`` (the
+        forward's, whose probs it returns) or without (a cached dispatch: its probs are the caller's)."""
         if weights is None:
             state = handle.transport_state
             if not isinstance(state, _NVLinkState) or state.expert is None:
                 raise ValueError("handle: it has no nvlink expert-major state (it did not come from "
                                  "NVLinkTransport.dispatch_experts)")
         layout: ExpertLayout = handle.expert_layout
-        if self._expands_locally(args) and handle.num_recv_rows == handle.num_tokens:
-            x, probs, scales = permute.permute_valid(args.x, layout.recv_slot, handle.num_tokens, layout.num_rows,
-                                                     weights, args.x_scales)
-            return ExpertDispatchResult(x, scales, probs, handle)
         self._replay_barrier(handle)
-        fused = args.config.nvlink.fused_dispatch
-        rows, scales = self._recv_tensors(args, layout.num_rows if fused else handle.num_recv_rows)
+        rows, scales = self._recv_tensors(args, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
-        self._launch_expert_dispatch(args, handle, rows, scales, handle.recv_src_idx.data_ptr(),
-                                     layout.recv_slot.data_ptr(), probs, layout.alignment, weights, fused)
-        if fused:
-            return ExpertDispatchResult(rows, scales, probs, handle)
+        self._launch_expert_dispatch(args, handle, rows, scales, handle.recv_src_idx, layout.recv_slot, probs,
+                                     layout.alignment, weights)
         x, _, scales = permute.permute_valid(rows, layout.recv_slot, handle.num_recv_rows, layout.num_rows, None,
                                              scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
     def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
-                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config,
-                        fused: bool = False) -> _CombineLaunch:
+                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
+                        ) -> _CombineLaunch:
         """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
-        pick how rows travel (``plan.combine_roles``, or ``plan.fused_combine_roles`` for a fused reduction);
-        ``params.x`` is left for the caller."""
+        pick how rows travel (``plan.combine_roles``); ``params.x`` is left for the caller."""
         elem_bytes = dtype.itemsize
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if k > MAX_TOPK:
@@ -617,15 +476,11 @@ class NVLinkTransport(Transport):
         out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
                        if topk_weights is not None else None)
         num_sms = self._num_sms(config)
-        # the counts of this transport's own handles (none at world size 1: nothing crosses)
-        host_counts = state.host_counts if own and self.num_ranks > 1 else None
+        host_counts = state.host_counts if own else None  # read by this transport's own dispatches
         row_bytes = hidden * elem_bytes
-        if fused:
-            pull, copy_engine, warps, blocks = fused_combine_roles(config.nvlink, num_sms, self.num_ranks)
-        else:
-            pull, copy_engine, warps, blocks = combine_roles(
-                config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
-                row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
+        pull, copy_engine, warps, blocks = combine_roles(
+            config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
+            row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
         # copy engine and pull: where each peer's rows sit in x (kept alive in the result until the launch)
         counts = state.copy_counts() if copy_engine or pull else None
         params = CombineParams(
@@ -662,25 +517,13 @@ class NVLinkTransport(Transport):
         combine's copy would put them, and the combine kernel reads them there (``x_in_region``): no row copies (one
         pass over the rows and R - 1 copy launches fewer; expert weights, if any, are still copied). A pulling
         combine without the unpermute kernel copies the rows into the region inside ``moe_ep_combine``, as
-        :meth:`combine` does. With ``config.nvlink.fused_combine`` no unpermute runs: a push combine kernel sums
-        each received row from ``y`` itself (``fused_reduction``; the same bits)."""
+        :meth:`combine` does."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         slot = layout.recv_slot
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
         # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
-        kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need, the fused reduction's too
-        if self.num_ranks == 1 and slot.shape[0] == handle.num_tokens:
-            # Every token was received, in order: the combine would copy unpermute's rows into place (its fp32 sum
-            # over one rank rounds each back to itself) and the weights likewise.
-            return permute.unpermute_valid(y, slot, kernel), weights
-        if config.nvlink.fused_combine and kernel and slot.shape[0] == handle.num_recv_rows:
-            launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config, fused=True)
-            params = launch.params
-            params.x, params.fused_reduction, params.recv_slot = y.data_ptr(), 1, slot.data_ptr()
-            params.slot_topk, params.num_expert_rows = slot.shape[1], layout.num_rows
-            self._launch_combine(params)
-            return launch.out, launch.out_weights
+        kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need
         launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config)
         params = launch.params
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
