@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_kernels import CTX, STREAM, FakeLib, FakeRuntime, installed
 
-from fake_kernels import CTX, STREAM, FakeLib, installed, nvlink_transport
 from moe_ep_plugin.buffer import _check
 from moe_ep_plugin.low_latency import LowLatencyMode
 from moe_ep_plugin.transports.low_latency_nvlink import NVLinkLowLatency
@@ -16,9 +16,7 @@ M, H, E, K = 8, 2048, 8, 3
 
 
 def _mode(lib: FakeLib, rank: int = 1, world: int = 2) -> LowLatencyMode:
-    transport = object.__new__(NVLinkLowLatency)
-    transport.runtime = nvlink_transport(lib, rank, world, 0)._rt
-    transport.rank, transport.num_ranks, transport.device = rank, world, torch.device("cpu")
+    transport = NVLinkLowLatency(None, torch.device("cpu"), 5.0, 1 << 40, runtime=FakeRuntime(lib, rank, world))
     lib.moe_ep_ll_combine_buffer = lambda *args: ZERO_COPY
     return LowLatencyMode(transport, rank, world, 1 << 40, torch.device("cpu"),
                           lambda name, t, dtypes, shape: _check(name, t, dtypes, shape, False))

@@ -145,6 +145,20 @@ def load() -> ctypes.CDLL:
     return lib
 
 
+class HostInts:
+    """``values`` as a C ``int32`` array in host memory, for a library call that takes its address (``address``)
+    or the array itself (``array``); alive as long as this object."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.array = (ctypes.c_int32 * len(values))(*values)
+        self.address = ctypes.addressof(self.array)
+
+
+def ptr(t: object) -> int:
+    """The device address a C call takes for tensor ``t`` (``data_ptr()``), or 0 (NULL) for None."""
+    return 0 if t is None else t.data_ptr()
+
+
 def check(code: int, what: str) -> None:
     """Raise ``RuntimeError`` with the library's message when a C call returned nonzero."""
     if code != 0:

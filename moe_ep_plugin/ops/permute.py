@@ -20,6 +20,7 @@ import torch
 from ..config import round_up
 from ..event import current_stream_handle
 from . import library
+from .library import ptr as _ptr
 
 # csrc/moe_ep.h
 _MAX_KERNEL_LOCAL_EXPERTS = 1024
@@ -277,10 +278,6 @@ def _launch(t: torch.Tensor, function: str, *args: int) -> None:
             code = call(*args, current_stream_handle(index))
     if code:
         library.check(code, function)
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def _describe(t: object) -> str:

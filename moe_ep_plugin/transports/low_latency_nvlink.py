@@ -14,14 +14,11 @@ import torch
 import torch.distributed as dist
 
 from ..ops import fp8, library
+from ..ops.library import ptr as _ptr
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
 from .nvlink.runtime import NVLinkRuntime
 
 _SIGNAL_BYTES = 16384  # csrc/kernels/low_latency.cuh kLLSignalBytes, per buffer set
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 class _DeviceArray:
@@ -40,12 +37,15 @@ class NVLinkLowLatency:
     # the ones the GPU tests and benchmarks cover).
     hidden_sizes = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_rdma_bytes: int) -> None:
-        # The context: header pages, then both sets; DeepEP's size hint covers the sets' slots, the signal pages
-        # (and the per-rank page rounding of the allocation) come on top (csrc/moe_ep.h: low-latency mode).
-        staging_offset = NVLinkRuntime.staging_offset()
-        self.runtime = NVLinkRuntime(group, device, timeout_s, staging_offset + num_rdma_bytes + 2 * _SIGNAL_BYTES
-                                     + 4096 * dist.get_world_size(group))
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_rdma_bytes: int,
+                 runtime: Optional[NVLinkRuntime] = None) -> None:
+        """``runtime``: the context to use (default: a new one over ``group``, collective)."""
+        if runtime is None:
+            # The context: header pages, then both sets; DeepEP's size hint covers the sets' slots, the signal
+            # pages (and the per-rank page rounding of the allocation) come on top (csrc/moe_ep.h: low-latency mode).
+            runtime = NVLinkRuntime(group, device, timeout_s, NVLinkRuntime.staging_offset() + num_rdma_bytes
+                                    + 2 * _SIGNAL_BYTES + 4096 * dist.get_world_size(group))
+        self.runtime = runtime
         self.rank, self.num_ranks, self.device = self.runtime.rank, self.runtime.num_ranks, self.runtime.device
 
     def dispatch(self, req: DispatchRequest) -> DispatchOutput:

@@ -21,12 +21,20 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..ops import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
+from ..ops import fp8, permute
 from ..ops.layout import count_invalid, invalid_ids_error, send_positions
-from .base import (META_FIELDS, DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_contradiction,
-                   layout_error, meta_mismatch)
+from .base import (
+    META_FIELDS,
+    DispatchArgs,
+    DispatchResult,
+    Transport,
+    dispatch_meta,
+    layout_contradiction,
+    layout_error,
+    meta_mismatch,
+)
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,9 +90,6 @@ class TorchTransport(Transport):
                           what: str) -> Callable[[], None]:
         """Issue rows of ``inp`` (grouped by destination) → ``out`` (grouped by source), both contiguous; the
         returned function completes the exchange, and work queued before calling it overlaps the transfer."""
-        if self.num_ranks == 1:
-            out.copy_(inp)
-            return _done
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
         if self.device.type == "cuda":
             # Stream-ordered: the current stream waits for NCCL's and the host goes on (NCCL's own timeout covers a
@@ -318,7 +323,3 @@ class TorchTransport(Transport):
                 combined_weights = permute.unpermute(back_w, state.combine_slot)
             return combined, combined_weights
         return finish
-
-
-def _done() -> None:
-    """The completion of an exchange that finished when it was issued."""

@@ -19,8 +19,7 @@ host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
 """
 from __future__ import annotations
 
-import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -30,82 +29,14 @@ from ...config import Config
 from ...handle import DispatchHandle, ExpertLayout
 from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
-from ...ops.library import (
-    MAX_EXPERTS,
-    MAX_TOPK,
-    META_WORDS,
-    CombineParams,
-    DispatchParams,
-)
-from ..base import (
-    DispatchArgs,
-    DispatchResult,
-    ExpertDispatchResult,
-    Transport,
-    dispatch_meta,
-    slot_weights,
-)
-from .plan import (
-    combine_roles,
-    combine_row_bytes,
-    dispatch_roles,
-    dispatch_slot_bytes,
-    most_received,
-    staging_capacity,
-)
+from ...ops.library import MAX_EXPERTS, MAX_TOPK, CombineParams, DispatchParams
+from ...ops.library import ptr as _ptr
+from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, slot_weights
+from .plan import combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, most_received, staging_capacity
 from .runtime import NVLinkRuntime
+from .state import ExpertState, NVLinkState, info_address, meta_words
 
 _T = TypeVar("_T")
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-_MetaWords = ctypes.c_int32 * META_WORDS
-
-
-def _info(prefix: torch.Tensor, num_ranks: int) -> int:
-    """Address of notify's ``info`` words, right after the rank prefix matrix ``[R, R]`` in ``prefix``."""
-    return prefix.data_ptr() + 4 * num_ranks * num_ranks
-
-
-def _meta_words(args: DispatchArgs) -> ctypes.Array:
-    """``dispatch_meta(args)`` as the ``MOE_EP_META_WORDS`` int32 words notify exchanges (zero-padded)."""
-    return _MetaWords(*dispatch_meta(args))
-
-
-@dataclass
-class _ExpertState:
-    """What a cached expert-major dispatch replays: the forward's top-k ``[N, K]`` int64, each entry's position
-    among this rank's entries for its expert ``expert_pos`` ``[N, K]`` int32 and ``send_offset`` ``[E]`` int32
-    (notify's outputs; notify's ``info`` ``[3 + 2L]`` int32 follows the rank prefix matrix, csrc/moe_ep.h)."""
-
-    topk_idx: torch.Tensor
-    expert_pos: torch.Tensor
-    send_offset: torch.Tensor
-
-
-@dataclass
-class _NVLinkState:
-    """Kept in ``DispatchHandle.transport_state``: notify's ``prefix`` (the rank prefix matrix ``[R * R]`` then
-    ``info``, int32), the tokens sent to each rank, in order (``send_list`` ``[R, max(N, 1)]`` int32), the count
-    matrix on the host (``host_counts[i * R + j]``: rows rank i sends to rank j; None after a ``num_worst_tokens``
-    dispatch, which reads nothing back) and, for an expert-major handle, its layout state."""
-
-    prefix: torch.Tensor
-    send_list: torch.Tensor
-    host_counts: Optional[list[int]] = None
-    expert: Optional[_ExpertState] = None
-    _counts_array: Optional[ctypes.Array] = field(default=None, repr=False)
-
-    def copy_counts(self) -> Optional[ctypes.Array]:
-        """``host_counts`` as the C array the copy-engine and pull combines read (built once), or None."""
-        if self.host_counts is None:
-            return None
-        if self._counts_array is None:
-            self._counts_array = (ctypes.c_int32 * len(self.host_counts))(*self.host_counts)
-        return self._counts_array
 
 
 @dataclass
@@ -198,8 +129,8 @@ class NVLinkTransport(Transport):
         info = 2 + (args.num_experts // r if per_expert is not None else 0)
         prefix, send_pos, send_list = self._int32((r * r + info,), (n, r), (r, max(n, 1)))
         self._rt.notify_dispatch(_ptr(counts), _ptr(invalid), _ptr(in_rank), n, max(n, 1), prefix.data_ptr(),
-                                 send_pos.data_ptr(), send_list.data_ptr(), _info(prefix, r), _meta_words(args),
-                                 _ptr(per_expert), args.num_experts)
+                                 send_pos.data_ptr(), send_list.data_ptr(), info_address(prefix, r),
+                                 meta_words(args).array, _ptr(per_expert), args.num_experts)
         return prefix, send_pos, send_list
 
     def _int32(self, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -246,21 +177,6 @@ class NVLinkTransport(Transport):
         self._check_capacity(n, slot, "x")
         return slot
 
-    def _recv_tensors(self, args: DispatchArgs, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(recv_x [rows, H], recv_scales [rows, H/128] or None)`` in the dtype the mode receives."""
-        x = args.x
-        hidden = x.shape[1]
-        fp8_rows = args.x_scales is not None or args.wire_fp8
-        dequant = args.wire_fp8 and not args.fp8_out
-        if dequant:  # back to the input's dtype (BF16 for FP8 input)
-            dtype = x.dtype if args.wire_fp8 else torch.bfloat16
-        else:
-            dtype = torch.float8_e4m3fn if fp8_rows else x.dtype
-        recv_x = torch.empty(rows, hidden, dtype=dtype, device=self.device)
-        recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=self.device)
-                       if fp8_rows and not dequant else None)
-        return recv_x, recv_scales
-
     def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: Optional[torch.Tensor],
                          recv_x: Optional[torch.Tensor], recv_scales: Optional[torch.Tensor],
                          topk_weights: Optional[torch.Tensor], alignment: int = 1, **outputs: int) -> None:
@@ -268,7 +184,7 @@ class NVLinkTransport(Transport):
         ints (passed to the struct's constructor with the rest: no attribute set per field)."""
         x = args.x
         n, hidden = x.shape
-        state: _NVLinkState = handle.transport_state
+        state: NVLinkState = handle.transport_state
         tuning = args.config.nvlink
         num_sms = self._num_sms(args.config)
         pull, warps = dispatch_roles(tuning, args.wire_fp8, args.fp8_out)
@@ -284,10 +200,10 @@ class NVLinkTransport(Transport):
             send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
         self._rt.dispatch(params)
 
-    def _replay_barrier(self, handle: DispatchHandle) -> _NVLinkState:
+    def _replay_barrier(self, handle: DispatchHandle) -> NVLinkState:
         """Start of a cached dispatch: the runtime's barrier, for a handle of this transport."""
         state = handle.transport_state
-        if not isinstance(state, _NVLinkState):
+        if not isinstance(state, NVLinkState):
             raise ValueError("handle: it was not made by the nvlink transport")
         self._rt.barrier()
         return state
@@ -312,9 +228,9 @@ class NVLinkTransport(Transport):
                                 num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
                                 num_ranks=self.num_ranks,
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
-                                transport_state=_NVLinkState(prefix, send_list))
+                                transport_state=NVLinkState(prefix, send_list))
         if worst:
-            return self._without_topk_counts(args, self._dispatch_rows(args, handle), prefix, None)
+            return _without_topk_counts(self.num_ranks, args, self._dispatch_rows(args, handle), prefix, None)
         num_local = args.num_experts // self.num_ranks
         result, handle.transport_state.host_counts, info, fits = self._speculate(
             prefix, 2 + (num_local if args.topk_idx is None else 0), args.num_experts,
@@ -322,27 +238,16 @@ class NVLinkTransport(Transport):
         num_recv = handle.num_recv_tokens = handle.num_recv_rows = info[0]
         if not fits:
             self._replay_barrier(handle)
-            return self._without_topk_counts(args, self._dispatch_rows(args, handle), prefix, info)
+            return _without_topk_counts(self.num_ranks, args, self._dispatch_rows(args, handle), prefix, info)
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
         cut = [None if t is None else t[:num_recv]
                for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
-        return self._without_topk_counts(args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle),
+        return _without_topk_counts(self.num_ranks, args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle),
                                          prefix, info)
-
-    def _without_topk_counts(self, args: DispatchArgs, result: DispatchResult, prefix: torch.Tensor,
-                             info: Optional[list[int]]) -> DispatchResult:
-        """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every
-        rank's ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``info``) when read."""
-        if args.topk_idx is not None:
-            return result
-        r, num_local = self.num_ranks, args.num_experts // self.num_ranks
-        result.num_recv_tokens_per_expert = prefix[r * r + 2:r * r + 2 + num_local]
-        result.host_counts = None if info is None else info[2:2 + num_local]
-        return result
 
     def _dispatch_rows(self, args: DispatchArgs, handle: DispatchHandle, speculative_rows: int = 0) -> DispatchResult:
         """Outputs of ``handle.num_recv_rows`` rows and the dispatch kernel into them."""
-        recv_x, recv_scales = self._recv_tensors(args, handle.num_recv_rows)
+        recv_x, recv_scales = _recv_tensors(args, self.device, handle.num_recv_rows)
         has_topk = args.topk_idx is not None
         k = args.topk_idx.shape[1] if has_topk else 0
         rows = handle.num_recv_rows
@@ -388,15 +293,15 @@ class NVLinkTransport(Transport):
         # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
         self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), prefix.data_ptr(),
                                 send_pos.data_ptr(), send_list.data_ptr(), _ptr(in_rank), expert_pos.data_ptr(),
-                                send_offset.data_ptr(), _info(prefix, r), _meta_words(args))
-        state = _NVLinkState(prefix, send_list, None, _ExpertState(topk_idx, expert_pos, send_offset))
+                                send_offset.data_ptr(), info_address(prefix, r), meta_words(args).array)
+        state = NVLinkState(prefix, send_list, None, ExpertState(topk_idx, expert_pos, send_offset))
         handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(prefix), is_token_in_rank=in_rank,
                                 send_pos=send_pos, recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
                                 num_experts=num_experts, rank=self.rank, num_ranks=r, num_recv_rows=guess,
                                 transport_state=state)
 
         def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-            recv_x, recv_scales = self._recv_tensors(args, guess)
+            recv_x, recv_scales = _recv_tensors(args, self.device, guess)
             probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
                      if args.topk_weights is not None else None)  # the most M can be
             self._launch_expert_dispatch(args, handle, recv_x, recv_scales, recv_src_idx, recv_slot, probs,
@@ -423,11 +328,11 @@ class NVLinkTransport(Transport):
                                 speculative_rows: int = 0) -> None:
         """The expert-major dispatch kernel into the received rows ``rows`` ``[rows, H]`` and ``scales``
         ``[rows, H/128]`` float32 (FP8 rows) or None, writing ``recv_src_idx`` and ``recv_slot``."""
-        expert: _ExpertState = handle.transport_state.expert
+        expert: ExpertState = handle.transport_state.expert
         self._launch_dispatch(args, handle, expert.topk_idx, rows, scales, weights, alignment,
                               recv_src_idx=recv_src_idx.data_ptr(), expert_major=1,
                               expert_pos=expert.expert_pos.data_ptr(), send_offset=expert.send_offset.data_ptr(),
-                              expert_info=_info(handle.transport_state.prefix, self.num_ranks),
+                              expert_info=info_address(handle.transport_state.prefix, self.num_ranks),
                               recv_slot=recv_slot.data_ptr(), expert_probs=_ptr(probs),
                               speculative_rows=speculative_rows)
 
@@ -437,12 +342,12 @@ class NVLinkTransport(Transport):
         forward's, whose probs it returns) or without (a cached dispatch: its probs are the caller's)."""
         if weights is None:
             state = handle.transport_state
-            if not isinstance(state, _NVLinkState) or state.expert is None:
+            if not isinstance(state, NVLinkState) or state.expert is None:
                 raise ValueError("handle: it has no nvlink expert-major state (it did not come from "
                                  "NVLinkTransport.dispatch_experts)")
         layout: ExpertLayout = handle.expert_layout
         self._replay_barrier(handle)
-        rows, scales = self._recv_tensors(args, handle.num_recv_rows)
+        rows, scales = _recv_tensors(args, self.device, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
         self._launch_expert_dispatch(args, handle, rows, scales, handle.recv_src_idx, layout.recv_slot, probs,
@@ -465,7 +370,7 @@ class NVLinkTransport(Transport):
             raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {dtype}")
         self._check_capacity(handle.num_tokens, combine_row_bytes(hidden, elem_bytes, k), "x")
         state = handle.transport_state
-        own = isinstance(state, _NVLinkState)
+        own = isinstance(state, NVLinkState)
         if own:  # this transport's views of notify's int32 output: nothing to convert
             rpm, send_pos = handle.rank_prefix_matrix, handle.send_pos
         else:
@@ -489,7 +394,7 @@ class NVLinkTransport(Transport):
             out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
             elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
             num_send_warps=warps, num_send_blocks=blocks,
-            host_counts=0 if counts is None else ctypes.addressof(counts), pull=int(pull))
+            host_counts=0 if counts is None else counts.address, pull=int(pull))
         if copy_engine:
             params.copy_engine = 1
             params.copy_piece_rows, params.copy_streams = config.nvlink.copy_piece_rows, config.nvlink.copy_streams
@@ -537,3 +442,28 @@ class NVLinkTransport(Transport):
         params.x = recv_y.data_ptr()
         self._launch_combine(params)
         return launch.out, launch.out_weights
+
+
+def _recv_tensors(args: DispatchArgs, device: torch.device, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(recv_x [rows, H], recv_scales [rows, H/128] float32 or None)`` in the dtype the mode receives: FP8 rows
+    (arriving as FP8 with their scales), or dequantized back to the input's dtype."""
+    x = args.x
+    fp8_rows = args.x_scales is not None or args.wire_fp8
+    dequant = args.wire_fp8 and not args.fp8_out
+    dtype = torch.float8_e4m3fn if fp8_rows and not dequant else x.dtype
+    recv_x = torch.empty(rows, x.shape[1], dtype=dtype, device=device)
+    recv_scales = (torch.empty(rows, x.shape[1] // 128, dtype=torch.float32, device=device)
+                   if fp8_rows and not dequant else None)
+    return recv_x, recv_scales
+
+
+def _without_topk_counts(num_ranks: int, args: DispatchArgs, result: DispatchResult, prefix: torch.Tensor,
+                         info: Optional[list[int]]) -> DispatchResult:
+    """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every rank's
+    ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``info``) when read."""
+    if args.topk_idx is not None:
+        return result
+    r, num_local = num_ranks, args.num_experts // num_ranks
+    result.num_recv_tokens_per_expert = prefix[r * r + 2:r * r + 2 + num_local]
+    result.host_counts = None if info is None else info[2:2 + num_local]
+    return result
