@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .config import DEFAULT_TIMEOUT_S, Config, check_num_sms, combine_config, dispatch_config
+from .config import DEFAULT_TIMEOUT_S, Config, check_num_sms, combine_config, dispatch_config, positive_int
 from .event import EventOverlap
 from .handle import DispatchHandle, align_counts
 from .low_latency import LowLatencyMode, rdma_size_hint
@@ -119,8 +119,7 @@ class Buffer:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
-        if not isinstance(num_qps_per_rank, int) or isinstance(num_qps_per_rank, bool) or num_qps_per_rank <= 0:
-            raise ValueError(f"num_qps_per_rank: expected a positive int, got {num_qps_per_rank!r}")
+        positive_int(num_qps_per_rank, "num_qps_per_rank")
         if not isinstance(transport, str):
             raise TypeError(f"transport: expected a str, got {type(transport).__name__}")
         if timeout_s is None:
@@ -258,8 +257,7 @@ class Buffer:
         return per_rank, per_node, per_expert, in_rank, event
 
     def _check_num_experts(self, num_experts: int) -> None:
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-            raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+        positive_int(num_experts, "num_experts")
         if num_experts % self.group_size:
             raise ValueError(f"num_experts: {num_experts} experts do not divide evenly over {self.group_size} EP ranks")
 

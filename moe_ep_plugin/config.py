@@ -6,13 +6,13 @@ import functools
 from dataclasses import dataclass, field
 
 _ALIGN = 128
-MAX_COPY_STREAMS = 4  # csrc/moe_ep.h MOE_EP_MAX_COPY_STREAMS
-WARPS_PER_BLOCK = 16  # csrc/intranode.cu kThreads / 32
+MAX_COPY_STREAMS = 4  # csrc/moe_ep.h MOE_EP_MAX_COPY_STREAMS (tests/test_kernel_library.py checks it)
+WARPS_PER_BLOCK = 16  # csrc/kernels/intranode.cuh kThreads / 32
 
 
 def check_num_sms(value: object, name: str) -> int:
     """The one rule for an SM count, wherever it is given: a positive even int (two SMs per channel, as DeepEP)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 2:
+    if positive_int(value, name) % 2:
         raise ValueError(f"{name}: expected a positive even int, got {value!r}")
     return value
 # Seconds any wait on another rank may take before raising (the Buffer, the process group, every front door).
@@ -25,12 +25,14 @@ def round_up(x, a: int):
     return (x + a - 1) // a * a
 
 
-def positive_int(value: object, name: str, minimum: int = 1) -> int:
-    """The one check of an int argument: ``value`` when it is an int (not a bool) of at least ``minimum``, else a
-    ValueError naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+def positive_int(value: object, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """The one check of an int argument: ``value`` when it is an int in ``[minimum, maximum]``; a TypeError naming
+    ``name`` when it is no int (a bool is none), else a ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {value!r} ({type(value).__name__})")
+    if value < minimum or (maximum is not None and value > maximum):
         what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
-        raise ValueError(f"{name}: expected {what}, got {value!r}")
+        raise ValueError(f"{name}: expected {what}{'' if maximum is None else f' <= {maximum}'}, got {value!r}")
     return value
 
 
@@ -81,8 +83,7 @@ class NVLinkTuning:
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name}: expected an int in [{low}, {'inf' if high is None else high}], got {value!r}")
+    positive_int(value, name, low, high)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from .config import positive_int
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -31,18 +33,11 @@ def _check_2d_float(t: object, name: str) -> tuple[int, int]:
     return t.shape[0], t.shape[1]
 
 
-def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: must be >= 1, got {value}")
-    return value
-
 
 def _check_router_inputs(logits: object, topk: object, score_function: object) -> int:
     """Checks shared by every router entry point; returns E."""
     _, num_experts = _check_2d_float(logits, "logits")
-    _check_positive_int(topk, "topk")
+    positive_int(topk, "topk")
     if topk > num_experts:
         raise ValueError(f"topk: must be <= the expert count {num_experts}, got {topk}")
     if score_function not in SCORE_FUNCTIONS:
@@ -53,12 +48,12 @@ def _check_router_inputs(logits: object, topk: object, score_function: object) -
 def _check_groups(num_experts: int, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> None:
     """Group limiting is on when ``group_topk`` is set (Megatron ignores ``num_groups`` alone)."""
     if num_groups is not None:
-        _check_positive_int(num_groups, "num_groups")
+        positive_int(num_groups, "num_groups")
         if num_experts % num_groups != 0:
             raise ValueError(f"num_groups: the expert count {num_experts} is not divisible by num_groups={num_groups}")
     if group_topk is None:
         return
-    _check_positive_int(group_topk, "group_topk")
+    positive_int(group_topk, "group_topk")
     if num_groups is None:
         raise ValueError("group_topk: group-limited routing needs num_groups as well")
     if group_topk > num_groups:
@@ -235,7 +230,7 @@ def tokens_per_expert(routing: torch.Tensor, num_experts: int, check_ids: bool =
     host read): ``check_ids=False`` skips it for ids a router just made, which lie in ``[-1, E)`` by construction."""
     if not isinstance(routing, torch.Tensor):
         raise TypeError(f"routing: expected a torch.Tensor, got {type(routing).__name__}")
-    _check_positive_int(num_experts, "num_experts")
+    positive_int(num_experts, "num_experts")
     if routing.dim() != 2:
         raise ValueError(f"routing: expected a 2-D tensor, got shape {tuple(routing.shape)}")
     if routing.dtype == torch.bool:
@@ -299,7 +294,7 @@ def aux_loss_scores(logits: torch.Tensor, topk: int, *,
 
 def _check_aux_inputs(scores: torch.Tensor, topk: int, coeff: float) -> tuple[int, int]:
     shape = _check_2d_float(scores, "scores")
-    _check_positive_int(topk, "topk")
+    positive_int(topk, "topk")
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)):
         raise TypeError(f"coeff: expected a float, got {type(coeff).__name__}")
     return shape
@@ -318,7 +313,7 @@ def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, *, to
     tokens, num_experts = _check_aux_inputs(scores, topk, coeff)
     if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (num_experts,):
         raise ValueError(f"tokens_per_expert: expected a tensor of shape ({num_experts},)")
-    total = tokens if total_num_tokens is None else _check_positive_int(total_num_tokens, "total_num_tokens")
+    total = tokens if total_num_tokens is None else positive_int(total_num_tokens, "total_num_tokens")
     return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total * total))
 
 
@@ -331,7 +326,7 @@ def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, topk: 
     Megatron's ``[S, B]`` flattened (token ``s * B + b`` is position ``s`` of sequence ``b``).
     """
     tokens, num_experts = _check_aux_inputs(scores, topk, coeff)
-    _check_positive_int(batch_size, "batch_size")
+    positive_int(batch_size, "batch_size")
     if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool \
             or routing_map.shape != scores.shape:
         raise ValueError(f"routing_map: expected a bool tensor of shape {tuple(scores.shape)}")
@@ -354,8 +349,8 @@ def rank_reach(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torc
         raise TypeError("topk_idx: expected an integer tensor")
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected a 2-D [tokens, topk] tensor, got shape {tuple(topk_idx.shape)}")
-    _check_positive_int(num_experts, "num_experts")
-    _check_positive_int(num_ranks, "num_ranks")
+    positive_int(num_experts, "num_experts")
+    positive_int(num_ranks, "num_ranks")
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_ranks: the expert count {num_experts} is not divisible by num_ranks={num_ranks}")
     if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):

@@ -6,10 +6,12 @@ from typing import Any, Optional
 
 import torch
 
+from .config import round_up
+
 
 def align_counts(counts: list[int], alignment: int) -> list[int]:
     """Each count rounded up to a multiple of ``alignment`` (a grouped GEMM's per-expert row granularity)."""
-    return [(c + alignment - 1) // alignment * alignment for c in counts]
+    return [round_up(c, alignment) for c in counts]
 
 
 @dataclass

@@ -11,11 +11,12 @@ from typing import Callable, Optional
 
 import torch
 
-from .ops import fp8
+from .config import positive_int, round_up
 from .event import EventOverlap
+from .ops import fp8
+from .ops.library import MAX_TOPK
 from .transports.low_latency_base import DispatchRequest, LowLatencyHandle, LowLatencyTransport
 
-MAX_TOPK = 32
 UE8M0_PACK = 4 * fp8.BLOCK  # channels per packed int32 of UE8M0 scales
 _ALIGN = 128
 
@@ -26,23 +27,16 @@ def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks
     every token of every rank picks every expert. Independent of ``num_ranks`` (kept for DeepEP's signature)."""
     for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                         ("num_ranks", num_ranks), ("num_experts", num_experts)):
-        _positive_int(name, value)
+        positive_int(value, name)
     m, scales = num_max_dispatch_tokens_per_rank, hidden // fp8.BLOCK
     dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)  # header + BF16 row, or FP8 row + float32 scales
     combine_msg = scales * 4 + hidden * 2
     send = max(m * dispatch_msg, num_experts * m * combine_msg)
     recv = num_experts * m * max(dispatch_msg, combine_msg)
-    signals = _round_up(num_experts * 4, _ALIGN)
-    return _round_up(2 * (send + recv + signals) + _ALIGN, _ALIGN)
+    signals = round_up(num_experts * 4, _ALIGN)
+    return round_up(2 * (send + recv + signals) + _ALIGN, _ALIGN)
 
 
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
 
 
@@ -127,8 +121,8 @@ class LowLatencyMode:
 
     # ---- validation ----
     def _check_shapes(self, m: int, hidden: int, num_experts: int) -> None:
-        _positive_int("num_max_dispatch_tokens_per_rank", m)
-        _positive_int("num_experts", num_experts)
+        positive_int(m, "num_max_dispatch_tokens_per_rank")
+        positive_int(num_experts, "num_experts")
         if num_experts % self.num_ranks:
             raise ValueError(f"num_experts: {num_experts} experts do not divide evenly over {self.num_ranks} EP ranks")
         sizes = self.transport.hidden_sizes
@@ -260,7 +254,7 @@ class LowLatencyMode:
         return self.transport.combine_buffer(handle, self.sets.hand_out_zero_copy(handle))
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        _positive_int("hidden", hidden)
+        positive_int(hidden, "hidden")
         self._check_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.transport.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.sets.clean()

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import DEFAULT_TIMEOUT_S
+from .config import DEFAULT_TIMEOUT_S, check_num_sms, positive_int
 from .transports import TRANSPORTS
 
 
@@ -40,14 +40,12 @@ class PluginOptions:
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.round_scale and not self.fp8_dispatch:
             raise ValueError("round_scale: only meaningful with fp8_dispatch=True")
-        if self.num_sms is not None and (not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool)
-                                         or self.num_sms <= 0 or self.num_sms % 2):
-            raise ValueError(f"num_sms: expected a positive even int or None, got {self.num_sms!r}")
+        if self.num_sms is not None:
+            check_num_sms(self.num_sms, "num_sms")
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
-        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
-                                                or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0):
-            raise ValueError(f"ranks_per_node: expected a positive int or None, got {self.ranks_per_node!r}")
+        if self.ranks_per_node is not None:
+            positive_int(self.ranks_per_node, "ranks_per_node")
 
     @classmethod
     def from_dict(cls, values: Any, section: str) -> "PluginOptions":

@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from moe_ep_plugin.ops import permute
+from moe_ep_plugin.ops import library, permute
 from moe_ep_plugin.transports.nvlink import NVLinkTransport, runtime
 from moe_ep_plugin.transports.nvlink.runtime import NVLinkRuntime
 
@@ -25,7 +25,7 @@ STREAM = 0x5EED00  # the current stream's handle, as the stream query returns it
 DEVICE_INDEX = 3
 OWN_REGION = 0x7F1230000000  # moe_ep_own_region: 4096-byte aligned, like the real one
 SENTINEL = -77  # the read buffer past what a read brought: a read too long would carry it into the counts
-READ_INTS = 16384 // 4  # MOE_EP_READ_BYTES of int32
+READ_INTS = library.READ_BYTES // 4
 
 
 class FakeLib:

@@ -48,3 +48,30 @@ def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None
     got = [int(v) for v in subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()]
     want = [getattr(struct, field).offset for field in fields] + [ctypes.sizeof(struct)]
     assert got == want, [(f, g, w) for f, g, w in zip(fields + ["sizeof"], got, want) if g != w]
+
+
+def test_every_header_constant_is_mirrored_once() -> None:
+    """Each ``#define MOE_EP_<NAME> <int>`` of ``csrc/moe_ep.h`` has its one Python copy (``ops.library.<NAME>``,
+    or ``config.MAX_COPY_STREAMS``, which the leaf ``config`` validates ``NVLinkTuning`` with) of the same value,
+    and no other module of the package defines one of those names again."""
+    import re
+
+    from moe_ep_plugin import config
+
+    header = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "moe_ep.h")).read()
+    defines = dict(re.findall(r"^#define MOE_EP_(\w+) (\d+)", header, re.M))
+    assert "ABI_VERSION" in defines and "READ_BYTES" in defines
+    homes = {"MAX_COPY_STREAMS": config}
+    for name, value in defines.items():
+        home = homes.get(name, library)
+        assert getattr(home, name, None) == int(value), f"{home.__name__}.{name} != MOE_EP_{name} = {value}"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(library.__file__)))
+    for directory, _, files in os.walk(package):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(directory, file)
+            for name in re.findall(r"^_?([A-Z][A-Z0-9_]+) = \d", open(path).read(), re.M):
+                if name in defines:
+                    owner = homes.get(name, library)
+                    assert os.path.samefile(path, owner.__file__), f"{path} defines {name} again"

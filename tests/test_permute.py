@@ -144,7 +144,7 @@ def test_arguments_are_validated() -> None:
         permute(x, slot.long(), 1)
     with pytest.raises(ValueError, match="num_rows"):
         permute(x, slot, -1)
-    with pytest.raises(ValueError, match="num_rows"):
+    with pytest.raises(TypeError, match="num_rows"):
         permute(x, slot, True)
     with pytest.raises(ValueError, match="recv_weights"):
         permute(x, slot, 1, torch.zeros(3, 3))

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import gating
+from ..config import positive_int
 from ..experts import EXPERT_COMPUTE
 from ..ops import fp8
 from ..plugin_options import PluginOptions
@@ -15,13 +16,6 @@ from ..plugin_options import PluginOptions
 ROUTERS = ("deepspeed", "group_limited")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
-
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -76,10 +70,10 @@ class DeepSpeedOptions(PluginOptions):
 def check_moe_args(hidden_size: int, num_experts: int, ep_size: int, k: int, drop_tokens: bool, use_tutel: bool,
                    enable_expert_tensor_parallelism: bool, options: DeepSpeedOptions) -> None:
     """Reject settings the layer cannot run, naming the argument, before DeepSpeed builds anything."""
-    _int("hidden_size", hidden_size, 1)
-    _int("num_experts", num_experts, 1)
-    _int("ep_size", ep_size, 1)
-    _int("k", k, 1)
+    positive_int(hidden_size, "hidden_size")
+    positive_int(num_experts, "num_experts")
+    positive_int(ep_size, "ep_size")
+    positive_int(k, "k")
     if num_experts % ep_size:
         raise ValueError(f"num_experts: {num_experts} experts cannot be split evenly over ep_size={ep_size} ranks")
     if k > num_experts:

@@ -16,7 +16,11 @@ ABI_VERSION = 11
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
-MAX_COPY_STREAMS = 4
+READ_BYTES = 16384  # the most one host read brings
+PERMUTE_MAX_LOCAL_EXPERTS = 1024  # expert_slots keeps per-warp counters of every local expert
+PERMUTE_MAX_TOPK = 32  # permute/unpermute keep one top-k column per lane of a warp
+PERMUTE_FP32 = 0  # unpermute's element type codes
+PERMUTE_BF16 = 1
 
 # Error record codes (csrc/moe_ep.h).
 ERR_BARRIER_TIMEOUT = 1

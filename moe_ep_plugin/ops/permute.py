@@ -17,15 +17,16 @@ from typing import Optional
 
 import torch
 
-from ..config import round_up
+from ..config import positive_int, round_up
 from ..event import current_stream_handle
 from . import library
 from .library import ptr as _ptr
 
-# csrc/moe_ep.h
-_MAX_KERNEL_LOCAL_EXPERTS = 1024
-_MAX_KERNEL_TOPK = 32
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_KERNEL_LOCAL_EXPERTS = library.PERMUTE_MAX_LOCAL_EXPERTS
+_MAX_KERNEL_TOPK = library.PERMUTE_MAX_TOPK
+# The one table of dtype codes: the kernels' element types (csrc/moe_ep.h MOE_EP_PERMUTE_*), FP8 after them; also
+# the dtype word of the dispatch_meta every rank checks.
+DTYPE_CODES = {torch.float32: library.PERMUTE_FP32, torch.bfloat16: library.PERMUTE_BF16, torch.float8_e4m3fn: 2}
 _INT32_MAX = 2**31 - 1
 
 
@@ -41,8 +42,7 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
         raise ValueError(f"recv_topk_idx: expected an [N, K] tensor with K >= 1, got {_describe(recv_topk_idx)}")
     if recv_topk_idx.dtype != torch.int64:
         raise TypeError(f"recv_topk_idx: expected int64, got {recv_topk_idx.dtype}")
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= _INT32_MAX:
-        raise ValueError(f"alignment: expected an int in [1, 2**31), got {alignment!r}")
+    positive_int(alignment, "alignment", 1, _INT32_MAX)
     if (not isinstance(tokens_per_expert, (list, tuple)) or not tokens_per_expert
             or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in tokens_per_expert)):
         raise ValueError(f"tokens_per_expert: expected a non-empty list of counts >= 0, got {tokens_per_expert!r}")
@@ -92,8 +92,7 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     if not isinstance(recv_x, torch.Tensor) or recv_x.dim() != 2:
         raise ValueError(f"recv_x: expected a 2-D [rows, hidden] tensor, got {_describe(recv_x)}")
     _check_slots(recv_slot, recv_x)
-    if not isinstance(num_rows, int) or isinstance(num_rows, bool) or not 0 <= num_rows <= _INT32_MAX:
-        raise ValueError(f"num_rows: expected an int in [0, 2**31), got {num_rows!r}")
+    positive_int(num_rows, "num_rows", 0, _INT32_MAX)
     n, k = recv_slot.shape
     _check_float32("recv_weights", recv_weights, recv_x, (n, k))
     _check_float32("recv_scales", recv_scales, recv_x, None)
@@ -143,7 +142,7 @@ def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Te
     (else only the torch path can)."""
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise ValueError(f"y: expected a 2-D [rows, hidden] tensor, got {_describe(y)}")
-    if y.dtype not in _KERNEL_DTYPES:
+    if y.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"y: expected BF16 or FP32, got {y.dtype}")
     _check_slots(recv_slot, None)
     if recv_slot.device != y.device:
@@ -179,7 +178,7 @@ def unpermute_into(y: torch.Tensor, slot: torch.Tensor, out: int) -> None:
     if out % 16:
         raise ValueError(f"out: the unpermute kernel needs a 16-byte aligned address, got {out:#x}")
     _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), slot.shape[0], slot.shape[1], y.shape[1],
-            y.shape[0], _KERNEL_DTYPES[y.dtype], out)
+            y.shape[0], DTYPE_CODES[y.dtype], out)
 
 
 # --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---

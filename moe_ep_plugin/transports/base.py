@@ -84,13 +84,12 @@ class ExpertDispatchResult:
 # The words of a dispatch every rank must agree on; each transport exchanges them with its counts (before any row
 # moves) and raises on every rank alike when they differ.
 META_FIELDS = ("num_experts", "hidden", "x dtype", "top-k width", "topk_weights given", "FP8 rows on the wire")
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float8_e4m3fn: 3}
 
 
 def dispatch_meta(args: DispatchArgs) -> list[int]:
     """``len(META_FIELDS)`` ints describing ``args`` (a top-k width of 0: no top-k)."""
     k = args.topk_idx.shape[1] if args.topk_idx is not None else 0
-    return [args.num_experts, args.x.shape[1], _DTYPE_CODES[args.x.dtype], k, int(args.topk_weights is not None),
+    return [args.num_experts, args.x.shape[1], permute.DTYPE_CODES[args.x.dtype], k, int(args.topk_weights is not None),
             int(args.wire_fp8 or args.x_scales is not None)]
 
 
@@ -100,7 +99,7 @@ def meta_mismatch(rows: list[list[int]]) -> Optional[ValueError]:
     if not fields:
         return None
     ranks = [r for r, row in enumerate(rows) if row != rows[0]]
-    names = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPE_CODES.items()}
+    names = {code: str(dtype).removeprefix("torch.") for dtype, code in permute.DTYPE_CODES.items()}
     shown = "; ".join(META_FIELDS[f] + ": " + ", ".join(
         f"rank {r} {names.get(row[f], row[f]) if f == 2 else row[f]}" for r, row in enumerate(rows)) for f in fields)
     return metadata_error(fields, ranks, f" ({shown})")

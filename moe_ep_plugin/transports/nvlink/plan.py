@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ...config import NVLinkTuning
+from ...config import NVLinkTuning, round_up
 from ...ops.library import MAX_TOPK
 
 # Default staging: every source rank may send 8192 rows of up to hidden 8192 in BF16 with 32 top-k entries.
@@ -15,15 +15,11 @@ DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * MAX_TOPK * 4 + 16
 MAX_REGION_ROWS = 65536
 
 
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
 def dispatch_slot_bytes(hidden: int, elem_bytes: int, fp8_rows: bool, num_topk: int) -> int:
-    """Bytes of one staged dispatch row (csrc/intranode.cu ``SlotLayout``)."""
+    """Bytes of one staged dispatch row (``SlotLayout`` in csrc/kernels/intranode.cuh, filled in csrc/api.cu)."""
     payload = hidden if fp8_rows else hidden * elem_bytes
     scales = hidden // 128 if fp8_rows else 0
-    return _round16(payload + 4 * scales + 8 * num_topk + 4)
+    return round_up(payload + 4 * scales + 8 * num_topk + 4, 16)
 
 
 def combine_row_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
