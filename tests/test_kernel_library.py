@@ -22,7 +22,7 @@ from moe_ep_plugin.ops import library, permute
 def test_every_declared_function_is_exported() -> None:
     lib = library.load()  # raises on a missing symbol or an ABI mismatch
     assert lib.moe_ep_abi_version() == library.ABI_VERSION
-    assert permute._kernels() is not None, "csrc/permute.cu functions missing from the library"
+    assert permute._kernels() is not None, "csrc/api.cu permute functions missing from the library"
 
 
 def _c_compiler() -> str | None:

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("megatron/", "deepspeed/")),
     ("MoE glue", ("autograd.py", "buffer_cache.py", "plugin_options.py", "experts.py")),
     ("buffer", ("buffer.py", "low_latency.py", "__init__.py")),
-    ("transports", ("transports/",)),
+    ("transports", ("transports/", "transports/local.py")),
     ("ops", ("ops/",)),
     ("leaf", ("config.py", "handle.py", "event.py", "gating.py", "yaml_sections.py", "launch.py", "traffic.py")),
 ]

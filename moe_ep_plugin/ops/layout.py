@@ -31,7 +31,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
 
 def kernel_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`dispatch_layout` in one kernel (csrc/layout.cu), same results, for a contiguous CUDA ``topk_idx``
+    """:func:`dispatch_layout` in one kernel (csrc/kernels/layout.cuh), same results, for a contiguous CUDA ``topk_idx``
     with the kernel library loaded (the nvlink transport's inputs)."""
     n, k = topk_idx.shape
     counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one memset

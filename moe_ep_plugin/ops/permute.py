@@ -6,12 +6,11 @@ block rows follow received-row order (then top-k column); padding rows (zeros, p
 ``recv_slot [N, K] int32`` is the expert-major row of every (received row, top-k column), -1 where the column
 names no local expert.
 
-CUDA tensors go through the kernels of ``csrc/permute.cu`` when the kernel library loads, everything else
+CUDA tensors go through the kernels of ``csrc/kernels/permute.cuh`` when the kernel library loads, everything else
 through torch ops; both give the same bits. No host syncs. Not differentiable by themselves (``autograd.py``).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Optional
 
@@ -252,7 +251,7 @@ def _dump_invalid(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
 # --- kernels and validation helpers ---
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> Optional[ctypes.CDLL]:
+def _kernels() -> Optional[object]:
     """The kernel library, or None when it is missing or stale."""
     try:
         return library.load()

@@ -1,6 +1,6 @@
 """Megatron-Core's multi-hot routing map → top-k expert ids and weights, the form dispatch takes.
 
-CUDA float32 probs go through one kernel (csrc/layout.cu ``moe_ep_routing_map_topk``) when the kernel library
+CUDA float32 probs go through one kernel (csrc/kernels/layout.cuh ``moe_ep_routing_map_topk``) when the kernel library
 loads, everything else through four torch ops; both give the same ids and weights. ``routing_map_to_topk`` is
 differentiable; ``topk_from_routing_map`` (no autograd) and ``topk_weights_grad`` are its two halves for a caller that folds the
 conversion into its own autograd function (the Megatron dispatcher's dispatch).
@@ -90,7 +90,7 @@ def _routing_kernel(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
 
 
 class _RoutingKernel:
-    """Whether the one-kernel CUDA path (csrc/layout.cu ``moe_ep_routing_map_topk``) serves a call: CUDA tensors,
+    """Whether the one-kernel CUDA path (csrc/kernels/layout.cuh ``moe_ep_routing_map_topk``) serves a call: CUDA tensors,
     float32 probs, contiguous rows, and the kernel library loads (checked once)."""
 
     def __init__(self) -> None:
