@@ -93,6 +93,7 @@ class Buffer:
     ``transport``: ``"auto"`` (``hierarchical`` when the group spans nodes and ``nvlink`` serves each node;
     ``nvlink`` kernels when CUDA, the kernel library and peer access exist on one host; else ``torch``),
     ``"torch"``, ``"nvlink"`` or ``"hierarchical"`` (docs/multinode.md); ``$MOE_EP_TRANSPORT`` overrides ``auto``.
+    A group of one rank gets ``"local"`` whatever is asked for: no communication and no peer buffer.
     ``ranks_per_node``: EP ranks per node (group rank ``r`` on node ``r // ranks_per_node``); default torchrun's
     ``LOCAL_WORLD_SIZE``, else the hostnames. Setting it emulates nodes on one host. ``timeout_s`` bounds
     every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``, 120 s).
