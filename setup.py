@@ -44,8 +44,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "moe-ep-train=moe_ep_plugin.train.cli:main",
-            "moe-ep-pretrain=moe_ep_plugin.megatron.pretrain:main",
+            "moe-ep-train=moe_ep_plugin.recipes.train.cli:main",
+            "moe-ep-pretrain=moe_ep_plugin.recipes.megatron.pretrain:main",
         ]
     },
     cmdclass={"build_py": BuildPyWithKernels},

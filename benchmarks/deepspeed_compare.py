@@ -1,5 +1,5 @@
 """Stock DeepSpeed MoE against the plugin's MoE layer in one run: the DeepSpeed example's model, weights, data and
-gate noise (``moe_ep_plugin.deepspeed.train``), trained once per variant with ``deepspeed.initialize``.
+gate noise (``moe_ep_plugin.recipes.deepspeed.train``), trained once per variant with ``deepspeed.initialize``.
 
     python benchmarks/deepspeed_compare.py                        # EP1 on one GPU, configs/deepspeed_moe_gpu.yaml
     python benchmarks/deepspeed_compare.py --profile              # + torch.profiler traces and where the time goes
@@ -41,9 +41,9 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator when import
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from moe_ep_plugin import launch  # noqa: E402
-from moe_ep_plugin.deepspeed.config import RunConfig, load_config  # noqa: E402
+from moe_ep_plugin.recipes.deepspeed.config import RunConfig, load_config  # noqa: E402
 from moe_ep_plugin.experts import EXPERT_COMPUTE  # noqa: E402
-from moe_ep_plugin.yaml_sections import config_error  # noqa: E402
+from moe_ep_plugin.recipes.common.yaml_sections import config_error  # noqa: E402
 
 PROG = "deepspeed_compare.py"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +160,7 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
     from tqdm import tqdm
 
     from moe_ep_plugin.buffer_cache import cached_transports
-    from moe_ep_plugin.deepspeed.train import build_engine, train_steps
+    from moe_ep_plugin.recipes.deepspeed.train import build_engine, train_steps
     rank0 = dist.get_rank() == 0
     engine = build_engine(cfg)
     losses, times = [], []
@@ -229,7 +229,7 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: li
     from tqdm import tqdm
 
     from moe_ep_plugin.deepspeed import destroy_buffers
-    from moe_ep_plugin.deepspeed.train import init_deepspeed_comm
+    from moe_ep_plugin.recipes.deepspeed.train import init_deepspeed_comm
     cfg = load_config(config_path, overrides, dist.get_world_size())
     init_deepspeed_comm()
     rank0 = dist.get_rank() == 0

@@ -39,10 +39,10 @@ from tqdm import tqdm
 
 from moe_ep_plugin import launch
 from moe_ep_plugin.experts import EXPERT_COMPUTE
-from moe_ep_plugin.train import config as config_mod
-from moe_ep_plugin.train import metrics
-from moe_ep_plugin.train.trainer import Trainer, preflight, share_cpu_cores
-from moe_ep_plugin.yaml_sections import config_error
+from moe_ep_plugin.recipes.train import config as config_mod
+from moe_ep_plugin.recipes.train import metrics
+from moe_ep_plugin.recipes.train.trainer import Trainer, preflight, share_cpu_cores
+from moe_ep_plugin.recipes.common.yaml_sections import config_error
 
 DEFAULT_CONFIG = "configs/ep2_h200.yaml"
 PROG = "trainer_ab"

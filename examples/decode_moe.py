@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from moe_ep_plugin import Buffer, launch
 from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.train import config, trainer
-from moe_ep_plugin.train.model import Attention, MoEMLP, MoETransformer, _rotate
+from moe_ep_plugin.recipes.train import config, trainer
+from moe_ep_plugin.recipes.train.model import Attention, MoEMLP, MoETransformer, _rotate
 
 # Each MoE block's low-latency output against its normal-mode forward on the same input (so the same routing),
 # relative to the largest output, by (model dtype, FP8 wire). Measured (CPU, configs/tiny.yaml and

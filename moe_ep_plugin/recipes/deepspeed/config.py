@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..ops import fp8
-from ..train import schedule
-from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml
-from .options import DeepSpeedOptions, check_moe_args
+from ...ops import fp8
+from ..common import schedule
+from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml
+from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 
 DISPATCHERS = ("plugin", "deepspeed")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -73,7 +73,7 @@ class TrainConfig:
     micro_batch_size: int = 8          # sequences per rank per step
     lr: float = 3e-3                   # peak learning rate (AdamW)
     min_lr: Optional[float] = None     # cosine decay to this at train.steps; null = lr (constant after warm-up)
-    lr_warmup_steps: int = 0           # linear warm-up steps (moe_ep_plugin.train.schedule, as every recipe)
+    lr_warmup_steps: int = 0           # linear warm-up steps (recipes.common.schedule, as every recipe)
     seed: int = 1234
     dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
     log_interval: int = 10

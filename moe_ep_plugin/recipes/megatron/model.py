@@ -17,8 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-from . import compat
-from .host import cuda_device_is_host
+from ...megatron import compat
+from ...megatron.host import cuda_device_is_host
 from .yaml_config import PretrainConfig
 
 

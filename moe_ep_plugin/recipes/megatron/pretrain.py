@@ -2,7 +2,7 @@
 
 One command: reads the YAML (:mod:`.yaml_config`), starts one process per rank (or joins torchrun's), sets up
 Megatron's parallel state (TP x PP x EP from ``parallel:``), builds the model (:mod:`.model`), streams offline
-byte-level data (``moe_ep_plugin.train.data``), and trains with AdamW (warmup + cosine), gradient clipping, the
+byte-level data (``moe_ep_plugin.recipes.common.data``), and trains with AdamW (warmup + cosine), gradient clipping, the
 aux-loss-free expert-bias update, progress logs, ``metrics.jsonl`` and per-rank checkpoints it can resume from.
 
 Gradient reduction follows Megatron's rule: dense gradients are averaged over the data-parallel group; expert
@@ -21,10 +21,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import launch
-from ..config import DEFAULT_TIMEOUT_S
-from ..train import checkpoint, progress, schedule
-from ..yaml_sections import config_error, read_yaml
+from ... import launch
+from ...config import DEFAULT_TIMEOUT_S
+from ..common import checkpoint, progress, schedule
+from ..common.yaml_sections import config_error, read_yaml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,7 +105,7 @@ def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
 
 def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     config: dict[str, Any]) -> None:
-    """Collective: every rank writes its own shard; rank 0 then marks the step complete (``train.checkpoint``)."""
+    """Collective: every rank writes its own shard; rank 0 then marks the step complete (``recipes.common.checkpoint``)."""
     checkpoint.save(directory, step, config, state={"step": step, "model": model.state_dict(),
                                                     "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
 
@@ -134,7 +134,7 @@ def _optimizer(model: torch.nn.Module, train: Any) -> torch.optim.Optimizer:
 
 def _lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch (``inputs``/``targets`` ``[B, S]``)."""
-    from .host import cuda_device_is_host
+    from ...megatron.host import cuda_device_is_host
     seq = inputs.shape[1]
     positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=inputs.device), 1)[None, None]
@@ -147,8 +147,8 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from ..train.data import TokenWindows, load_tokens
-    from .host import seed_model_parallel_rng
+    from ..common.data import TokenWindows, load_tokens
+    from ...megatron.host import seed_model_parallel_rng
     from .model import build_gpt_model
     from .yaml_config import load_pretrain_config
 

@@ -22,8 +22,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..yaml_sections import build_section, check_sections, coerce, optional_inner, read_yaml
-from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
+from ..common.yaml_sections import build_section, check_sections, coerce, optional_inner, read_yaml
+from ...megatron.options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "sequence_parallel")
@@ -70,7 +70,7 @@ class TrainOptions:
 
 @dataclass(frozen=True)
 class DataOptions:
-    """Offline token data through ``moe_ep_plugin.train.data``: ``path`` is a text file read as bytes, or a
+    """Offline token data through ``moe_ep_plugin.recipes.common.data``: ``path`` is a text file read as bytes, or a
     ``.npy`` of token ids (None: the corpus shipped in ``moe_ep_plugin/data``); ``eval_fraction`` is held out."""
 
     path: Optional[str] = None
@@ -201,7 +201,7 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     if plugin is not None and plugin.num_sms is not None and any(v != plugin.num_sms for v in sms.values()):
         raise ValueError(f"ep_plugin.num_sms={plugin.num_sms} conflicts with model {sms}")
     if serves_plugin:
-        from .registration import install
+        from ...megatron.registration import install
         install(plugin)  # idempotent; makes this config's options the defaults of the DeepEP shim
     try:
         config = cls(**kwargs)

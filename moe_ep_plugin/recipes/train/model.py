@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import autograd, experts, gating
-from ..buffer import Buffer
+from ... import autograd, experts, gating
+from ...buffer import Buffer
 from .config import TrainerConfig
 
 

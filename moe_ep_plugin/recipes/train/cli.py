@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import launch
-from ..yaml_sections import CONFIG_ERROR_EXIT, config_error
+from ... import launch
+from ..common.yaml_sections import CONFIG_ERROR_EXIT, config_error
 from . import config as config_mod
 from . import metrics
 from .trainer import preflight, run

@@ -13,10 +13,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import DEFAULT_TIMEOUT_S
-from ..experts import EXPERT_COMPUTE
-from ..transports import TRANSPORTS
-from ..yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
+from ...config import DEFAULT_TIMEOUT_S
+from ...experts import EXPERT_COMPUTE
+from ...transports import TRANSPORTS
+from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
 
 FP8_BLOCK = 128  # FP8 dispatch quantizes per token in blocks of this many channels (moe_ep_plugin.ops.fp8.BLOCK)
 

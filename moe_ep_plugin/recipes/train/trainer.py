@@ -19,13 +19,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .. import gating
-from ..traffic import node_traffic
-from ..buffer import Buffer
-from ..buffer_cache import nvl_bytes_hint
-from . import checkpoint, metrics, progress, schedule
+from ... import gating
+from ...traffic import node_traffic
+from ...buffer import Buffer
+from ...buffer_cache import nvl_bytes_hint
+from ..common import checkpoint, progress, schedule
+from . import metrics
 from .config import TrainerConfig, validate
-from .data import TokenWindows, load_tokens
+from ..common.data import TokenWindows, load_tokens
 from .model import MoETransformer
 
 

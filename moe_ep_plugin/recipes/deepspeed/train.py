@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-from ..buffer_cache import cached_transports, destroy_buffers
-from ..train import checkpoint, progress, schedule
+from ...buffer_cache import cached_transports, destroy_buffers
+from ..common import checkpoint, progress, schedule
 from .config import RunConfig, validate
-from .layer import MoE, update_expert_biases
+from ...deepspeed.layer import MoE, update_expert_biases
 
 SUCCESSOR_PROB = 0.9
 
