@@ -22,7 +22,7 @@ cumulative (a row includes the layers below it). In the ``torch`` and ``stand-in
 torch-op fallback of the routing-map conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the harness's CPU math
 (experts = ``rows * probs``, ``autograd.grad``). ``... to the permute launch`` (``nvlink*`` only): from the
 forward's start (``dispatch_preprocess``) to the host's call of the permute kernel, the host time the GPU waits
-through at 4096 tokens on the GPU machine (docs/open_work.md). ``--profile`` adds cProfile's top cumulative entries of the
+through at 4096 tokens on the GPU machine (docs/known_gaps.md). ``--profile`` adds cProfile's top cumulative entries of the
 dispatcher forward + backward on ``nvlink*``.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ def plot(kernels: dict[str, float], dispatchers: dict[str, dict[int, tuple[float
     width = 0.38
     left.bar([x - width / 2 for x in xs], [kernels[k] for k in labels], width, label="moe_ep_plugin (nvlink)")
     left.bar([x + width / 2 for x in xs], [DEEPEP_US[k] for k in labels], width, label="DeepEP V1", color="#bbbbbb")
-    for x, k in zip(xs, labels):
+    for x, k in zip(xs, labels, strict=True):
         left.hlines(KERNEL_TARGET_US[k], x - 0.45, x + 0.45, colors="crimson", linestyles="--",
                     label="target" if x == 0 else None)
         left.annotate(f"{kernels[k]:.0f}", (x - width / 2, kernels[k]), ha="center", va="bottom", fontsize=8)
