@@ -31,7 +31,8 @@ class BuildPyWithKernels(build_py):
 setup(
     name="moe_ep_plugin",
     version="0.1.0",
-    description="Expert-parallel dispatch/combine for MoE training (DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
+    description="Expert-parallel dispatch/combine for MoE training "
+                "(DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
     packages=find_packages(include=["moe_ep_plugin", "moe_ep_plugin.*"]),
     package_data={"moe_ep_plugin": ["lib/*.so", "data/*"]},
     python_requires=">=3.10",

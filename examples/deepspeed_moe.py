@@ -21,8 +21,8 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator when import
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from moe_ep_plugin import launch  # noqa: E402
-from moe_ep_plugin.recipes.deepspeed.config import load_config  # noqa: E402
 from moe_ep_plugin.recipes.common.yaml_sections import config_error  # noqa: E402
+from moe_ep_plugin.recipes.deepspeed.config import load_config  # noqa: E402
 
 PROG = "deepspeed_moe.py"
 
@@ -35,7 +35,8 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], compare: bool) -> N
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (configs/deepspeed_*.yaml)")
     parser.add_argument("--compare", action="store_true",
                         help="train with stock DeepSpeed MoE, then with the plugin, and print a step-time table")

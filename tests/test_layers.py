@@ -130,7 +130,7 @@ def test_readme_layer_table_matches_the_tree() -> None:
             full = path if path.startswith(("moe_ep_plugin/", "examples/", "configs/", "csrc/")) else \
                 os.path.join("moe_ep_plugin", path)
             assert os.path.exists(os.path.join(ROOT, full)), f"README layer {name!r} names {path}, which does not exist"
-    for module, rel in MODULES.items():
+    for rel in MODULES.values():
         name = LAYER_NAMES[layer_of(rel)]
         if rel == "__init__.py":
             continue  # the package's public face: re-exports Buffer, Config, EventOverlap, DispatchHandle
@@ -153,7 +153,7 @@ def test_only_ops_and_the_nvlink_runtime_load_the_kernel_library() -> None:
     context, is the one module outside ``ops`` that loads it (its constants and structs may be imported anywhere
     below the recipes)."""
     loaders = set()
-    for module, rel in MODULES.items():
+    for rel in MODULES.values():
         tree = ast.parse(open(os.path.join(PKG, rel)).read(), rel)
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and node.attr in ("load", "unavailable_reason", "check")

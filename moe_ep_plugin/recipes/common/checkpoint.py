@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def complete_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, COMPLETE))]
 
 
-def newest(root: str) -> Optional[str]:
+def newest(root: str) -> str | None:
     """The newest complete checkpoint under ``root``, or None."""
     found = complete_checkpoints(root)
     return found[-1] if found else None
@@ -77,8 +78,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(root: str, step: int, config: dict[str, Any], group: Optional[dist.ProcessGroup] = None,
-         state: Optional[dict[str, Any]] = None, write: Optional[Callable[[str], None]] = None, keep: int = 0) -> str:
+def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup | None = None,
+         state: dict[str, Any] | None = None, write: Callable[[str], None] | None = None, keep: int = 0) -> str:
     """Collective: this rank's ``state`` goes to its file (or ``write(directory)`` writes its part), then rank 0
     marks the checkpoint complete and keeps only the newest ``keep`` (0: all). Returns the directory."""
     group = group if group is not None else dist.group.WORLD
@@ -104,7 +105,7 @@ def save(root: str, step: int, config: dict[str, Any], group: Optional[dist.Proc
     return directory
 
 
-def load_rank_state(directory: str, key: str, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+def load_rank_state(directory: str, key: str, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """This rank's file of a complete checkpoint (``key`` names the setting that chose it in errors)."""
     group = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(group)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from importlib import resources
-from typing import Optional
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ def shipped_corpus_path() -> str:
     return str(resources.files("moe_ep_plugin").joinpath("data", CORPUS))
 
 
-def load_tokens(path: Optional[str], vocab_size: int) -> np.ndarray:
+def load_tokens(path: str | None, vocab_size: int) -> np.ndarray:
     """1-D int64 token ids: ``.npy`` files hold ids (each < ``vocab_size``); any other file is read as bytes."""
     path = shipped_corpus_path() if path is None else path
     if not os.path.isfile(path):

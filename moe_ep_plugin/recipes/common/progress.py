@@ -3,10 +3,10 @@ rate since the last logged step."""
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
-def due(step: int, total: int, interval: int, start: Optional[int] = None) -> bool:
+def due(step: int, total: int, interval: int, start: int | None = None) -> bool:
     """Whether 1-based ``step`` gets a line: every ``interval`` steps, the last one, and (given the step a run
     started from) its first."""
     return step % interval == 0 or step == total or (start is not None and step == start + 1)

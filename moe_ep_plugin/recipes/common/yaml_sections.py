@@ -10,14 +10,14 @@ import os
 import sys
 import types
 import typing
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 CONFIG_ERROR_EXIT = 2  # what every front door exits with on a config error (argparse's usage errors use it too)
 
 
-def optional_inner(hint: Any) -> Optional[Any]:
+def optional_inner(hint: Any) -> Any | None:
     """``X`` for ``Optional[X]`` / ``X | None``, else None."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint):
         return next(a for a in typing.get_args(hint) if a is not type(None))
@@ -78,7 +78,7 @@ def check_sections(raw: dict, known: typing.Iterable[str]) -> None:
             raise ValueError(f"{section}: unknown section (known: {', '.join(known)})")
 
 
-def read_yaml(path: Optional[str]) -> dict:
+def read_yaml(path: str | None) -> dict:
     """The mapping in a YAML file (None: an empty mapping)."""
     if path is None:
         return {}

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 from ...ops import fp8
 from ..common import schedule
 from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml
-from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 
 DISPATCHERS = ("plugin", "deepspeed")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -52,7 +52,7 @@ class MoEConfig(DeepSpeedOptions):
     min_capacity: int = 0
     drop_tokens: bool = False
     use_rts: bool = True
-    noisy_gate_policy: Optional[str] = None
+    noisy_gate_policy: str | None = None
     use_residual: bool = False
     top2_2nd_expert_sampling: bool = True
     aux_loss_coeff: float = 0.01     # loss += coeff * sum of the layers' l_aux
@@ -60,7 +60,7 @@ class MoEConfig(DeepSpeedOptions):
     def plugin_options(self) -> DeepSpeedOptions:
         return DeepSpeedOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DeepSpeedOptions)})
 
-    def stock(self) -> "MoEConfig":
+    def stock(self) -> MoEConfig:
         """The same DeepSpeed arguments with the plugin's options at their defaults (for dispatcher: deepspeed)."""
         defaults = DeepSpeedOptions()
         return dataclasses.replace(self, **{f.name: getattr(defaults, f.name)
@@ -72,14 +72,14 @@ class TrainConfig:
     steps: int = 30
     micro_batch_size: int = 8          # sequences per rank per step
     lr: float = 3e-3                   # peak learning rate (AdamW)
-    min_lr: Optional[float] = None     # cosine decay to this at train.steps; null = lr (constant after warm-up)
+    min_lr: float | None = None     # cosine decay to this at train.steps; null = lr (constant after warm-up)
     lr_warmup_steps: int = 0           # linear warm-up steps (recipes.common.schedule, as every recipe)
     seed: int = 1234
     dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
     log_interval: int = 10
     warmup_steps: int = 5              # steps left out of the step-time median
     nprocs: int = 2                    # ranks to spawn when not started by torchrun
-    checkpoint_dir: Optional[str] = None  # save a DeepSpeed checkpoint here at the end (step_NNNNNNN/, COMPLETE)
+    checkpoint_dir: str | None = None  # save a DeepSpeed checkpoint here at the end (step_NNNNNNN/, COMPLETE)
 
     def lr_at(self, step: int) -> float:
         """The shared schedule's LR of 0-based ``step``."""
@@ -113,7 +113,7 @@ def _positive(key: str, value: int) -> None:
         raise ValueError(f"{key}: must be >= 1, got {value}")
 
 
-def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
+def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Cross-key checks; ``world_size`` (when known) must be a multiple of ``moe.ep_size``."""
     if cfg.dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher: expected one of {DISPATCHERS}, got {cfg.dispatcher!r}")
@@ -159,11 +159,12 @@ def validate(cfg: RunConfig, world_size: Optional[int] = None) -> RunConfig:
         raise ValueError(f"deepspeed.zero_optimization: expected a mapping such as {{stage: 2}}, got {zero!r}")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
-        raise ValueError(f"deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, got {stage}")
+        raise ValueError("deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, "
+                         f"got {stage}")
     return cfg
 
 
-def parse_config(data: Any, world_size: Optional[int] = None) -> RunConfig:
+def parse_config(data: Any, world_size: int | None = None) -> RunConfig:
     """A parsed YAML document (a mapping) → validated :class:`RunConfig`."""
     if data is None:
         data = {}
@@ -177,6 +178,6 @@ def parse_config(data: Any, world_size: Optional[int] = None) -> RunConfig:
     return validate(cfg, world_size)
 
 
-def load_config(path: str, overrides: tuple[str, ...] = (), world_size: Optional[int] = None) -> RunConfig:
+def load_config(path: str, overrides: tuple[str, ...] = (), world_size: int | None = None) -> RunConfig:
     """Read a YAML file; ``overrides`` are ``section.key=value`` strings (values parsed as YAML)."""
     return parse_config(apply_overrides(read_yaml(path), overrides), world_size)

@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from ...buffer_cache import cached_transports, destroy_buffers
+from ...deepspeed.layer import MoE, update_expert_biases
 from ..common import checkpoint, progress, schedule
 from .config import RunConfig, validate
-from ...deepspeed.layer import MoE, update_expert_biases
 
 SUCCESSOR_PROB = 0.9
 

@@ -16,7 +16,8 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,8 @@ def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
 
 def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     config: dict[str, Any]) -> None:
-    """Collective: every rank writes its own shard; rank 0 then marks the step complete (``recipes.common.checkpoint``)."""
+    """Collective: every rank writes its own shard; rank 0 then marks the step complete
+    (``recipes.common.checkpoint``)."""
     checkpoint.save(directory, step, config, state={"step": step, "model": model.state_dict(),
                                                     "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
 
@@ -147,8 +149,8 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from ..common.data import TokenWindows, load_tokens
     from ...megatron.host import seed_model_parallel_rng
+    from ..common.data import TokenWindows, load_tokens
     from .model import build_gpt_model
     from .yaml_config import load_pretrain_config
 
@@ -251,7 +253,7 @@ def check_world(cfg: Any, world: int, world_key: str) -> None:
                          f"train.micro_batch_size x data-parallel size = {train.micro_batch_size} x {dp}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .yaml_config import load_pretrain_config
     overrides: dict[str, Any] = {}
@@ -268,7 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if launch.under_torchrun():
             nprocs, world_key = int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
         else:
-            nprocs = args.nprocs or (par.get("tensor_model_parallel_size", 1) * par.get("expert_model_parallel_size", 1))
+            nprocs = args.nprocs or (par.get("tensor_model_parallel_size", 1)
+                                     * par.get("expert_model_parallel_size", 1))
             world_key = "--nprocs" if args.nprocs else "parallel (TP x EP)"
         check_world(cfg, nprocs, world_key)
     except (TypeError, ValueError) as exc:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
-from ..common.yaml_sections import build_section, check_sections, coerce, optional_inner, read_yaml
 from ...megatron.options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
+from ..common.yaml_sections import build_section, check_sections, coerce, optional_inner, read_yaml
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "sequence_parallel")
@@ -63,9 +63,9 @@ class TrainOptions:
     clip_grad: float = 1.0
     seed: int = 1234
     log_interval: int = 10
-    save_dir: Optional[str] = None
+    save_dir: str | None = None
     save_interval: int = 0
-    load_dir: Optional[str] = None
+    load_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class DataOptions:
     """Offline token data through ``moe_ep_plugin.recipes.common.data``: ``path`` is a text file read as bytes, or a
     ``.npy`` of token ids (None: the corpus shipped in ``moe_ep_plugin/data``); ``eval_fraction`` is held out."""
 
-    path: Optional[str] = None
+    path: str | None = None
     seed: int = 0
     eval_fraction: float = 0.05
 
@@ -85,7 +85,7 @@ class PretrainConfig:
     parallel: dict[str, Any]
     transformer: Any  # TransformerConfig or MLATransformerConfig
     gpt: GPTOptions
-    plugin: Optional[PluginOptions]
+    plugin: PluginOptions | None
     train: TrainOptions
     data: DataOptions
 
@@ -146,7 +146,7 @@ def _config_class(model: dict[str, Any]) -> type:
 
 
 def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
-                             plugin: Optional[PluginOptions]) -> Any:
+                             plugin: PluginOptions | None) -> Any:
     """``model`` + ``parallel`` sections (and the plugin options) → a validated Megatron config object."""
     model = dict(model)
     clash = sorted(set(model) & set(PARALLEL_KEYS))
@@ -212,7 +212,7 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     return config
 
 
-def load_pretrain_config(source: Union[str, dict[str, Any]]) -> PretrainConfig:
+def load_pretrain_config(source: str | dict[str, Any]) -> PretrainConfig:
     """Read a YAML file path (or an already parsed mapping) into a :class:`PretrainConfig`."""
     if isinstance(source, str):
         raw = read_yaml(source)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -53,7 +53,7 @@ def dry_run(cfg: config_mod.TrainerConfig) -> str:
             f"whole model {(replicated + experts * ep) / 1e9:,.2f}B")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list_keys:
         for key, tname, default, doc in config_mod.schema():
@@ -61,7 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.plot:
         why_not = metrics.write_plots(args.plot)
-        print(f"moe-ep-train: plots not written: {why_not}" if why_not else f"wrote {args.plot}/loss.png, expert_load.png")
+        print(f"moe-ep-train: plots not written: {why_not}" if why_not
+              else f"wrote {args.plot}/loss.png, expert_load.png")
         return 1 if why_not else 0
     if args.until is not None and args.until < 1:
         print(f"moe-ep-train: --until must be >= 1, got {args.until}", file=sys.stderr)

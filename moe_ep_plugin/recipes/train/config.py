@@ -11,7 +11,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ...config import DEFAULT_TIMEOUT_S
 from ...experts import EXPERT_COMPUTE
@@ -33,7 +33,8 @@ class ModelConfig:
     num_layers: int = _doc("Transformer blocks in total (dense + MoE).", 4)
     num_dense_layers: int = _doc("The first this-many blocks use a dense MLP (DeepSeek-V3: first_k_dense_replace); "
                                  "the rest are MoE blocks.", 1)
-    num_heads: int = _doc("Attention heads (plain causal multi-head attention); hidden_size / num_heads must be even.", 4)
+    num_heads: int = _doc("Attention heads (plain causal multi-head attention); hidden_size / num_heads must be "
+                          "even.", 4)
     ffn_hidden_size: int = _doc("Inner width of the dense blocks' SwiGLU MLP.", 384)
     seq_len: int = _doc("Tokens per training sequence (context length).", 128)
     rope_theta: float = _doc("Base of the rotary position embedding.", 10000.0)
@@ -53,7 +54,7 @@ class MoEConfig:
                                  "top-k logits).", False)
     num_groups: int = _doc("Expert groups for group-limited routing; 1 = plain top-k. Must divide num_experts.", 4)
     group_topk: int = _doc("Groups each token may use (DeepSeek-V3: 4 of 8).", 2)
-    scaling_factor: Optional[float] = _doc("Multiplier on the normalised top-k weights (DeepSeek-V3: 2.5); null = none.",
+    scaling_factor: float | None = _doc("Multiplier on the normalised top-k weights (DeepSeek-V3: 2.5); null = none.",
                                            None)
     expert_bias: bool = _doc("Aux-loss-free balancing: a per-expert bias added to the scores for selection only "
                              "(sigmoid only).", True)
@@ -75,7 +76,7 @@ class ParallelConfig:
     transport: str = _doc("moe_ep_plugin.Buffer transport: 'auto' (NVLink kernels when built and usable, else torch), "
                           "'torch' (torch.distributed collectives, any device), 'nvlink' or 'hierarchical' (NVLink "
                           "inside a node, NCCL between nodes: docs/multinode.md).", "auto")
-    ranks_per_node: Optional[int] = _doc("EP ranks per node for the hierarchical transport; null = the launcher's "
+    ranks_per_node: int | None = _doc("EP ranks per node for the hierarchical transport; null = the launcher's "
                                          "(LOCAL_WORLD_SIZE, else hostnames). Set it to emulate nodes on one host.",
                                          None)
     fp8_dispatch: bool = _doc("Send tokens as FP8 e4m3 with per-128-channel scales on dispatch (receive BF16); "
@@ -86,7 +87,7 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = _doc("null = the corpus shipped in moe_ep_plugin/data; a .npy file = integer token ids "
+    path: str | None = _doc("null = the corpus shipped in moe_ep_plugin/data; a .npy file = integer token ids "
                                "(< vocab_size); any other file = text read as UTF-8 bytes (byte-level tokens).", None)
     eval_fraction: float = _doc("Tail fraction of the tokens held out for evaluation (0 disables eval).", 0.05)
 
@@ -119,7 +120,7 @@ class OutputConfig:
     plots: bool = _doc("Write loss.png and expert_load.png at the end (needs matplotlib: pip install "
                        "'moe_ep_plugin[plots]').", True)
     progress_bar: bool = _doc("Show a tqdm progress bar on rank 0.", True)
-    peak_tflops: Optional[float] = _doc("Peak TFLOP/s of one device for the logged MFU; null = the dense BF16 "
+    peak_tflops: float | None = _doc("Peak TFLOP/s of one device for the logged MFU; null = the dense BF16 "
                                         "datasheet figure of an H100/H200 computing in BF16 (989.4), else MFU n/a.",
                                         None)
 
@@ -158,7 +159,7 @@ def schema() -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-def from_dict(raw: Optional[dict[str, Any]]) -> TrainerConfig:
+def from_dict(raw: dict[str, Any] | None) -> TrainerConfig:
     """Build and validate a config from nested mappings; unknown sections/keys are errors naming them."""
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
@@ -170,7 +171,7 @@ def from_dict(raw: Optional[dict[str, Any]]) -> TrainerConfig:
     return cfg
 
 
-def load(path: Optional[str] = None, overrides: tuple[str, ...] = ()) -> TrainerConfig:
+def load(path: str | None = None, overrides: tuple[str, ...] = ()) -> TrainerConfig:
     """Read a YAML file (None = all defaults) and apply ``section.key=value`` overrides (values parsed as YAML)."""
     return from_dict(apply_overrides(read_yaml(path), overrides))
 
@@ -180,7 +181,7 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ValueError(f"{key}: {message}")
 
 
-def validate(cfg: TrainerConfig, world_size: Optional[int] = None) -> None:
+def validate(cfg: TrainerConfig, world_size: int | None = None) -> None:
     """Reject values that cannot run; ``world_size`` (the actual EP size) defaults to ``parallel.nprocs``."""
     m, e, p, d, t, o = cfg.model, cfg.moe, cfg.parallel, cfg.data, cfg.train, cfg.output
     for key, value in dataclasses.asdict(cfg).items():

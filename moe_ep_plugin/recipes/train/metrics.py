@@ -5,7 +5,6 @@ import csv
 import logging
 import os
 import sys
-from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -60,7 +59,7 @@ def train_flops_per_token(cfg: TrainerConfig) -> float:
     return 3.0 * forward
 
 
-def peak_flops(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) -> tuple[Optional[float], str]:
+def peak_flops(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """Peak FLOP/s of one device for MFU and where it came from: ``output.peak_tflops`` when set, else the
     datasheet dense BF16 figure of a known GPU computing in BF16, else None (MFU not reported)."""
     if cfg.output.peak_tflops is not None:
@@ -74,7 +73,7 @@ def peak_flops(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) -> 
     return None, f"n/a (no peak known for {device.type} {str(dtype).replace('torch.', '')}; set output.peak_tflops)"
 
 
-def mfu(tokens_per_s: float, num_devices: int, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
+def mfu(tokens_per_s: float, num_devices: int, flops_per_token: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s per device over its peak (None without a peak)."""
     if peak is None:
         return None
@@ -113,7 +112,7 @@ class MetricsWriter:
                 raise ValueError("output.tensorboard: needs the tensorboard package (pip install tensorboard)") from exc
             self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=resume_step + 1)
 
-    def write(self, row: dict[str, Optional[float]]) -> None:
+    def write(self, row: dict[str, float | None]) -> None:
         self.writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS})
         self.file.flush()
         if self.tb is not None:
@@ -136,7 +135,7 @@ def write_expert_load(out_dir: str, load_totals: torch.Tensor, first_moe_block: 
             writer.writerows((first_moe_block + i, e, n) for e, n in enumerate(row))
 
 
-def write_plots(out_dir: str) -> Optional[str]:
+def write_plots(out_dir: str) -> str | None:
     """From ``metrics.csv`` and ``expert_load.csv`` in ``out_dir``: ``loss.png`` (train/eval loss and tokens/s over
     steps) and ``expert_load.png`` (each MoE block's routed tokens per expert over the run, relative to a uniform
     share). Returns None when written, else the reason they were not."""
@@ -153,7 +152,7 @@ def write_plots(out_dir: str) -> Optional[str]:
     ax_loss.plot(steps, [float(r["loss"]) for r in rows], label="train loss (LM + aux)")
     evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
     if evals:
-        ax_loss.plot(*zip(*evals), "o-", label="eval loss")
+        ax_loss.plot(*zip(*evals, strict=True), "o-", label="eval loss")
     ax_loss.set_ylabel("cross-entropy (nats/token)")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()

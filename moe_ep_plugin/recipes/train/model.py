@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -118,7 +117,7 @@ class MoEMLP(nn.Module):
         self.shared = (SwiGLU(m.hidden_size, e.expert_ffn_hidden_size * e.num_shared_experts)
                        if e.num_shared_experts else None)
         self.experts = RoutedExperts(self.num_local, m.hidden_size, e.expert_ffn_hidden_size, e.expert_compute)
-        self.buffer: Optional[Buffer] = None  # set by MoETransformer.attach (not a module: never saved)
+        self.buffer: Buffer | None = None  # set by MoETransformer.attach (not a module: never saved)
         self.fp8_dispatch = cfg.parallel.fp8_dispatch
 
     def route(self, tokens: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,7 +172,7 @@ class Block(nn.Module):
         self.mlp = MoEMLP(cfg, ep_rank, ep_size) if moe else SwiGLU(m.hidden_size, m.ffn_hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``x [B, S, H]`` → ``(x [B, S, H], topk_idx [B*S, K] or None, aux loss or None)`` (None: dense block)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         if isinstance(self.mlp, MoEMLP):
@@ -234,11 +233,12 @@ class MoETransformer(nn.Module):
             if not isinstance(blk.mlp, MoEMLP):
                 continue
             layer = blk.mlp
-            for l in range(layer.num_local):
-                expert_seed = np.random.SeedSequence([seed, b, layer.first_expert + l]).generate_state(1)[0]
+            for local in range(layer.num_local):
+                expert_seed = np.random.SeedSequence([seed, b, layer.first_expert + local]).generate_state(1)[0]
                 g = torch.Generator().manual_seed(int(expert_seed))
-                layer.experts.gate_up[l].copy_(_normal(tuple(layer.experts.gate_up.shape[1:]), std, g))
-                layer.experts.down[l].copy_(_normal(tuple(layer.experts.down.shape[1:]), std / math.sqrt(2 * layers), g))
+                layer.experts.gate_up[local].copy_(_normal(tuple(layer.experts.gate_up.shape[1:]), std, g))
+                down_std = std / math.sqrt(2 * layers)
+                layer.experts.down[local].copy_(_normal(tuple(layer.experts.down.shape[1:]), down_std, g))
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         s = ids.shape[1]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ... import gating
-from ...traffic import node_traffic
 from ...buffer import Buffer
 from ...buffer_cache import nvl_bytes_hint
+from ...traffic import node_traffic
 from ..common import checkpoint, progress, schedule
+from ..common.data import TokenWindows, load_tokens
 from . import metrics
 from .config import TrainerConfig, validate
-from ..common.data import TokenWindows, load_tokens
 from .model import MoETransformer
 
 
@@ -85,7 +86,7 @@ def checkpoint_root(cfg: TrainerConfig) -> str:
 MUST_MATCH = ("model", "moe", "train.seed", "train.micro_batch_size", "data.path", "data.eval_fraction")
 
 
-def resume_dir(cfg: TrainerConfig, world: int, world_key: str) -> Optional[str]:
+def resume_dir(cfg: TrainerConfig, world: int, world_key: str) -> str | None:
     """The checkpoint ``output.resume`` asks for (None: start fresh), checked against this config and EP size."""
     if cfg.output.resume == "never":
         return None
@@ -110,7 +111,7 @@ class StepResult:
     lm_loss: float
     aux_loss: float
     counts: torch.Tensor
-    nodes: Optional["NodeStats"] = None  # when the EP group spans nodes
+    nodes: NodeStats | None = None  # when the EP group spans nodes
 
     @property
     def loss(self) -> float:
@@ -130,7 +131,7 @@ class NodeStats:
 class Trainer:
     """One rank's model, optimizer, data and Buffer on ``group`` (the EP group, which is also the DP group)."""
 
-    def __init__(self, cfg: TrainerConfig, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, cfg: TrainerConfig, group: dist.ProcessGroup | None = None) -> None:
         self.cfg = cfg
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -185,7 +186,7 @@ class Trainer:
         return StepResult(lm_loss=float(packed[0]) / self.world, aux_loss=float(packed[1]) / self.world,
                           counts=packed[2 + sums.numel():].round().long().view_as(counts).cpu(), nodes=nodes)
 
-    def _node_sums(self, routes: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _node_sums(self, routes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's ``[nodes reached summed over tokens, tokens, hierarchical network bytes, flat network
         bytes]`` float64 over its MoE blocks, and the most nodes one token reached; empty and None on one node."""
         if self.ranks_per_node is None or self.ranks_per_node == self.world:
@@ -250,7 +251,7 @@ class Trainer:
         if self.cfg.moe.expert_bias:
             # one host-to-device copy for all blocks (each copy of pageable memory waits for the stream)
             counts = result.counts.to(self.device).float()
-            for layer, layer_counts in zip(self.model.moe_layers(), counts):
+            for layer, layer_counts in zip(self.model.moe_layers(), counts, strict=True):
                 gating.update_expert_bias(layer.expert_bias, layer_counts, self.cfg.moe.bias_update_rate)
         self.load_totals += result.counts
         return norm
@@ -268,7 +269,7 @@ class Trainer:
         return float(total) / (self.world * self.cfg.train.eval_batches)
 
     # ------------------------------------------------------------------ the whole run
-    def resume(self) -> Optional[str]:
+    def resume(self) -> str | None:
         directory = resume_dir(self.cfg, self.world, "parallel.nprocs")
         if directory is not None:
             state = checkpoint.load_rank_state(directory, "output.resume", self.group)
@@ -318,7 +319,7 @@ class Trainer:
                            flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
             yield row
 
-    def train(self, until: Optional[int] = None) -> dict[str, float]:
+    def train(self, until: int | None = None) -> dict[str, float]:
         """Train from the resumed step to ``train.steps`` (or stop after step ``until``, checkpointing there, as a
         time-boxed job would); rank 0 writes the log, metrics.csv and plots. Returns the last metrics row."""
         cfg, lead = self.cfg, self.rank == 0
@@ -355,7 +356,7 @@ class Trainer:
             self._finish(logger, last)
         return last
 
-    def log_header(self, logger: logging.Logger, resumed: Optional[str] = None) -> None:
+    def log_header(self, logger: logging.Logger, resumed: str | None = None) -> None:
         """The run's first log lines: ranks, device, model, data, the MFU FLOPs per token and peak."""
         cfg = self.cfg
         n_rep = sum(p.numel() for p in self.replicated)
@@ -409,7 +410,7 @@ def share_cpu_cores(cfg: TrainerConfig) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def run(cfg: TrainerConfig, until: Optional[int] = None) -> None:
+def run(cfg: TrainerConfig, until: int | None = None) -> None:
     """Per-rank entry point for ``launch.launch``: the default process group is already initialised."""
     share_cpu_cores(cfg)
     trainer = Trainer(cfg)
