@@ -31,7 +31,8 @@ class BuildPyWithKernels(build_py):
 setup(
     name="moe_ep_plugin",
     version="0.1.0",
-    description="Expert-parallel dispatch/combine for MoE training (DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
+    description="Expert-parallel dispatch/combine for MoE training "
+                "(DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
     packages=find_packages(include=["moe_ep_plugin", "moe_ep_plugin.*"]),
     package_data={"moe_ep_plugin": ["lib/*.so", "data/*"]},
     python_requires=">=3.10",
@@ -44,8 +45,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "moe-ep-train=moe_ep_plugin.train.cli:main",
-            "moe-ep-pretrain=moe_ep_plugin.megatron.pretrain:main",
+            "moe-ep-train=moe_ep_plugin.recipes.train.cli:main",
+            "moe-ep-pretrain=moe_ep_plugin.recipes.megatron.pretrain:main",
         ]
     },
     cmdclass={"build_py": BuildPyWithKernels},

@@ -1,12 +1,13 @@
 """Time dispatch/combine of the ``nvlink`` kernels and the ``torch`` transport (NCCL) on the standard shape.
 
-One process per local GPU (spawned; or under torchrun). Standard shape (../shared/BENCHMARKS.md): 4096 tokens
+One process per local GPU (spawned; or under torchrun). Standard shape (DeepSeek-V3's MoE layer): 4096 tokens
 per rank, hidden 7168, 256 experts, top-8 with group-limited sigmoid routing (8 groups, top-4 groups); FP8
 dispatch, BF16 dispatch, BF16 combine, and the expert-major pair (``dispatch_experts`` straight into the
 grouped-GEMM layout, ``combine_experts`` from expert outputs). ``kernel dispatch fp8`` quantizes BF16 rows in the
-send path; ``kernel dispatch fp8 input`` ships rows quantized beforehand, as DeepEP's FP8 dispatch does. Before timing, the nvlink results are checked
-against the torch transport on the same inputs. Method: CUDA events around each call, warm-up, median of ``--iters`` runs over
-4 rotating input sets, a barrier before every timed series; the slowest rank's median is reported.
+send path; ``kernel dispatch fp8 input`` ships rows quantized beforehand, as DeepEP's FP8 dispatch does. Before
+timing, the nvlink results are checked against the torch transport on the same inputs. Method: CUDA events around
+each call, warm-up, median of ``--iters`` runs over 4 rotating input sets, a barrier before every timed series; the
+slowest rank's median is reported.
 Bandwidth: *logical* = all rows a rank receives (its own included, DeepEP's way); *physical* = rows that
 cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] [--json out.json]``.
 """
@@ -16,17 +17,17 @@ import argparse
 import dataclasses
 import json
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from standard_shape import add_shape_arguments
 
 from moe_ep_plugin import Buffer, gating
 from moe_ep_plugin.config import NVLinkTuning
 from moe_ep_plugin.launch import launch
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.transports import DispatchArgs
-from standard_shape import add_shape_arguments
 
 
 def _routing(n: int, num_experts: int, topk: int, device: torch.device, seed: int):
@@ -76,7 +77,7 @@ def _graph_us(fn: Callable[[int], object], iters: int, reps: int = 8) -> float:
 
 def _same(a, b) -> bool:
     if isinstance(a, tuple):
-        return all(_same(u, v) for u, v in zip(a, b))
+        return all(_same(u, v) for u, v in zip(a, b, strict=True))
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
@@ -92,9 +93,10 @@ def _shape_rows(buffer: Buffer, inputs: list, num_experts: int) -> tuple[int, in
 
 
 def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list, check: Buffer | None,
-               tuning: NVLinkTuning = NVLinkTuning()) -> None:
+               tuning: NVLinkTuning | None = None) -> None:
     """Every op on ``buffer``, timed with the default Configs at ``Buffer.num_sms`` carrying ``tuning``."""
     device = buffer.device
+    tuning = NVLinkTuning() if tuning is None else tuning
     dcfg = dataclasses.replace(Buffer.get_dispatch_config(dist.get_world_size()), nvlink=tuning)
     ccfg = dataclasses.replace(Buffer.get_combine_config(dist.get_world_size()), nvlink=tuning)
     h, e, k = args.hidden, args.experts, args.topk
@@ -124,11 +126,13 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             got, want = disp(0, **kw), None
             x, idx, w = inputs[0]
             want = check.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
-            ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3])) and got[3] == want[3]
-            y = got[0] if not isinstance(got[0], tuple) else torch.randn(got[4].num_recv_rows, h, device=device).to(torch.bfloat16)
+            ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3], strict=True)) and got[3] == want[3]
+            y = got[0] if not isinstance(got[0], tuple) else \
+                torch.randn(got[4].num_recv_rows, h, device=device).to(torch.bfloat16)
             ok &= _same(buffer.combine(y, got[4])[0], check.combine(y, want[4])[0])
             got, want = edisp(0, **kw), check.dispatch_experts(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
-            ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3]) if a is not None) and got[3] == want[3]
+            ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3], strict=True) if a is not None)
+            ok &= got[3] == want[3]
             if not kw.get("fp8_out"):
                 y = torch.randn(got[4].expert_layout.num_rows, h, device=device).to(torch.bfloat16)
                 ok &= _same(buffer.combine_experts(y, got[4])[0], check.combine_experts(y, want[4])[0])
@@ -178,12 +182,12 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             ("kernel dispatch fp8 input", lambda i: kernel_dispatch(i, False, fp8_in=True), fp8_row),
             ("kernel dispatch bf16", lambda i: kernel_dispatch(i, False), bf16_row),
             ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), ccfg), bf16_row),
-            ("kernel experts dispatch bf16", lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1),
-             bf16_row),
+            ("kernel experts dispatch bf16",
+             lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1), bf16_row),
             ("kernel experts dispatch fp8->bf16",
              lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], fp8_out=False), 1), fp8_row),
-            ("kernel experts combine bf16", lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, ccfg),
-             bf16_row),
+            ("kernel experts combine bf16",
+             lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, ccfg), bf16_row),
         ]
     if args.quick:
         ops = [op for op in ops if op[0].startswith("kernel ")]
@@ -267,7 +271,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--variants", type=_variants, default="24:dispatch_pull=0:combine_pull=0 24:quantizing_dispatch_send_warps=12 12 16",
+    p.add_argument("--variants", type=_variants,
+                   default="24:dispatch_pull=0:combine_pull=0 24:quantizing_dispatch_send_warps=12 12 16",
                    help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
                         "NVLinkTuning fields (e.g. 24:copy_engine_combine_below_sms=32:dispatch_send_warps=8)")
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")

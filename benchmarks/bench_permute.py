@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from standard_shape import add_shape_arguments
 
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.ops import permute as P
-from standard_shape import add_shape_arguments
 
 
 def _median_us(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -44,7 +44,8 @@ def _received(tokens: int, ranks: int, experts: int, topk: int, gen: torch.Gener
 
 
 def _same(a, b) -> bool:
-    return all((u is None and v is None) or torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a, b))
+    return all((u is None and v is None) or torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+               for u, v in zip(a, b, strict=True))
 
 
 def main() -> None:
@@ -56,7 +57,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_permute.py times the CUDA kernels: it needs a CUDA GPU")
     if P._kernels() is None:
-        raise SystemExit("bench_permute.py: the kernel library lacks the permute kernels: python -m moe_ep_plugin._build")
+        raise SystemExit("bench_permute.py: the kernel library lacks the permute kernels: "
+                         "python -m moe_ep_plugin._build")
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = args.hidden
     # (label, tokens per rank, EP ranks, alignment, FP8 rows)

@@ -1,5 +1,5 @@
 """Stock DeepSpeed MoE against the plugin's MoE layer in one run: the DeepSpeed example's model, weights, data and
-gate noise (``moe_ep_plugin.deepspeed.train``), trained once per variant with ``deepspeed.initialize``.
+gate noise (``moe_ep_plugin.recipes.deepspeed.train``), trained once per variant with ``deepspeed.initialize``.
 
     python benchmarks/deepspeed_compare.py                        # EP1 on one GPU, configs/deepspeed_moe_gpu.yaml
     python benchmarks/deepspeed_compare.py --profile              # + torch.profiler traces and where the time goes
@@ -31,8 +31,8 @@ import os
 import statistics
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
@@ -41,9 +41,9 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator when import
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from moe_ep_plugin import launch  # noqa: E402
-from moe_ep_plugin.deepspeed.config import RunConfig, load_config  # noqa: E402
 from moe_ep_plugin.experts import EXPERT_COMPUTE  # noqa: E402
-from moe_ep_plugin.yaml_sections import config_error  # noqa: E402
+from moe_ep_plugin.recipes.common.yaml_sections import config_error  # noqa: E402
+from moe_ep_plugin.recipes.deepspeed.config import RunConfig, load_config  # noqa: E402
 
 PROG = "deepspeed_compare.py"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +97,7 @@ def _part_targets() -> list[tuple[str, object, str]]:
                (sharded_moe, "_sparse_encode"), (ep_autograd, "dispatch_experts"), (sharded_moe._AllToAll, "apply"),
                (ds_experts.Experts, "forward"), (plugin_layer.PluginMOELayer, "run_experts"),
                (sharded_moe, "_sparse_decode"), (ep_autograd, "combine_experts"))
-    return [(PART_PREFIX + name, owner, attr) for name, (owner, attr) in zip(names, targets)]
+    return [(PART_PREFIX + name, owner, attr) for name, (owner, attr) in zip(names, targets, strict=True)]
 
 
 @contextlib.contextmanager
@@ -129,7 +129,8 @@ def profile_report(prof: torch.profiler.profile, steps: int, cuda: bool) -> str:
     sections += [f"top {TOP_OPS} ops by self host time", events.table(sort_by="self_cpu_time_total", row_limit=TOP_OPS)]
     parts = sorted((e for e in events if e.key.startswith(PART_PREFIX)), key=lambda e: -e.cpu_time_total)
     lines = [f"host time of the MoE layers' forward parts, per step (all layers), over {steps} steps",
-             f"{'part':<16}{'calls/step':>11}{'ms/step':>10}{'us/call':>10}" + (f"{'device ms/step':>16}" if cuda else "")]
+             f"{'part':<16}{'calls/step':>11}{'ms/step':>10}{'us/call':>10}"
+             + (f"{'device ms/step':>16}" if cuda else "")]
     lines += [f"{e.key[len(PART_PREFIX):]:<16}{e.count / steps:>11.1f}{e.cpu_time_total / steps / 1e3:>10.2f}"
               f"{e.cpu_time_total / max(e.count, 1):>10.1f}" + (f"{e.device_time_total / steps / 1e3:>16.2f}" if cuda
                                                                  else "") for e in parts]
@@ -160,7 +161,7 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
     from tqdm import tqdm
 
     from moe_ep_plugin.buffer_cache import cached_transports
-    from moe_ep_plugin.deepspeed.train import build_engine, train_steps
+    from moe_ep_plugin.recipes.deepspeed.train import build_engine, train_steps
     rank0 = dist.get_rank() == 0
     engine = build_engine(cfg)
     losses, times = [], []
@@ -203,7 +204,7 @@ def format_table(cfg: RunConfig, runs: list[Measured]) -> str:
     lines = [f"{'variant':<18}{'transport':<20}{'ms/step':>9}{'steps/s':>9}{'vs stock':>10}{'first loss':>12}"
              f"{'last loss':>11}{'max rel loss diff':>19}  losses equal (rtol {rtol:g})"]
     for run in runs:
-        diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, base.losses))
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, base.losses, strict=True))
         t = median_s(run)
         lines.append(f"{run.name:<18}{run.transport:<20}{1e3 * t:>9.2f}{1 / t:>9.2f}{median_s(base) / t:>9.2f}x"
                      f"{run.losses[0]:>12.4f}{run.losses[-1]:>11.4f}{diff:>19.2e}  {'yes' if diff <= rtol else 'NO'}")
@@ -229,7 +230,7 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: li
     from tqdm import tqdm
 
     from moe_ep_plugin.deepspeed import destroy_buffers
-    from moe_ep_plugin.deepspeed.train import init_deepspeed_comm
+    from moe_ep_plugin.recipes.deepspeed.train import init_deepspeed_comm
     cfg = load_config(config_path, overrides, dist.get_world_size())
     init_deepspeed_comm()
     rank0 = dist.get_rank() == 0
@@ -261,7 +262,8 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: li
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: %(default)s)")
     parser.add_argument("--expert-compute", default="loop,grouped",
                         help="comma-separated plugin variants: loop, grouped, auto (default: %(default)s)")

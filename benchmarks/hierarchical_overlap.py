@@ -25,15 +25,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from standard_shape import add_shape_arguments
 
 from moe_ep_plugin import Buffer, Config
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.transports.base import Transport
-from standard_shape import add_shape_arguments
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -92,14 +92,14 @@ def _rank_main(args: argparse.Namespace) -> None:
     # falls on all rows alike.
     times: list[list[tuple[float, float]]] = [[] for _ in variants]
     for _ in range(args.warmup + args.iters):
-        for timed, (chunks, is_serial) in zip(times, variants):
+        for timed, (chunks, is_serial) in zip(times, variants, strict=True):
             buffer = serial if is_serial else overlapped
             timed.append(_dispatch_combine(buffer, Config(hierarchical_chunks=chunks), x, idx, w, args.experts,
                                            device))
     rows = [(f"{chunks}{' serial' if is_serial else ''}",
              statistics.median(t[0] for t in timed[args.warmup:]) * 1e3,
              statistics.median(t[1] for t in timed[args.warmup:]) * 1e3)
-            for (chunks, is_serial), timed in zip(variants, times)]
+            for (chunks, is_serial), timed in zip(variants, times, strict=True)]
     if rank == 0:
         _print_table(args, rows)
 

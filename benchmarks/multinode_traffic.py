@@ -63,7 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     mb = ROW_BYTES / 1e6
     print(f"{args.tokens} tokens/rank, hidden {HIDDEN} BF16 ({ROW_BYTES} B/row with metadata), {EXPERTS} experts "
-          f"top-{TOPK}, {GROUPS} groups, {GPUS_PER_NODE} GPUs/node; links {NET_GBPS:g} GB/s net, {NVL_GBPS:g} GB/s NVLink")
+          f"top-{TOPK}, {GROUPS} groups, {GPUS_PER_NODE} GPUs/node; "
+          f"links {NET_GBPS:g} GB/s net, {NVL_GBPS:g} GB/s NVLink")
     header = ("| EP | nodes | routing | nodes/token mean (max) | flat net MB | flat NVL MB | hier net MB | hier NVL MB "
               "| net bytes saved | flat ms | hier ms (serial) | hier ms (overlapped) |")
     print(header)
@@ -92,7 +93,7 @@ def _plot(results: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, label in zip(axes, ("top-8", f"group top-{GROUP_TOPK}")):
+    for ax, label in zip(axes, ("top-8", f"group top-{GROUP_TOPK}"), strict=True):
         picked = [r for r in results if r[0] == label]
         eps = [r[1] for r in picked]
         for col, name, style in ((2, "flat all-to-all", "o-"), (3, "hierarchical (serial)", "s-"),

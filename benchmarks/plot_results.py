@@ -1,9 +1,9 @@
 """Plot a GPU run's kernel and Megatron-Core dispatcher timings next to DeepEP V1 and the targets.
 
-Reads the console logs the GPU scripts write (``scripts/gpu_all.sh``): the kernel benchmark
+Reads two benchmark console logs (see ``docs/gpu_testing.md``): the kernel benchmark
 (``bench_dispatch_combine.py``: CUDA-graph rows ``graph kernel <op>`` at the standard shape and 24 SMs) and the
 dispatcher harness (``mcore_dispatchers.py``: its ``kind | tokens | fwd us | fwd+bwd us`` table). DeepEP V1's
-numbers on the same machine and the targets are those of ``../shared/BENCHMARKS.md`` and the issues.
+numbers on the same machine (2 x H200) and the targets are constants below.
 
 Usage: ``python benchmarks/plot_results.py --kernels LOG --megatron LOG --out summary.png``
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import re
 
-# µs, EP2, 4096 tokens x 7168, top-8 of 256, 24 SMs (../shared/BENCHMARKS.md; targets from the kernels issue)
+# µs, EP2, 4096 tokens x 7168, top-8 of 256, 24 SMs: DeepEP V1 as measured on the same 2 x H200 host, and targets
 KERNEL_OPS = [("layout", "layout"), ("FP8 dispatch", "dispatch fp8"), ("BF16 dispatch", "dispatch bf16"),
               ("BF16 combine", "combine bf16")]
 DEEPEP_US = {"layout": 41.0, "FP8 dispatch": 244.0, "BF16 dispatch": 344.0, "BF16 combine": 399.0}
 KERNEL_TARGET_US = {"layout": 30.0, "FP8 dispatch": 160.0, "BF16 dispatch": 230.0, "BF16 combine": 260.0}
-# ms, whole dispatcher path (the Megatron-Core issue): (4096 fwd, 4096 fwd+bwd, 128 fwd)
+# ms, whole dispatcher path: (4096 fwd, 4096 fwd+bwd, 128 fwd)
 DISPATCHER_TARGET_MS = (1.2, 3.0, 0.5)
 
 
@@ -56,7 +56,7 @@ def plot(kernels: dict[str, float], dispatchers: dict[str, dict[int, tuple[float
     width = 0.38
     left.bar([x - width / 2 for x in xs], [kernels[k] for k in labels], width, label="moe_ep_plugin (nvlink)")
     left.bar([x + width / 2 for x in xs], [DEEPEP_US[k] for k in labels], width, label="DeepEP V1", color="#bbbbbb")
-    for x, k in zip(xs, labels):
+    for x, k in zip(xs, labels, strict=True):
         left.hlines(KERNEL_TARGET_US[k], x - 0.45, x + 0.45, colors="crimson", linestyles="--",
                     label="target" if x == 0 else None)
         left.annotate(f"{kernels[k]:.0f}", (x - width / 2, kernels[k]), ha="center", va="bottom", fontsize=8)
@@ -90,10 +90,19 @@ def main() -> None:
     p.add_argument("--title", default="2 x H200 (nvidia-h200-x2)")
     p.add_argument("--out", required=True, help="PNG to write")
     args = p.parse_args()
-    with open(args.kernels) as f:
-        kernels = kernel_times(f.read())
-    with open(args.megatron) as f:
-        dispatchers = dispatcher_times(f.read())
+    try:
+        with open(args.kernels) as f:
+            kernels = kernel_times(f.read())
+        with open(args.megatron) as f:
+            dispatchers = dispatcher_times(f.read())
+    except ValueError as exc:
+        p.error(str(exc))
+    # What the figure shows, as text: the numbers a reader can check against the logs.
+    for label, us in kernels.items():
+        print(f"kernel {label}: {us} us")
+    for kind, rows in dispatchers.items():
+        for tokens, (fwd, both) in sorted(rows.items()):
+            print(f"dispatcher {kind} {tokens}: fwd {fwd:.4f} ms, fwd+bwd {both:.4f} ms")
     plot(kernels, dispatchers, args.title, args.out)
     print(f"wrote {args.out}")
 

@@ -13,9 +13,9 @@ import pstats
 
 import torch
 import torch.distributed as dist
+from standard_shape import add_shape_arguments
 
 from moe_ep_plugin import Buffer, gating
-from standard_shape import add_shape_arguments
 
 p = argparse.ArgumentParser()
 add_shape_arguments(p, tokens=128)

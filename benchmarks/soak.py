@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
+import rounds  # noqa: E402
+
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-import rounds  # noqa: E402
 
 
 def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float, max_seconds: float,

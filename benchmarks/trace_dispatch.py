@@ -14,13 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from bench_dispatch_combine import tuning_settings
+from standard_shape import add_shape_arguments
 from torch.profiler import ProfilerActivity, profile
 
-from bench_dispatch_combine import tuning_settings
 from moe_ep_plugin import Buffer, gating
 from moe_ep_plugin.config import NVLinkTuning
-from standard_shape import add_shape_arguments
-
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 add_shape_arguments(p)

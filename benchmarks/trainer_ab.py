@@ -32,17 +32,18 @@ import logging
 import os
 import statistics
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 from tqdm import tqdm
 
 from moe_ep_plugin import launch
 from moe_ep_plugin.experts import EXPERT_COMPUTE
-from moe_ep_plugin.train import config as config_mod
-from moe_ep_plugin.train import metrics
-from moe_ep_plugin.train.trainer import Trainer, preflight, share_cpu_cores
-from moe_ep_plugin.yaml_sections import config_error
+from moe_ep_plugin.recipes.common.yaml_sections import config_error
+from moe_ep_plugin.recipes.train import config as config_mod
+from moe_ep_plugin.recipes.train import metrics
+from moe_ep_plugin.recipes.train.trainer import Trainer, preflight, share_cpu_cores
 
 DEFAULT_CONFIG = "configs/ep2_h200.yaml"
 PROG = "trainer_ab"
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def leg_configs(config_path: Optional[str], overrides: Sequence[str], variants: Sequence[str], repeats: int,
+def leg_configs(config_path: str | None, overrides: Sequence[str], variants: Sequence[str], repeats: int,
                 out_dir: str) -> list[tuple[str, config_mod.TrainerConfig]]:
     """``(variant, config)`` per leg in run order: the variants in turn, ``repeats`` times. ``output.dir`` is
     ``out_dir`` (the trainer's header names it), and no leg resumes: each starts from the seed."""
@@ -93,7 +94,8 @@ def summarize(legs: list[tuple[str, Rows]], warmup: int) -> list[dict[str, Any]]
             "variant": variant, "legs": len(runs), "tokens_per_s": tokens_per_s,
             "ms_per_step": 1e3 * statistics.median(r["step_time_s"] for r in timed),
             "mfu": statistics.median(mfus) if mfus else None, "final_loss": runs[0][-1]["loss"],
-            "max_abs_loss_diff": max(abs(a["loss"] - b["loss"]) for rows in runs for a, b in zip(rows, reference)),
+            "max_abs_loss_diff": max(abs(a["loss"] - b["loss"])
+                                     for rows in runs for a, b in zip(rows, reference, strict=True)),
             "leg_spread": (max(per_leg) - min(per_leg)) / statistics.median(per_leg)})
     base = next(row["tokens_per_s"] for row in table if row["variant"] == baseline)
     for row in table:
@@ -123,7 +125,7 @@ def write_steps(path: str, legs: list[tuple[str, Rows]]) -> None:
                              for r in rows)
 
 
-def write_plot(path: str, legs: list[tuple[str, Rows]]) -> Optional[str]:
+def write_plot(path: str, legs: list[tuple[str, Rows]]) -> str | None:
     """Loss of every leg, its difference from the first leg, and tokens/s over the steps. None when written, else
     why not."""
     try:
@@ -139,7 +141,7 @@ def write_plot(path: str, legs: list[tuple[str, Rows]]) -> Optional[str]:
         # later legs dashed, so curves that coincide stay visible on top of each other
         style = "-" if leg == 1 else "--"
         ax_loss.plot(steps, losses, style, label=f"leg {leg}: {variant}")
-        ax_diff.plot(steps, [a - b for a, b in zip(losses, reference)], style)
+        ax_diff.plot(steps, [a - b for a, b in zip(losses, reference, strict=True)], style)
         ax_speed.plot(steps, [r["tokens_per_s"] for r in rows], style)
     ax_loss.set_ylabel("train loss")
     ax_loss.legend()
@@ -159,7 +161,7 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
     """Per-rank entry point: train every leg in turn on the default group; rank 0 reports into ``out_dir``."""
     lead = dist.get_rank() == 0
     share_cpu_cores(legs[0][1])
-    logger: Optional[logging.Logger] = None
+    logger: logging.Logger | None = None
     if lead:
         os.makedirs(out_dir, exist_ok=True)
         logger = metrics.make_logger(out_dir, to_console=True)
@@ -183,7 +185,7 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
         results.append((variant, rows))
         if lead:
             timed = rows[warmup:]
-            diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, results[0][1]))
+            diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, results[0][1], strict=True))
             logger.info(f"leg {leg}/{len(legs)} moe.expert_compute={variant}: median "
                         f"{statistics.median(r['tokens_per_s'] for r in timed):,.0f} tok/s over steps "
                         f"{warmup + 1}-{len(rows)}, final loss {rows[-1]['loss']:.6f}, max |dloss| vs leg 1 {diff:.2e}")
@@ -202,7 +204,7 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
     logger.info(f"outputs in {out_dir}: train.log, steps.csv, summary.json")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     paths = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a] + args.overrides

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from moe_ep_plugin import Buffer, launch
 from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.train import config, trainer
-from moe_ep_plugin.train.model import Attention, MoEMLP, MoETransformer, _rotate
+from moe_ep_plugin.recipes.train import config, trainer
+from moe_ep_plugin.recipes.train.model import Attention, MoEMLP, MoETransformer, _rotate
 
 # Each MoE block's low-latency output against its normal-mode forward on the same input (so the same routing),
 # relative to the largest output, by (model dtype, FP8 wire). Measured (CPU, configs/tiny.yaml and
@@ -108,7 +108,7 @@ class Decoder:
         model = self.model
         worst = 0.0
         x = model.embed(self.ids).unsqueeze(1)
-        for blk, cache in zip(model.blocks, self.caches):
+        for blk, cache in zip(model.blocks, self.caches, strict=True):
             x = x + cached_attention(blk.attn, blk.attn_norm(x), cache, self.pos, model.rope_cos, model.rope_sin)
             h = blk.mlp_norm(x)
             if isinstance(blk.mlp, MoEMLP):
@@ -191,7 +191,8 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
         raise AssertionError(f"rank {rank}: a low-latency MoE block differs from its normal-mode forward by "
                              f"{block:.2e} of its largest output (tolerance {BLOCK_TOLERANCE[dtype, wire]})")
     if graph is not None and replay != 0.0:  # the same kernels on the same inputs: bit for bit (H200: 0 in 4 runs)
-        raise AssertionError(f"rank {rank}: the CUDA-graph replay's logits differ from the eager steps' by {replay:.2e}")
+        raise AssertionError(f"rank {rank}: the CUDA-graph replay's logits differ from the eager steps' "
+                             f"by {replay:.2e}")
     if (dtype, wire) in LOGIT_TOLERANCE and logits > LOGIT_TOLERANCE[dtype, wire]:
         raise AssertionError(f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} "
                              f"of the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})")

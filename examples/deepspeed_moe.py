@@ -21,8 +21,8 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator when import
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from moe_ep_plugin import launch  # noqa: E402
-from moe_ep_plugin.deepspeed.config import load_config  # noqa: E402
-from moe_ep_plugin.yaml_sections import config_error  # noqa: E402
+from moe_ep_plugin.recipes.common.yaml_sections import config_error  # noqa: E402
+from moe_ep_plugin.recipes.deepspeed.config import load_config  # noqa: E402
 
 PROG = "deepspeed_moe.py"
 
@@ -30,12 +30,13 @@ PROG = "deepspeed_moe.py"
 def _rank_main(config_path: str, overrides: tuple[str, ...], compare: bool) -> None:
     import torch.distributed as dist
 
-    from moe_ep_plugin.deepspeed.train import main
+    from moe_ep_plugin.recipes.deepspeed.train import main
     main(load_config(config_path, overrides, dist.get_world_size()), compare)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (configs/deepspeed_*.yaml)")
     parser.add_argument("--compare", action="store_true",
                         help="train with stock DeepSpeed MoE, then with the plugin, and print a step-time table")

@@ -8,8 +8,8 @@ import argparse
 import sys
 
 from moe_ep_plugin import launch
-from moe_ep_plugin.train import config, trainer
-from moe_ep_plugin.yaml_sections import config_error
+from moe_ep_plugin.recipes.common.yaml_sections import config_error
+from moe_ep_plugin.recipes.train import config, trainer
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ TOL = 1e-6  # fp32, only the summation order differs: relative to each tensor's 
 
 def ds_init() -> None:
     """Join DeepSpeed's comm to the process group :func:`launch.spawn` made (no shared-memory op compiled)."""
-    from moe_ep_plugin.deepspeed.train import init_deepspeed_comm
+    from moe_ep_plugin.recipes.deepspeed.train import init_deepspeed_comm
     init_deepspeed_comm()
 
 

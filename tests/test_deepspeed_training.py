@@ -14,7 +14,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
 
 from moe_ep_plugin import launch  # noqa: E402
-from moe_ep_plugin.deepspeed.config import load_config, parse_config  # noqa: E402
+from moe_ep_plugin.recipes.deepspeed.config import load_config, parse_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {"model": {"vocab_size": 64, "hidden_size": 32, "ffn_hidden_size": 48, "num_layers": 2, "seq_len": 16},
@@ -27,7 +27,7 @@ def _worker_training(ckpt_dir: str) -> None:
     from deepspeed.utils import groups
 
     from moe_ep_plugin.deepspeed import PluginMOELayer, convert_moe
-    from moe_ep_plugin.deepspeed.train import build_engine, build_model, initialize, train_steps
+    from moe_ep_plugin.recipes.deepspeed.train import build_engine, build_model, initialize, train_steps
     from test_deepspeed_moe import ds_finish, ds_init
     ds_init()
     for stage in (2, 1):

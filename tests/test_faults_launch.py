@@ -119,7 +119,7 @@ def _write(tmp_path, text: str) -> str:
     (["parallel.nprocs=3"], "moe.num_experts"),
 ])
 def test_trainer_config_errors(capsys, overrides, key) -> None:
-    from moe_ep_plugin.train import cli
+    from moe_ep_plugin.recipes.train import cli
     argv = [a for o in overrides for a in ("--set", o)]
     assert cli.main(argv + ["--dry-run"]) == 2
     _one_line_error(capsys, "moe-ep-train", key)
@@ -129,13 +129,13 @@ def test_trainer_config_errors(capsys, overrides, key) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU-less machine case")
 def test_trainer_nvlink_without_cuda_fails_the_dry_run(capsys) -> None:
-    from moe_ep_plugin.train import cli
+    from moe_ep_plugin.recipes.train import cli
     assert cli.main(["--set", "parallel.transport=nvlink", "--dry-run"]) == 2
     _one_line_error(capsys, "moe-ep-train", "parallel.transport")
 
 
 def test_trainer_output_dir_naming_a_file_and_yaml_syntax(capsys, tmp_path) -> None:
-    from moe_ep_plugin.train import cli
+    from moe_ep_plugin.recipes.train import cli
     a_file = tmp_path / "taken"
     a_file.write_text("x")
     assert cli.main(["--set", f"output.dir={a_file}"]) == 2
@@ -169,7 +169,7 @@ def test_megatron_launcher_config_errors(capsys, tmp_path, edit, key) -> None:
     import yaml
 
     from moe_ep_plugin import megatron as ep_megatron
-    from moe_ep_plugin.megatron import pretrain
+    from moe_ep_plugin.recipes.megatron import pretrain
     raw = yaml.safe_load(open(MEGATRON_CPU))
     for section, values in edit.items():
         raw[section].update(values)
@@ -183,7 +183,7 @@ def test_megatron_launcher_config_errors(capsys, tmp_path, edit, key) -> None:
 def test_megatron_launcher_yaml_syntax_and_world(capsys, tmp_path) -> None:
     pytest.importorskip("megatron.core")
     from moe_ep_plugin import megatron as ep_megatron
-    from moe_ep_plugin.megatron import pretrain
+    from moe_ep_plugin.recipes.megatron import pretrain
     assert pretrain.main([_write(tmp_path, "model: {num_layers: 2\n")]) == 2
     _one_line_error(capsys, "moe-ep-pretrain", f"config: {tmp_path / 'c.yaml'}")
     try:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from moe_ep_plugin import launch
 from moe_ep_plugin.buffer_cache import sm_configs
 from moe_ep_plugin.plugin_options import PluginOptions
-from moe_ep_plugin.train.trainer import Trainer, _format
+from moe_ep_plugin.recipes.train.trainer import Trainer, _format
 from test_train_equivalence import _config, _step
 
 TOL = dict(rtol=1e-5, atol=1e-6)

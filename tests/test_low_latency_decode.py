@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from moe_ep_plugin.launch import LaunchError, spawn
-from moe_ep_plugin.train import config
+from moe_ep_plugin.recipes.train import config
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import decode_moe  # noqa: E402  (the example script, importable from examples/)

@@ -15,7 +15,7 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
 import moe_ep_plugin.megatron as ep_megatron  # noqa: E402
 from moe_ep_plugin.megatron import deepep_shim  # noqa: E402
-from moe_ep_plugin.megatron.yaml_config import load_pretrain_config  # noqa: E402
+from moe_ep_plugin.recipes.megatron.yaml_config import load_pretrain_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [os.path.join(ROOT, "configs", name) for name in ("megatron_dsv3_cpu.yaml", "megatron_dsv3_ep2.yaml")]

@@ -11,7 +11,7 @@ import yaml
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from moe_ep_plugin.train import checkpoint  # noqa: E402
+from moe_ep_plugin.recipes.common import checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def _losses(path: str) -> list[tuple[int, float]]:
 
 
 def test_pretrain_trains_checkpoints_and_resumes(tmp_path) -> None:
-    from moe_ep_plugin.megatron import pretrain
+    from moe_ep_plugin.recipes.megatron import pretrain
     with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
         raw = yaml.safe_load(f)
     raw["model"].update(dtype="bf16", num_layers=2, moe_layer_freq=[0, 1])
@@ -57,7 +57,7 @@ def test_pretrain_trains_checkpoints_and_resumes(tmp_path) -> None:
 
 
 def test_pretrain_rejects_bad_config(tmp_path, capsys) -> None:
-    from moe_ep_plugin.megatron import pretrain
+    from moe_ep_plugin.recipes.megatron import pretrain
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"model": {"num_layers": 1}, "trainer": {}}))
     assert pretrain.main([str(config)]) == 2

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import launch
-from moe_ep_plugin.train import checkpoint, progress, schedule
+from moe_ep_plugin.recipes.common import checkpoint, progress, schedule
 
 
 def _reference_lr(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:

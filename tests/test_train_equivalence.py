@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import launch
-from moe_ep_plugin.train import config
-from moe_ep_plugin.train.trainer import Trainer
+from moe_ep_plugin.recipes.train import config
+from moe_ep_plugin.recipes.train.trainer import Trainer
 
 TIGHT = dict(rtol=1e-4, atol=1e-6)
 

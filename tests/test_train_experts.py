@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_plugin import launch
-from moe_ep_plugin.train import config, metrics
-from moe_ep_plugin.train.model import MoETransformer
-from moe_ep_plugin.train.trainer import Trainer
+from moe_ep_plugin.recipes.train import config, metrics
+from moe_ep_plugin.recipes.train.model import MoETransformer
+from moe_ep_plugin.recipes.train.trainer import Trainer
 
 
 def _config(impl: str, ep: int = 2) -> config.TrainerConfig:

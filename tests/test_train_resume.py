@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from moe_ep_plugin.train import cli
+from moe_ep_plugin.recipes.train import cli
 
 CONFIG = """
 model: {hidden_size: 64, num_layers: 3, num_dense_layers: 1, num_heads: 2, ffn_hidden_size: 96, seq_len: 32}

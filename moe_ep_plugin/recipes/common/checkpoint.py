@@ -1,0 +1,116 @@
+"""Checkpoints of every recipe: ``<root>/step_NNNNNNN/``, one part per rank, marked complete by rank 0.
+
+Every rank writes its part (its own file ``rank_RRRRR.pt``, or whatever a writer puts there, e.g. DeepSpeed's
+engine), then rank 0 writes ``meta.json`` (step, EP size, the recipe's config) and the ``COMPLETE`` marker, and
+prunes old checkpoints. A directory without the marker (a run killed while saving) is never resumed from. The
+trainer (``resume: auto``), the Megatron-Core launcher and the DeepSpeed example all save and find checkpoints here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+META = "meta.json"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:07d}")
+
+
+def rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}.pt")
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Complete checkpoint directories under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, COMPLETE))]
+
+
+def newest(root: str) -> str | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(directory: str, key: str) -> dict[str, Any]:
+    """``meta.json`` of a complete checkpoint; ``key`` names the setting that chose it in the error."""
+    if not os.path.isfile(os.path.join(directory, COMPLETE)):
+        raise ValueError(f"{key}: {directory} is not a complete checkpoint (no {COMPLETE} marker)")
+    with open(os.path.join(directory, META), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_matches(meta: dict[str, Any], directory: str, config: dict[str, Any], keys: Iterable[str],
+                  world: int, world_key: str) -> None:
+    """Raise ``ValueError`` naming the key when ``config`` (nested sections) differs from the checkpoint's in
+    any of the dotted ``keys``, or the EP size does (expert shards cannot be re-split)."""
+    if meta["world_size"] != world:
+        raise ValueError(f"{world_key}: the checkpoint {directory} was saved by {meta['world_size']} ranks, this run "
+                         f"has {world} (expert shards cannot be re-split)")
+    for key in keys:
+        saved, current = meta["config"], config
+        for part in key.split("."):
+            saved, current = saved[part], current[part]
+        if saved != current:
+            raise ValueError(f"{key}: differs from the checkpoint {directory} ({saved!r} there, {current!r} here)")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup | None = None,
+         state: dict[str, Any] | None = None, write: Callable[[str], None] | None = None, keep: int = 0) -> str:
+    """Collective: this rank's ``state`` goes to its file (or ``write(directory)`` writes its part), then rank 0
+    marks the checkpoint complete and keeps only the newest ``keep`` (0: all). Returns the directory."""
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    directory = step_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    if state is not None:
+        tmp = rank_file(directory, rank) + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, rank_file(directory, rank))
+    if write is not None:
+        write(directory)
+    dist.barrier(group)
+    if rank == 0:
+        with open(os.path.join(directory, META), "w", encoding="utf-8") as f:
+            json.dump({"step": step, "world_size": world, "config": config}, f, indent=1)
+        with open(os.path.join(directory, COMPLETE), "w", encoding="ascii") as f:
+            f.write(f"{world}\n")
+        if keep:
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group)
+    return directory
+
+
+def load_rank_state(directory: str, key: str, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """This rank's file of a complete checkpoint (``key`` names the setting that chose it in errors)."""
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    read_meta(directory, key)
+    path = rank_file(directory, rank)
+    if not os.path.isfile(path):
+        raise ValueError(f"{key}: {directory} has no file for rank {rank}")
+    return torch.load(path, map_location="cpu", weights_only=False)

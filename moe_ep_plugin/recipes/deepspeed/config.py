@@ -1,0 +1,183 @@
+"""YAML run configuration of the DeepSpeed example: strict sections, every key typed and checked.
+
+A file maps sections to keys::
+
+    dispatcher: plugin        # 'plugin' (moe_ep_plugin.deepspeed.MoE) or 'deepspeed' (deepspeed.moe.layer.MoE)
+    model: {...}              # ModelConfig
+    moe: {...}                # MoEConfig: deepspeed.moe.layer.MoE's arguments + the plugin's options
+    train: {...}              # TrainConfig
+    deepspeed: {...}          # passed to deepspeed.initialize as its config (JSON keys)
+
+Missing keys take their defaults; an unknown section or key, a wrong type or an impossible combination raises
+``ValueError`` starting with the dotted key (``moe.ep_size: ...``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...deepspeed.options import DeepSpeedOptions, check_moe_args
+from ...ops import fp8
+from ..common import schedule
+from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml
+
+DISPATCHERS = ("plugin", "deepspeed")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class ModelConfig:
+    """A next-token model: embedding, ``num_layers`` pre-norm residual MoE blocks, a norm, an LM head."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    ffn_hidden_size: int = 256   # inner width of each expert's GELU MLP
+    num_layers: int = 2
+    seq_len: int = 64
+
+
+@dataclass(frozen=True)
+class MoEConfig(DeepSpeedOptions):
+    """``deepspeed.moe.layer.MoE`` arguments (same names) plus the plugin's options (the inherited
+    :class:`DeepSpeedOptions` fields: router, score_function, ..., fp8_dispatch, transport; dispatcher: plugin only)."""
+
+    num_experts: int = 8
+    ep_size: int = 2
+    k: int = 2
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 0
+    drop_tokens: bool = False
+    use_rts: bool = True
+    noisy_gate_policy: str | None = None
+    use_residual: bool = False
+    top2_2nd_expert_sampling: bool = True
+    aux_loss_coeff: float = 0.01     # loss += coeff * sum of the layers' l_aux
+
+    def plugin_options(self) -> DeepSpeedOptions:
+        return DeepSpeedOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DeepSpeedOptions)})
+
+    def stock(self) -> MoEConfig:
+        """The same DeepSpeed arguments with the plugin's options at their defaults (for dispatcher: deepspeed)."""
+        defaults = DeepSpeedOptions()
+        return dataclasses.replace(self, **{f.name: getattr(defaults, f.name)
+                                            for f in dataclasses.fields(DeepSpeedOptions)})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    micro_batch_size: int = 8          # sequences per rank per step
+    lr: float = 3e-3                   # peak learning rate (AdamW)
+    min_lr: float | None = None     # cosine decay to this at train.steps; null = lr (constant after warm-up)
+    lr_warmup_steps: int = 0           # linear warm-up steps (recipes.common.schedule, as every recipe)
+    seed: int = 1234
+    dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
+    log_interval: int = 10
+    warmup_steps: int = 5              # steps left out of the step-time median
+    nprocs: int = 2                    # ranks to spawn when not started by torchrun
+    checkpoint_dir: str | None = None  # save a DeepSpeed checkpoint here at the end (step_NNNNNNN/, COMPLETE)
+
+    def lr_at(self, step: int) -> float:
+        """The shared schedule's LR of 0-based ``step``."""
+        return schedule.lr_at(step, self.lr, self.lr if self.min_lr is None else self.min_lr, self.lr_warmup_steps,
+                              self.steps)
+
+    def torch_dtype(self) -> torch.dtype:
+        """The activation dtype: ``auto`` is BF16 when CUDA is available, else FP32."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class RunConfig:
+    dispatcher: str = "plugin"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: dict = field(default_factory=lambda: {"zero_optimization": {"stage": 2}})
+
+
+# keys of the DeepSpeed config the train section owns
+_OWNED_DS_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "train_batch_size":
+                  "train.micro_batch_size", "gradient_accumulation_steps": "train.micro_batch_size",
+                  "bf16": "train.dtype", "fp16": "train.dtype", "optimizer": "train.lr (a torch AdamW is used)"}
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{key}: must be >= 1, got {value}")
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Cross-key checks; ``world_size`` (when known) must be a multiple of ``moe.ep_size``."""
+    if cfg.dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher: expected one of {DISPATCHERS}, got {cfg.dispatcher!r}")
+    for key in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "seq_len"):
+        _positive(f"model.{key}", getattr(cfg.model, key))
+    for key in ("num_experts", "ep_size", "k"):
+        _positive(f"moe.{key}", getattr(cfg.moe, key))
+    for key in ("steps", "micro_batch_size", "log_interval", "nprocs"):
+        _positive(f"train.{key}", getattr(cfg.train, key))
+    m = cfg.moe
+    if m.fp8_dispatch and cfg.model.hidden_size % fp8.BLOCK:
+        raise ValueError(f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, "
+                         f"got {cfg.model.hidden_size}")
+    options = m.plugin_options()
+    try:  # the layer's own checks, before any rank starts
+        check_moe_args(cfg.model.hidden_size, m.num_experts, m.ep_size, m.k, m.drop_tokens, False, False, options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"moe.{exc}") from exc
+    ranks = world_size if world_size is not None else cfg.train.nprocs
+    if ranks % m.ep_size:
+        raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks")
+    changed = [f.name for f in dataclasses.fields(DeepSpeedOptions)
+               if f.name != "transport" and getattr(options, f.name) != getattr(DeepSpeedOptions(), f.name)]
+    if cfg.dispatcher == "deepspeed" and changed:
+        raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
+    if not cfg.train.lr > 0 or cfg.train.lr_warmup_steps < 0:
+        raise ValueError(f"train.lr: expected > 0 with train.lr_warmup_steps >= 0, got {cfg.train.lr} and "
+                         f"{cfg.train.lr_warmup_steps}")
+    if cfg.train.min_lr is not None and not 0 <= cfg.train.min_lr <= cfg.train.lr:
+        raise ValueError(f"train.min_lr: expected 0 <= min_lr <= train.lr={cfg.train.lr}, got {cfg.train.min_lr}")
+    if cfg.train.dtype not in DTYPES:
+        raise ValueError(f"train.dtype: expected one of {DTYPES}, got {cfg.train.dtype!r}")
+    if m.fp8_dispatch and cfg.train.torch_dtype() != torch.bfloat16:
+        raise ValueError(f"train.dtype: moe.fp8_dispatch quantizes BF16 activations; '{cfg.train.dtype}' gives "
+                         f"{cfg.train.torch_dtype()} here (use bfloat16)")
+    if not isinstance(cfg.deepspeed, dict):
+        raise ValueError(f"deepspeed: expected a mapping (DeepSpeed's JSON config), got {type(cfg.deepspeed).__name__}")
+    for key, owner in _OWNED_DS_KEYS.items():
+        if key in cfg.deepspeed:
+            raise ValueError(f"deepspeed.{key}: set by the example from {owner}; remove it here")
+    zero = cfg.deepspeed.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"deepspeed.zero_optimization: expected a mapping such as {{stage: 2}}, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError("deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, "
+                         f"got {stage}")
+    return cfg
+
+
+def parse_config(data: Any, world_size: int | None = None) -> RunConfig:
+    """A parsed YAML document (a mapping) → validated :class:`RunConfig`."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
+    sections = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}
+    check_sections(data, ("dispatcher", *sections, "deepspeed"))
+    cfg = RunConfig(dispatcher=data.get("dispatcher", "plugin"),
+                    deepspeed=data.get("deepspeed", RunConfig().deepspeed),
+                    **{name: build_section(name, cls, data.get(name)) for name, cls in sections.items()})
+    return validate(cfg, world_size)
+
+
+def load_config(path: str, overrides: tuple[str, ...] = (), world_size: int | None = None) -> RunConfig:
+    """Read a YAML file; ``overrides`` are ``section.key=value`` strings (values parsed as YAML)."""
+    return parse_config(apply_overrides(read_yaml(path), overrides), world_size)
