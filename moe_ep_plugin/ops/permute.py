@@ -211,13 +211,13 @@ def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: 
     src = torch.full((num_rows + 1,), n, dtype=torch.int64, device=x.device)
     src = src.index_copy_(0, dest, torch.arange(n, device=x.device).repeat_interleave(k))[:num_rows]
     # Rows move as bytes: FP8 (and any other dtype) then needs no index kernels of its own.
-    out_x = _with_zero_row(x.view(torch.uint8)).index_select(0, src).view(x.dtype)
+    out_x = with_zero_row(x.view(torch.uint8)).index_select(0, src).view(x.dtype)
     out_probs = out_scales = None
     if weights is not None:
         out_probs = torch.zeros(num_rows + 1, dtype=torch.float32, device=x.device)
         out_probs = out_probs.index_copy_(0, dest, weights.reshape(-1))[:num_rows]
     if scales is not None:
-        out_scales = _with_zero_row(scales).index_select(0, src)
+        out_scales = with_zero_row(scales).index_select(0, src)
     return out_x, out_probs, out_scales
 
 
@@ -237,7 +237,7 @@ def _torch_unpermute(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     return acc.to(y.dtype)
 
 
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+def with_zero_row(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[n, ...]`` with a row of zeros appended (row ``n``)."""
     return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
 

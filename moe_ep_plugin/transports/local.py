@@ -38,6 +38,7 @@ from .base import (
     Transport,
     layout_contradiction,
     layout_error,
+    padded,
     slot_weights,
 )
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
@@ -95,10 +96,10 @@ class LocalTransport(Transport):
         if topk is not None:
             local = topk.index_select(0, src)
             valid = (local >= 0) & (local < args.num_experts)
-            recv_topk_idx = _padded(torch.where(valid, local, -1), rows, -1)
+            recv_topk_idx = padded(torch.where(valid, local, -1), rows, -1)
             if args.topk_weights is not None:
                 weights = args.topk_weights.index_select(0, src)
-                recv_topk_weights = _padded(torch.where(valid, weights, 0.0), rows, 0)
+                recv_topk_weights = padded(torch.where(valid, weights, 0.0), rows, 0)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32),
                               handle, counts)
 
@@ -206,10 +207,10 @@ class LocalLowLatency(TorchLowLatency):
         if req.use_fp8:
             rows, scales = fp8.quantize(x, round_scale=req.round_scale)
             scales = fp8.pack_ue8m0(scales) if req.use_ue8m0 else scales
-        recv_x = _with_zero_row(rows.view(torch.uint8)).index_select(0, src).view(rows.dtype)
+        recv_x = permute.with_zero_row(rows.view(torch.uint8)).index_select(0, src).view(rows.dtype)
         recv_scales = None
         if scales is not None:  # column-major in the last two dims, as DeepEP returns them
-            dense = _with_zero_row(scales).index_select(0, src).view(num_experts, m, -1)
+            dense = permute.with_zero_row(scales).index_select(0, src).view(num_experts, m, -1)
             recv_scales = dense.transpose(1, 2).contiguous().transpose(1, 2)
         src_info = torch.where(src < n, src, -1).to(torch.int32).view(num_experts, m)
         handle = LowLatencyHandle(src_info, count.view(num_experts, 1), m, hidden, num_experts, n, idx.shape[1], 0, 1,
@@ -223,7 +224,7 @@ class LocalLowLatency(TorchLowLatency):
         if zero_copy:
             x = self.combine_buffer(handle, buffer_set)
         row_of: torch.Tensor = handle.transport_state  # [N, E]: the dispatch's row of each (token, expert)
-        y = _with_zero_row(x.reshape(-1, handle.hidden))
+        y = permute.with_zero_row(x.reshape(-1, handle.hidden))
         acc = torch.zeros(handle.num_tokens, handle.hidden, dtype=torch.float32, device=x.device)
         for k in range(topk_idx.shape[1]):
             e = topk_idx[:, k]
@@ -291,18 +292,4 @@ def _rows(args: DispatchArgs, src: torch.Tensor, rows: int) -> tuple[torch.Tenso
         args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
     scales = None if args.x_scales is None else args.x_scales.index_select(0, src)
     x, scales = _sent_rows(x, scales, args)
-    return _padded(x, rows, 0), None if scales is None else _padded(scales, rows, 0)
-
-
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[n, ...]`` with a row of zeros appended (row ``n``)."""
-    return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
-
-
-def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
-    """``t`` ``[n, ...]`` extended to ``rows`` rows of ``fill`` (``num_worst_tokens`` outputs)."""
-    if t.shape[0] == rows:
-        return t
-    out = t.new_zeros((rows,) + tuple(t.shape[1:])) if fill == 0 else t.new_full((rows,) + tuple(t.shape[1:]), fill)
-    out[:t.shape[0]] = t
-    return out
+    return padded(x, rows, 0), None if scales is None else padded(scales, rows, 0)

@@ -34,6 +34,7 @@ from .base import (
     layout_contradiction,
     layout_error,
     meta_mismatch,
+    padded,
 )
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
@@ -58,15 +59,6 @@ class _TorchState:
     combine_slot: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
-
-
-def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
-    """``t`` ``[n, ...]`` extended to ``rows`` rows of ``fill`` (``num_worst_tokens`` outputs)."""
-    if t.shape[0] == rows:
-        return t
-    out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
-    out[:t.shape[0]] = t
-    return out
 
 
 class TorchTransport(Transport):
@@ -269,15 +261,15 @@ class TorchTransport(Transport):
                 k, num_local = args.topk_idx.shape[1], handle.num_local_experts
                 local = recv_meta[:, col:col + k] - self.rank * num_local  # -1 (no expert) stays negative
                 is_local = (local >= 0) & (local < num_local)
-                recv_topk_idx = _padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
+                recv_topk_idx = padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
                 col += k
                 if args.topk_weights is not None:
                     weights = torch.where(is_local, recv_meta[:, col:col + k].view(torch.float32), 0.0)
-                    recv_topk_weights = _padded(weights, rows, 0)
+                    recv_topk_weights = padded(weights, rows, 0)
                     col += k
             recv_scales = None
             if x_scales is not None:
-                recv_scales = _padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
+                recv_scales = padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
                 if args.wire_fp8 and not args.fp8_out:
                     recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
             return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle,
