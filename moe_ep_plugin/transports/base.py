@@ -146,7 +146,7 @@ def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -
     if expert_weights is None:
         return None
     # A zero appended at index M serves every -1 slot: a negative index counts from the end, so the int32 slots
-    # index directly (three ops instead of six; half the host time on CPU).
+    # index directly (three ops instead of six).
     return torch.cat([expert_weights, expert_weights.new_zeros(1)])[layout.recv_slot]
 
 
