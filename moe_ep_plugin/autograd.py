@@ -27,8 +27,7 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 
 # The dispatch Functions take their non-differentiable arguments as one ``call`` tuple ``(buffer, topk_idx,
 # num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout)``: Function.apply does host work per
-# argument (functorch unwrapping, input bookkeeping); three arguments instead of seven took
-# autograd.dispatch_experts from 8.2 to 7.5 us per call on CPU (benchmarks/host_overhead.py). ``configs``:
+# argument (functorch unwrapping, input bookkeeping), so fewer arguments cost less of it. ``configs``:
 # ``(dispatch Config, combine Config)`` for the forward and the backward alike, or None for the Buffer's defaults.
 # ``layout``: the caller's ``(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)`` (a dispatch without
 # top-k) or, for an expert-major dispatch from a routing map, ``(routing_map [N, E] bool, topk)``; else None.

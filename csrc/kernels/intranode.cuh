@@ -144,7 +144,7 @@ __device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scale
 
 // Publish a chunk the whole warp wrote into a peer's region: the warp barrier orders every lane's stores before
 // lane 0's system-scope release store of the flag, which (being cumulative) makes them visible on the peer before
-// the flag. (A sequentially consistent fence before it was measured slower: FP8 dispatch 178 vs 169 us.)
+// the flag. (A sequentially consistent fence before it orders more than the flag needs, and measured slower.)
 __device__ __forceinline__ void publish(int* flag, int seq, int lane) {
     __syncwarp();
     if (lane == 0) {
@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     };
     // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the
     // order me+1, me+2, ...: that sender also writes this rank's own output row; the receivers write the rest.
-    // (Receivers writing every own row instead, reading such tokens twice, was measured slower: 441 vs 208 us.)
+    // (Receivers writing every own row instead read such tokens twice, and measured slower.)
     const int64_t self_base = offset_from(rpm, R, me, me);
     auto first_peer = [&](int t) {
         for (int k = 1; k < R; ++k)

@@ -10,8 +10,8 @@ kernels on CUDA, torch ops on CPU) and its combine is one ``unpermute``. One hos
 received row count, the out-of-range ids and the counts; at alignment 1 the expert-major rows are expanded before
 it, into ``N * K`` rows (the most ``M`` can be) of which the first ``M`` are returned.
 
-Low-latency mode at one rank is :class:`LocalLowLatency`: the collectives form (``low_latency_torch``) with its
-exchange replaced by the rows themselves.
+Low-latency mode at one rank is :class:`LocalLowLatency`: the collectives form's layout and results made by gathers,
+with no exchange and no host read (a CUDA graph can capture it).
 """
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ from .base import (
     Transport,
     layout_contradiction,
     layout_error,
+    padded,
     slot_weights,
 )
+from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
 from .low_latency_torch import TorchLowLatency
 
 
@@ -94,10 +96,10 @@ class LocalTransport(Transport):
         if topk is not None:
             local = topk.index_select(0, src)
             valid = (local >= 0) & (local < args.num_experts)
-            recv_topk_idx = _padded(torch.where(valid, local, -1), rows, -1)
+            recv_topk_idx = padded(torch.where(valid, local, -1), rows, -1)
             if args.topk_weights is not None:
                 weights = args.topk_weights.index_select(0, src)
-                recv_topk_weights = _padded(torch.where(valid, weights, 0.0), rows, 0)
+                recv_topk_weights = padded(torch.where(valid, weights, 0.0), rows, 0)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32),
                               handle, counts)
 
@@ -173,18 +175,69 @@ class LocalTransport(Transport):
 
 
 class LocalLowLatency(TorchLowLatency):
-    """Low-latency mode of a one-rank group: the collectives form, whose send block is what this rank receives."""
+    """Low-latency mode of a one-rank group: the collectives form's layout and results (rows of local expert ``l``
+    in source-token order, combine summing ``weight * row`` over k ascending in fp32), made by gathers only, with no
+    exchange and no host read, so that a CUDA graph can capture it (out-of-range expert ids are checked on the host
+    except while a graph is captured; packed UE8M0 scales read the host)."""
 
     name = "local"
 
-    def _agree(self, call: int, m: int, hidden: int, num_experts: int, flags: tuple[bool, bool, bool],
-               topk_idx: Optional[torch.Tensor]) -> None:
-        """One rank agrees with itself; only out-of-range expert ids raise (one host read)."""
-        if topk_idx is not None and int(count_invalid(topk_idx, num_experts)):
+    def _check_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        if int(count_invalid(topk_idx, num_experts)):
             raise invalid_ids_error([0], num_experts)
 
-    def _exchange(self, send: torch.Tensor, what: str) -> Callable[[], tuple[torch.Tensor, int]]:
-        return lambda: (send, 0)
+    def dispatch(self, req: DispatchRequest) -> DispatchOutput:
+        x, idx, m, num_experts = req.x, req.topk_idx, req.num_max_dispatch_tokens_per_rank, req.num_experts
+        self._check_ids(idx, num_experts)
+        n, hidden = x.shape
+        valid = (idx >= 0) & (idx < num_experts)
+        present = torch.zeros(n, num_experts + 1, dtype=torch.int64, device=x.device)
+        present.scatter_(1, torch.where(valid, idx, num_experts), 1)  # a repeated id sends one row
+        present = present[:, :num_experts]
+        count = present.sum(0)
+        # row_of[t, e]: token t's row in the flat [E * M] blocks, E * M (a zero row) where it names no e
+        row_of = torch.where(present.bool(), torch.arange(num_experts, device=x.device) * m + present.cumsum(0) - 1,
+                             num_experts * m)
+        src = torch.full((num_experts * m + 1,), n, dtype=torch.int64, device=x.device)
+        src.scatter_(0, row_of.reshape(-1), torch.arange(n, device=x.device).repeat_interleave(num_experts))
+        src = src[:-1]  # [E * M]: the token of each row, n (a zero row) for padding
+        rows, scales = x, None
+        if req.use_fp8:
+            rows, scales = fp8.quantize(x, round_scale=req.round_scale)
+            scales = fp8.pack_ue8m0(scales) if req.use_ue8m0 else scales
+        recv_x = permute.with_zero_row(rows.view(torch.uint8)).index_select(0, src).view(rows.dtype)
+        recv_scales = None
+        if scales is not None:  # column-major in the last two dims, as DeepEP returns them
+            dense = permute.with_zero_row(scales).index_select(0, src).view(num_experts, m, -1)
+            recv_scales = dense.transpose(1, 2).contiguous().transpose(1, 2)
+        src_info = torch.where(src < n, src, -1).to(torch.int32).view(num_experts, m)
+        handle = LowLatencyHandle(src_info, count.view(num_experts, 1), m, hidden, num_experts, n, idx.shape[1], 0, 1,
+                                  row_of)
+        return DispatchOutput(recv_x.view(num_experts, m, hidden), recv_scales, count.to(torch.int32), handle,
+                              lambda: 0)
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int) -> Callable[[], int]:
+        self._check_ids(topk_idx, handle.num_experts)
+        if zero_copy:
+            x = self.combine_buffer(handle, buffer_set)
+        row_of: torch.Tensor = handle.transport_state  # [N, E]: the dispatch's row of each (token, expert)
+        y = permute.with_zero_row(x.reshape(-1, handle.hidden))
+        acc = torch.zeros(handle.num_tokens, handle.hidden, dtype=torch.float32, device=x.device)
+        for k in range(topk_idx.shape[1]):
+            e = topk_idx[:, k]
+            rows = row_of.gather(1, e.clamp(0, handle.num_experts - 1).unsqueeze(1)).squeeze(1)
+            acc = torch.where((e >= 0).unsqueeze(1), acc + topk_weights[:, k:k + 1] * y.index_select(0, rows).float(),
+                              acc)
+        out.copy_(acc)
+        return lambda: 0
+
+    def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        for buf in self._combine_buffers:
+            if buf is not None:
+                buf.zero_()
 
 
 def _state(handle: DispatchHandle) -> _LocalState:
@@ -239,13 +292,4 @@ def _rows(args: DispatchArgs, src: torch.Tensor, rows: int) -> tuple[torch.Tenso
         args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
     scales = None if args.x_scales is None else args.x_scales.index_select(0, src)
     x, scales = _sent_rows(x, scales, args)
-    return _padded(x, rows, 0), None if scales is None else _padded(scales, rows, 0)
-
-
-def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
-    """``t`` ``[n, ...]`` extended to ``rows`` rows of ``fill`` (``num_worst_tokens`` outputs)."""
-    if t.shape[0] == rows:
-        return t
-    out = t.new_zeros((rows,) + tuple(t.shape[1:])) if fill == 0 else t.new_full((rows,) + tuple(t.shape[1:]), fill)
-    out[:t.shape[0]] = t
-    return out
+    return padded(x, rows, 0), None if scales is None else padded(scales, rows, 0)

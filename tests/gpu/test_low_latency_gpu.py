@@ -7,8 +7,7 @@ built kernel library.
 
 With two or more GPUs every rank has its own GPU and the reference runs on NCCL; with one GPU, 2, 3 and 4 ranks
 share it (gloo group, ``Buffer(device="cuda:0")``) and the reference runs on the CPU. EP1 is the ``local``
-transport's one-rank collectives form on the GPU against the same form on the CPU (no graph replay: it reads the
-out-of-range id count on the host).
+transport's one-rank form (gathers, no exchange: graph-capturable) on the GPU against the same form on the CPU.
 """
 from __future__ import annotations
 
@@ -129,8 +128,7 @@ def _cases() -> None:
         torch.cuda.synchronize()
         if rank == 0:
             print(f"ok low-latency M={m} H={hidden} E={num_experts} K={k} on {world} rank(s)", flush=True)
-        if world > 1:  # one rank is the local transport's collectives form: it reads ids on the host, no graph
-            _graph_replay(nv, ref, m, hidden, num_experts, k, gen, dev, ref_dev)
+        _graph_replay(nv, ref, m, hidden, num_experts, k, gen, dev, ref_dev)
         nv.destroy()
 
 
