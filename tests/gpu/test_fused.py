@@ -28,8 +28,8 @@ from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8  # noqa: E402
-from gpu_marks import NEEDS_KERNELS  # noqa: E402
-from reference import routing  # noqa: E402
+from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
+from support.reference import routing  # noqa: E402
 from test_nvlink import _fail_fast  # noqa: E402  (a failed rank leaves at once, its traceback printed)
 
 pytestmark = NEEDS_KERNELS
