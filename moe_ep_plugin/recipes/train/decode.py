@@ -1,9 +1,5 @@
 """Greedy decoding with the example trainer's model, its MoE layers on low-latency mode, checked against the
-normal-mode forward of the same model on the same Buffer.
-
-    python examples/decode_moe.py                                   # configs/tiny.yaml defaults, 2 CPU ranks
-    python examples/decode_moe.py configs/tiny.yaml --new-tokens 8 --set parallel.nprocs=4
-    torchrun --nproc-per-node 2 examples/decode_moe.py configs/ep2_h200.yaml --set model.hidden_size=2048
+normal-mode forward of the same model on the same Buffer. ``examples/decode_moe.py`` runs it from the command line.
 
 Each step feeds one token per sequence (``--batch`` sequences per rank): attention reads a fixed-size KV cache,
 and each MoE block sends its tokens with ``Buffer.low_latency_dispatch`` (FP8 when ``parallel.fp8_dispatch`` is on,
@@ -19,16 +15,14 @@ sequence goes through the model's normal-mode forward and the decoded logits are
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_ep_plugin import Buffer, launch
-from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.recipes.train import config, trainer
-from moe_ep_plugin.recipes.train.model import Attention, MoEMLP, MoETransformer, _rotate
+from ... import Buffer
+from ...ops import fp8
+from . import config, trainer
+from .model import Attention, MoEMLP, MoETransformer, _rotate
 
 # Each MoE block's low-latency output against its normal-mode forward on the same input (so the same routing),
 # relative to the largest output, by (model dtype, FP8 wire). Measured (CPU, configs/tiny.yaml and
@@ -197,21 +191,3 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
         raise AssertionError(f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} "
                              f"of the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})")
     return block, logits
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/tiny.yaml's values)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank (= tokens per rank per step)")
-    parser.add_argument("--prompt-len", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=6)
-    parser.add_argument("--cuda-graph", action="store_true", help="capture one step and replay it (GPU)")
-    args = parser.parse_args()
-    cfg = config.load(args.config, tuple(args.set))
-    launch.launch(decode, cfg.parallel.nprocs, (cfg, args.batch, args.prompt_len, args.new_tokens, args.cuda_graph),
-                  backend=trainer.resolve_backend(cfg), timeout_s=cfg.parallel.timeout_s)
-
-
-if __name__ == "__main__":
-    main()
