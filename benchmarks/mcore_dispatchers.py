@@ -1,8 +1,8 @@
 """Time Megatron-Core MoE token dispatchers at DeepSeek-V3 shapes on all local GPUs: Megatron's own (alltoall,
 flex+DeepEP) and this library's (``ep_plugin`` on each transport, and flex+deepep served by the plugin's shim).
 
-The team's harness (../shared/bench/mcore_dispatchers.py) extended with the plugin kinds; the timed region is the
-same: identity experts, the six dispatcher methods end to end (preprocess, dispatch, permute, and back),
+The timed region is the same for every kind:
+identity experts, the six dispatcher methods end to end (preprocess, dispatch, permute, and back),
 forward and forward+backward, median of 30 CUDA-event-timed runs after a barrier; every rank times and the
 slowest rank's median is reported. Before timing, each kind's output is checked against ``x * sum(probs)``
 (``x`` rounded through FP8 first for FP8-dispatch kinds).

@@ -8,7 +8,7 @@ Each round draws (alike on every rank, from ``seed + round``) the entry point (d
 layout, without top-k; a cached dispatch reusing an earlier round's handle; ``num_worst_tokens``; dispatch_experts
 fresh and cached), the stream mode (sync, async, previous_event, both, allocate_on_comm_stream), the input form
 (BF16, FP32, FP8 tuple, FP8 in the send path, with FP8 out), hidden size, top-k 1-8, experts per rank, tokens per
-rank (0 included) and routing (random with -1 entries, sparse, all tokens to one expert); ``tests/rounds.py``
+rank (0 included) and routing (random with -1 entries, sparse, all tokens to one expert); ``tests/support/rounds.py``
 runs and checks it. With ``--device cuda:N`` the ranks share that GPU over a gloo group (``Buffer(device=...)``).
 Prints rounds, mismatches (each with the seed that replays it: ``--seed S --rounds 1``) and seconds.
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
-import rounds  # noqa: E402
+from support import rounds  # noqa: E402
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402

@@ -1,4 +1,4 @@
-"""The MoE layer shape options every benchmark takes, defaulting to the standard shape of ../shared/BENCHMARKS.md
+"""The MoE layer shape options every benchmark takes, defaulting to the standard shape
 (DeepSeek-V3: 4096 tokens per rank, hidden 7168, 256 experts, top-8)."""
 import argparse
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops.routing import routing_map_to_topk
-from reference import dense_reference
+from support.reference import dense_reference
 
 HIDDEN, TOPK, LOCAL = 128, 3, 2
 

@@ -1,4 +1,4 @@
-"""Buffer on the torch transport (gloo, 1–4 ranks) against the plain-loop reference in tests/reference.py."""
+"""Buffer on the torch transport (gloo, 1–4 ranks) against the plain-loop reference in tests/support/reference.py."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_ep_plugin import Buffer, Config
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
-from reference import expected_dispatch, gather_all, routing
+from support.reference import expected_dispatch, gather_all, routing
 
 # (tokens on rank r as a function of r, hidden, top-k, experts, routing) — every case runs on every world size.
 CASES = [

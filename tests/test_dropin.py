@@ -1,6 +1,6 @@
 """Drop-in behaviour for DeepEP normal-mode code (issue 13), on CPU: the stream ordering of every host value,
 dispatch without top-k, the handle read as DeepEP's tuple, and allocations that ignore torch's default dtype and
-device. Plain-loop references from tests/reference.py."""
+device. Plain-loop references from tests/support/reference.py."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +16,7 @@ from moe_ep_plugin.handle import NoEquivalent
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.transports.base import DispatchResult
 from moe_ep_plugin.transports.torch_transport import TorchTransport
-from reference import expected_dispatch, gather_all, routing
+from support.reference import expected_dispatch, gather_all, routing
 
 
 # ---- stream ordering, with fake CUDA streams and a transport that leaves its counts on the "device" ----
@@ -295,9 +295,9 @@ def test_handle_tuple_default_dtype_device_and_repeated_ids(world: int) -> None:
     spawn(_handle_defaults_duplicates, world, backend="gloo")
 
 
-# ---- the soak's round checker (tests/rounds.py): exact on random rounds, and it sees a wrong value ----
+# ---- the soak's round checker (tests/support/rounds.py): exact on random rounds, and it sees a wrong value ----
 def _rounds(seed: int) -> None:
-    import rounds
+    from support import rounds
     rank, world = dist.get_rank(), dist.get_world_size()
     buffer = Buffer(transport="torch", timeout_s=60)
     state = rounds.State()

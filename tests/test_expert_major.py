@@ -10,7 +10,7 @@ import torch.distributed as dist
 from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
-from reference import dense_reference, gather_all, routing
+from support.reference import dense_reference, gather_all, routing
 
 # Every case runs on every world size, in BF16 and FP32.
 CASES = [

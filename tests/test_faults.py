@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.launch import spawn
-from reference import expected_dispatch, gather_all, routing
+from support.reference import expected_dispatch, gather_all, routing
 
 TIMEOUT_S = 20.0
 

@@ -14,7 +14,7 @@ from moe_ep_plugin import Buffer, Config, autograd
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.traffic import node_traffic
-from reference import dense_reference, expected_dispatch, gather_all, routing
+from support.reference import dense_reference, expected_dispatch, gather_all, routing
 from test_autograd import _experts
 from test_buffer import _check_fp8
 

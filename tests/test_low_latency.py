@@ -13,7 +13,7 @@ import torch.distributed as dist
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
-from reference import expected_dispatch, gather_all
+from support.reference import expected_dispatch, gather_all
 
 M, H = 6, 512
 

@@ -1,18 +1,18 @@
-"""examples/decode_moe.py on 2 CPU ranks: greedy decoding with the example model's MoE blocks on low-latency mode
-matches the normal-mode forward of the same model on the same Buffer (each MoE block to the wire's rounding, the
-logits end to end on the BF16 wire), and the check catches a low-latency block that is off by 10 %."""
+"""The decode recipe on 2 CPU ranks: greedy decoding with the example model's MoE blocks on low-latency mode matches
+the normal-mode forward of the same model on the same Buffer (each MoE block to the wire's rounding, the logits end
+to end on the BF16 wire), and the check catches a low-latency block that is off by 10 %. ``examples/decode_moe.py``
+runs it as a script."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
 
 from moe_ep_plugin.launch import LaunchError, spawn
 from moe_ep_plugin.recipes.train import config
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import decode_moe  # noqa: E402  (the example script, importable from examples/)
+from moe_ep_plugin.recipes.train import decode as decode_moe
 
 
 def _config(fp8_dispatch: bool) -> config.TrainerConfig:
@@ -35,3 +35,17 @@ def _decode_with_scaled_blocks(cfg: config.TrainerConfig) -> None:
 def test_decode_check_catches_a_wrong_block() -> None:
     with pytest.raises(LaunchError, match="MoE block differs from its normal-mode forward"):
         spawn(_decode_with_scaled_blocks, 2, args=(_config(True),), backend="gloo")
+
+
+def test_the_example_script_decodes() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "decode_moe.py"), "--set",
+                           "model.num_layers=2", "--prompt-len", "2", "--new-tokens", "2"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = ["rank", "seqs", "prompt", "new", "graph", "MoE", "block", "logits", "replay-eager"]
+    rows = [line.split() for line in proc.stdout.splitlines()]  # rank 0 prints the header; ranks print in any order
+    assert rows.count(header) == 1 and len(rows) == 3
+    ranks = sorted(row[:5] for row in rows if row != header)
+    assert ranks == [["0", "2", "2", "2", "False"], ["1", "2", "2", "2", "False"]]

@@ -13,7 +13,7 @@ from moe_ep_plugin import Buffer
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.transports import torch_transport
-from reference import expected_dispatch, gather_all
+from support.reference import expected_dispatch, gather_all
 
 # Rank r's value in the order-sensitive columns: summed in ascending rank order, 1 + 2^24 rounds back to 2^24
 # and the total is 0; in any other order it is 1 (or 2^24).

@@ -1,6 +1,6 @@
 """Drop-in matrix on the ``nvlink`` kernels (issue 13): every entry point × the five stream modes × the input forms
 {BF16, FP32, FP8 tuple, FP8 in the send path, with FP8 out} × {with, without top-k} at EP 1–4, each checked
-exactly against a plain loop over tokens (``tests/rounds.py``: rows and FP8 bytes bit for bit, metadata and
+exactly against a plain loop over tokens (``tests/support/rounds.py``: rows and FP8 bytes bit for bit, metadata and
 per-expert lists exactly, combine on exact grid values). Also the async per-expert list at DeepEP's shape
 (4096 x 7168, top-8 of 256, EP 2), ranks that disagree (notify's metadata words) and dispatch without top-k's
 counts from notify. Ranks share one GPU over a gloo group (``Buffer(device="cuda:0")``), as tests/gpu/test_nvlink.py
@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-import rounds  # noqa: E402
-from reference import routing  # noqa: E402
-from gpu_marks import NEEDS_KERNELS  # noqa: E402
-from settle import settle  # noqa: E402
+from support import rounds  # noqa: E402
+from support.reference import routing  # noqa: E402
+from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
+from support.settle import settle  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 

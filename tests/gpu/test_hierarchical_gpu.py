@@ -20,7 +20,7 @@ from moe_ep_plugin import Buffer, Config, autograd  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8  # noqa: E402
 from moe_ep_plugin.transports import create_transport, node_ids, split_by_node  # noqa: E402
-from gpu_marks import NEEDS_KERNELS  # noqa: E402
+from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 

@@ -28,8 +28,8 @@ from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8  # noqa: E402
-from gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
-from settle import settle  # noqa: E402
+from support.gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
+from support.settle import settle  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 # (ranks, backend) of the multi-rank runs: one rank per GPU, or 2-4 ranks sharing the only GPU

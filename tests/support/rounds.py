@@ -16,8 +16,8 @@ import torch
 
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.ops import fp8
-from reference import routing
-from settle import settle
+from .reference import routing
+from .settle import settle
 
 MODES = ("sync", "async", "previous_event", "previous_event+async", "allocate_on_comm_stream")
 FORMS = ("bf16", "fp32", "fp8 tuple", "fp8 in send path", "fp8 in send path, fp8 out")
