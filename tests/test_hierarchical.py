@@ -349,11 +349,14 @@ def test_hierarchical_chunks_validated(chunks) -> None:
 
 
 def _timeout() -> None:
+    side = dist.new_group()  # where the absent rank waits until the others timed out (it must not leave earlier)
     buffer = Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=3)
     if dist.get_rank() == 3:
-        return  # never joins the dispatch
+        dist.barrier(group=side)  # never joins the dispatch
+        return
     with pytest.raises(TimeoutError, match=r"hierarchical\] rank \d/4.*count exchange over the whole EP group"):
         buffer.dispatch(torch.ones(2, 128), topk_idx=torch.zeros(2, 1, dtype=torch.int64), num_experts=4)
+    dist.barrier(group=side)
 
 
 def test_stalled_rank_times_out() -> None:
