@@ -94,8 +94,10 @@ class Buffer:
     ``nvlink`` kernels when CUDA, the kernel library and peer access exist on one host; else ``torch``),
     ``"torch"``, ``"nvlink"`` or ``"hierarchical"`` (docs/multinode.md); ``$MOE_EP_TRANSPORT`` overrides ``auto``.
     ``ranks_per_node``: EP ranks per node (group rank ``r`` on node ``r // ranks_per_node``); default torchrun's
-    ``LOCAL_WORLD_SIZE``, else the hostnames. Setting it emulates nodes on one host. ``timeout_s`` bounds
-    every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``, 120 s).
+    ``LOCAL_WORLD_SIZE``, else the hostnames. Setting it emulates nodes on one host; ``transport="torch"`` or
+    ``"nvlink"`` refuse it. The ranks agree on the layout first (every rank raises alike when they disagree).
+    ``timeout_s`` bounds every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``,
+    120 s).
 
     ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group,
     else the CPU. A CUDA device with a gloo group serves several ranks that share one GPU (NCCL refuses two
@@ -142,7 +144,7 @@ class Buffer:
         self.device = _buffer_device(group, device)
         is_cuda = self.device.type == "cuda"
         self._cuda = is_cuda  # what _check compares input tensors with
-        self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node)
+        self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node, timeout_s)
         if is_cuda and self.transport_name == "torch" and dist.get_backend(group) != "nccl":
             raise ValueError(f"device: the torch transport moves rows with the group's collectives, and a "
                              f"{dist.get_backend(group)} group cannot carry {self.device} tensors; use an NCCL "

@@ -65,6 +65,9 @@ class PluginOptions:
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
                                                 or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0):
             raise ValueError(f"ranks_per_node: expected a positive int or None, got {self.ranks_per_node!r}")
+        if self.ranks_per_node is not None and self.transport in ("torch", "nvlink"):
+            raise ValueError(f"ranks_per_node: only for transport 'hierarchical' or 'auto' (transport "
+                             f"{self.transport!r} has no node layout)")
 
     def nvlink_tuning(self) -> dict[str, Any]:
         """The ``NVLinkTuning`` fields these options set (``buffer_cache.sm_configs``), none at their defaults."""

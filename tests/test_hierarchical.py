@@ -4,6 +4,7 @@ stated two-level sum (per node in fp32, rounded to the rows' dtype, then over no
 the rail group equal the analytic count and never exceed what the flat torch transport sends."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -372,3 +373,36 @@ def _bad_ranks_per_node() -> None:
 
 def test_ranks_per_node_validated() -> None:
     spawn(_bad_ranks_per_node, 3, backend="gloo")
+
+
+def _disagreeing_layouts() -> None:
+    """Ranks that disagree on the node layout raise the same error on every rank, at once (no subgroup is made:
+    before, they hung in ``new_group``), and a Buffer made afterwards works."""
+    rank = dist.get_rank()
+    every = r"rank\(s\) \[3\] differ from rank 0 \(rank 0 ranks_per_node=2, rank 1 ranks_per_node=2, rank 2 " \
+            r"ranks_per_node=2, rank 3 "
+    cases = [
+        (dict(ranks_per_node=4 if rank == 3 else 2), every + r"ranks_per_node=4\)"),
+        (dict(ranks_per_node=0 if rank == 3 else 2), every + r"ranks_per_node=invalid\)"),
+        (dict(ranks_per_node=None if rank == 3 else 2), every + r"LOCAL_WORLD_SIZE=4\)"),
+        # nodes started with different --nproc-per-node: torchrun's LOCAL_WORLD_SIZE differs
+        (dict(local_world="1" if rank == 3 else "2"), r"rank 2 LOCAL_WORLD_SIZE=2, rank 3 LOCAL_WORLD_SIZE=1\)"),
+    ]
+    for kwargs, needle in cases:
+        saved = os.environ["LOCAL_WORLD_SIZE"]
+        os.environ["LOCAL_WORLD_SIZE"] = kwargs.pop("local_world", saved)
+        start = time.monotonic()
+        try:
+            with pytest.raises(ValueError, match="ranks_per_node: the ranks disagree on the node layout: .*" + needle):
+                Buffer(transport="hierarchical", timeout_s=60, **kwargs)
+        finally:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+        assert time.monotonic() - start < 30  # at the exchange, not by a timeout
+    for transport in ("torch", "nvlink"):  # one-host transports have no node layout: refused, not ignored
+        with pytest.raises(ValueError, match=f"ranks_per_node: only the 'hierarchical' transport .*{transport}"):
+            Buffer(transport=transport, ranks_per_node=2)
+    _errors(Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=60))
+
+
+def test_disagreeing_node_layouts_raise_on_every_rank() -> None:
+    spawn(_disagreeing_layouts, 4, backend="gloo", timeout_s=120)

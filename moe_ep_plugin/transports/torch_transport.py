@@ -92,12 +92,12 @@ class TorchTransport(Transport):
             return work.wait
         return lambda: self._wait(work, what)
 
-    def _start_count_exchange(self, local: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    def _start_count_exchange(self, local: torch.Tensor, what: str = "dispatch count exchange"
+                              ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """All-gather every rank's ``local`` ``[C]`` int64 counts → ``([R, C]`` on the device, valid in stream
         order; a function that waits at most ``timeout_s`` and returns the matrix on the host``)``. Work queued
-        between the two overlaps the exchange."""
+        between the two overlaps the exchange; ``what`` names it in the timeout error."""
         gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64, device=self.device)
-        what = "dispatch count exchange"
         if self.device.type != "cuda":
             work = _all_gather_single(gathered.view(-1), local, group=self.group, async_op=True)
 
