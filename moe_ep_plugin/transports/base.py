@@ -119,6 +119,35 @@ def layout_error(ranks: list[int]) -> ValueError:
                       "only topk_idx and num_experts; every rank raises before any row moves")
 
 
+# A call one rank refuses (bad input on that rank only) must not leave its peers waiting for it: the refusing rank
+# joins the call's first exchange with the error's class and then its message, so every rank raises the cause.
+REFUSABLE = (ValueError, TypeError, RuntimeError)
+REFUSAL_WORDS = 64  # int64 words of a refusal's message (512 UTF-8 bytes, cut beyond)
+
+
+def refusal_code(exc: BaseException | None) -> int:
+    """0 without ``exc``, else 1 + the index of its class in ``REFUSABLE``."""
+    return 0 if exc is None else 1 + next(i for i, cls in enumerate(REFUSABLE) if isinstance(exc, cls))
+
+
+def refusal_words(exc: BaseException | None, device: torch.device) -> torch.Tensor:
+    """``[REFUSAL_WORDS]`` int64 holding ``str(exc)`` (zeros without ``exc``)."""
+    raw = bytearray(8 * REFUSAL_WORDS)
+    text = b"" if exc is None else str(exc).encode()[:len(raw)]
+    raw[:len(text)] = text
+    return torch.frombuffer(raw, dtype=torch.int64).to(device)
+
+
+def refusal_error(what: str, codes: list[int], words: list[list[int]]) -> Exception:
+    """The error every rank raises when the ranks with a non-zero ``codes[r]`` refused ``what``; ``words[r]``:
+    their ``refusal_words``. Of the first refusing rank's class."""
+    ranks = [r for r, code in enumerate(codes) if code]
+    causes = "; ".join(f"rank {r}: " + torch.tensor(words[r], dtype=torch.int64).numpy().tobytes().rstrip(b"\0")
+                       .decode(errors="replace") for r in ranks)
+    return REFUSABLE[codes[ranks[0]] - 1](f"{what}: rank(s) {ranks} refused the call ({causes}); every rank raises, "
+                                          "nothing was sent")
+
+
 def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:
     """``expert_weights`` ``[M]`` float32 → ``[N_recv, K]``: each received (row, column) pair's value, 0 where the
     column has no local expert (None stays None)."""
