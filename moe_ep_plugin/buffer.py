@@ -181,12 +181,16 @@ class Buffer:
         return self._comm_stream
 
     def destroy(self) -> None:
-        """Release transport resources (collective for the kernel transport)."""
+        """Release transport resources (collective for the kernel transport); any later call raises."""
         for transport in (self.transport, self._low_latency and self._low_latency.transport):
             release = getattr(transport, "destroy", None)
             if release is not None:
                 release()
         self.destroyed = True
+
+    def _check_live(self) -> None:
+        if self.destroyed:
+            raise RuntimeError("Buffer: used after destroy(), which released its transport; make a new Buffer")
 
     # ---- streams ----
     def _run(self, fn: Callable[[], tuple]) -> tuple:
@@ -209,6 +213,7 @@ class Buffer:
         the work producing it: in async mode nothing after ``fn`` waits for that stream. ``inputs``: what ``fn``
         reads of the caller's (tensors, tuples of them, handles, None); their tensors are marked as used by the
         communication stream (found only when that stream is used: the walk costs host time)."""
+        self._check_live()
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
@@ -533,6 +538,7 @@ class Buffer:
         return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def _ll(self) -> LowLatencyMode:
+        self._check_live()
         if self._low_latency is None:
             raise ValueError("low_latency_mode: this Buffer was made without low_latency_mode=True")
         return self._low_latency

@@ -148,6 +148,12 @@ def refusal_error(what: str, codes: list[int], words: list[list[int]]) -> Except
                                           "nothing was sent")
 
 
+def negative_counts_error(ranks: list[int]) -> ValueError:
+    """The error every rank raises when the ``num_tokens_per_rank`` of ``ranks`` hold negative counts."""
+    return ValueError(f"num_tokens_per_rank: counts must be >= 0; rank(s) {ranks} passed negative ones (pass "
+                      "get_dispatch_layout's outputs); every rank raises before any row moves")
+
+
 def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:
     """``expert_weights`` ``[M]`` float32 → ``[N_recv, K]``: each received (row, column) pair's value, 0 where the
     column has no local expert (None stays None)."""

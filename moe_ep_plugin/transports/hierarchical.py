@@ -45,7 +45,7 @@ from ..config import Config
 from ..handle import DispatchHandle
 from ..ops import fp8
 from ..ops.layout import count_invalid, invalid_ids_error, send_positions
-from .base import DispatchArgs, DispatchResult, Transport
+from .base import DispatchArgs, DispatchResult, Transport, negative_counts_error
 from .torch_transport import TorchTransport, _all_gather_single
 
 
@@ -226,6 +226,9 @@ class HierarchicalTransport(Transport):
         if nccl:
             gathered = on_device.cpu()
         r = self.num_ranks
+        negative = (gathered[:, :r] < 0).any(1).tolist()
+        if any(negative):
+            raise negative_counts_error([i for i, b in enumerate(negative) if b])
         bad = gathered[:, r].tolist()
         if any(bad):
             raise invalid_ids_error([i for i, b in enumerate(bad) if b], args.num_experts)

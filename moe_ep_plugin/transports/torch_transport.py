@@ -25,7 +25,8 @@ from ..ops import fp8, permute
 from ..config import Config
 from ..handle import DispatchHandle
 from ..ops.layout import count_invalid, dispatch_layout, invalid_ids_error, send_positions
-from .base import META_FIELDS, DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_error, meta_mismatch
+from .base import (META_FIELDS, DispatchArgs, DispatchResult, Transport, dispatch_meta, layout_error, meta_mismatch,
+                   negative_counts_error)
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -156,7 +157,9 @@ class TorchTransport(Transport):
 
         # Send order and combine gather map from device data only, overlapping the exchange.
         send_pos = send_positions(in_rank)
-        row = send_pos.to(torch.int64) + (per_rank.cumsum(0) - per_rank)  # [N, R]: place in send order if sent
+        # negative counts (refused at the exchange) must not make negative indices before it
+        offsets = per_rank.clamp_min(0)
+        row = send_pos.to(torch.int64) + (offsets.cumsum(0) - offsets)  # [N, R]: place in send order if sent
         combine_slot = torch.where(in_rank, row, -1).to(torch.int32)
         order = torch.empty(n * num_ranks + 1, dtype=torch.int64, device=in_rank.device)
         tokens = torch.arange(n, dtype=torch.int64, device=in_rank.device).unsqueeze(1).expand(n, num_ranks)
@@ -188,16 +191,18 @@ class TorchTransport(Transport):
 
     @staticmethod
     def _layout_contradiction(args: DispatchArgs) -> torch.Tensor:
-        """``[1]`` int64: 1 when the caller's layout contradicts itself or the top-k (checked only for a layout
-        the caller passed; on the device, no host sync)."""
+        """``[1]`` int64: 2 when the caller's ``num_tokens_per_rank`` holds negative counts, else 1 when the
+        caller's layout contradicts itself or the top-k, else 0 (checked only for a layout the caller passed; on
+        the device, no host sync)."""
         in_rank = args.is_token_in_rank
         if not args.layout_given:
             return in_rank.new_zeros(1, dtype=torch.int64)
-        bad = (args.num_tokens_per_rank.to(torch.int64) != in_rank.sum(0)).any()
+        per_rank = args.num_tokens_per_rank.to(torch.int64)
+        bad = (per_rank != in_rank.sum(0)).any()
         if args.topk_idx is not None:
             derived = dispatch_layout(args.topk_idx, args.num_experts, in_rank.shape[1])[2]
             bad = bad | (derived != in_rank).any()
-        return bad.to(torch.int64).reshape(1)
+        return torch.where((per_rank < 0).any(), 2, bad.to(torch.int64)).reshape(1)
 
     def _check_exchanged(self, rows: list[list[int]], num_experts: int) -> None:
         """Raise, on every rank alike (each holds every rank's words), when any rank's dispatch is bad: ranks that
@@ -210,6 +215,9 @@ class TorchTransport(Transport):
         bad = [i for i, row in enumerate(rows) if row[r]]
         if bad:
             raise invalid_ids_error(bad, num_experts)
+        bad = [i for i, row in enumerate(rows) if row[r + 1] == 2]
+        if bad:
+            raise negative_counts_error(bad)
         bad = [i for i, row in enumerate(rows) if row[r + 1]]
         if bad:
             raise layout_error(bad)
