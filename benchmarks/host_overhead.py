@@ -32,7 +32,6 @@ import torch.distributed as dist
 from moe_ep_plugin import Buffer
 from moe_ep_plugin import autograd as ep_autograd
 from moe_ep_plugin.buffer_cache import get_buffer
-from moe_ep_plugin.launch import free_port
 from moe_ep_plugin.config import Config
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops.routing import routing_map_to_topk
@@ -211,8 +210,7 @@ def main() -> None:
     p.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS), help="transports to time")
     p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward")
     args = p.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # one process: no port
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16)

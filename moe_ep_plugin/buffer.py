@@ -95,8 +95,10 @@ class Buffer:
     ``"torch"``, ``"nvlink"`` or ``"hierarchical"`` (docs/multinode.md); ``$MOE_EP_TRANSPORT`` overrides ``auto``.
     A group of one rank gets ``"local"`` whatever is asked for: no communication and no peer buffer.
     ``ranks_per_node``: EP ranks per node (group rank ``r`` on node ``r // ranks_per_node``); default torchrun's
-    ``LOCAL_WORLD_SIZE``, else the hostnames. Setting it emulates nodes on one host. ``timeout_s`` bounds
-    every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``, 120 s).
+    ``LOCAL_WORLD_SIZE``, else the hostnames. Setting it emulates nodes on one host; ``transport="torch"`` or
+    ``"nvlink"`` refuse it. The ranks agree on the layout first (every rank raises alike when they disagree).
+    ``timeout_s`` bounds every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``,
+    120 s).
 
     ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group,
     else the CPU. A CUDA device with a gloo group serves several ranks that share one GPU (NCCL refuses two
@@ -142,7 +144,7 @@ class Buffer:
         self.device = _buffer_device(group, device)
         is_cuda = self.device.type == "cuda"
         self._cuda = is_cuda  # what _check compares input tensors with
-        self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node)
+        self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node, timeout_s)
         if is_cuda and self.transport_name == "torch" and dist.get_backend(group) != "nccl":
             raise ValueError(f"device: the torch transport moves rows with the group's collectives, and a "
                              f"{dist.get_backend(group)} group cannot carry {self.device} tensors; use an NCCL "
@@ -179,12 +181,16 @@ class Buffer:
         return self._comm_stream
 
     def destroy(self) -> None:
-        """Release transport resources (collective for the kernel transport)."""
+        """Release transport resources (collective for the kernel transport); any later call raises."""
         for transport in (self.transport, self._low_latency and self._low_latency.transport):
             release = getattr(transport, "destroy", None)
             if release is not None:
                 release()
         self.destroyed = True
+
+    def _check_live(self) -> None:
+        if self.destroyed:
+            raise RuntimeError("Buffer: used after destroy(), which released its transport; make a new Buffer")
 
     # ---- streams ----
     def _run(self, fn: Callable[[], tuple]) -> tuple:
@@ -207,6 +213,7 @@ class Buffer:
         the work producing it: in async mode nothing after ``fn`` waits for that stream. ``inputs``: what ``fn``
         reads of the caller's (tensors, tuples of them, handles, None); their tensors are marked as used by the
         communication stream (found only when that stream is used: the walk costs host time)."""
+        self._check_live()
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
@@ -530,6 +537,7 @@ class Buffer:
         return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def _ll(self) -> LowLatencyMode:
+        self._check_live()
         if self._low_latency is None:
             raise ValueError("low_latency_mode: this Buffer was made without low_latency_mode=True")
         return self._low_latency

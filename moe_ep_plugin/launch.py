@@ -3,6 +3,12 @@
 Used by every front door (``moe-ep-train``, ``moe-ep-pretrain``, the DeepSpeed example) and by the multi-process
 tests: one mechanism for all. When a spawned rank fails, the others get ``grace_s`` seconds to finish or fail on
 their own, then SIGTERM, then SIGKILL (which also ends a stopped process), so a hung rank never hangs the job.
+SIGTERM, SIGINT or SIGHUP to the launcher (``kill``, ``timeout``, Slurm's ``scancel``, ``docker stop``, Ctrl-C) is
+forwarded to every rank; what is still running ``grace_s`` seconds later is killed, and the launcher raises
+:class:`LaunchInterrupted` (:func:`run_ranks`: one line, exit code 128 + the signal's number).
+
+Rendezvous: the launcher itself serves the ranks' TCPStore, listening on a port the kernel picked (port 0), and
+passes the bound port to the ranks: no port is chosen first and bound later, so no other process can take it.
 """
 from __future__ import annotations
 
@@ -10,8 +16,8 @@ import datetime
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,12 +30,10 @@ import torch.multiprocessing as mp
 from .config import DEFAULT_TIMEOUT_S
 
 GRACE_S = 5.0  # after the first failure: how long the other ranks may take to end on their own, then per signal
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# How long the spawned ranks may take to start (a fresh interpreter importing torch, on a loaded machine) before
+# the rendezvous gives up; ``timeout_s`` then bounds the group's own setup and every collective.
+STARTUP_S = 300.0
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def under_torchrun() -> bool:
@@ -40,8 +44,10 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
-    """Initialise the default group from the environment (torchrun or :func:`spawn`); returns (rank, world)."""
+def init_process_group(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       store: dist.Store | None = None) -> tuple[int, int]:
+    """Initialise the default group from the environment (torchrun's, or :func:`spawn`'s with its ``store``);
+    returns (rank, world)."""
     backend = backend or default_backend()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend == "nccl":
@@ -49,7 +55,8 @@ def init_process_group(backend: Optional[str] = None, timeout_s: float = DEFAULT
             raise ValueError("backend: 'nccl' needs a GPU, but torch sees none (use gloo on the CPU)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                                store=store)
     return rank, world
 
 
@@ -72,6 +79,39 @@ class LaunchError(RuntimeError):
         super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}" + (f"\n{details}" if details else ""))
 
 
+class LaunchInterrupted(RuntimeError):
+    """The launcher got ``signum`` (SIGTERM, SIGINT or SIGHUP): it forwarded it to every rank and killed those
+    still running ``grace_s`` seconds later (``killed`` lists them)."""
+
+    def __init__(self, signum: int, nprocs: int, killed: list[int]) -> None:
+        self.signum, self.killed = signum, killed
+        name = signal.Signals(signum).name
+        self.summary = (f"interrupted by {name}: forwarded to the {nprocs} ranks"
+                        + (f", killed rank(s) {killed} still running after the grace" if killed else "")
+                        + "; no rank is left running")
+        super().__init__(self.summary)
+
+
+class _Signalled(BaseException):
+    """Raised in the launcher's main thread by its handler of a forwarded signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, _frame: object) -> None:
+    raise _Signalled(signum)
+
+
+def _set_handlers(handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for the forwarded signals; returns the handlers it replaced (none off the main thread,
+    where Python cannot install any)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, handler) for signum in FORWARDED_SIGNALS}
+
+
 def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
            report: Any) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
@@ -81,8 +121,17 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
         # core per process; 4 ranks of small ops ran a soak round 3.7x slower so on a 2-core machine).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        init_process_group(backend, timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=STARTUP_S))
+        # Every rank has started before the group forms: ``timeout_s`` then bounds the group's setup, not how long
+        # the slowest interpreter took to import torch.
+        store.set(f"started/{local_rank}", "1")
+        store.wait([f"started/{r}" for r in range(world)], datetime.timedelta(seconds=STARTUP_S))
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        init_process_group(backend, timeout_s, store)
         fn(*args)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the launcher says it once
+        report.send(("interrupted by SIGINT", ""))
+        _leave(128 + signal.SIGINT)
     except BaseException as exc:  # tell the parent why, then fail this process (which prints the traceback)
         report.send((f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc()))
         raise
@@ -92,9 +141,13 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
     # The rank's work is done. Leave without the interpreter's teardown: gloo's background threads can still be
     # joinable after a collective that timed out on a peer, and their C++ destructors then abort the process
     # ("terminate called without an active exception"), turning a finished rank into a SIGABRT.
+    _leave(0)
+
+
+def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _state(pid: int) -> str:
@@ -118,49 +171,92 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = 
 
     Returns when every rank finished. When one fails, the others are ended within about ``3 * grace_s``
     seconds and :class:`LaunchError` names each failed rank and why (its exception, exit code or signal, or
-    that it was stopped or still running when ended).
+    that it was stopped or still running when ended). SIGTERM, SIGINT or SIGHUP to this process (from its main
+    thread) is forwarded to every rank, those still running ``grace_s`` seconds later are killed, and
+    :class:`LaunchInterrupted` is raised.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs: expected an int >= 1, got {nprocs!r}")
     if not grace_s > 0:
         raise ValueError(f"grace_s: expected a positive number of seconds, got {grace_s!r}")
     ctx = mp.get_context("spawn")
-    port = free_port()
+    # Bound before any rank exists and held until every rank is gone: the port cannot be taken meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, nprocs, True, timeout=datetime.timedelta(seconds=STARTUP_S),
+                          wait_for_workers=False)
     pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
-    procs = [ctx.Process(target=_entry, args=(r, nprocs, port, backend or default_backend(), timeout_s, fn, args,
-                                              pipes[r][1]), daemon=False) for r in range(nprocs)]
+    procs = [ctx.Process(target=_entry, args=(r, nprocs, store.port, backend or default_backend(), timeout_s, fn,
+                                              args, pipes[r][1]), daemon=False) for r in range(nprocs)]
     reports: dict[int, tuple[str, str]] = {}
     failures: list[RankFailure] = []
+    interrupted: LaunchInterrupted | None = None
+    previous = _set_handlers(_raise_signalled)
     try:
-        for p in procs:
-            p.start()
-        for _, sender in pipes:
-            sender.close()  # the child holds its own copy; EOF on the reader then means the child is gone
-        deadline = None
-        while True:
-            alive = [p for p in procs if p.exitcode is None]
-            if not alive:
-                break
-            # an exited rank's sentinel stays readable, so this list is never empty and wait() always returns
-            readers = [pipes[r][0] for r in range(nprocs) if r not in reports and not pipes[r][0].closed]
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            multiprocessing.connection.wait(readers + [p.sentinel for p in alive], wait_s)
-            _collect(pipes, reports)
-            _note_failures(procs, reports, failures)
-            if failures and deadline is None:
-                deadline = time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() >= deadline:
-                failures += _end(procs, failures, grace_s)
-                break
+        try:
+            _run(procs, pipes, reports, failures, grace_s)
+        except _Signalled as sig:
+            _set_handlers(signal.SIG_IGN)  # the shutdown below is bounded; a second signal must not cut it short
+            interrupted = LaunchInterrupted(sig.signum, nprocs, _forward(procs, sig.signum, grace_s))
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-            p.join()
+            if p.pid is not None:  # a signal can arrive before every rank was started
+                p.join()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        del store
+    if interrupted is not None:
+        raise interrupted
     _collect(pipes, reports)
     _note_failures(procs, reports, failures)
     if failures:
         raise LaunchError(nprocs, failures)
+
+
+def _run(procs: list, pipes: list, reports: dict[int, tuple[str, str]], failures: list[RankFailure],
+         grace_s: float) -> None:
+    """Start the ranks and wait until all have ended, or until ``grace_s`` after the first failure (then end the
+    rest)."""
+    for p in procs:
+        p.start()
+    for _, sender in pipes:
+        sender.close()  # the child holds its own copy; EOF on the reader then means the child is gone
+    deadline = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            return
+        # an exited rank's sentinel stays readable, so this list is never empty and wait() always returns
+        readers = [pipes[r][0] for r in range(len(procs)) if r not in reports and not pipes[r][0].closed]
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        multiprocessing.connection.wait(readers + [p.sentinel for p in alive], wait_s)
+        _collect(pipes, reports)
+        _note_failures(procs, reports, failures)
+        if failures and deadline is None:
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() >= deadline:
+            failures += _end(procs, failures, grace_s)
+            return
+
+
+def _forward(procs: list, signum: int, grace_s: float) -> list[int]:
+    """Send ``signum`` (with SIGCONT, so a stopped rank can act on it) to every started rank still running; SIGKILL
+    those still running ``grace_s`` seconds later. Returns the killed ranks."""
+    started = [(r, p) for r, p in enumerate(procs) if p.pid is not None and p.exitcode is None]
+    for _, p in started:
+        for sig in (signum, signal.SIGCONT):
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    limit = time.monotonic() + grace_s
+    killed = []
+    for r, p in started:
+        p.join(max(0.0, limit - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            killed.append(r)
+    return killed
 
 
 def _collect(pipes: list, reports: dict[int, tuple[str, str]]) -> None:
@@ -210,7 +306,7 @@ def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankF
 
 
 def launch(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+           timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
     """Run ``fn(*args)`` on every rank: in this process under torchrun, else on ``nprocs`` spawned ones."""
     if under_torchrun():
         init_process_group(backend, timeout_s)
@@ -219,16 +315,20 @@ def launch(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] =
         finally:
             dist.destroy_process_group()
     else:
-        spawn(fn, nprocs, args, backend, timeout_s)
+        spawn(fn, nprocs, args, backend, timeout_s, grace_s)
 
 
 def run_ranks(prog: str, fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+              timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> int:
     """:func:`launch` for a command line: 0 when every rank finished, else 1 with one line per failed rank on
-    stderr (each rank's own traceback is already above it)."""
+    stderr (each rank's own traceback is already above it), or 128 + the signal's number with one line when the
+    launcher was interrupted (:class:`LaunchInterrupted`)."""
     try:
-        launch(fn, nprocs, args, backend, timeout_s)
+        launch(fn, nprocs, args, backend, timeout_s, grace_s)
     except LaunchError as exc:
         print("\n".join(f"{prog}: {line}" for line in exc.summary.splitlines()), file=sys.stderr, flush=True)
         return 1
+    except LaunchInterrupted as exc:
+        print(f"{prog}: {exc.summary}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
     return 0

@@ -7,7 +7,7 @@ N = this rank's tokens (N <= M), K = top-k.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 
@@ -15,6 +15,7 @@ from .config import positive_int, round_up
 from .event import EventOverlap
 from .ops import fp8
 from .ops.library import MAX_TOPK
+from .transports.base import REFUSABLE
 from .transports.low_latency_base import DispatchRequest, LowLatencyHandle, LowLatencyTransport
 
 UE8M0_PACK = 4 * fp8.BLOCK  # channels per packed int32 of UE8M0 scales
@@ -172,9 +173,33 @@ class LowLatencyMode:
                  num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor],
                  dispatch_wait_recv_cost_stats: Optional[torch.Tensor], use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, async_finish: bool, return_recv_hook: bool) -> tuple:
+        try:
+            x, topk_idx, m, recv_stats, wait_stats, s = self._check_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        except REFUSABLE as exc:
+            self._refuse("low_latency_dispatch", exc)
+        self._calls += 1
+        out = self.transport.dispatch(DispatchRequest(x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, s))
+
+        def receive() -> None:
+            waited = out.finish()
+            out.handle.received = True
+            if recv_stats is not None:
+                recv_stats.add_(out.recv_count)
+            if wait_stats is not None:
+                wait_stats.add_(waited)
+        hook = self._deferred(receive, s, f"low_latency_dispatch call #{self._calls}", return_recv_hook)
+        recv_x = out.recv_x if out.recv_scales is None else (out.recv_x, out.recv_scales)
+        return recv_x, out.recv_count, out.handle, self._event(async_finish), hook
+
+    def _check_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
+                        recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, use_fp8: bool,
+                        round_scale: bool, use_ue8m0: bool, async_finish: bool, return_recv_hook: bool) -> tuple:
+        """A dispatch's arguments validated, and the buffer set it takes: ``(x, topk_idx, m, recv_stats,
+        wait_stats, set)``."""
         x = self._check("x", x, (torch.bfloat16,), (None, None)).contiguous()
         n, hidden = x.shape
-        m = num_max_dispatch_tokens_per_rank
         self._check_shapes(m, hidden, num_experts)
         self._check_layout("x", m, hidden, num_experts)
         if n > m:
@@ -192,29 +217,36 @@ class LowLatencyMode:
             raise ValueError(f"x: packed UE8M0 scales need the hidden size to be a multiple of {UE8M0_PACK}, "
                              f"got {hidden}")
         num_local = num_experts // self.num_ranks
-        recv_stats = self._check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                       torch.int32, num_local)
-        wait_stats = self._check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64,
-                                       self.num_ranks)
+        recv_stats = self._check_stats("cumulative_local_expert_recv_stats", recv_stats, torch.int32, num_local)
+        wait_stats = self._check_stats("dispatch_wait_recv_cost_stats", wait_stats, torch.int64, self.num_ranks)
         self._check_hook_mode(async_finish, return_recv_hook)
-        s = self.sets.take("low_latency_dispatch")
-        self._calls += 1
-        out = self.transport.dispatch(DispatchRequest(x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, s))
-
-        def receive() -> None:
-            waited = out.finish()
-            out.handle.received = True
-            if recv_stats is not None:
-                recv_stats.add_(out.recv_count)
-            if wait_stats is not None:
-                wait_stats.add_(waited)
-        hook = self._deferred(receive, s, f"low_latency_dispatch call #{self._calls}", return_recv_hook)
-        recv_x = out.recv_x if out.recv_scales is None else (out.recv_x, out.recv_scales)
-        return recv_x, out.recv_count, out.handle, self._event(async_finish), hook
+        return x, topk_idx, m, recv_stats, wait_stats, self.sets.take("low_latency_dispatch")
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: object,
                 use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
                 out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor]) -> tuple:
+        try:
+            x, topk_idx, topk_weights, handle, out, wait_stats, s = self._check_combine(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                combine_wait_recv_cost_stats)
+        except REFUSABLE as exc:
+            self._refuse("low_latency_combine", exc)
+        self._calls += 1
+        finish = self.transport.combine(x if zero_copy else x.contiguous(), topk_idx, topk_weights, handle, zero_copy,
+                                        out, s)
+
+        def receive() -> None:
+            waited = finish()
+            if wait_stats is not None:
+                wait_stats.add_(waited)
+        hook = self._deferred(receive, s, f"low_latency_combine call #{self._calls}", return_recv_hook)
+        return out, self._event(async_finish), hook
+
+    def _check_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: object,
+                       use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
+                       out: torch.Tensor | None, wait_stats: torch.Tensor | None) -> tuple:
+        """A combine's arguments validated, ``out`` allocated, and the buffer set it takes: ``(x, topk_idx,
+        topk_weights, handle, out, wait_stats, set)``."""
         handle = self._check_handle(handle)
         self._check_layout("handle", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if use_logfmt:
@@ -229,24 +261,14 @@ class LowLatencyMode:
             out = self._check("out", out, (torch.bfloat16,), (handle.num_tokens, hidden))
             if not out.is_contiguous():
                 raise ValueError("out: expected a contiguous tensor (the result is written in place)")
-        wait_stats = self._check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64,
-                                       self.num_ranks)
+        wait_stats = self._check_stats("combine_wait_recv_cost_stats", wait_stats, torch.int64, self.num_ranks)
         self._check_hook_mode(async_finish, return_recv_hook)
         if not handle.received:
             raise RuntimeError("handle: its dispatch's data has not arrived (run the dispatch's receive hook first)")
         if out is None:
             out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=self.device)
         s = self.sets.take("low_latency_combine", zero_copy_of=handle if zero_copy else None)
-        self._calls += 1
-        finish = self.transport.combine(x if zero_copy else x.contiguous(), topk_idx, topk_weights, handle, zero_copy,
-                                        out, s)
-
-        def receive() -> None:
-            waited = finish()
-            if wait_stats is not None:
-                wait_stats.add_(waited)
-        hook = self._deferred(receive, s, f"low_latency_combine call #{self._calls}", return_recv_hook)
-        return out, self._event(async_finish), hook
+        return x, topk_idx, topk_weights, handle, out, wait_stats, s
 
     def combine_buffer(self, handle: object) -> torch.Tensor:
         """``[L, R*M, H]`` BF16: where a zero-copy combine of ``handle`` reads the expert outputs from."""
@@ -254,11 +276,24 @@ class LowLatencyMode:
         return self.transport.combine_buffer(handle, self.sets.hand_out_zero_copy(handle))
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        positive_int(hidden, "hidden")
-        self._check_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        try:
+            positive_int(hidden, "hidden")
+            self._check_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        except REFUSABLE as exc:
+            self._refuse("clean_low_latency_buffer", exc)
         self.transport.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.sets.clean()
         self._layout = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def _refuse(self, call: str, exc: Exception) -> NoReturn:
+        """Raise ``exc``, this rank's bad input to ``call``, on every rank alike: through the transport's header
+        exchange (the peers are in the same call and would otherwise wait for this rank until they time out). A
+        transport without one (the kernels') raises it here only; the peers' kernels then time out naming this
+        rank."""
+        refuse = getattr(self.transport, "refuse", None)
+        if refuse is not None:
+            refuse(call, exc)
+        raise exc
 
     def _check_handle(self, handle: object) -> LowLatencyHandle:
         if not isinstance(handle, LowLatencyHandle):

@@ -46,6 +46,9 @@ class PluginOptions:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
         if self.ranks_per_node is not None:
             positive_int(self.ranks_per_node, "ranks_per_node")
+        if self.ranks_per_node is not None and self.transport in ("torch", "nvlink"):
+            raise ValueError(f"ranks_per_node: only for transport 'hierarchical' or 'auto' (transport "
+                             f"{self.transport!r} has no node layout)")
 
     @classmethod
     def from_dict(cls, values: Any, section: str) -> "PluginOptions":

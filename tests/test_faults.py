@@ -129,6 +129,45 @@ def test_layouts_that_contradict_topk_raise_on_every_rank(world: int) -> None:
     spawn(_contradicting_layouts, world, backend="gloo", timeout_s=120)
 
 
+def _negative_counts_then_destroy(buffer: Buffer) -> None:
+    """A negative ``num_tokens_per_rank`` on rank 1: every rank raises naming the argument and that rank (before:
+    an ``index -13 is out of bounds`` RuntimeError on the rank computing its send order). Then ``buffer`` is
+    destroyed and refuses every call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(31 + rank)
+    x = torch.randn(6, 16, generator=gen)
+    idx = routing("random", 6, 2, 2 * world, gen)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 2 * world)
+    for column in range(world):
+        counts = per_rank.clone()
+        if rank == 1:
+            counts[column] = -13
+        _raises_everywhere(lambda c=counts: buffer.dispatch(x, num_tokens_per_rank=c, is_token_in_rank=in_rank,
+                                                            num_tokens_per_expert=per_expert, topk_idx=idx),
+                           r"num_tokens_per_rank: counts must be >= 0; rank\(s\) \[1\] passed negative ones")
+    if buffer.transport_name == "torch":
+        _healthy(buffer, 3)
+    buffer.destroy()
+    assert buffer.destroyed
+    calls = [lambda: buffer.dispatch(x, topk_idx=idx, num_experts=2 * world),
+             lambda: buffer.get_dispatch_layout(idx, 2 * world),
+             lambda: buffer.dispatch_experts(x, idx, None, 2 * world),
+             lambda: buffer.low_latency_dispatch(x.bfloat16(), idx, 8, 2 * world)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"Buffer: used after destroy\(\)"):
+            call()
+
+
+def _negative_counts_on_both_transports() -> None:
+    _negative_counts_then_destroy(Buffer(transport="torch", timeout_s=TIMEOUT_S))
+    _negative_counts_then_destroy(Buffer(transport="hierarchical", ranks_per_node=1, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_negative_counts_and_a_destroyed_buffer(world: int) -> None:
+    spawn(_negative_counts_on_both_transports, world, backend="gloo", timeout_s=120)
+
+
 def _constructor_arguments() -> None:
     for bad in ("10", True, None.__class__):
         with pytest.raises(TypeError, match="timeout_s: expected a number of seconds"):

@@ -4,6 +4,7 @@ stated two-level sum (per node in fp32, rounded to the rows' dtype, then over no
 the rail group equal the analytic count and never exceed what the flat torch transport sends."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -342,18 +343,22 @@ def test_hierarchical_chunks_match_unchunked(world: int, layouts: tuple[int, ...
     spawn(_chunk_suite, world, args=(int(time.time()) % 1000, layouts), backend="gloo", timeout_s=600)
 
 
-@pytest.mark.parametrize("chunks", [0, -1, 1.5, True, None])
-def test_hierarchical_chunks_validated(chunks) -> None:
-    with pytest.raises(ValueError, match="Config.hierarchical_chunks"):
+@pytest.mark.parametrize("chunks, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                           (None, TypeError)])
+def test_hierarchical_chunks_validated(chunks, error: type) -> None:
+    with pytest.raises(error, match="Config.hierarchical_chunks"):
         Config(hierarchical_chunks=chunks)
 
 
 def _timeout() -> None:
+    side = dist.new_group()  # where the absent rank waits until the others timed out (it must not leave earlier)
     buffer = Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=3)
     if dist.get_rank() == 3:
-        return  # never joins the dispatch
+        dist.barrier(group=side)  # never joins the dispatch
+        return
     with pytest.raises(TimeoutError, match=r"hierarchical\] rank \d/4.*count exchange over the whole EP group"):
         buffer.dispatch(torch.ones(2, 128), topk_idx=torch.zeros(2, 1, dtype=torch.int64), num_experts=4)
+    dist.barrier(group=side)
 
 
 def test_stalled_rank_times_out() -> None:
@@ -369,3 +374,36 @@ def _bad_ranks_per_node() -> None:
 
 def test_ranks_per_node_validated() -> None:
     spawn(_bad_ranks_per_node, 3, backend="gloo")
+
+
+def _disagreeing_layouts() -> None:
+    """Ranks that disagree on the node layout raise the same error on every rank, at once (no subgroup is made:
+    before, they hung in ``new_group``), and a Buffer made afterwards works."""
+    rank = dist.get_rank()
+    every = r"rank\(s\) \[3\] differ from rank 0 \(rank 0 ranks_per_node=2, rank 1 ranks_per_node=2, rank 2 " \
+            r"ranks_per_node=2, rank 3 "
+    cases = [
+        (dict(ranks_per_node=4 if rank == 3 else 2), every + r"ranks_per_node=4\)"),
+        (dict(ranks_per_node=0 if rank == 3 else 2), every + r"ranks_per_node=invalid\)"),
+        (dict(ranks_per_node=None if rank == 3 else 2), every + r"LOCAL_WORLD_SIZE=4\)"),
+        # nodes started with different --nproc-per-node: torchrun's LOCAL_WORLD_SIZE differs
+        (dict(local_world="1" if rank == 3 else "2"), r"rank 2 LOCAL_WORLD_SIZE=2, rank 3 LOCAL_WORLD_SIZE=1\)"),
+    ]
+    for kwargs, needle in cases:
+        saved = os.environ["LOCAL_WORLD_SIZE"]
+        os.environ["LOCAL_WORLD_SIZE"] = kwargs.pop("local_world", saved)
+        start = time.monotonic()
+        try:
+            with pytest.raises(ValueError, match="ranks_per_node: the ranks disagree on the node layout: .*" + needle):
+                Buffer(transport="hierarchical", timeout_s=60, **kwargs)
+        finally:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+        assert time.monotonic() - start < 30  # at the exchange, not by a timeout
+    for transport in ("torch", "nvlink"):  # one-host transports have no node layout: refused, not ignored
+        with pytest.raises(ValueError, match=f"ranks_per_node: only the 'hierarchical' transport .*{transport}"):
+            Buffer(transport=transport, ranks_per_node=2)
+    _errors(Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=60))
+
+
+def test_disagreeing_node_layouts_raise_on_every_rank() -> None:
+    spawn(_disagreeing_layouts, 4, backend="gloo", timeout_s=120)

@@ -265,16 +265,59 @@ def _errors() -> None:
     assert torch.equal(combined, _expected_combine(y_all, rows_all, idx, w, rank, world, num_experts))
 
 
+def _one_rank_bad_input() -> None:
+    """Bad input on the last rank only: every rank raises its cause, naming the rank, at once (before, the peers
+    waited for the refusing rank until they timed out, never told why); then a good call works."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    odd, num_experts = rank == world - 1, 2 * world
+    buffer = _buffer(num_experts, timeout_s=60)
+    gen = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(4, H, generator=gen).bfloat16()
+    idx = _routing(4, 2, num_experts, gen)
+    last = rf"rank\(s\) \[{world - 1}\] refused the call \(rank {world - 1}: "
+    long_x, long_idx = torch.zeros(M + 1, H).bfloat16(), torch.zeros(M + 1, 2, dtype=torch.int64)
+    cases = [
+        (ValueError, lambda: buffer.low_latency_dispatch(long_x if odd else x, long_idx if odd else idx, M,
+                                                         num_experts),
+         rf"low_latency_dispatch: {last}x: {M + 1} tokens exceed num_max_dispatch_tokens_per_rank={M}\)"),
+        (TypeError, lambda: buffer.low_latency_dispatch(x.half() if odd else x, idx, M, num_experts),
+         rf"low_latency_dispatch: {last}x: expected dtype in \['torch.bfloat16'\], got torch.float16\)"),
+        (ValueError, lambda: buffer.clean_low_latency_buffer(M, H, 0 if odd else num_experts),
+         rf"clean_low_latency_buffer: {last}num_experts: expected a positive int, got 0\)"),
+    ]
+    for error, call, needle in cases:
+        start = time.monotonic()
+        with pytest.raises(error, match=needle + "; every rank raises, nothing was sent"):
+            call()
+        assert time.monotonic() - start < 30  # at the header exchange, not by a timeout
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, num_experts, use_fp8=False)
+    with pytest.raises(TypeError, match=rf"low_latency_combine: {last}topk_weights: expected dtype"):
+        buffer.low_latency_combine(recv_x, idx, torch.rand(4, 2).double() if odd else torch.rand(4, 2), handle)
+    xs, idxs = zip(*gather_all((x, idx)))
+    rows = _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, False, False, False)
+    y_all, rows_all = zip(*gather_all((recv_x, rows)))
+    w = torch.rand(4, 2, generator=gen)
+    combined, _, _ = buffer.low_latency_combine(recv_x, idx, w, handle)
+    assert torch.equal(combined, _expected_combine(y_all, rows_all, idx, w, rank, world, num_experts))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_on_one_rank_raises_on_every_rank(world: int) -> None:
+    spawn(_one_rank_bad_input, world, backend="gloo")
+
+
 def _absent_peer(timeout_s: float) -> None:
+    side = dist.new_group()  # where the absent rank waits until the others timed out (it must not leave earlier)
     buffer = _buffer(4, timeout_s=timeout_s)
     if dist.get_rank() == 1:
-        time.sleep(timeout_s + 4)  # never joins the dispatch
+        dist.barrier(group=side)  # never joins the dispatch
         return
     x = torch.randn(2, H).bfloat16()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not complete within"):
         buffer.low_latency_dispatch(x, torch.tensor([[0], [3]]), M, 4)
-    assert time.monotonic() - start < timeout_s + 3
+    assert time.monotonic() - start < timeout_s + 20  # at the timeout, not later (with room for a loaded machine)
+    dist.barrier(group=side)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -87,6 +87,8 @@ def test_config_validation_after_install() -> None:
     ({"num_sms": 7}, ValueError, "num_sms"),
     ({"num_sms": True}, TypeError, "num_sms"),
     ({"timeout_s": 0}, ValueError, "timeout_s"),
+    ({"transport": "torch", "ranks_per_node": 2}, ValueError, "ranks_per_node: only for transport 'hierarchical'"),
+    ({"transport": "nvlink", "ranks_per_node": 1}, ValueError, "ranks_per_node: only for transport 'hierarchical'"),
 ])
 def test_plugin_options_are_validated(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -47,13 +47,18 @@ def _nvlink_on_every_node(group: dist.ProcessGroup, split: NodeSplit, device: to
 
 
 def resolve_transport(requested: str, group: dist.ProcessGroup, device: torch.device,
-                      ranks_per_node: Optional[int] = None) -> tuple[str, Optional[NodeSplit]]:
+                      ranks_per_node: Optional[int], timeout_s: float) -> tuple[str, Optional[NodeSplit]]:
     """``requested`` (or ``$MOE_EP_TRANSPORT`` when it is ``auto``) → a concrete transport name, plus the node
     split for ``hierarchical``. ``ranks_per_node`` emulates nodes (else torchrun's ``LOCAL_WORLD_SIZE`` or the
-    hostnames). Collective over ``group``."""
+    hostnames); the one-host transports, asked for by name, refuse it. Collective over ``group`` (the node layout
+    is agreed within ``timeout_s``)."""
     name = os.environ.get(ENV_VAR, requested) if requested == "auto" else requested
     if name not in TRANSPORTS + ("auto",):
         raise ValueError(f"transport must be one of {('auto',) + TRANSPORTS}, got {name!r}")
+    if ranks_per_node is not None and requested in ("torch", "nvlink"):
+        raise ValueError(f"ranks_per_node: only the 'hierarchical' transport (or 'auto', which may pick it) splits "
+                         f"the group into nodes; transport={requested!r} sends every row directly and has no node "
+                         f"layout: drop ranks_per_node or ask for transport='hierarchical'")
     if dist.get_world_size(group) == 1:
         return "local", None
     if name == "local":
@@ -65,12 +70,12 @@ def resolve_transport(requested: str, group: dist.ProcessGroup, device: torch.de
         return name, None
     if name == "torch":
         return name, None
-    nodes = node_ids(group, ranks_per_node)
+    nodes = node_ids(group, ranks_per_node, device, timeout_s)
     if name == "hierarchical":
-        return name, split_by_node(group, nodes)
+        return name, split_by_node(group, nodes, timeout_s)
     if len(set(nodes)) > 1:
         if device.type == "cuda":
-            split = split_by_node(group, nodes)
+            split = split_by_node(group, nodes, timeout_s)
             if _nvlink_on_every_node(group, split, device):
                 return "hierarchical", split
         return "torch", None

@@ -119,16 +119,18 @@ def layout_error(ranks: list[int]) -> ValueError:
 
 
 def layout_contradiction(args: DispatchArgs) -> torch.Tensor:
-    """``[1]`` int64: 1 when the caller's layout contradicts itself or the top-k (checked only for a layout the
-    caller passed; on the device, no host sync)."""
+    """``[1]`` int64: 2 when the caller's ``num_tokens_per_rank`` holds negative counts, else 1 when the caller's
+    layout contradicts itself or the top-k, else 0 (checked only for a layout the caller passed; on the device, no
+    host sync)."""
     if not args.layout_given:
         return torch.zeros(1, dtype=torch.int64, device=args.x.device)
     in_rank = args.is_token_in_rank
-    bad = (args.num_tokens_per_rank.to(torch.int64) != in_rank.sum(0)).any()
+    per_rank = args.num_tokens_per_rank.to(torch.int64)
+    bad = (per_rank != in_rank.sum(0)).any()
     if args.topk_idx is not None:
         derived = dispatch_layout(args.topk_idx, args.num_experts, in_rank.shape[1])[2]
         bad = bad | (derived != in_rank).any()
-    return bad.to(torch.int64).reshape(1)
+    return torch.where((per_rank < 0).any(), 2, bad.to(torch.int64)).reshape(1)
 
 
 def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -138,6 +140,39 @@ def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
     out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
     out[:t.shape[0]] = t
     return out
+# A call one rank refuses (bad input on that rank only) must not leave its peers waiting for it: the refusing rank
+# joins the call's first exchange with the error's class and then its message, so every rank raises the cause.
+REFUSABLE = (ValueError, TypeError, RuntimeError)
+REFUSAL_WORDS = 64  # int64 words of a refusal's message (512 UTF-8 bytes, cut beyond)
+
+
+def refusal_code(exc: BaseException | None) -> int:
+    """0 without ``exc``, else 1 + the index of its class in ``REFUSABLE``."""
+    return 0 if exc is None else 1 + next(i for i, cls in enumerate(REFUSABLE) if isinstance(exc, cls))
+
+
+def refusal_words(exc: BaseException | None, device: torch.device) -> torch.Tensor:
+    """``[REFUSAL_WORDS]`` int64 holding ``str(exc)`` (zeros without ``exc``)."""
+    raw = bytearray(8 * REFUSAL_WORDS)
+    text = b"" if exc is None else str(exc).encode()[:len(raw)]
+    raw[:len(text)] = text
+    return torch.frombuffer(raw, dtype=torch.int64).to(device)
+
+
+def refusal_error(what: str, codes: list[int], words: list[list[int]]) -> Exception:
+    """The error every rank raises when the ranks with a non-zero ``codes[r]`` refused ``what``; ``words[r]``:
+    their ``refusal_words``. Of the first refusing rank's class."""
+    ranks = [r for r, code in enumerate(codes) if code]
+    causes = "; ".join(f"rank {r}: " + torch.tensor(words[r], dtype=torch.int64).numpy().tobytes().rstrip(b"\0")
+                       .decode(errors="replace") for r in ranks)
+    return REFUSABLE[codes[ranks[0]] - 1](f"{what}: rank(s) {ranks} refused the call ({causes}); every rank raises, "
+                                          "nothing was sent")
+
+
+def negative_counts_error(ranks: list[int]) -> ValueError:
+    """The error every rank raises when the ``num_tokens_per_rank`` of ``ranks`` hold negative counts."""
+    return ValueError(f"num_tokens_per_rank: counts must be >= 0; rank(s) {ranks} passed negative ones (pass "
+                      "get_dispatch_layout's outputs); every rank raises before any row moves")
 
 
 def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:

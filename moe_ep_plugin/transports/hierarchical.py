@@ -31,6 +31,7 @@ partials over nodes (ascending) in fp32, adds the biases and rounds once:
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -44,28 +45,55 @@ from ..config import Config
 from ..handle import DispatchHandle
 from ..ops import fp8
 from ..ops.layout import count_invalid, invalid_ids_error, send_positions
-from .base import DispatchArgs, DispatchResult, Transport
-from .torch_transport import _all_gather_single
+from .base import DispatchArgs, DispatchResult, Transport, negative_counts_error
+from .torch_transport import TorchTransport, _all_gather_single
 
 
-def node_ids(group: dist.ProcessGroup, ranks_per_node: Optional[int]) -> list[int]:
+# Where a rank's node layout comes from: the word each rank sends in the layout exchange (its value beside it).
+_LAYOUT_SOURCES = ("ranks_per_node", "LOCAL_WORLD_SIZE", "hostname")
+
+
+def node_ids(group: dist.ProcessGroup, ranks_per_node: Optional[int], device: torch.device,
+             timeout_s: float) -> list[int]:
     """The node of every rank of ``group`` (group rank order): ``ranks_per_node`` when given (emulated nodes),
-    else torchrun's ``LOCAL_WORLD_SIZE`` (global ranks are node-contiguous under torchrun), else the hostnames
-    gathered over ``group`` (collective). Every rank of ``group`` must call it with the same arguments."""
+    else torchrun's ``LOCAL_WORLD_SIZE`` (global ranks are node-contiguous under torchrun), else the hostnames.
+
+    Collective over ``group``, waiting at most ``timeout_s``: every rank's source and value (and hostname) are
+    exchanged first, so ranks that disagree (one given another ``ranks_per_node``, nodes started with different
+    ``--nproc-per-node``) and a bad ``ranks_per_node`` on some ranks raise the same ValueError on every rank,
+    before any subgroup is made."""
     num_ranks = dist.get_world_size(group)
-    if ranks_per_node is not None:
-        if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node <= 0:
-            raise ValueError(f"ranks_per_node: expected a positive int, got {ranks_per_node!r}")
-        if num_ranks % ranks_per_node:
-            raise ValueError(f"ranks_per_node: {ranks_per_node} does not divide the {num_ranks} EP ranks")
-        return [r // ranks_per_node for r in range(num_ranks)]
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    if local_world is not None:
-        return [g // int(local_world) for g in dist.get_process_group_ranks(group)]
-    hosts: list[Optional[str]] = [None] * num_ranks
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    first: dict[str, int] = {}
-    return [first.setdefault(h, len(first)) for h in hosts]
+    source, value, error = (0, ranks_per_node, None) if ranks_per_node is not None else \
+        (1, local_world, None) if local_world is not None else (2, 0, None)
+    if source == 0 and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        error = f"ranks_per_node: expected a positive int, got {value!r}"
+    elif source == 0 and num_ranks % value:
+        error = f"ranks_per_node: {value} does not divide the {num_ranks} EP ranks"
+    elif source == 1:
+        value = int(value) if value.isdigit() and int(value) > 0 else value
+        if not isinstance(value, int):
+            error = f"$LOCAL_WORLD_SIZE: expected a positive int, got {value!r}"
+    host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
+    word = [source, value if error is None else -1, host]
+    exchange = TorchTransport(group, device if dist.get_backend(group) == "nccl" else torch.device("cpu"), timeout_s)
+    rows = exchange._start_count_exchange(torch.tensor(word, dtype=torch.int64, device=exchange.device),
+                                          "node layout exchange")[1]().tolist()
+    differ = [r for r, row in enumerate(rows) if row[:2] != rows[0][:2]]
+    if differ:
+        shown = ", ".join(f"rank {r} " + ("hostnames" if src == 2 else f"{_LAYOUT_SOURCES[src]}="
+                                                                           f"{v if v >= 0 else 'invalid'}")
+                          for r, (src, v, _) in enumerate(rows))
+        raise ValueError(f"ranks_per_node: the ranks disagree on the node layout: rank(s) {differ} differ from rank 0 "
+                         f"({shown}); every rank raises before any subgroup is made")
+    if error is not None:
+        raise ValueError(error)
+    if source == 2:
+        first: dict[int, int] = {}
+        return [first.setdefault(h, len(first)) for _, _, h in rows]
+    if source == 0:
+        return [r // value for r in range(num_ranks)]
+    return [g // value for g in dist.get_process_group_ranks(group)]
 
 
 def ranks_per_node_of(nodes: list[int]) -> int:
@@ -93,16 +121,17 @@ class NodeSplit:
     rail_group: dist.ProcessGroup
 
 
-def split_by_node(group: dist.ProcessGroup, nodes: list[int]) -> NodeSplit:
-    """Create the two subgroups from per-rank node ids (:func:`node_ids`). Every rank creates its node group,
+def split_by_node(group: dist.ProcessGroup, nodes: list[int], timeout_s: float) -> NodeSplit:
+    """Create the two subgroups from per-rank node ids (:func:`node_ids`, agreed). Every rank creates its node group,
     then its rail group, and only members synchronise: EP groups that are subgroups of a larger world
     (Megatron's) need no world-wide order, and node groups are disjoint, so the creation cannot deadlock."""
     per_node = ranks_per_node_of(nodes)
     rank, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
     node, local = divmod(rank, per_node)
     node_ranks, rail_ranks = ranks[node * per_node:(node + 1) * per_node], ranks[local::per_node]
-    node_group = dist.new_group(node_ranks, use_local_synchronization=True)
-    rail_group = dist.new_group(rail_ranks, use_local_synchronization=True)
+    timeout = timedelta(seconds=timeout_s)  # a member that never arrives is an error after timeout_s, not a hang
+    node_group = dist.new_group(node_ranks, timeout=timeout, use_local_synchronization=True)
+    rail_group = dist.new_group(rail_ranks, timeout=timeout, use_local_synchronization=True)
     return NodeSplit(per_node, len(ranks) // per_node, node, local, node_ranks, rail_ranks, node_group, rail_group)
 
 
@@ -197,6 +226,9 @@ class HierarchicalTransport(Transport):
         if nccl:
             gathered = on_device.cpu()
         r = self.num_ranks
+        negative = (gathered[:, :r] < 0).any(1).tolist()
+        if any(negative):
+            raise negative_counts_error([i for i, b in enumerate(negative) if b])
         bad = gathered[:, r].tolist()
         if any(bad):
             raise invalid_ids_error([i for i, b in enumerate(bad) if b], args.num_experts)

@@ -37,6 +37,7 @@ from .base import (
     ExpertDispatchResult,
     Transport,
     layout_contradiction,
+    negative_counts_error,
     layout_error,
     padded,
     slot_weights,
@@ -114,6 +115,8 @@ class LocalTransport(Transport):
         values = words.tolist()
         if values[1]:
             raise invalid_ids_error([0], args.num_experts)
+        if values[2] == 2:
+            raise negative_counts_error([0])
         if values[2]:
             raise layout_error([0])
         return values[0], values[3:]
@@ -181,6 +184,9 @@ class LocalLowLatency(TorchLowLatency):
     except while a graph is captured; packed UE8M0 scales read the host)."""
 
     name = "local"
+
+    def refuse(self, call: str, exc: Exception) -> None:
+        """No peer waits on a one-rank group: the caller raises ``exc`` itself."""
 
     def _check_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:
         if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -1,8 +1,9 @@
 """Low-latency dispatch/combine as plain collectives (gloo on CPU, NCCL on GPU): the reference form of
 DeepEP's fixed per-expert buffers, serving the same API and outputs as the kernels.
 
-Each call first all-gathers a small header (shapes, options, which call, out-of-range id count), so ranks
-that disagree or pass bad expert ids raise the same ``ValueError`` on every rank before any row moves. The rows
+Each call first all-gathers a small header (shapes, options, which call, out-of-range id count, whether this rank
+refused the call), so ranks that disagree, pass bad expert ids or refuse their input raise the same error on every
+rank before any row moves. The rows
 then travel in one fixed-shape ``all_to_all_single``, laid out as the kernels' buffers are: a slot per
 (destination rank, local expert, source token) ``[R, L, M, ...]``. A dispatch slot holds a presence word, then
 the BF16 row or the FP8 row and its float32 scales; a combine slot holds the expert's BF16 output row for that
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from ..ops import fp8
 from ..ops.layout import count_invalid, invalid_ids_error
+from .base import refusal_code, refusal_error, refusal_words
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle, elapsed_ns
 from .torch_transport import TorchTransport
 
@@ -52,16 +54,21 @@ class TorchLowLatency:
 
     # ---- agreement ----
     def _agree(self, call: int, m: int, hidden: int, num_experts: int, flags: tuple[bool, bool, bool],
-               topk_idx: torch.Tensor | None) -> None:
-        """All-gather the header; raise the same ``ValueError`` on every rank if ranks differ in the call or its
-        shapes, or any rank passed expert ids outside ``[-1, num_experts)``."""
+               topk_idx: torch.Tensor | None, refusal: Exception | None = None) -> None:
+        """All-gather the header; raise the same error on every rank if a rank refused the call (``refusal``: its
+        bad input; the messages follow in a second exchange), ranks differ in the call or its shapes, or any rank
+        passed expert ids outside ``[-1, num_experts)``."""
         bad = count_invalid(topk_idx, num_experts).to(torch.int64) if topk_idx is not None else \
             torch.zeros(1, dtype=torch.int64, device=self.device)
-        header = torch.cat([torch.tensor([call, m, hidden, num_experts, *flags], dtype=torch.int64,
-                                         device=self.device), bad])
+        header = torch.cat([torch.tensor([call, m, hidden, num_experts, *flags, refusal_code(refusal)],
+                                         dtype=torch.int64, device=self.device), bad])
         _, read = self.base._start_count_exchange(header)
         table = read().tolist()
         what = _CALLS[call]
+        codes = [row[len(_FIELDS)] for row in table]
+        if any(codes):
+            words = self.base._start_count_exchange(refusal_words(refusal, self.device), f"{what} refusal exchange")
+            raise refusal_error(what, codes, words[1]().tolist())
         for i, name in enumerate(_FIELDS):
             values = [row[i] for row in table]
             if len(set(values)) > 1:
@@ -73,6 +80,11 @@ class TorchLowLatency:
         bad_ranks = [r for r, row in enumerate(table) if row[-1]]
         if bad_ranks:
             raise invalid_ids_error(bad_ranks, num_experts)
+
+    def refuse(self, call: str, exc: Exception) -> None:
+        """This rank refuses ``call`` (``exc``: its bad input): join the call's header exchange so that every rank
+        raises the cause, naming this rank."""
+        self._agree(next(c for c, name in _CALLS.items() if name == call), 0, 0, 0, (False, False, False), None, exc)
 
     def _exchange(self, send: torch.Tensor, what: str) -> Callable[[], tuple[torch.Tensor, int]]:
         """Start the fixed-shape all-to-all of ``send`` ``[R, ...]`` (block ``r`` to rank ``r``); the returned function

@@ -34,6 +34,7 @@ from .base import (
     layout_contradiction,
     layout_error,
     meta_mismatch,
+    negative_counts_error,
     padded,
 )
 
@@ -90,12 +91,12 @@ class TorchTransport(Transport):
             return work.wait
         return lambda: self._wait(work, what)
 
-    def _start_count_exchange(self, local: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    def _start_count_exchange(self, local: torch.Tensor, what: str = "dispatch count exchange"
+                              ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """All-gather every rank's ``local`` ``[C]`` int64 counts → ``([R, C]`` on the device, valid in stream
         order; a function that waits at most ``timeout_s`` and returns the matrix on the host``)``. Work queued
-        between the two overlaps the exchange."""
+        between the two overlaps the exchange; ``what`` names it in the timeout error."""
         gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64, device=self.device)
-        what = "dispatch count exchange"
         if self.device.type != "cuda":
             work = _all_gather_single(gathered.view(-1), local, group=self.group, async_op=True)
 
@@ -154,7 +155,9 @@ class TorchTransport(Transport):
 
         # Send order and combine gather map from device data only, overlapping the exchange.
         send_pos = send_positions(in_rank)
-        row = send_pos.to(torch.int64) + (per_rank.cumsum(0) - per_rank)  # [N, R]: place in send order if sent
+        # negative counts (refused at the exchange) must not make negative indices before it
+        offsets = per_rank.clamp_min(0)
+        row = send_pos.to(torch.int64) + (offsets.cumsum(0) - offsets)  # [N, R]: place in send order if sent
         combine_slot = torch.where(in_rank, row, -1).to(torch.int32)
         order = torch.empty(n * num_ranks + 1, dtype=torch.int64, device=in_rank.device)
         tokens = torch.arange(n, dtype=torch.int64, device=in_rank.device).unsqueeze(1).expand(n, num_ranks)
@@ -195,6 +198,9 @@ class TorchTransport(Transport):
         bad = [i for i, row in enumerate(rows) if row[r]]
         if bad:
             raise invalid_ids_error(bad, num_experts)
+        bad = [i for i, row in enumerate(rows) if row[r + 1] == 2]
+        if bad:
+            raise negative_counts_error(bad)
         bad = [i for i, row in enumerate(rows) if row[r + 1]]
         if bad:
             raise layout_error(bad)

@@ -120,8 +120,9 @@ class Decoder:
 def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool
            ) -> tuple[float, float]:
     """Feed a random prompt, decode ``new_tokens`` greedily, compare with the normal-mode forward; returns
-    ``(MoE block difference, logit difference)``, each relative to the largest value (raises above
-    ``BLOCK_TOLERANCE``, and above ``LOGIT_TOLERANCE`` where it has an entry)."""
+    ``(MoE block difference, logit difference)``, each relative to the largest value. Rank 0 prints every rank's
+    row and a PASS/FAIL line; every rank raises when any rank is above ``BLOCK_TOLERANCE``, or above
+    ``LOGIT_TOLERANCE`` where it has an entry."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = trainer.resolve_device(cfg)
     dtype = trainer.resolve_dtype(cfg, device)
@@ -175,19 +176,39 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
     with torch.no_grad():
         reference, _ = model(ids[:, :-1])  # normal mode (dispatch_experts) on the same Buffer
     logits = float((got - reference).abs().max() / reference.abs().max())
+    wire = cfg.parallel.fp8_dispatch
+    # Every rank's row on rank 0, which prints one table in rank order and the verdict; every rank raises alike.
+    mine = torch.tensor([block, logits, replay], dtype=torch.float64,
+                        device=device if dist.get_backend() == "nccl" else "cpu")
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    failures = [f for r, row in enumerate(rows) for f in _failures(r, *row.tolist(), dtype, wire, graph is not None)]
     if rank == 0:
         print(f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'MoE block':>9} {'logits':>8} "
               f"{'replay-eager':>12}")
-    print(f"{rank:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph is not None):>5} {block:>9.2e} "
-          f"{logits:>8.2e} {replay:>12.2e}")
-    wire = cfg.parallel.fp8_dispatch
-    if block > BLOCK_TOLERANCE[dtype, wire]:
-        raise AssertionError(f"rank {rank}: a low-latency MoE block differs from its normal-mode forward by "
-                             f"{block:.2e} of its largest output (tolerance {BLOCK_TOLERANCE[dtype, wire]})")
-    if graph is not None and replay != 0.0:  # the same kernels on the same inputs: bit for bit (H200: 0 in 4 runs)
-        raise AssertionError(f"rank {rank}: the CUDA-graph replay's logits differ from the eager steps' "
-                             f"by {replay:.2e}")
-    if (dtype, wire) in LOGIT_TOLERANCE and logits > LOGIT_TOLERANCE[dtype, wire]:
-        raise AssertionError(f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} "
-                             f"of the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})")
+        for r, row in enumerate(rows):
+            b, lg, rp = row.tolist()
+            print(f"{r:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph is not None):>5} {b:>9.2e} "
+                  f"{lg:>8.2e} {rp:>12.2e}")
+        print("FAIL: " + "; ".join(failures) if failures else
+              f"PASS: {world} ranks, every MoE block within {BLOCK_TOLERANCE[dtype, wire]:g} of its normal-mode "
+              "forward" + (f", logits within {LOGIT_TOLERANCE[dtype, wire]:g}" if (dtype, wire) in LOGIT_TOLERANCE
+                           else ""), flush=True)
+    if failures:
+        raise AssertionError("; ".join(failures))
     return block, logits
+
+
+def _failures(rank: int, block: float, logits: float, replay: float, dtype: torch.dtype, wire: bool,
+              graph: bool) -> list[str]:
+    """Why ``rank``'s decode fails its checks (empty when it passes)."""
+    failures = []
+    if block > BLOCK_TOLERANCE[dtype, wire]:
+        failures.append(f"rank {rank}: a low-latency MoE block differs from its normal-mode forward by {block:.2e} of "
+                        f"its largest output (tolerance {BLOCK_TOLERANCE[dtype, wire]})")
+    if graph and replay != 0.0:  # the same kernels on the same inputs: bit for bit
+        failures.append(f"rank {rank}: the CUDA-graph replay's logits differ from the eager steps' by {replay:.2e}")
+    if (dtype, wire) in LOGIT_TOLERANCE and logits > LOGIT_TOLERANCE[dtype, wire]:
+        failures.append(f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} of "
+                        f"the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})")
+    return failures
