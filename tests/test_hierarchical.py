@@ -342,9 +342,10 @@ def test_hierarchical_chunks_match_unchunked(world: int, layouts: tuple[int, ...
     spawn(_chunk_suite, world, args=(int(time.time()) % 1000, layouts), backend="gloo", timeout_s=600)
 
 
-@pytest.mark.parametrize("chunks", [0, -1, 1.5, True, None])
-def test_hierarchical_chunks_validated(chunks) -> None:
-    with pytest.raises(ValueError, match="Config.hierarchical_chunks"):
+@pytest.mark.parametrize("chunks, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                           (None, TypeError)])
+def test_hierarchical_chunks_validated(chunks, error: type) -> None:
+    with pytest.raises(error, match="Config.hierarchical_chunks"):
         Config(hierarchical_chunks=chunks)
 
 
