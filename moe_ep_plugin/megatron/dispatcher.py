@@ -18,6 +18,12 @@ M = expert-major rows on this rank):
 
 Gradients reach the tokens and the router probs through the same path in reverse. This module adds no host
 sync: the per-expert counts come back from the Buffer's dispatch as a host list.
+
+Expert TP (TP > 1): the group is Megatron's TP x EP group and ``[T, E]`` becomes ``[T, EP * TP * L]`` (each expert's
+column repeated for the TP ranks of its EP rank), so K and E scale by TP; the combine sums the TP partial outputs.
+Drop-and-pad: the router's map already holds ``capacity`` tokens per expert (padding tokens with prob 0); every
+marked pair travels (K = the expert count), giving ``capacity * TP * EP`` rows per local expert. FP16 (``torch``
+transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 and casts once.
 """
 from __future__ import annotations
 
