@@ -68,10 +68,20 @@ def test_config_validation_after_install() -> None:
     config = _moe_config(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
     assert config.moe_token_dispatcher_type == "ep_plugin"
     assert ep_megatron.get_plugin_options(config) == ep_megatron.PluginOptions()
-    with pytest.raises(ValueError, match="expert tensor parallelism"):
-        _moe_config(expert_tensor_parallel_size=2, tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="moe_pad_expert_input_to_capacity"):
-        _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    # Expert TP and drop-and-pad are served (tests/test_megatron_parity.py); the EP-overlap schedule is refused.
+    assert _moe_config(expert_tensor_parallel_size=2, tensor_model_parallel_size=2,
+                       sequence_parallel=True, add_bias_linear=False).expert_tensor_parallel_size == 2
+    assert _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm is not supported"):
+        _moe_config(overlap_moe_expert_parallel_comm=True, bf16=True, expert_model_parallel_size=2)
+    # FP16: the torch transport serves it; a kernel transport is refused when the config is made or given them.
+    fp16 = _moe_config(fp16=True)
+    ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport="torch"))
+    with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'.*bf16 and fp32"):
+        ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport="nvlink"))
+    ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
+    with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport"):
+        _moe_config(fp16=True)
     ep_megatron.install(ep_megatron.PluginOptions(fp8_dispatch=True))
     with pytest.raises(ValueError, match="multiple of 128"):
         _moe_config(hidden_size=96)

@@ -194,6 +194,25 @@ def _errors() -> None:
             routing_map_to_topk(rmap, rmap.float()[:1], TOPK)
         with pytest.raises(RuntimeError, match="dispatch_preprocess"):
             fp8_dispatcher.token_dispatch(torch.randn(2, 96), torch.ones(2, TOPK))
+        # FP16: the kernel transports refuse it when the dispatcher is built for an fp16 config, else at dispatch
+        nvlink = PluginOptions(transport="nvlink")
+        with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'"):
+            EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), TransformerConfig(
+                num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+                use_cpu_initialization=True, fp16=True), pgc, options=nvlink)
+        dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc, options=nvlink)
+        h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96, dtype=torch.float16), rmap, rmap.float())
+        with pytest.raises(TypeError, match="hidden_states: float16 needs ep_plugin.transport 'torch'"):
+            dispatcher.token_dispatch(h, p)
+        # drop-and-pad: a map without exactly the capacity (here 1 token) per expert
+        pad_config = TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS,
+                                       moe_router_topk=TOPK, use_cpu_initialization=True,
+                                       moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), pad_config, pgc,
+                                             options=PluginOptions(transport="torch"))
+        h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96), rmap, rmap.float())
+        with pytest.raises(ValueError, match="routing_map: drop-and-pad needs every expert"):
+            dispatcher.token_dispatch(h, p)
         idx, w = routing_map_to_topk(rmap & torch.tensor([True, False]).unsqueeze(1), rmap.float(), TOPK)
         assert sorted(idx[0].tolist()) == [0, 1, 2] and idx[1].tolist() == [-1] * TOPK
         assert w[1].tolist() == [0.0] * TOPK and w.dtype == torch.float32

@@ -18,6 +18,12 @@ M = expert-major rows on this rank):
 
 Gradients reach the tokens and the router probs through the same path in reverse. This module adds no host
 sync: the per-expert counts come back from the Buffer's dispatch as a host list.
+
+Expert TP (TP > 1): the group is Megatron's TP x EP group and ``[T, E]`` becomes ``[T, EP * TP * L]`` (each expert's
+column repeated for the TP ranks of its EP rank), so K and E scale by TP; the combine sums the TP partial outputs.
+Drop-and-pad: the router's map already holds ``capacity`` tokens per expert (padding tokens with prob 0); every
+marked pair travels (K = the expert count), giving ``capacity * TP * EP`` rows per local expert. FP16 (``torch``
+transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 and casts once.
 """
 from __future__ import annotations
 
@@ -25,12 +31,22 @@ import array
 from typing import Any, List, Optional
 
 import torch
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.utils import get_pg_rank
 
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
-from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options
+from .options import (
+    FP16_DTYPES,
+    OVERLAP_REFUSAL,
+    PLUGIN_DISPATCHER_TYPE,
+    PluginOptions,
+    check_fp16,
+    fp16_served,
+    get_plugin_options,
+)
 
 
 class EPPluginTokenDispatcher(MoETokenDispatcher):
@@ -46,17 +62,9 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.options = options if options is not None else get_plugin_options(config)
         if not isinstance(self.options, PluginOptions):
             raise TypeError(f"options: expected PluginOptions, got {type(self.options).__name__}")
-        if self.tp_size > 1:
-            raise ValueError(
-                f"{PLUGIN_DISPATCHER_TYPE}: expert tensor parallelism is not supported (expert TP size "
-                f"{self.tp_size}); set expert_tensor_parallel_size: 1 (attention TP with sequence parallelism "
-                f"is fine)")
-        if config.moe_pad_expert_input_to_capacity:
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: moe_pad_expert_input_to_capacity (drop-and-pad) is not "
-                             f"supported; capacity dropping without padding is")
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: overlap_moe_expert_parallel_comm is not supported "
-                             f"(Megatron's 1F1B overlap schedule only knows its own dispatchers)")
+            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: {OVERLAP_REFUSAL}")
+        check_fp16(config, self.options)
         if num_local_experts <= 0 or len(local_expert_indices) != num_local_experts:
             raise ValueError(f"num_local_experts={num_local_experts} does not match local_expert_indices "
                              f"{local_expert_indices}")
@@ -68,6 +76,18 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.alignment = 1
+        # Expert TP as Megatron's flex dispatcher does it: the dispatch group is the TP x EP group and every
+        # token goes to each TP rank of its experts' EP rank (the routing map replicated over TP), whose partial
+        # expert outputs the combine sums. Group rank r must be (EP rank r // TP, TP rank r % TP).
+        self.group = self.ep_group if self.tp_size == 1 else self.tp_ep_group
+        group_rank = get_pg_rank(self.group)
+        ep_rank = get_pg_rank(self.ep_group)
+        if group_rank != ep_rank * self.tp_size + self.tp_rank:
+            raise ValueError(f"pg_collection.tp_ep: rank {group_rank} is not EP rank {ep_rank} x TP "
+                             f"{self.tp_size} + TP rank {self.tp_rank} (expert TP must be the fastest dimension)")
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+        if self.drop_and_pad and config.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         if getattr(config, "moe_router_padding_for_quantization", False):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
             self.alignment = max(1, get_align_size_for_quantization(config))
@@ -82,6 +102,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def _clear_state(self) -> None:
         self._routing_map: Optional[torch.Tensor] = None
+        self._capacity_rows: int | None = None  # drop-and-pad: every local expert's row count
+        self._fp16 = False  # the tokens of this dispatch are fp16 (dispatched and combined as fp32)
         self._tokens_per_expert: Optional[list[int]] = None
         self._handle = None
         self._buffer = None
@@ -102,10 +124,24 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                              f"{tuple(routing_map.shape)}")
         if self.options.fp8_dispatch and hidden.shape[1] % 128:
             raise ValueError(f"fp8_dispatch needs hidden % 128 == 0, got hidden {hidden.shape[1]}")
+        if self.drop_and_pad:  # the capacity of Megatron's router and alltoall, from this rank's token count
+            capacity = get_capacity(num_tokens=hidden.shape[0] * self.topk, num_experts=self.num_experts,
+                                    capacity_factor=self.config.moe_expert_capacity_factor)
+            self._capacity_rows = capacity * self.tp_size * self.ep_size
+        if self.tp_size > 1:
+            routing_map, probs = self._replicate_over_tp(routing_map), self._replicate_over_tp(probs)
         self._routing_map = routing_map  # the rest of the routing map's checks: token_dispatch, before any transfer
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens.view(self.hidden_shape))
         return hidden, probs
+
+    def _replicate_over_tp(self, per_expert: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` → ``[T, EP * TP * L]``: expert ``(p, l)``'s column repeated for each TP rank of EP rank ``p``
+        (the TP x EP group's ranks ``p * TP + t``); differentiable (the gradient sums the TP copies)."""
+        tokens = per_expert.shape[0]
+        return (per_expert.reshape(tokens, self.ep_size, 1, self.num_local_experts)
+                .expand(tokens, self.ep_size, self.tp_size, self.num_local_experts)
+                .reshape(tokens, self.ep_size * self.tp_size * self.num_local_experts))
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Send every token once to each rank holding one of its experts, straight into that rank's expert-major
@@ -114,11 +150,25 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         (prob 0) to the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
         if self._routing_map is None or self._routing_map.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
+        self._fp16 = hidden_states.dtype == torch.float16
+        if self._fp16:  # fp32 holds every fp16 value: the rows arrive unchanged
+            if not fp16_served(self.options):
+                raise TypeError(f"hidden_states: float16 needs ep_plugin.transport 'torch' (transport "
+                                f"{self.options.transport!r} takes {FP16_DTYPES})")
+            hidden_states = hidden_states.float()
         self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
+        num_experts = self.num_experts * self.tp_size
+        # Drop-and-pad maps hold the padding tokens too (up to every expert per token): top-k is the expert count.
+        topk = num_experts if self.drop_and_pad else self.topk * self.tp_size
         expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-            self._buffer, hidden_states, self._routing_map, probs, self.topk, self.num_experts,
+            self._buffer, hidden_states, self._routing_map, probs, topk, num_experts,
             fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
             round_scale=self.options.round_scale, configs=self._configs)
+        if self.drop_and_pad and any(n != self._capacity_rows for n in tokens_per_expert):
+            raise ValueError(f"routing_map: drop-and-pad needs every expert to hold exactly its capacity on each "
+                             f"rank ({self._capacity_rows} rows per local expert), got {list(tokens_per_expert)}")
+        if self._fp16:
+            expert_x = expert_x.half()
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._routing_map = None
         if self.shared_experts is not None:
@@ -134,7 +184,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         key = (hidden_bytes, num_sms, options)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
-            buffer = get_buffer(self.ep_group, hidden_bytes, options.transport, options.timeout_s, num_sms,
+            buffer = get_buffer(self.group, hidden_bytes, options.transport, options.timeout_s, num_sms,
                                 options.ranks_per_node)
             self._shared_buffer, self._shared_buffer_key = buffer, key
             self._configs = sm_configs(options.num_sms, buffer.group_size)
@@ -166,7 +216,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()
-        out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle, configs=self._configs)
+        if self._fp16:  # summed in fp32, cast to fp16 once
+            out = ep_autograd.combine_experts(self._buffer, hidden_states.float(), self._handle,
+                                              configs=self._configs).half()
+        else:
+            out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle, configs=self._configs)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

@@ -10,11 +10,35 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+
 from ..plugin_options import PluginOptions
 
 PLUGIN_DISPATCHER_TYPE = "ep_plugin"
 CONFIG_ATTR = "moe_ep_plugin"
-__all__ = ["PLUGIN_DISPATCHER_TYPE", "CONFIG_ATTR", "PluginOptions", "set_plugin_options", "get_plugin_options"]
+__all__ = ["PLUGIN_DISPATCHER_TYPE", "CONFIG_ATTR", "PluginOptions", "set_plugin_options", "get_plugin_options",
+           "check_fp16", "fp16_served"]
+FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
+OVERLAP_REFUSAL = (
+    "overlap_moe_expert_parallel_comm is not supported: Megatron's 1F1B overlap schedule splits the layer "
+    "into nodes on CUDA streams, frees node inputs and re-attaches detached tensors; the plugin's dispatch "
+    "and combine autograd nodes have not been run and checked under that schedule (it needs CUDA). Use "
+    "moe_token_dispatcher_type: flex with moe_flex_dispatcher_backend: deepep, which serves it on this library")
+
+
+def fp16_served(options: PluginOptions) -> bool:
+    """Whether FP16 tokens can be dispatched with ``options``: the ``torch`` transport carries them as fp32 (exact)
+    and sums the combine in fp32; the kernel transports carry bf16/fp32 only (``auto`` without CUDA is ``torch``)."""
+    return options.transport == "torch" or (options.transport == "auto" and not torch.cuda.is_available())
+
+
+def check_fp16(config: Any, options: PluginOptions) -> None:
+    """Refuse ``fp16: True`` at config time where ``options`` pick a kernel transport."""
+    if getattr(config, "fp16", False) and not fp16_served(options):
+        raise ValueError(f"fp16: True needs ep_plugin.transport 'torch'; transport {options.transport!r} carries "
+                         f"{FP16_DTYPES} (use bf16: True)")
+    if getattr(config, "fp16", False) and options.fp8_dispatch:
+        raise ValueError("fp16: True with ep_plugin.fp8_dispatch: FP8 dispatch takes bf16 tokens (use bf16: True)")
 
 
 def set_plugin_options(config: Any, options: PluginOptions) -> None:
@@ -26,6 +50,7 @@ def set_plugin_options(config: Any, options: PluginOptions) -> None:
         if hidden % 128:
             raise ValueError(f"ep_plugin.fp8_dispatch needs the dispatched hidden size to be a multiple of 128, "
                              f"got {hidden}")
+    check_fp16(config, options)
     setattr(config, CONFIG_ATTR, options)
 
 

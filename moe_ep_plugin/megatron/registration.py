@@ -27,7 +27,7 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
 from . import deepep_shim
 from .dispatcher import EPPluginTokenDispatcher
-from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
+from .options import OVERLAP_REFUSAL, PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 _SHIM_NAMES = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
@@ -87,16 +87,11 @@ def _wrap_post_init(original: Any) -> Any:
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
         if getattr(self, "overlap_moe_expert_parallel_comm", False):
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: overlap_moe_expert_parallel_comm is not supported")
-        if getattr(self, "expert_tensor_parallel_size", 1) not in (None, 1):
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: expert tensor parallelism is not supported "
-                             f"(expert_tensor_parallel_size={self.expert_tensor_parallel_size}); use 1")
-        if self.moe_pad_expert_input_to_capacity:
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: moe_pad_expert_input_to_capacity is not supported")
+            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: {OVERLAP_REFUSAL}")
         with _dispatcher_type_shown_as(self, "alltoall"):
             original(self)
         options = get_plugin_options(self, _default_options)
-        set_plugin_options(self, options)  # validates the options against this config (FP8 needs H % 128)
+        set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
     __post_init__._moe_ep_plugin = True
     return __post_init__
 

@@ -1,0 +1,202 @@
+"""``ep_plugin`` beside Megatron-Core's own ``alltoall`` dispatcher: the same ``MoELayer`` (same weights, same tokens)
+built twice on CPU gloo ranks must give the same output and the same gradient of the input and of every parameter.
+
+Layouts TP x EP 1x8, 8x1, 4x2, 2x2, 1x1 with expert tensor parallelism equal to TP (Megatron's default) and
+sequence parallelism; per layout: dropless, capacity dropping and drop-and-pad, in BF16 and FP16, half of them under
+``moe_layer_recompute``. Drop-and-pad also checks the fixed per-expert row count (capacity x TP x EP).
+
+Megatron's ``alltoall`` runs on CPU with a device mapping: ``host.cuda_device_is_host`` (its TP gathers allocate on
+``torch.cuda.current_device()``) and :func:`_cuda_streams_are_host` (its token-count copies go through ``torch.cuda``
+streams and come back as numpy split sizes, recompute saves the CUDA RNG state, and its expert-TP gather and
+reduce-scatter have per-rank sizes, which gloo does not take).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from moe_ep_plugin.launch import spawn  # noqa: E402
+
+HIDDEN, EXPERTS, TOPK, FFN = 16, 8, 2, 16
+# (drop mode, dtype, recompute): every mode in both dtypes, recompute on half of them.
+CASES = (("dropless", torch.bfloat16, False), ("capacity", torch.bfloat16, True), ("pad", torch.bfloat16, False),
+         ("dropless", torch.float16, True), ("capacity", torch.float16, False), ("pad", torch.float16, True))
+# Measured over every tensor, case and layout: max|plugin - alltoall| / max|alltoall| was at most two units in
+# the last place of the dtype (BF16 3.8e-3, FP16 9.5e-4 at 8x1; 0 at 1x1), from summation order: alltoall sums a
+# token's expert outputs and reduce-scatters the TP partials in the model dtype, the plugin sums both in fp32.
+# The tolerance is four units.
+RELATIVE_TOLERANCE = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
+
+
+class _HostStream:
+    """Stands in for ``torch.cuda.Stream``/``current_stream``: on CPU every copy is already complete."""
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _uneven_all_gather(all_gather):
+    """gloo's all_gather wants equal shapes; Megatron's TP gather of the received tokens has per-rank sizes (as
+    NCCL allows): gather zero-padded rows and keep each rank's own."""
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        rows = max(t.shape[0] for t in tensor_list)
+        if all(t.shape[0] == rows for t in tensor_list) and tensor.shape[0] == rows:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        padded = [torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype) for _ in tensor_list]
+        all_gather(padded, torch.cat([tensor, padded[0][tensor.shape[0]:]]), group=group)
+        for out, full in zip(tensor_list, padded, strict=True):
+            out.copy_(full[:out.shape[0]])
+    return gather
+
+
+def _reduce_scatter(output, input_list, group=None, async_op=False) -> None:
+    """Megatron's TP reduce-scatter of expert outputs (gloo has none): all-reduce the rows, keep this rank's."""
+    full = torch.cat(input_list)
+    dist.all_reduce(full, group=group)
+    start = sum(t.shape[0] for t in input_list[:dist.get_rank(group)])
+    output.copy_(full[start:start + output.shape[0]])
+
+
+@contextlib.contextmanager
+def _cuda_streams_are_host() -> Iterator[None]:
+    """Without CUDA: the CUDA stream calls of Megatron's alltoall (token-count copies) and of recompute's RNG
+    bookkeeping become no-ops, and its uneven TP gather / reduce-scatter run on gloo; with CUDA nothing changes."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAlltoAllTokenDispatcher,
+    )
+    stream = _HostStream()
+    saved = [(torch.cuda, "current_stream"), (torch.cuda, "stream"), (mrandom, "_get_cuda_rng_state"),
+             (mrandom, "_set_cuda_rng_state"), (token_dispatcher, "maybe_move_tensor_to_cpu"),
+             (dist, "all_gather"), (dist, "reduce_scatter")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        # what the CUDA path returns (split sizes as numpy arrays, which all_to_all_single takes) for host tensors
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else to_cpu(tensor, as_numpy, record_stream)
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    dist.all_gather, dist.reduce_scatter = _uneven_all_gather(dist.all_gather), _reduce_scatter
+    torch.cuda.current_stream = lambda *args: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+
+
+def _config(kind: str, tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    extra = {}
+    if mode != "dropless":
+        extra.update(moe_expert_capacity_factor=0.5 if mode == "capacity" else 0.75, moe_token_drop_policy="probs",
+                     moe_pad_expert_input_to_capacity=mode == "pad")
+    if recompute:
+        extra.update(recompute_granularity="selective", recompute_modules=["moe"])
+    return TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        sequence_parallel=tp > 1, moe_token_dispatcher_type=kind, moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, moe_router_dtype="fp32", moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=True, **extra)
+
+
+def _run(layer, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward + backward; returns the output and the gradients of the input and every parameter."""
+    seen = {}
+    postprocess = layer.token_dispatcher.dispatch_postprocess
+
+    def keep_counts(h, p):
+        out = postprocess(h, p)
+        seen["tokens_per_expert"] = out[1].clone()
+        seen["rows"], seen["probs"] = out[0].detach().clone(), out[2].detach().clone()
+        return out
+    layer.token_dispatcher.dispatch_postprocess = keep_counts
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    out.backward(grad_out)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    grads["input"] = x.grad
+    grads.update(seen)
+    return out.detach(), grads
+
+
+def _check_case(tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool, seed: int) -> None:
+    from moe_ep_plugin.megatron import compat
+    rank = dist.get_rank()
+    layers = {}
+    for kind in ("alltoall", "ep_plugin"):
+        torch.manual_seed(seed)
+        layers[kind] = compat.build_moe_layer(compat.local_moe_spec(EXPERTS), _config(kind, tp, ep, mode, dtype,
+                                                                                        recompute))
+    layers["ep_plugin"].load_state_dict(layers["alltoall"].state_dict())
+    # Drop-and-pad needs one capacity everywhere (alltoall's fixed splits): equal token counts on every rank.
+    tokens = 6 if mode == "pad" else 3 + 2 * (rank % 3)
+    gen = torch.Generator().manual_seed(seed * 31 + rank)
+    x = torch.randn(tokens, 1, HIDDEN, generator=gen).to(dtype)
+    grad_out = torch.randn(tokens, 1, HIDDEN, generator=gen).to(dtype)
+    ref_out, ref = _run(layers["alltoall"], x, grad_out)
+    out, got = _run(layers["ep_plugin"], x, grad_out)
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    assert torch.equal(got.pop("tokens_per_expert"), ref.pop("tokens_per_expert"))
+    rows, probs, ref_rows, ref_probs = got.pop("rows"), got.pop("probs"), ref.pop("rows"), ref.pop("probs")
+    if mode == "pad":  # the same rows (dropped tokens, padding tokens with prob 0) in every expert's block
+        capacity = -(-tokens * TOPK * 3 // (4 * EXPERTS))  # get_capacity: ceil(T * K / E * 0.75)
+        assert layers["ep_plugin"].token_dispatcher._capacity_rows == capacity * tp * ep
+        # alltoall orders an expert's sources TP-major (EP all-to-all, then TP gather), the plugin by TP x EP
+        # group rank (EP-major)
+        ref_rows = ref_rows.view(-1, tp, ep, capacity, HIDDEN).transpose(1, 2).reshape(rows.shape)
+        ref_probs = ref_probs.view(-1, tp, ep, capacity).transpose(1, 2).reshape(probs.shape)
+        assert torch.equal(rows, ref_rows) and torch.equal(probs, ref_probs.to(probs.dtype))
+    for name, expected in [("output", ref_out), *ref.items()]:
+        actual = out if name == "output" else got[name]
+        assert actual.dtype == expected.dtype, (name, actual.dtype, expected.dtype)
+        scale = max(float(expected.abs().max()), 1e-3)
+        error = float((actual.float() - expected.float()).abs().max()) / scale
+        assert error <= RELATIVE_TOLERANCE[dtype], (tp, ep, mode, dtype, recompute, name, error)
+
+
+def _suite(tp: int, ep: int, seed: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    import moe_ep_plugin.megatron as ep_megatron
+    from moe_ep_plugin.megatron.host import cuda_device_is_host, seed_model_parallel_rng
+    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    seed_model_parallel_rng(seed)
+    ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
+    try:
+        with _cuda_streams_are_host(), cuda_device_is_host():
+            for i, (mode, dtype, recompute) in enumerate(CASES):
+                _check_case(tp, ep, mode, dtype, recompute, seed + i)
+    finally:
+        ep_megatron.uninstall()
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 8), (8, 1), (4, 2), (2, 2), (1, 1)])
+def test_moe_layer_matches_megatron_alltoall(tp: int, ep: int) -> None:
+    spawn(_suite, tp * ep, args=(tp, ep, int(time.time()) % 1000), backend="gloo", timeout_s=600)
