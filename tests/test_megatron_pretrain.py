@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
@@ -62,3 +63,38 @@ def test_pretrain_rejects_bad_config(tmp_path, capsys) -> None:
     config.write_text(yaml.safe_dump({"model": {"num_layers": 1}, "trainer": {}}))
     assert pretrain.main([str(config)]) == 2
     assert capsys.readouterr().err.startswith("moe-ep-pretrain: config error: trainer: unknown section")
+
+
+def test_pretrain_with_expert_tensor_parallelism_keeps_replicas_equal(tmp_path) -> None:
+    # Expert TP 2 (EP 1, TP 1, 2 ranks): each rank holds half of every expert, the dense weights are replicated. With
+    # the gradient clipped every step, a grad norm that differed between the ranks would clip them differently and
+    # the replicated weights would part; they must stay bit for bit equal.
+    from moe_ep_plugin.recipes.megatron import pretrain
+    with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    raw["parallel"].update(expert_model_parallel_size=1, expert_tensor_parallel_size=2)
+    raw["model"].update(num_layers=2, moe_layer_freq=[0, 1])
+    raw["gpt"]["max_sequence_length"] = 32
+    raw["train"].update(seq_length=32, steps=4, warmup_steps=1, save_interval=4, log_interval=2, clip_grad=1.0e-3,
+                        save_dir=str(tmp_path / "run"))
+    config = tmp_path / "etp2.yaml"
+    config.write_text(yaml.safe_dump(raw))
+
+    assert pretrain.main([str(config), "--nprocs", "2"]) == 0
+    step = tmp_path / "run" / "step_0000004"
+    states = [torch.load(step / f"rank_0000{r}.pt", map_location="cpu", weights_only=False) for r in (0, 1)]
+    dense = [{k: v for k, v in _model_state(s).items() if "experts" not in k} for s in states]
+    experts = [{k: v for k, v in _model_state(s).items() if "experts" in k} for s in states]
+    assert dense[0].keys() == dense[1].keys() and dense[0]
+    assert all(torch.equal(dense[0][k], dense[1][k]) for k in dense[0])
+    assert experts[0] and any(not torch.equal(experts[0][k], experts[1][k]) for k in experts[0])  # halves differ
+    assert all(clip < 1.0 for clip in _clip_factors(str(tmp_path / "run" / "metrics.jsonl")))
+
+
+def _model_state(state: dict) -> dict:
+    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def _clip_factors(path: str) -> list[float]:
+    with open(path, encoding="utf-8") as f:
+        return [1.0e-3 / r["grad_norm"] for r in map(json.loads, f)]

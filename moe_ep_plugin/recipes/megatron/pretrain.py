@@ -72,22 +72,26 @@ def reduce_gradients(model: torch.nn.Module) -> None:
 
 
 def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
-    """L2 norm of the whole model's gradient: TP-split tensors summed over TP, experts over EP."""
+    """L2 norm of the whole model's gradient: TP-split tensors summed over TP, expert tensors over expert TP x EP
+    (a tensor replicated over a TP group counted once), so every rank gets the same norm and clip factor."""
     from megatron.core import parallel_state as ps
     device = next(model.parameters()).device
     dense_sq = torch.zeros((), dtype=torch.float32, device=device)
     expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     tp_rank = ps.get_tensor_model_parallel_rank()
+    expert_tp_rank = ps.get_expert_tensor_parallel_rank()
     for p in model.parameters():
         if p.grad is None:
             continue
         sq = p.grad.float().pow(2).sum()
+        split = getattr(p, "tensor_model_parallel", False)
         if not getattr(p, "allreduce", True):
-            expert_sq += sq
-        elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            if split or expert_tp_rank == 0:
+                expert_sq += sq
+        elif split or tp_rank == 0:
             dense_sq += sq
     dist.all_reduce(dense_sq, group=ps.get_tensor_model_parallel_group())
-    dist.all_reduce(expert_sq, group=ps.get_expert_model_parallel_group())
+    dist.all_reduce(expert_sq, group=ps.get_expert_tensor_and_model_parallel_group())
     return (dense_sq + expert_sq).sqrt()
 
 
