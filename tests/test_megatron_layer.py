@@ -6,7 +6,9 @@ a shared expert, DeepSeek-V3 routing (sigmoid, groups, expert bias, scaling). It
 the input, the router, the shared expert and every expert weight must equal a plain-loop reference in which
 each token is run through each of its selected experts locally (all experts' weights gathered on every rank);
 ``tokens_per_expert`` must equal Megatron's count from its routing map. Both entry points are checked:
-``moe_token_dispatcher_type: ep_plugin`` and the unchanged ``flex`` + ``deepep`` dispatcher served by the shim.
+``moe_token_dispatcher_type: ep_plugin`` and the unchanged ``flex`` dispatcher with the ``deepep`` and ``hybridep``
+backends served by the shims. (Megatron's ``alltoall`` dispatcher needs CUDA streams, so the reference is this
+plain loop, which ``alltoall`` also equals.)
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ HIDDEN, EXPERTS, TOPK, GROUPS, GROUP_TOPK, FFN = 16, 8, 3, 4, 2, 8
 
 def _config(world: int, kind: str, capacity: float | None, overlap: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    extra = {"moe_flex_dispatcher_backend": "deepep"} if kind == "flex" else {}
+    # "flex": flex + deepep; "hybridep": flex + hybridep (both backends served by the install()'s shims)
+    extra = {"moe_flex_dispatcher_backend": "hybridep" if kind == "hybridep" else "deepep"} \
+        if kind in ("flex", "hybridep") else {}
+    kind = "flex" if kind == "hybridep" else kind
     if overlap:
         extra["moe_shared_expert_overlap"] = True
     if capacity is not None:
@@ -163,7 +168,7 @@ def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int, transport:
     try:
         for kind in kinds:
             for i, case in enumerate(cases):
-                if kind == "flex" and case == "shared_overlap":
+                if kind in ("flex", "hybridep") and case == "shared_overlap":
                     continue  # the overlap under test is the plugin dispatcher's; flex has its own
                 _check_case(world, kind, case, seed + i, device)
     finally:
@@ -171,7 +176,8 @@ def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int, transport:
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("world,kinds", [(1, ("ep_plugin",)), (2, ("ep_plugin", "flex")), (4, ("ep_plugin",))])
+@pytest.mark.parametrize("world,kinds", [(1, ("ep_plugin",)), (2, ("ep_plugin", "flex", "hybridep")),
+                                         (4, ("ep_plugin", "hybridep"))])
 def test_moe_layer_matches_local_reference(world: int, kinds: tuple[str, ...]) -> None:
     cases = ("random", "uneven", "one_expert", "one_token", "capacity") if world > 1 else ("random", "capacity")
     spawn(_suite, world, args=(kinds, cases, int(time.time()) % 1000), backend="gloo", timeout_s=300)
