@@ -33,7 +33,7 @@ from . import deepep_shim
 HYBRIDEP_TOKEN_ALIGNMENT = 64  # HybridEP's public-API chunk, re-exported for Megatron's pad-uneven-inputs path
 
 
-def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` cut to, or padded with zero rows to, ``rows`` rows (differentiable)."""
     if t.shape[0] >= rows:
         return t[:rows]
@@ -111,7 +111,7 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
         overflow.fill_(1)
     ends = torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0)
     clipped = (ends.clamp(max=budget) - (ends - torch.tensor(tokens_per_expert)).clamp(max=budget)).to(x.device)
-    return (_fit_rows(expert_x, budget), _fit_rows(expert_probs, budget), None, clipped,
+    return (fit_rows(expert_x, budget), fit_rows(expert_probs, budget), None, clipped,
             (buffer, handle, rows, budget, configs, overflow))
 
 
@@ -128,4 +128,4 @@ def hybrid_ep_combine(x: torch.Tensor, handle: Any, num_permuted_tokens: Any | N
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != expected:
         raise ValueError(f"x: expected [{expected}, hidden] (the dispatch's rows), got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
-    return ep_autograd.combine_experts(buffer, _fit_rows(x, rows), dispatch_handle, configs=configs)
+    return ep_autograd.combine_experts(buffer, fit_rows(x, rows), dispatch_handle, configs=configs)

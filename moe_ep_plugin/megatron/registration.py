@@ -9,9 +9,10 @@ After :func:`install`:
   ``TransformerConfig.__post_init__`` validates an ``ep_plugin`` config the way it validates ``alltoall``
   (the built-in dispatcher whose features — shared-expert overlap, capacity dropping — the plugin has), then
   checks the plugin's own options.
-- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep`` or ``hybridep`` runs on this
+- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep``, ``hybridep`` or ``ncclep`` runs on this
   library's Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms`` (``deepep_shim``) and
-  ``hybrid_ep_dispatch``/``hybrid_ep_combine`` (``hybridep_shim``) are rebound in ``token_dispatcher`` and
+  ``hybrid_ep_dispatch``/``hybrid_ep_combine`` (``hybridep_shim``), and on megatron-core >= 0.19 the ``ncclep``
+  functions (``ncclep_shim``) are rebound in ``token_dispatcher`` and
   ``fused_a2a`` (Megatron reads them at call time). A ``flex`` config naming another backend, or plugin options
   its shape cannot take, fails in ``TransformerConfig.__post_init__`` naming the key.
 
@@ -28,16 +29,20 @@ import megatron.core
 from megatron.core.transformer import transformer_config as tc_module
 from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
-from . import deepep_shim, hybridep_shim
+from . import deepep_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
+_NCCLEP_NAMES = ("ensure_nccl_ep_bootstrapped", "new_nccl_ep_buffer", "nccl_ep_dispatch", "nccl_ep_combine",
+                 "alloc_ep_symm_buffer", "nccl_ep_finalize")
+_HAVE_NCCLEP = hasattr(fused_a2a, "nccl_ep_dispatch")  # megatron-core >= 0.19
 _SHIMS = ((deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms")),
-          (hybridep_shim, ("hybrid_ep_dispatch", "hybrid_ep_combine")))
+          (hybridep_shim, ("hybrid_ep_dispatch", "hybrid_ep_combine"))) + (
+    ((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ())
 # the flex backends install() serves on this megatron-core (ncclep where the installed version has it)
-SERVED_FLEX_BACKENDS = ("deepep", "hybridep")
+SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ())
 _originals: dict[tuple[Any, str], Any] = {}
 _default_options = PluginOptions()
 
@@ -146,7 +151,8 @@ def install(options: PluginOptions | None = None) -> None:
     for module in (token_dispatcher, fused_a2a):
         for shim, names in _SHIMS:
             for name in names:
-                _patch(module, name, getattr(shim, name))
+                if hasattr(module, name):  # token_dispatcher does not import nccl_ep_finalize
+                    _patch(module, name, getattr(shim, name))
 
 
 def uninstall() -> None:
@@ -157,3 +163,4 @@ def uninstall() -> None:
     _originals.clear()
     _default_options = PluginOptions()
     deepep_shim.configure(_default_options)
+    ncclep_shim.nccl_ep_finalize()
