@@ -192,8 +192,8 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
     over = [(r, int(c)) for r, c in enumerate(counts) if int(c) > capacity]
     if over and not state.drop_on_overflow:
         raise ValueError(f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received "
-                         f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds (raise moe_expert_rank_capacity_factor, "
-                         f"or bootstrap with drop_on_overflow=True)")
+                         f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds "
+                         f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)")
     state.dropped_rows += max(0, num_rows - capacity)
     buffer.handle, buffer.rows = handle, num_rows
     ends = torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0)
