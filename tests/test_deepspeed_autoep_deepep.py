@@ -79,7 +79,8 @@ def _suite(seed: int) -> None:
         dist.all_reduce(grad_e)  # each rank's expert gradients are its local experts' share of the tokens
         mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
         torch.testing.assert_close(experts.grad[mine], grad_e[mine], **tol)
-        torch.testing.assert_close(grad_e[mine], ref_ge[mine], **tol, msg=lambda m, step=step: f"step {step} grad e: {m}")
+        torch.testing.assert_close(grad_e[mine], ref_ge[mine], **tol,
+                                   msg=lambda m, step=step: f"step {step} grad e: {m}")
     exchange.destroy()
 
 
