@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_marks import NEEDS_KERNELS
+from reference import routing
+
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.deep_ep import ElasticBuffer
 from moe_ep_plugin.launch import spawn
-from reference import routing
 
 MODES = ({}, {"async_finish": True}, {"previous_event": True, "allocate_on_comm_stream": True})
 
