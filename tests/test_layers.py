@@ -20,7 +20,7 @@ PKG = os.path.join(ROOT, "moe_ep_plugin")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("build", ("_build.py",)),
     ("recipes", ("recipes/",)),
-    ("integrations", ("megatron/", "deepspeed/")),
+    ("integrations", ("megatron/", "deepspeed/", "deep_ep/")),
     ("MoE glue", ("autograd.py", "buffer_cache.py", "plugin_options.py", "experts.py")),
     ("buffer", ("buffer.py", "low_latency.py", "__init__.py")),
     ("transports", ("transports/", "transports/local.py")),

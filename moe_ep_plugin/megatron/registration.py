@@ -9,9 +9,12 @@ After :func:`install`:
   ``TransformerConfig.__post_init__`` validates an ``ep_plugin`` config the way it validates ``alltoall``
   (the built-in dispatcher whose features — shared-expert overlap, capacity dropping — the plugin has), then
   checks the plugin's own options.
-- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep`` runs on this library's
-  Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms`` are rebound in ``token_dispatcher`` and
-  ``fused_a2a`` (Megatron reads them at call time).
+- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep``, ``hybridep`` or ``ncclep`` runs on this
+  library's Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms`` (``deepep_shim``) and
+  ``hybrid_ep_dispatch``/``hybrid_ep_combine`` (``hybridep_shim``), and on megatron-core >= 0.19 the ``ncclep``
+  functions (``ncclep_shim``) are rebound in ``token_dispatcher`` and
+  ``fused_a2a`` (Megatron reads them at call time). A ``flex`` config naming another backend, or plugin options
+  its shape cannot take, fails in ``TransformerConfig.__post_init__`` naming the key.
 
 Both steps are idempotent; :func:`uninstall` restores every original object.
 """
@@ -19,18 +22,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import megatron.core
 from megatron.core.transformer import transformer_config as tc_module
 from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
-from . import deepep_shim
+from . import deepep_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
 from .options import OVERLAP_REFUSAL, PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
-_SHIM_NAMES = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
+# (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
+_NCCLEP_NAMES = ("ensure_nccl_ep_bootstrapped", "new_nccl_ep_buffer", "nccl_ep_dispatch", "nccl_ep_combine",
+                 "alloc_ep_symm_buffer", "nccl_ep_finalize")
+_HAVE_NCCLEP = hasattr(fused_a2a, "nccl_ep_dispatch")  # megatron-core >= 0.19
+_SHIMS = ((deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms")),
+          (hybridep_shim, ("hybrid_ep_dispatch", "hybrid_ep_combine"))) + (
+    ((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ())
+# the flex backends install() serves on this megatron-core (ncclep where the installed version has it)
+SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ())
 _originals: dict[tuple[Any, str], Any] = {}
 _default_options = PluginOptions()
 
@@ -84,6 +96,9 @@ def _wrap_moe_layer_init(original: Any) -> Any:
 def _wrap_post_init(original: Any) -> Any:
     @functools.wraps(original)
     def __post_init__(self) -> None:
+        if getattr(self, "moe_token_dispatcher_type", None) == "flex":
+            original(self)
+            return _check_flex(self)
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
         if getattr(self, "overlap_moe_expert_parallel_comm", False):
@@ -96,11 +111,25 @@ def _wrap_post_init(original: Any) -> Any:
     return __post_init__
 
 
+def _check_flex(config: Any) -> None:
+    """A ``flex`` config asks for a backend this library serves, with plugin options it can honour (FP8 dispatch
+    needs the hidden size to be a multiple of 128): else a ValueError naming the key, at config time."""
+    backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
+    if backend not in SERVED_FLEX_BACKENDS:
+        raise ValueError(f"moe_flex_dispatcher_backend: {backend!r} is not served by moe_ep_plugin on megatron-core "
+                         f"{getattr(megatron.core, '__version__', '?')} (served: {', '.join(SERVED_FLEX_BACKENDS)})")
+    options = get_plugin_options(config, _default_options)
+    hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
+    if options.fp8_dispatch and hidden % 128:
+        raise ValueError(f"ep_plugin.fp8_dispatch: FP8 dispatch on the flex + {backend} path needs the dispatched "
+                         f"hidden size to be a multiple of 128, got {hidden}")
+
+
 def is_installed() -> bool:
     return getattr(moe_layer.MoELayer.__init__, "_moe_ep_plugin", False)
 
 
-def install(options: Optional[PluginOptions] = None) -> None:
+def install(options: PluginOptions | None = None) -> None:
     """Register ``ep_plugin`` and serve ``flex`` + ``deepep`` with this library. ``options`` are the defaults
     for configs that carry none (and the options of the DeepEP shim). Calling it again only updates them."""
     global _default_options
@@ -115,8 +144,10 @@ def install(options: Optional[PluginOptions] = None) -> None:
     config_cls = tc_module.TransformerConfig
     _patch(config_cls, "__post_init__", _wrap_post_init(config_cls.__post_init__))
     for module in (token_dispatcher, fused_a2a):
-        for name in _SHIM_NAMES:
-            _patch(module, name, getattr(deepep_shim, name))
+        for shim, names in _SHIMS:
+            for name in names:
+                if hasattr(module, name):  # token_dispatcher does not import nccl_ep_finalize
+                    _patch(module, name, getattr(shim, name))
 
 
 def uninstall() -> None:
@@ -127,3 +158,4 @@ def uninstall() -> None:
     _originals.clear()
     _default_options = PluginOptions()
     deepep_shim.configure(_default_options)
+    ncclep_shim.nccl_ep_finalize()
