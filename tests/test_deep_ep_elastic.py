@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from reference import gather_all, routing
+from support.reference import gather_all, routing
 
 from moe_ep_plugin import deep_ep
 from moe_ep_plugin.launch import spawn

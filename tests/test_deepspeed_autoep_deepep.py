@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed")
 
-from reference import dense_reference, routing  # noqa: E402
+from support.reference import dense_reference, routing  # noqa: E402
 
 from moe_ep_plugin.launch import spawn  # noqa: E402
 

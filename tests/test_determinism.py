@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_marks import NEEDS_KERNELS
-from reference import routing
+from support.gpu_marks import NEEDS_KERNELS
+from support.reference import routing
 
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.deep_ep import ElasticBuffer

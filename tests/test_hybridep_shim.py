@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from reference import gather_all  # noqa: E402
+from support.reference import gather_all  # noqa: E402
 
 from moe_ep_plugin.launch import spawn  # noqa: E402
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from reference import gather_all, routing
+from support.reference import gather_all, routing
 
 from moe_ep_plugin.launch import spawn
 
