@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from standard_shape import add_shape_arguments
 
 from moe_ep_plugin import Buffer
 from moe_ep_plugin import autograd as ep_autograd
@@ -36,7 +36,6 @@ from moe_ep_plugin.config import Config
 from moe_ep_plugin.handle import DispatchHandle
 from moe_ep_plugin.ops.routing import routing_map_to_topk
 from moe_ep_plugin.transports.base import DispatchArgs, ExpertDispatchResult, Transport
-from standard_shape import add_shape_arguments
 
 Timed = list[tuple[str, Callable[[], object]]]
 COLUMNS = ("local", "stand-in")
@@ -57,15 +56,15 @@ class StandInTransport(Transport):
     def dispatch(self, args: DispatchArgs):
         raise NotImplementedError("the stand-in replays expert-major calls only")
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor, ...], config: Config):
         raise NotImplementedError("the stand-in replays expert-major calls only")
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
         return self._fresh if args.handle is None else self._cached
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
-                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
+                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._combined if expert_weights is None else self._combined_weights
 
 
@@ -217,7 +216,7 @@ def main() -> None:
     idx, probs = routing(args.tokens, args.experts, args.topk, gen)
     w = probs.gather(1, idx)
     buffer = get_buffer(dist.group.WORLD, args.hidden * 2, "torch")
-    megatron: Optional[MegatronCase] = None
+    megatron: MegatronCase | None = None
     try:
         from megatron.core import parallel_state as ps
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)

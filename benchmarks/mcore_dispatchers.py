@@ -132,7 +132,7 @@ def phase_us(d, x, rmap, probs, iters):
         events[7].record()
         torch.cuda.synchronize()
         samples.append([events[i].elapsed_time(events[i + 1]) * 1000 for i in range(len(PHASES))])
-    return [sorted(col)[len(col) // 2] for col in zip(*samples)]
+    return [sorted(col)[len(col) // 2] for col in zip(*samples, strict=False)]
 
 
 def trace(d, x, rmap, probs, label):
@@ -235,7 +235,7 @@ def ratios(rows):
     def over(key, base):
         if key not in times or base not in times:
             return ""
-        return "/".join(f"{float(t) / float(b):.2f}" for t, b in zip(times[key], times[base]))
+        return "/".join(f"{float(t) / float(b):.2f}" for t, b in zip(times[key], times[base], strict=False))
     return [r + (over((r[0], r[1]), (first, r[1])),) for r in rows]
 
 
@@ -265,7 +265,7 @@ for tokens in (int(t) for t in a.tokens.split(",")):
                 parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
                 if rank == 0:
                     print(f"PHASES mcore-{kind} tokens={tokens} " + " ".join(
-                        f"{name}={us:.0f}us" for name, us in zip(PHASES, parts)), flush=True)
+                        f"{name}={us:.0f}us" for name, us in zip(PHASES, parts, strict=False)), flush=True)
             if a.trace and use_cuda:
                 trace(disp, xf, rmap, probs, f"mcore-{kind} tokens={tokens}")
             if a.profile_host and use_cuda:
@@ -287,7 +287,7 @@ if rank == 0:
     print(f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "
           f"top-{a.topk} of {a.experts}, identity experts, median of {a.iters} (slowest rank)")
     for r in [header] + rows:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
 dist.barrier()
 ps.destroy_model_parallel()
 dist.destroy_process_group()

@@ -33,7 +33,7 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 # top-k) or, for an expert-major dispatch from a routing map, ``(routing_map [N, E] bool, topk)``; else None.
 Configs = Optional[tuple[Config, Config]]
 _Layout = Optional[tuple]
-_DispatchCall = tuple[Buffer, Optional[torch.Tensor], Optional[int], bool, int, bool, Configs, _Layout]
+_DispatchCall = tuple[Buffer, torch.Tensor | None, int | None, bool, int, bool, Configs, _Layout]
 
 
 def _check_configs(configs: Configs) -> None:
@@ -45,7 +45,7 @@ def _check_configs(configs: Configs) -> None:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
+    def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor | None, call: _DispatchCall):
         buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout = call
         per_rank, in_rank, per_expert = layout if layout is not None else (None, None, None)
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
@@ -104,7 +104,7 @@ class _DispatchExperts(torch.autograd.Function):
     probs' in the backward (one autograd node for both steps: host time)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):
+    def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor | None, call: _DispatchCall):
         buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, routing = call
         ctx.routing = None
         if routing is not None:
@@ -135,12 +135,12 @@ class _DispatchExperts(torch.autograd.Function):
         return grad_x, grad_weights, None
 
 
-def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
-             topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None, *,
+def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+             topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
              fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None,
-             num_tokens_per_rank: Optional[torch.Tensor] = None, is_token_in_rank: Optional[torch.Tensor] = None,
-             num_tokens_per_expert: Optional[torch.Tensor] = None
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], list[int], DispatchHandle]:
+             num_tokens_per_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
+             num_tokens_per_expert: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids),
     or without top-k from the three layout tensors (as :meth:`Buffer.dispatch` takes them).
 
@@ -167,10 +167,10 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs:
     return _Combine.apply(x, buffer, handle, False, configs)
 
 
-def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
                      num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1,
                      round_scale: bool = False, configs: Configs = None
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch_experts` of BF16/FP32 ``x`` ``[N, H]``, ``topk_idx`` ``[N, K]`` global ids.
 
     Returns ``(expert_x [M, H] x.dtype, expert_probs [M] float32 or None, tokens_per_expert list[int], handle)``.
@@ -187,7 +187,7 @@ def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, to
 def dispatch_experts_from_routing_map(buffer: Buffer, x: torch.Tensor, routing_map: torch.Tensor,
                                       probs: torch.Tensor, topk: int, num_experts: int, *, fp8_dispatch: bool = False,
                                       expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None
-                                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], DispatchHandle]:
+                                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], DispatchHandle]:
     """:func:`dispatch_experts` of ``x`` ``[N, H]`` routed by Megatron-Core's multi-hot ``routing_map`` ``[N, E]``
     bool with router ``probs`` ``[N, E]`` (any float dtype): each token's selected experts (at most ``topk``; the
     slots past them are -1) in ascending order, weighted by their probs, as ``ops.routing.routing_map_to_topk``

@@ -12,7 +12,8 @@ tensors to its transport (``torch`` reference or ``nvlink`` kernels).
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ def _require_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
+def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
            cuda: bool) -> torch.Tensor:
     """Type, dtype, shape (None = any size) and device (CUDA if ``cuda``, else CPU: the buffer's device type) of an
     input tensor, with the argument's name in the error. Runs several times per call, so it reads each tensor
@@ -44,7 +45,7 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[
     size = t.shape
     if len(size) != len(shape):
         raise _shape_error(name, shape, size)
-    for want, got in zip(shape, size):
+    for want, got in zip(shape, size, strict=False):
         if want is not None and want != got:
             raise _shape_error(name, shape, size)
     if not (t.is_cuda if cuda else t.is_cpu):
@@ -81,7 +82,7 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
     return (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous()
 
 
-def _shape_error(name: str, shape: Sequence[Optional[int]], size: torch.Size) -> ValueError:
+def _shape_error(name: str, shape: Sequence[int | None], size: torch.Size) -> ValueError:
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     return ValueError(f"{name}: expected shape {want}, got {list(size)}")
 
@@ -108,12 +109,12 @@ class Buffer:
 
     num_sms: int = 20
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
-                 transport: str = "auto", timeout_s: Optional[float] = None,
-                 device: Optional[Union[torch.device, str]] = None, ranks_per_node: Optional[int] = None) -> None:
+                 transport: str = "auto", timeout_s: float | None = None,
+                 device: torch.device | str | None = None, ranks_per_node: int | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
         group = group if group is not None else dist.group.WORLD
@@ -177,7 +178,7 @@ class Buffer:
         from .event import capture
         return capture()
 
-    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
         return self._comm_stream
 
     def destroy(self) -> None:
@@ -202,7 +203,7 @@ class Buffer:
             self.transport.check_error()
             raise
 
-    def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: Optional[EventOverlap], async_finish: bool,
+    def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: EventOverlap | None, async_finish: bool,
                         allocate_on_comm_stream: bool, inputs: tuple) -> tuple:
         """Raise what the transport recorded, then run ``fn`` on the communication stream after ``previous_event``
         (or the current stream's work); with ``async_finish`` the returned event marks its end, else the current
@@ -245,7 +246,7 @@ class Buffer:
 
     # ---- layout ----
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
-                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            previous_event: EventOverlap | None = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
         """``topk_idx`` ``[N, K]`` int64/int32 (-1 = none) → ``(num_tokens_per_rank [R] int32,
         num_tokens_per_rdma_rank [M] int32 (tokens per node on the hierarchical transport, else None),
@@ -270,15 +271,15 @@ class Buffer:
             raise ValueError(f"num_experts: {num_experts} experts do not divide evenly over {self.group_size} EP ranks")
 
     # ---- dispatch ----
-    def dispatch(self, x: XInput, handle: Optional[DispatchHandle] = None,
-                 num_tokens_per_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_expert: Optional[torch.Tensor] = None,
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False, *, num_experts: Optional[int] = None,
+    def dispatch(self, x: XInput, handle: DispatchHandle | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, *, num_experts: int | None = None,
                  fp8_dispatch: bool = False, fp8_out: bool = False, round_scale: bool = False):
         """Send each token once to every rank that hosts one of its experts (or, without top-k, to every rank
         ``is_token_in_rank`` names); rows arrive ordered by source rank, then source token.
@@ -331,10 +332,10 @@ class Buffer:
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
 
-    def _dispatch_args(self, x: XInput, handle: Optional[DispatchHandle], num_tokens_per_rank: Optional[torch.Tensor],
-                       is_token_in_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
-                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
-                       num_worst_tokens: int, config: Optional[Config], num_experts: Optional[int], fp8_dispatch: bool,
+    def _dispatch_args(self, x: XInput, handle: DispatchHandle | None, num_tokens_per_rank: torch.Tensor | None,
+                       is_token_in_rank: torch.Tensor | None, num_tokens_per_expert: torch.Tensor | None,
+                       topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, expert_alignment: int,
+                       num_worst_tokens: int, config: Config | None, num_experts: int | None, fp8_dispatch: bool,
                        fp8_out: bool, round_scale: bool, layout: bool = True) -> DispatchArgs:
         """Validate a dispatch's arguments into transport args, computing the layout when only ``topk_idx`` is
         given (unless ``layout`` is False: the transport derives it from top-k itself)."""
@@ -397,7 +398,7 @@ class Buffer:
                             layout_given=layout_given)
 
     def _check_x(self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"x: an FP8 input is a (data, scales) pair, got a tuple of {len(x)}")
@@ -416,14 +417,14 @@ class Buffer:
             fp8.check_fp8_hidden(data.shape[1], "x")
         return data.contiguous(), None
 
-    def _check_config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
+    def _check_config(self, config: Config | None, default: Callable[[int], Config]) -> Config:
         if config is None:
             return default(self.group_size)
         if not isinstance(config, Config):
             raise TypeError(f"config: expected moe_ep_plugin.Config, got {type(config).__name__}")
         return config
 
-    def _check_handle(self, handle: object, num_tokens: Optional[int] = None) -> DispatchHandle:
+    def _check_handle(self, handle: object, num_tokens: int | None = None) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
         if handle.num_ranks != self.group_size or handle.rank != self.rank:
@@ -433,9 +434,9 @@ class Buffer:
         return handle
 
     # ---- combine ----
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                bias: Union[torch.Tensor, tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
-                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
+                bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """Reduce received rows back to their tokens: ``x`` ``[N_recv, H]`` BF16/FP32 in dispatch order →
         ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``; sums in fp32, adds ``bias``
@@ -460,11 +461,11 @@ class Buffer:
         return combined, weights, event
 
     # ---- expert-major dispatch / combine ----
-    def dispatch_experts(self, x: XInput, topk_idx: Optional[torch.Tensor] = None,
-                         topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None, *,
-                         handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, fp8_dispatch: bool = False,
-                         fp8_out: bool = False, round_scale: bool = False, config: Optional[Config] = None,
-                         previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+    def dispatch_experts(self, x: XInput, topk_idx: torch.Tensor | None = None,
+                         topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
+                         handle: DispatchHandle | None = None, expert_alignment: int = 1, fp8_dispatch: bool = False,
+                         fp8_out: bool = False, round_scale: bool = False, config: Config | None = None,
+                         previous_event: EventOverlap | None = None, async_finish: bool = False,
                          allocate_on_comm_stream: bool = False):
         """Dispatch straight into the expert-major layout a grouped GEMM takes (docs/expert_major.md): the
         "prepare" half of the prepare/finalize pair around the experts (:meth:`combine_experts` finalizes).
@@ -508,8 +509,8 @@ class Buffer:
                                                                 (x, topk_idx, topk_weights, handle))
         return result.x, result.x_scales, result.probs, tokens_per_expert, result.handle, event
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor] = None,
-                        config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None = None,
+                        config: Config | None = None, previous_event: EventOverlap | None = None,
                         async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Reverse of :meth:`dispatch_experts`: expert outputs ``y`` ``[M, H]`` BF16/FP32 in the handle's layout →
         ``(combined_x [N, H] y.dtype, combined_weights [N, K] float32 or None, event)``.
@@ -543,8 +544,8 @@ class Buffer:
         return self._low_latency
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
         """``x`` BF16 ``[N <= M, H]``, ``topk_idx`` ``[N, K]`` (-1 = none) → ``(recv_x, recv_count, handle, event,
@@ -557,8 +558,8 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: object, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
         """Expert outputs ``x`` BF16 ``[L, R*M, H]`` → ``(combined_x [N, H] BF16, event, hook)``:
         ``Σ_k topk_weights[t, k] · y`` over the token's experts in fp32."""
         return self._ll().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
@@ -580,7 +581,7 @@ class Buffer:
         return handle
 
 
-def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 

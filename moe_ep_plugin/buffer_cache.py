@@ -6,17 +6,15 @@ The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all ta
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.distributed as dist
 
 from .buffer import Buffer
 from .config import Config, combine_config, dispatch_config
 
-_BUFFERS: dict[tuple[dist.ProcessGroup, str, Optional[int]], Buffer] = {}
+_BUFFERS: dict[tuple[dist.ProcessGroup, str, int | None], Buffer] = {}
 
 
-def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: Optional[int] = None) -> int:
+def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: int | None = None) -> int:
     """Peer-buffer bytes for rows of ``hidden_bytes`` (FP8 rows sized as BF16), over the dispatch and combine
     configs at ``num_sms`` SMs (None: ``Buffer.num_sms``)."""
     if hidden_bytes <= 0:
@@ -26,7 +24,7 @@ def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: Optional[int] = N
                combine_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
 
-def sm_configs(num_sms: Optional[int], num_ranks: int) -> Optional[tuple[Config, Config]]:
+def sm_configs(num_sms: int | None, num_ranks: int) -> tuple[Config, Config] | None:
     """The ``(dispatch, combine)`` Configs of ``num_sms`` SMs for a call; None (the Buffer's defaults) when
     ``num_sms`` is None."""
     if num_sms is None:
@@ -35,8 +33,8 @@ def sm_configs(num_sms: Optional[int], num_ranks: int) -> Optional[tuple[Config,
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
-               timeout_s: Optional[float] = None, num_sms: Optional[int] = None,
-               ranks_per_node: Optional[int] = None) -> Buffer:
+               timeout_s: float | None = None, num_sms: int | None = None,
+               ranks_per_node: int | None = None) -> Buffer:
     """The shared Buffer of ``group``, ``transport`` and ``ranks_per_node`` (None: the launcher's nodes);
     re-created (collectively) when rows of ``hidden_bytes`` no longer fit at ``num_sms`` SMs (None:
     ``Buffer.num_sms``). Collective on first use."""

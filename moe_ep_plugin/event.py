@@ -2,12 +2,12 @@
 stream's raw handle for kernel launches."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 # CUDA builds of torch have it; it returns the cudaStream_t without building a torch.cuda.Stream.
-_raw_stream: Optional[Callable[[int], int]] = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def current_stream_handle(device_index: int) -> int:
@@ -25,7 +25,7 @@ class EventOverlap:
     ``extra_tensors`` are kept alive until the event is waited on (tensors still used by the comm stream).
     """
 
-    def __init__(self, event: Optional["torch.cuda.Event"] = None, extra_tensors: Optional[tuple] = None) -> None:
+    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors: tuple | None = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
 
@@ -34,7 +34,7 @@ class EventOverlap:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
-    def __enter__(self) -> "EventOverlap":
+    def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -20,7 +20,7 @@ within the accumulation-order differences of two GEMM kernels.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ def _aligned(t: torch.Tensor) -> bool:
     """Every non-unit stride and the base address are multiples of 16 bytes (the grouped kernels' rule)."""
     size = t.element_size()
     return t.data_ptr() % _ALIGN_BYTES == 0 and all(
-        (s * size) % _ALIGN_BYTES == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n != 1)
+        (s * size) % _ALIGN_BYTES == 0 for s, n in zip(t.stride(), t.shape, strict=False) if s != 1 and n != 1)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -126,7 +126,7 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: ``x [M, K]`` rows of expert ``l`` times ``weight[l]`` (``weight [L, K, N]``), plus ``bias[l]``
     (``bias [L, N]`` or None) → ``[M, N]``."""
     outputs = [rows @ weight[l] if bias is None else rows @ weight[l] + bias[l]
@@ -135,7 +135,7 @@ def loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], impl: str,
-                   offsets: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   offsets: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` expert-major rows, ``weight [L, K, N]``, ``counts`` rows per expert, ``bias [L, N]`` or None
     → ``[M, N]``. ``impl``: ``"grouped"`` or ``"loop"`` (already resolved, see :func:`resolve_impl`);
     ``offsets``: the grouped path's int32 ``[L]`` (from :func:`expert_offsets`; built here when None)."""
@@ -185,8 +185,8 @@ def swiglu_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
     return grouped_linear(F.silu(gate) * up, down, counts, impl, offsets)
 
 
-def ffn_experts(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], activation: Callable,
-                w2: torch.Tensor, b2: Optional[torch.Tensor], counts: Sequence[int], impl: str = "auto"
+def ffn_experts(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, activation: Callable,
+                w2: torch.Tensor, b2: torch.Tensor | None, counts: Sequence[int], impl: str = "auto"
                 ) -> torch.Tensor:
     """Two-layer FFN experts: ``x [M, H]``, ``w1 [L, H, F]``, ``b1 [L, F]`` or None, ``activation``
     elementwise, ``w2 [L, F, H]``, ``b2 [L, H]`` or None → ``activation(x w1_l + b1_l) w2_l + b2_l`` ``[M, H]``."""

@@ -12,7 +12,6 @@ Later Megatron releases keep sigmoid scores in fp32 until the end; for fp32 logi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -45,7 +44,7 @@ def _check_router_inputs(logits: object, topk: object, score_function: object) -
     return num_experts
 
 
-def _check_groups(num_experts: int, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> None:
+def _check_groups(num_experts: int, topk: int, num_groups: int | None, group_topk: int | None) -> None:
     """Group limiting is on when ``group_topk`` is set (Megatron ignores ``num_groups`` alone)."""
     if num_groups is not None:
         positive_int(num_groups, "num_groups")
@@ -79,8 +78,8 @@ def _check_bias(expert_bias: object, logits: torch.Tensor, num_experts: int) -> 
 
 
 def _validate_routing(logits: torch.Tensor, topk: int, score_function: str, use_pre_softmax: bool,
-                      num_groups: Optional[int], group_topk: Optional[int], scaling_factor: Optional[float],
-                      expert_bias: Optional[torch.Tensor]) -> None:
+                      num_groups: int | None, group_topk: int | None, scaling_factor: float | None,
+                      expert_bias: torch.Tensor | None) -> None:
     num_experts = _check_router_inputs(logits, topk, score_function)
     if not isinstance(use_pre_softmax, bool):
         raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
@@ -101,8 +100,8 @@ def _validate_routing(logits: torch.Tensor, topk: int, score_function: str, use_
 
 # --------------------------------------------------------------------------------------------------- routing
 
-def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int],
-          group_topk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk(scores: torch.Tensor, topk: int, num_groups: int | None,
+          group_topk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of ``scores [T, E]`` (values descending, indices int64), limited to the ``group_topk`` groups
     whose top-(topk // group_topk) scores sum highest when ``group_topk`` is set."""
     if group_topk is None:
@@ -117,8 +116,8 @@ def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int],
 
 
 def _route(logits: torch.Tensor, topk: int, score_function: str, use_pre_softmax: bool,
-           num_groups: Optional[int], group_topk: Optional[int], scaling_factor: Optional[float],
-           expert_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+           num_groups: int | None, group_topk: int | None, scaling_factor: float | None,
+           expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """→ ``(weights [T, K] in the logits dtype, topk_idx [T, K] int64)``; inputs already validated."""
     dtype = logits.dtype
     if score_function == "softmax":
@@ -144,9 +143,9 @@ def _route(logits: torch.Tensor, topk: int, score_function: str, use_pre_softmax
 
 
 def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
-                 use_pre_softmax: bool = False, num_groups: Optional[int] = None,
-                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
-                 expert_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 use_pre_softmax: bool = False, num_groups: int | None = None,
+                 group_topk: int | None = None, scaling_factor: float | None = None,
+                 expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron-Core router top-k, dense form.
 
     ``logits [T, E]`` (any float dtype) → ``(probs [T, E] logits dtype, 0 off the top-k; routing_map [T, E] bool)``.
@@ -165,9 +164,9 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
 
 
 def group_limited_topk(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
-                       use_pre_softmax: bool = False, num_groups: Optional[int] = None,
-                       group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
-                       expert_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       use_pre_softmax: bool = False, num_groups: int | None = None,
+                       group_topk: int | None = None, scaling_factor: float | None = None,
+                       expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_routing`` in the sparse form dispatch takes: ``(topk_weights [T, K] float32, topk_idx [T, K] int64)``.
 
     Same experts and weights as ``topk_routing`` (weights computed in the logits dtype, then cast to float32),
@@ -180,9 +179,9 @@ def group_limited_topk(logits: torch.Tensor, topk: int, *, score_function: str =
     return weights.float(), idx
 
 
-def deepseek_v3_gate(logits: torch.Tensor, topk: int, *, num_groups: Optional[int] = None,
-                     group_topk: Optional[int] = None, route_scale: float = 1.0,
-                     expert_bias: Optional[torch.Tensor] = None,
+def deepseek_v3_gate(logits: torch.Tensor, topk: int, *, num_groups: int | None = None,
+                     group_topk: int | None = None, route_scale: float = 1.0,
+                     expert_bias: torch.Tensor | None = None,
                      score_function: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
     """The DeepSeek-V3 reference gate → ``(topk_weights [T, K] float32, topk_idx [T, K] int64)``.
 
@@ -301,7 +300,7 @@ def _check_aux_inputs(scores: torch.Tensor, topk: int, coeff: float) -> tuple[in
 
 
 def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, *, topk: int, coeff: float = 1.0,
-                    total_num_tokens: Optional[int] = None) -> torch.Tensor:
+                    total_num_tokens: int | None = None) -> torch.Tensor:
     """Switch-Transformer load-balancing loss ``coeff * E * Σ_i f_i P_i`` (Megatron's
     ``switch_load_balancing_loss_func``), a 0-d tensor differentiable in ``scores``.
 
@@ -372,8 +371,8 @@ class TrafficSaving:
 
 
 def traffic_saving(logits: torch.Tensor, topk: int, num_ranks: int, *, score_function: str = "softmax",
-                   use_pre_softmax: bool = False, num_groups: Optional[int] = None,
-                   group_topk: Optional[int] = None, expert_bias: Optional[torch.Tensor] = None) -> TrafficSaving:
+                   use_pre_softmax: bool = False, num_groups: int | None = None,
+                   group_topk: int | None = None, expert_bias: torch.Tensor | None = None) -> TrafficSaving:
     """Rows dispatch sends for ``logits [T, E]`` routed with the group limit vs. without it, counting
     destinations among ``num_ranks`` ranks (or nodes). With ``num_groups == num_ranks`` each token reaches
     at most ``group_topk`` of them."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -57,12 +57,12 @@ class DispatchHandle:
     send_pos: torch.Tensor
     recv_src_idx: torch.Tensor
     num_tokens: int
-    num_recv_tokens: Optional[int]
+    num_recv_tokens: int | None
     num_experts: int
     rank: int
     num_ranks: int
     num_recv_rows: int  # rows of recv_x as allocated (== num_recv_tokens unless num_worst_tokens)
-    expert_layout: Optional[ExpertLayout] = field(default=None, repr=False)
+    expert_layout: ExpertLayout | None = field(default=None, repr=False)
     transport_state: Any = field(default=None, repr=False)
 
     @property

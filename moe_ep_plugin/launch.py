@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+def init_process_group(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                        store: dist.Store | None = None) -> tuple[int, int]:
     """Initialise the default group from the environment (torchrun's, or :func:`spawn`'s with its ``store``);
     returns (rank, world)."""
@@ -165,7 +166,7 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
-def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
+def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
     """Run ``fn(*args)`` on ``nprocs`` fresh local processes joined in one default process group.
 
@@ -305,7 +306,7 @@ def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankF
     return ended
 
 
-def launch(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
+def launch(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
            timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
     """Run ``fn(*args)`` on every rank: in this process under torchrun, else on ``nprocs`` spawned ones."""
     if under_torchrun():
@@ -318,7 +319,7 @@ def launch(fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] =
         spawn(fn, nprocs, args, backend, timeout_s, grace_s)
 
 
-def run_ranks(prog: str, fn: Callable, nprocs: int, args: tuple = (), backend: Optional[str] = None,
+def run_ranks(prog: str, fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
               timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> int:
     """:func:`launch` for a command line: 0 when every rank finished, else 1 with one line per failed rank on
     stderr (each rank's own traceback is already above it), or 128 + the signal's number with one line when the

@@ -7,7 +7,8 @@ N = this rank's tokens (N <= M), K = top-k.
 """
 from __future__ import annotations
 
-from typing import Callable, NoReturn, Optional
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -48,11 +49,11 @@ class BufferSets:
 
     def __init__(self) -> None:
         self.next = 0
-        self._live: list[Optional[str]] = [None, None]  # what still needs the set, for the error
-        self._zero_copy: list[Optional[LowLatencyHandle]] = [None, None]
+        self._live: list[str | None] = [None, None]  # what still needs the set, for the error
+        self._zero_copy: list[LowLatencyHandle | None] = [None, None]
         self._generation = [0, 0]  # bumped by clean(): holders from before see it changed
 
-    def take(self, what: str, zero_copy_of: Optional[LowLatencyHandle] = None) -> int:
+    def take(self, what: str, zero_copy_of: LowLatencyHandle | None = None) -> int:
         """The set for a new call ``what``; ``zero_copy_of``: the handle of a zero-copy combine, which consumes
         the zero-copy buffer handed out for it. Raises RuntimeError if the set holds a live result."""
         s = self.next
@@ -118,7 +119,7 @@ class LowLatencyMode:
         self._calls = 0
         # (M, hidden, experts) the buffer's slots and signals are laid out for: set by the first call or by
         # clean_low_latency_buffer; the kernels place signals by these shapes, so another shape needs a clean
-        self._layout: Optional[tuple[int, int, int]] = None
+        self._layout: tuple[int, int, int] | None = None
 
     # ---- validation ----
     def _check_shapes(self, m: int, hidden: int, num_experts: int) -> None:
@@ -147,14 +148,14 @@ class LowLatencyMode:
                              f"hidden={lh}, num_experts={le}, this call has {m}, {hidden}, {num_experts}; call "
                              f"clean_low_latency_buffer({m}, {hidden}, {num_experts}) on every rank first")
 
-    def _check_topk(self, topk_idx: object, n: Optional[int]) -> torch.Tensor:
+    def _check_topk(self, topk_idx: object, n: int | None) -> torch.Tensor:
         topk_idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None))
         if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
             raise ValueError(f"topk_idx: top-k must lie in [1, {MAX_TOPK}], got {topk_idx.shape[1]}")
         return (topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)).contiguous()
 
-    def _check_stats(self, name: str, t: Optional[torch.Tensor], dtype: torch.dtype, size: int
-                     ) -> Optional[torch.Tensor]:
+    def _check_stats(self, name: str, t: torch.Tensor | None, dtype: torch.dtype, size: int
+                     ) -> torch.Tensor | None:
         if t is None:
             return None
         t = self._check(name, t, (dtype,), (size,))
@@ -170,8 +171,8 @@ class LowLatencyMode:
 
     # ---- calls ----
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                 num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-                 dispatch_wait_recv_cost_stats: Optional[torch.Tensor], use_fp8: bool, round_scale: bool,
+                 num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None,
+                 dispatch_wait_recv_cost_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, async_finish: bool, return_recv_hook: bool) -> tuple:
         try:
             x, topk_idx, m, recv_stats, wait_stats, s = self._check_dispatch(
@@ -224,7 +225,7 @@ class LowLatencyMode:
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: object,
                 use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
-                out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor]) -> tuple:
+                out: torch.Tensor | None, combine_wait_recv_cost_stats: torch.Tensor | None) -> tuple:
         try:
             x, topk_idx, topk_weights, handle, out, wait_stats, s = self._check_combine(
                 x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
@@ -304,7 +305,7 @@ class LowLatencyMode:
         return handle
 
     def _deferred(self, receive: Callable[[], None], s: int, what: str, return_recv_hook: bool
-                  ) -> Optional[Callable[[], None]]:
+                  ) -> Callable[[], None] | None:
         """Run ``receive`` now (no hook: the call returns with the data arrived), or return DeepEP's hook that
         runs it once, keeping set ``s`` live until then."""
         if not return_recv_hook:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from .config import DEFAULT_TIMEOUT_S, check_num_sms, positive_int
 from .transports import TRANSPORTS
@@ -28,9 +28,9 @@ class PluginOptions:
     transport: str = "auto"
     fp8_dispatch: bool = False
     round_scale: bool = False
-    num_sms: Optional[int] = None
+    num_sms: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
-    ranks_per_node: Optional[int] = None
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto",) + TRANSPORTS:
@@ -51,7 +51,7 @@ class PluginOptions:
                              f"{self.transport!r} has no node layout)")
 
     @classmethod
-    def from_dict(cls, values: Any, section: str) -> "PluginOptions":
+    def from_dict(cls, values: Any, section: str) -> PluginOptions:
         """Build from a YAML mapping; every error names ``section.key``."""
         if not isinstance(values, dict):
             raise ValueError(f"{section}: expected a mapping, got {type(values).__name__}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import Iterator, Optional
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -43,10 +43,10 @@ class FakeLib:
         self.read_buffer = [SENTINEL] * READ_INTS
         self.read_values: list[int] = []
         self.pull_rows = 0
-        self.combine_memory: dict[str, Optional[list]] = {}
+        self.combine_memory: dict[str, list | None] = {}
         # what the routing-map kernel writes: (topk_idx [T, K] int64, weights [T, K] float32) on CPU, copied as bytes
-        self.routing_answer: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._read_ints: Optional[int] = None
+        self.routing_answer: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._read_ints: int | None = None
 
     def __getattr__(self, name: str):
         if not name.startswith("moe_ep_"):

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.reference import dense_reference
 
 from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops.routing import routing_map_to_topk
-from support.reference import dense_reference
 
 HIDDEN, TOPK, LOCAL = 128, 3, 2
 
@@ -111,7 +111,7 @@ def _routing_map_case(seed: int) -> None:
             out = autograd.combine_experts(buffer, rows * rows_probs.unsqueeze(1), handle)
             (out * g).sum().backward()
             runs.append((rows, rows_probs, counts, out, x.grad, probs.grad))
-        for fused_value, value in zip(*runs):
+        for fused_value, value in zip(*runs, strict=False):
             if isinstance(value, torch.Tensor):
                 assert fused_value.dtype == value.dtype, dtype
                 torch.testing.assert_close(fused_value, value, rtol=0, atol=0)

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.reference import expected_dispatch, gather_all, routing
 
 from moe_ep_plugin import Buffer, Config
-from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
-from support.reference import expected_dispatch, gather_all, routing
+from moe_ep_plugin.ops import fp8
 
 # (tokens on rank r as a function of r, hidden, top-k, experts, routing) — every case runs on every world size.
 CASES = [
@@ -33,7 +33,7 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
     idx = routing(case["routing"], n, k, num_experts, gen)
     # K = 1 weights made by a transpose: contiguous by torch's rules, yet with a last stride that is not 1
     w = torch.rand(k, n, generator=gen).t() if k == 1 else torch.rand(n, k, generator=gen)
-    xs, idxs, ws = zip(*gather_all((x, idx, w)))
+    xs, idxs, ws = zip(*gather_all((x, idx, w)), strict=False)
 
     # layout
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)

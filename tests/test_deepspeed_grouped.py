@@ -14,9 +14,10 @@ from torch import nn
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
 
+from test_deepspeed_moe import assert_close, assert_same, ds_finish, ds_init, run_step  # noqa: E402
+
 from moe_ep_plugin import launch  # noqa: E402
 from moe_ep_plugin.deepspeed.ffn import ffn_structure  # noqa: E402
-from test_deepspeed_moe import assert_close, assert_same, ds_finish, ds_init, run_step  # noqa: E402
 
 
 class FFN(nn.Module):

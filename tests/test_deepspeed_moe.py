@@ -13,7 +13,6 @@ import contextlib
 import copy
 import gc
 import os
-from typing import Optional
 
 import pytest
 import torch
@@ -57,7 +56,7 @@ class Expert(torch.nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-def make_modules(num_experts: int, ep_size: int, k: int, stock_overrides: Optional[dict] = None, **ds_kwargs):
+def make_modules(num_experts: int, ep_size: int, k: int, stock_overrides: dict | None = None, **ds_kwargs):
     """Stock DeepSpeed MoE, the plugin MoE (``expert_compute='grouped'``), and a stock MoE converted with
     ``convert_moe`` (``expert_compute='loop'``) after its groups were set, all with identical weights (gate shared
     by all ranks, experts different on every rank). ``stock_overrides``: DeepSpeed arguments of the stock layer
@@ -249,8 +248,8 @@ def check_against_loop(moe, x: torch.Tensor, tol: float, what: str, fp8_wire: bo
     ``tol``: elementwise (atol = rtol) for fp32; with ``fp8_wire`` the experts see the FP8 round trip of ``x``
     and compute in BF16, so the bound is on the relative error norm ``|a - b| / |b|`` instead.
     """
-    from moe_ep_plugin.ops import fp8
     from moe_ep_plugin.deepspeed.routing import route
+    from moe_ep_plugin.ops import fp8
 
     def close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
         actual = actual.float()
@@ -287,7 +286,7 @@ def check_against_loop(moe, x: torch.Tensor, tol: float, what: str, fp8_wire: bo
             dist.all_reduce(p.grad)
     first = dist.get_rank() * layer.num_local_experts
     for i, expert in enumerate(layer.experts.deepspeed_experts):
-        for (name, p), ref_p in zip(expert.named_parameters(), experts[first + i].parameters()):
+        for (name, p), ref_p in zip(expert.named_parameters(), experts[first + i].parameters(), strict=False):
             close(p.grad, ref_p.grad, f"expert {first + i} {name}")
 
 

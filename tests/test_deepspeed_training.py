@@ -25,10 +25,10 @@ SMALL = {"model": {"vocab_size": 64, "hidden_size": 32, "ffn_hidden_size": 48, "
 def _worker_training(ckpt_dir: str) -> None:
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.utils import groups
+    from test_deepspeed_moe import ds_finish, ds_init
 
     from moe_ep_plugin.deepspeed import PluginMOELayer, convert_moe
     from moe_ep_plugin.recipes.deepspeed.train import build_engine, build_model, initialize, train_steps
-    from test_deepspeed_moe import ds_finish, ds_init
     ds_init()
     for stage in (2, 1):
         cfg = parse_config({**SMALL, "deepspeed": {"zero_optimization": {"stage": stage}}}, dist.get_world_size())

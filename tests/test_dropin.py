@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.reference import expected_dispatch, gather_all, routing
 
 from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.event import EventOverlap
@@ -16,7 +17,6 @@ from moe_ep_plugin.handle import NoEquivalent
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.transports.base import DispatchResult
 from moe_ep_plugin.transports.torch_transport import TorchTransport
-from support.reference import expected_dispatch, gather_all, routing
 
 
 # ---- stream ordering, with fake CUDA streams and a transport that leaves its counts on the "device" ----
@@ -28,7 +28,7 @@ class _Streams:
         self.current = self.compute
         self.log: list[tuple] = []
 
-    def stream(self, s: "_Stream"):
+    def stream(self, s: _Stream):
         @contextlib.contextmanager
         def switch():
             before, self.current = self.current, s
@@ -43,10 +43,10 @@ class _Stream:
     def __init__(self, name: str, streams: _Streams) -> None:
         self.name, self._streams = name, streams
 
-    def wait_event(self, event: "_Event") -> None:
+    def wait_event(self, event: _Event) -> None:
         self._streams.log.append(("wait_event", self.name, event.stream))
 
-    def wait_stream(self, other: "_Stream") -> None:
+    def wait_stream(self, other: _Stream) -> None:
         self._streams.log.append(("wait_stream", self.name, other.name))
 
 
@@ -101,7 +101,7 @@ def _stream_ordering() -> None:
         x = torch.randn(n, 32, generator=gen)
         idx = routing("random", n, 2, num_experts, gen).to(torch.int32)  # int32: converted inside, after the event
         w = torch.rand(n, 2, generator=gen)
-        xs, idxs, ws = zip(*gather_all((x, idx.long(), w)))
+        xs, idxs, ws = zip(*gather_all((x, idx.long(), w)), strict=False)
         ref_counts = expected_dispatch(xs, idxs, ws, num_experts, rank, world)[4]
         modes = [dict(), dict(async_finish=True), dict(previous_event=EventOverlap(_Event(streams, "compute"))),
                  dict(previous_event=EventOverlap(_Event(streams, "compute")), async_finish=True),
@@ -269,7 +269,7 @@ def _handle_defaults_duplicates() -> None:
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)
-    for a, b in zip(got[:3], reference[:3]):
+    for a, b in zip(got[:3], reference[:3], strict=False):
         assert a.device.type == "cpu" and a.dtype == b.dtype and torch.equal(a, b)
     assert got[3] == reference[3] and torch.equal(combined, ref_combined)
     assert torch.equal(experts[0], ref_experts[0]) and torch.equal(experts[2], ref_experts[2])

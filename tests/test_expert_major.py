@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.reference import dense_reference, gather_all, routing
 
 from moe_ep_plugin import Buffer, autograd
-from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
-from support.reference import dense_reference, gather_all, routing
+from moe_ep_plugin.ops import fp8
 
 # Every case runs on every world size, in BF16 and FP32.
 CASES = [
@@ -47,7 +47,7 @@ def expected_layout(idxs: list[torch.Tensor], num_experts: int, rank: int, world
     base = [sum(tokens_per_expert[:l]) for l in range(local)]
     recv_slot = [[-1 if p is None else base[p[0]] + p[1] for p in row] for row in received]
     sources: list = []
-    for b, size in zip(blocks, tokens_per_expert):
+    for b, size in zip(blocks, tokens_per_expert, strict=False):
         sources += b + [None] * (size - len(b))
     return tokens_per_expert, recv_slot, sources
 
@@ -68,7 +68,7 @@ def _check_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dtype) -> No
     x2 = torch.randn(n, h, generator=gen).to(dtype)
     idx = routing(case["routing"], n, k, num_experts, gen)
     w = torch.rand(n, k, generator=gen)
-    xs, x2s, idxs, ws = zip(*gather_all((x, x2, idx, w)))
+    xs, x2s, idxs, ws = zip(*gather_all((x, x2, idx, w)), strict=False)
     layouts = [expected_layout(list(idxs), num_experts, q, world, a) for q in range(world)]
     tokens_per_expert, recv_slot, sources = layouts[rank]
     num_rows = sum(tokens_per_expert)
@@ -111,7 +111,7 @@ def _expected_combine(rank: int, n: int, k: int, layouts: list, ys_and_weights: 
     h = ys_and_weights[0][0].shape[1]
     out = torch.zeros(n, h)
     out_w = torch.zeros(n, k)
-    for (_, _, sources), (y, weights) in zip(layouts, ys_and_weights):
+    for (_, _, sources), (y, weights) in zip(layouts, ys_and_weights, strict=False):
         slot_of = {s: row for row, s in enumerate(sources) if s is not None and s[0] == rank}
         for t in range(n):
             part, hit = torch.zeros(h), False

@@ -54,7 +54,7 @@ def test_swiglu_grouped_equals_loop(dtype, case):
     results = {impl: _run(lambda a, b, c: experts.swiglu_experts(a, b, c, counts, impl), (x, gate_up, down), grad_out)
                for impl in ("loop", "grouped", "auto")}
     for impl in ("grouped", "auto"):
-        for name, got, want in zip(("y", "grad_x", "grad_gate_up", "grad_down"), results[impl], results["loop"]):
+        for name, got, want in zip(("y", "grad_x", "grad_gate_up", "grad_down"), results[impl], results["loop"], strict=False):
             assert torch.equal(got, want), (impl, name)
     # experts without rows get an exact zero gradient
     for l, c in enumerate(counts):
@@ -77,7 +77,7 @@ def test_ffn_with_biases_grouped_equals_loop():
     results = {impl: _run(lambda x, w1, b1, w2, b2: experts.ffn_experts(x, w1, b1, F.gelu, w2, b2, counts, impl),
                           tensors, grad_out) for impl in ("loop", "grouped")}
     names = ("y", "grad_x", "grad_w1", "grad_b1", "grad_w2", "grad_b2")
-    for name, got, want in zip(names, results["grouped"], results["loop"]):
+    for name, got, want in zip(names, results["grouped"], results["loop"], strict=False):
         if name.startswith("grad_b"):  # a segment sum over rows against one sum per chunk: the order differs
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
         else:

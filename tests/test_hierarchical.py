@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.reference import dense_reference, expected_dispatch, gather_all, routing
+from test_autograd import _experts
+from test_buffer import _check_fp8
 
 from moe_ep_plugin import Buffer, Config, autograd
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.traffic import node_traffic
-from support.reference import dense_reference, expected_dispatch, gather_all, routing
-from test_autograd import _experts
-from test_buffer import _check_fp8
 
 
 def _routing(kind: str, n: int, k: int, num_experts: int, num_nodes: int, gen: torch.Generator) -> torch.Tensor:
@@ -51,7 +51,7 @@ def _expected_combine(ys, srcs, src_ranks, n: int, h: int, dtype, ranks_per_node
         for m in range(num_ranks // ranks_per_node):
             partial, hit = torch.zeros(h), False
             for r in range(m * ranks_per_node, (m + 1) * ranks_per_node):
-                for row, (s, j) in enumerate(zip(src_ranks[r], srcs[r])):
+                for row, (s, j) in enumerate(zip(src_ranks[r], srcs[r], strict=False)):
                     if s == rank and j == t:
                         partial, hit = partial + ys[r][row].float(), True
             if hit:
@@ -77,7 +77,7 @@ def _check_case(buffer: Buffer, flat: Buffer, case, seed: int, dtype: torch.dtyp
     x = torch.randn(n, h, generator=gen).to(dtype)
     idx = _routing(kind, n, k, num_experts, num_nodes, gen)
     w = torch.rand(n, k, generator=gen)
-    xs, idxs, ws = zip(*gather_all((x, idx, w)))
+    xs, idxs, ws = zip(*gather_all((x, idx, w)), strict=False)
 
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
     ref_in_rank = torch.tensor([[any(e >= 0 and e // local == r for e in row) for r in range(world)]
@@ -113,7 +113,7 @@ def _check_case(buffer: Buffer, flat: Buffer, case, seed: int, dtype: torch.dtyp
     bias = torch.randn(n, h, generator=gen).to(dtype)
     combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
     ys, srcs, src_ranks, rws = zip(*gather_all((y, handle.recv_src_idx.tolist(), _source_ranks(handle, rank),
-                                                recv_w)))
+                                                recv_w)), strict=False)
     assert torch.equal(combined, _expected_combine(ys, srcs, src_ranks, n, h, dtype, p, rank, bias))
     expected_w = _expected_combine(rws, srcs, src_ranks, n, k, torch.float32, p, rank, None)
     assert torch.equal(combined_w, expected_w)
@@ -197,7 +197,7 @@ def _autograd(buffer: Buffer, seed: int) -> None:
     (out * g).sum().backward()
     ref = dense_reference(x, idx, w, g, expert_w, False)
     got = (out, x.grad, w.grad, local_w.grad)
-    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), got, ref[:3] + (ref[3][rank * local:(rank + 1) * local],)):
+    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), got, ref[:3] + (ref[3][rank * local:(rank + 1) * local],), strict=False):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
@@ -301,7 +301,7 @@ def _autograd_chunked(buffer: Buffer, seed: int) -> None:
         out = autograd.combine(buffer, _experts(recv_x, recv_idx, recv_w, expert_w), handle, configs=(config, config))
         (out * g).sum().backward()
         results.append((out, x.grad, w.grad, expert_w.grad))
-    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), *results):
+    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), *results, strict=False):
         assert torch.equal(a, b), f"{name}: hierarchical_chunks=3 differs from the unchunked path"
 
 

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.reference import expected_dispatch, gather_all
 
 from moe_ep_plugin import Buffer
-from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
-from support.reference import expected_dispatch, gather_all
+from moe_ep_plugin.ops import fp8
 
 M, H = 6, 512
 
@@ -111,7 +111,7 @@ def _suite(seed: int) -> None:
             idx[:, 0] = num_experts - 1  # every token to one expert (others -1)
             idx[:, 1:] = -1
         w = torch.rand(n, k, generator=gen)
-        xs, idxs = zip(*gather_all((x, idx)))
+        xs, idxs = zip(*gather_all((x, idx)), strict=False)
         stats = torch.zeros(local, dtype=torch.int32)
         wait = torch.zeros(world, dtype=torch.int64)
         recv_x, recv_count, handle, event, recv_hook = buffer.low_latency_dispatch(
@@ -127,7 +127,7 @@ def _suite(seed: int) -> None:
 
         # Expert stand-in: any BF16 values in the valid rows (garbage elsewhere must not leak into the sum).
         y = torch.randn(local, world * M, H, generator=gen).bfloat16()
-        y_all, rows_all = zip(*gather_all((y, rows)))
+        y_all, rows_all = zip(*gather_all((y, rows)), strict=False)
         want = _expected_combine(y_all, rows_all, idx, w, rank, world, num_experts)
         mode = it % 3  # plain, out=, zero-copy
         out = torch.full((n, H), float("nan")).bfloat16() if mode == 1 else None
@@ -149,7 +149,7 @@ def _suite(seed: int) -> None:
     idx = _routing(4, 2, num_experts, gen)
     w = torch.rand(4, 2, generator=gen)
     recv, recv_idx, _, counts, nh, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts)
-    xs, idxs, ws = zip(*gather_all((x, idx, w)))
+    xs, idxs, ws = zip(*gather_all((x, idx, w)), strict=False)
     rows_ref, idx_ref, _, _, counts_ref = expected_dispatch(xs, idxs, ws, num_experts, rank, world)
     assert counts == counts_ref and recv_idx.tolist() == idx_ref
     assert torch.equal(recv, torch.stack(rows_ref) if rows_ref else recv[:0])
@@ -175,7 +175,7 @@ def _two_sets() -> None:
     a[4]()
     with pytest.raises(RuntimeError, match="already ran"):
         a[4]()
-    xs, idxs = zip(*gather_all((x, idx)))
+    xs, idxs = zip(*gather_all((x, idx)), strict=False)
     _check_dispatch(a[0], a[1], a[2], xs, idxs, rank, world, num_experts, False, False, False)
     _check_dispatch(b[0], b[1], b[2], xs, idxs, rank, world, num_experts, True, False, False)
     # A zero-copy buffer handed out belongs to the next call: any other call first is refused.
@@ -258,9 +258,9 @@ def _errors() -> None:
         Buffer(transport="torch", low_latency_mode=True, num_qps_per_rank=0)
     # Still in step: a good call after all of the refused ones.
     recv_x, recv_count, handle, _, _ = d(x, idx, M, num_experts, use_fp8=False)
-    xs, idxs = zip(*gather_all((x, idx)))
+    xs, idxs = zip(*gather_all((x, idx)), strict=False)
     rows = _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, False, False, False)
-    y_all, rows_all = zip(*gather_all((recv_x, rows)))
+    y_all, rows_all = zip(*gather_all((recv_x, rows)), strict=False)
     combined, _, _ = c(recv_x, idx, w, handle)
     assert torch.equal(combined, _expected_combine(y_all, rows_all, idx, w, rank, world, num_experts))
 
@@ -293,9 +293,9 @@ def _one_rank_bad_input() -> None:
     recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, num_experts, use_fp8=False)
     with pytest.raises(TypeError, match=rf"low_latency_combine: {last}topk_weights: expected dtype"):
         buffer.low_latency_combine(recv_x, idx, torch.rand(4, 2).double() if odd else torch.rand(4, 2), handle)
-    xs, idxs = zip(*gather_all((x, idx)))
+    xs, idxs = zip(*gather_all((x, idx)), strict=False)
     rows = _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, False, False, False)
-    y_all, rows_all = zip(*gather_all((recv_x, rows)))
+    y_all, rows_all = zip(*gather_all((recv_x, rows)), strict=False)
     w = torch.rand(4, 2, generator=gen)
     combined, _, _ = buffer.low_latency_combine(recv_x, idx, w, handle)
     assert torch.equal(combined, _expected_combine(y_all, rows_all, idx, w, rank, world, num_experts))

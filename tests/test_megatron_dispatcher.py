@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from moe_ep_plugin.ops import fp8  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
+from moe_ep_plugin.ops import fp8  # noqa: E402
 
 EXPERTS, TOPK = 8, 3
 
@@ -52,7 +52,7 @@ def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed:
     all_tokens = [0 if (case == "zero_rank" and r == 0) else 4 + 3 * r for r in range(world)]
     gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(world)]
     inputs = [(torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g))
-              for n, g in zip(all_tokens, gens)]
+              for n, g in zip(all_tokens, gens, strict=False)]
     x_all = [x.view(-1, hidden) for x, _, _ in inputs]
     sent = [fp8.dequantize(*fp8.quantize(x), dtype) if fp8_dispatch else x for x in x_all]  # what the experts see
     x, probs, routing_map = (t.clone() for t in inputs[rank])
@@ -158,7 +158,7 @@ def test_routing_map_to_topk_matches_plain_loop() -> None:
         for t in range(tokens):
             chosen = [e for e in range(EXPERTS) if routing_map[t, e]]
             expected = sorted([(e, float(p[t, e].detach())) for e in chosen] + [(-1, 0.0)] * (TOPK - len(chosen)))
-            assert sorted(zip(idx[t].tolist(), w[t].tolist())) == expected, (dtype, t)
+            assert sorted(zip(idx[t].tolist(), w[t].tolist(), strict=False)) == expected, (dtype, t)
             for k in range(TOPK):
                 if idx[t, k] >= 0:
                     expected_grad[t, idx[t, k]] += grad[t, k].item()

@@ -10,7 +10,7 @@ through the same fake. What the kernels compute is tests/gpu's business: this pi
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import pytest
@@ -80,16 +80,16 @@ def _config(num_sms: int = 24, **tuning: int) -> Config:
     return Config(num_sms=num_sms, nvlink=dataclasses.replace(TUNING, **tuning))
 
 
-def _inputs(weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def _inputs(weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     torch.manual_seed(0)
     x = torch.randn(N, H).to(torch.bfloat16)
     w = torch.rand(N, K) if weights else None
     return x, torch.tensor(TOPK, dtype=torch.int64), w
 
 
-def _args(x: torch.Tensor, topk_idx: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-          handle: Optional[DispatchHandle] = None, per_rank: Optional[torch.Tensor] = None,
-          in_rank: Optional[torch.Tensor] = None, num_experts: int = E) -> DispatchArgs:
+def _args(x: torch.Tensor, topk_idx: torch.Tensor | None, weights: torch.Tensor | None,
+          handle: DispatchHandle | None = None, per_rank: torch.Tensor | None = None,
+          in_rank: torch.Tensor | None = None, num_experts: int = E) -> DispatchArgs:
     return DispatchArgs(x=x, x_scales=None, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
                         is_token_in_rank=in_rank, num_experts=num_experts, handle=handle, num_worst_tokens=0,
                         wire_fp8=False, fp8_out=False, round_scale=False, config=CONFIG)
@@ -111,7 +111,7 @@ def _notify_experts_at(lib: FakeLib, num_ranks: int = R) -> At:
     return lambda i, offset=0: parts[i] + 4 * offset
 
 
-def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[torch.Tensor], at: At, **fields: int
+def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor | None, at: At, **fields: int
                      ) -> dict[str, int]:
     """The parameters of an expert-major pull dispatch of ``x`` (``at``: addresses in notify's allocation); the
     receive side and the guess come in ``fields``."""
@@ -261,7 +261,7 @@ def _combine_handle(lib: FakeLib, t: NVLinkTransport):
     return handle, at, y, expert_weights, sum(expected, [])
 
 
-def _combine(at: At, x: int, out: torch.Tensor, out_weights: Optional[torch.Tensor],
+def _combine(at: At, x: int, out: torch.Tensor, out_weights: torch.Tensor | None,
              topk_weights: int, num_sms: int = 24, **fields: int) -> dict[str, int]:
     """The parameters of a combine of the scenario's received rows at ``x``; the mode's fields in ``fields``."""
     return _params(library.CombineParams, x=x, topk_weights=topk_weights, rank_prefix_matrix=at(0), send_pos=at(2),
@@ -488,7 +488,7 @@ def test_dispatch_roles_follow_the_tuning() -> None:
     (8, 100, 16, 1000, (False, True, 0, 0), False),  # 8 SMs: copy engines; 10 send blocks would not fit
 ], ids=["pull", "push-small", "pull-at-threshold", "push-no-room", "push-no-counts", "copy-engine",
         "copy-engine-no-counts", "copy-engine-8-sms"])
-def test_combine_roles(num_sms: int, most: Optional[int], row_bytes: int, capacity: int, expected: Roles,
+def test_combine_roles(num_sms: int, most: int | None, row_bytes: int, capacity: int, expected: Roles,
                        asks: bool) -> None:
     asked: list = []
 

@@ -8,12 +8,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from support.reference import expected_dispatch, gather_all
 
 from moe_ep_plugin import Buffer
-from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.launch import spawn
+from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.transports import torch_transport
-from support.reference import expected_dispatch, gather_all
 
 # Rank r's value in the order-sensitive columns: summed in ascending rank order, 1 + 2^24 rounds back to 2^24
 # and the total is 0; in any other order it is 1 (or 2^24).
@@ -58,7 +58,7 @@ def _suite(seed: int) -> None:
     x = torch.randn(n, h, generator=gen).bfloat16()
     idx = _routing(n, k, num_experts, gen)
     w = torch.rand(n, k, generator=gen)
-    xs, idxs, ws = zip(*gather_all((x, idx, w)))
+    xs, idxs, ws = zip(*gather_all((x, idx, w)), strict=False)
 
     calls.clear()
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w,
@@ -78,7 +78,7 @@ def _suite(seed: int) -> None:
     ref_pos = []
     for sent in in_rank:
         ref_pos.append([running[r] if sent[r] else -1 for r in range(world)])
-        running = [c + s for c, s in zip(running, sent)]
+        running = [c + s for c, s in zip(running, sent, strict=False)]
     assert handle.send_pos.tolist() == ref_pos
     all_running = gather_all(running)
     assert handle.rank_prefix_matrix.tolist() == torch.tensor(all_running).cumsum(0).tolist()
@@ -104,7 +104,7 @@ def _suite(seed: int) -> None:
     y = recv_x.float() * (rank + 1)
     y[:, h // 2:] = ORDER_VALUES[rank % 3]
     y[handle.recv_src_idx % 3 == 0] = -0.0
-    ys, srcs, recv_ws = zip(*gather_all((y, handle.recv_src_idx, recv_w)))
+    ys, srcs, recv_ws = zip(*gather_all((y, handle.recv_src_idx, recv_w)), strict=False)
     bias = torch.randn(n, h, generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
         expected = torch.zeros(n, h)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_ep_plugin.recipes.train import cli, config
 from moe_ep_plugin.recipes.common.data import TokenWindows, load_tokens, shipped_corpus_path
+from moe_ep_plugin.recipes.train import cli, config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

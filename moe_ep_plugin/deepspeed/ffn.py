@@ -13,7 +13,7 @@ keeps DeepSpeed's per-expert loop.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -47,7 +47,7 @@ class _Call:
         return self.fn(t, *self.args, **self.kwargs)
 
 
-def _activation(expert: nn.Module, node: fx.Node, source: fx.Node) -> Optional[Callable]:
+def _activation(expert: nn.Module, node: fx.Node, source: fx.Node) -> Callable | None:
     """``node`` as a callable of one tensor, if it is an allowed elementwise activation applied to ``source``
     with constant extra arguments (``approximate="tanh"``, ``negative_slope``, ``inplace``)."""
     if not node.args or node.args[0] is not source:
@@ -68,7 +68,7 @@ def _activation(expert: nn.Module, node: fx.Node, source: fx.Node) -> Optional[C
     return None
 
 
-def ffn_structure(expert: nn.Module) -> Optional[Structure]:
+def ffn_structure(expert: nn.Module) -> Structure | None:
     """``(first Linear's module path, activation, second Linear's module path)`` when ``expert``'s forward is
     exactly ``Linear → elementwise activation → Linear`` of its one input; None for anything else."""
     try:
@@ -98,7 +98,7 @@ class GroupedFFN:
         self.second = [expert.get_submodule(second) for expert in local_experts]
 
     @classmethod
-    def of(cls, local_experts: Sequence[nn.Module]) -> Optional["GroupedFFN"]:
+    def of(cls, local_experts: Sequence[nn.Module]) -> GroupedFFN | None:
         """The grouped form of ``local_experts`` (DeepSpeed's ``deepspeed_experts``), or None when they are not
         two-layer FFNs of one shape (DeepSpeed deep-copies one expert, so they agree unless changed since)."""
         structure = ffn_structure(local_experts[0]) if len(local_experts) else None
@@ -126,7 +126,7 @@ class GroupedFFN:
         return experts.ffn_experts(rows, w1, b1, self.activation, w2, b2, counts, "grouped")
 
 
-def _stacked(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _stacked(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``L`` Linears ``[N, K]`` → the weights as ``[L, K, N]`` (a transposed view of their stack) and the
     biases ``[L, N]`` (None without biases)."""
     weight = torch.stack([m.weight for m in linears]).transpose(1, 2)

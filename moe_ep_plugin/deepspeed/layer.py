@@ -12,8 +12,6 @@ projection over their stacked weights, others one by one) and combines the exper
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -27,6 +25,7 @@ from ..config import DEFAULT_TIMEOUT_S
 from .ffn import GroupedFFN
 from .options import DeepSpeedOptions, check_moe_args, check_world
 from .routing import GroupLimitedGate, route
+
 
 def _first(out: object) -> torch.Tensor:
     # DeepSpeed's Experts drop an expert's bias output the same way
@@ -54,7 +53,7 @@ class PluginMOELayer(MOELayer):
 
     @classmethod
     def from_stock(cls, layer: MOELayer, options: DeepSpeedOptions,
-                   gate: Optional[torch.nn.Module] = None) -> "PluginMOELayer":
+                   gate: torch.nn.Module | None = None) -> PluginMOELayer:
         """The plugin layer over ``layer``'s gate (or ``gate``), experts and EP group (if already set)."""
         plugin = cls(gate if gate is not None else layer.gate, layer.experts, layer.ep_group_name, layer.ep_size,
                      layer.num_local_experts, options)
@@ -83,9 +82,9 @@ class PluginMOELayer(MOELayer):
             return grouped(rows, counts)
         # every local expert runs, also on zero rows, so each one's parameters get a (zero) gradient
         return torch.cat([_first(expert(chunk))
-                          for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts)])
+                          for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts, strict=False)])
 
-    def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden_states [..., H]`` (BF16/FP32) → same shape; ``used_token`` as DeepSpeed's (k=1 only)."""
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states: expected a tensor, got {type(hidden_states).__name__}")
@@ -141,14 +140,14 @@ class MoE(DeepSpeedMoE):
 
     def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1,
                  k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = False,
+                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = False,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True, *, router: str = "deepspeed",
-                 score_function: str = "softmax", use_pre_softmax: bool = False, num_groups: Optional[int] = None,
-                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                 score_function: str = "softmax", use_pre_softmax: bool = False, num_groups: int | None = None,
+                 group_topk: int | None = None, scaling_factor: float | None = None,
                  expert_bias_rate: float = 0.0, fp8_dispatch: bool = False, round_scale: bool = False,
-                 transport: str = "auto", num_sms: Optional[int] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, ranks_per_node: Optional[int] = None,
+                 transport: str = "auto", num_sms: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, ranks_per_node: int | None = None,
                  expert_compute: str = "auto") -> None:
         options = DeepSpeedOptions(router=router, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                    num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
@@ -202,7 +201,7 @@ def convert_moe(model: torch.nn.Module, *, router: str = "deepspeed", **options)
     return converted
 
 
-def update_expert_biases(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
+def update_expert_biases(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Apply the aux-loss-free bias step of every :class:`GroupLimitedGate` with a bias in ``model`` (call on all
     ranks after ``engine.step()``). Returns how many gates were updated."""
     gates = [m for m in model.modules() if isinstance(m, GroupLimitedGate) and m.expert_bias is not None]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,9 +36,9 @@ class DeepSpeedOptions(PluginOptions):
     router: str = "deepspeed"
     score_function: str = "softmax"
     use_pre_softmax: bool = False
-    num_groups: Optional[int] = None
-    group_topk: Optional[int] = None
-    scaling_factor: Optional[float] = None
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
     expert_bias_rate: float = 0.0
     expert_compute: str = "auto"
 

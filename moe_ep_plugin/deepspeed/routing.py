@@ -7,13 +7,19 @@ DeepSpeed's ``l_aux`` (0-d, differentiable) and ``exp_counts [E]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from deepspeed.moe.sharded_moe import (TopKGate, einsum, gumbel_rsample, multiplicative_jitter, top1gating, top2gating,
-                                       topkgating)
+from deepspeed.moe.sharded_moe import (
+    TopKGate,
+    einsum,
+    gumbel_rsample,
+    multiplicative_jitter,
+    top1gating,
+    top2gating,
+    topkgating,
+)
 
 from .. import gating
 from .options import DeepSpeedOptions
@@ -29,7 +35,7 @@ class Routes:
     exp_counts: torch.Tensor    # [E] routes chosen per expert, counted before any capacity drop
 
 
-def topk_gate_routes(gate: TopKGate, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> Routes:
+def topk_gate_routes(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None) -> Routes:
     """DeepSpeed's top-1/top-2/top-k gating of ``x [S, H]``, exactly as ``TopKGate.forward`` computes it.
 
     With ``drop_tokens=False`` the dropless functions below give DeepSpeed's numbers without its capacity: no
@@ -68,7 +74,7 @@ def _token_major(routes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(routes.shape[::-1], dtype=dtype, device=routes.device).copy_(routes.t())
 
 
-def _top1_dropless(logits: torch.Tensor, used_token: Optional[torch.Tensor], noisy: Optional[str],
+def _top1_dropless(logits: torch.Tensor, used_token: torch.Tensor | None, noisy: str | None,
                    use_rts: bool) -> Routes:
     """``top1gating(drop_tokens=False)`` of fp32 ``logits [S, E]``: the same routes, weights, ``l_aux`` and
     ``exp_counts`` and the same random draws, without its capacity (DeepSpeed reads it on the host three times).
@@ -144,11 +150,11 @@ class GroupLimitedGate(torch.nn.Module):
     """
 
     def __init__(self, model_dim: int, num_experts: int, k: int, options: DeepSpeedOptions,
-                 wg: Optional[torch.nn.Linear] = None) -> None:
+                 wg: torch.nn.Linear | None = None) -> None:
         super().__init__()
         self.wg = wg if wg is not None else torch.nn.Linear(model_dim, num_experts, bias=False)
         self.k = k
-        self.ep_group: Optional[dist.ProcessGroup] = None
+        self.ep_group: dist.ProcessGroup | None = None
         self.options = options
         self.num_experts = num_experts
         if options.expert_bias_rate > 0:
@@ -178,7 +184,7 @@ class GroupLimitedGate(torch.nn.Module):
         return Routes(idx, weights, l_aux, exp_counts)
 
     @torch.no_grad()
-    def update_expert_bias(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
         """Aux-loss-free step: sum the loads counted since the last call over ``group`` (default: all ranks,
         so every data-parallel replica applies the same step), move the bias towards balance, reset."""
         if self.expert_bias is None:
@@ -190,7 +196,7 @@ class GroupLimitedGate(torch.nn.Module):
         self._pending_counts.zero_()
 
 
-def route(gate: torch.nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> Routes:
+def route(gate: torch.nn.Module, x: torch.Tensor, used_token: torch.Tensor | None) -> Routes:
     """Routes of ``x [S, H]`` from either gate kind; ``used_token`` ([S] 0/1 mask) only for DeepSpeed's k=1."""
     if isinstance(gate, GroupLimitedGate):
         if used_token is not None:

@@ -18,8 +18,8 @@ except ImportError as exc:  # name the missing piece: megatron.core itself impor
 
 from ..ops.routing import routing_map_to_topk
 from .dispatcher import EPPluginTokenDispatcher
-from .registration import install, is_installed, uninstall
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
+from .registration import install, is_installed, uninstall
 from .router import PortableTopKRouter
 
 __all__ = ["EPPluginTokenDispatcher", "PLUGIN_DISPATCHER_TYPE", "PluginOptions", "PortableTopKRouter",

@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
@@ -16,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from .router import PortableTopKRouter
 
 
-def moe_submodules(mlp_spec: Any) -> Optional[MoESubmodules]:
+def moe_submodules(mlp_spec: Any) -> MoESubmodules | None:
     """The ``MoESubmodules`` of a MoE layer spec (either form), or None for a dense MLP spec."""
     if isinstance(mlp_spec, ModuleSpec):
         sub = mlp_spec.submodules

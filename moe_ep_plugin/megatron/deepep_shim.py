@@ -7,7 +7,7 @@ The signatures and results are those of ``megatron.core.transformer.moe.fused_a2
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
 
 
 def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: Any, async_finish: bool = False,
-                  allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ``[R, H]`` → ``(combined [T, H], None)``: each token's rows summed over the ranks it went to."""
     handle_group, buffer, dispatch_handle = handle
     if handle_group is not group:
@@ -66,7 +66,7 @@ def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: Any, async_
     return ep_autograd.combine(buffer, x.contiguous(), dispatch_handle), None
 
 
-def set_deepep_num_sms(num_sms: Optional[int]) -> None:
+def set_deepep_num_sms(num_sms: int | None) -> None:
     """Megatron's SM budget for the communication kernels (``moe_flex_dispatcher_num_sms``/``moe_deepep_num_sms``)."""
     if num_sms is not None:
         Buffer.set_num_sms(num_sms)

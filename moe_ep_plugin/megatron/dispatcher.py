@@ -28,7 +28,7 @@ transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 
 from __future__ import annotations
 
 import array
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from megatron.core.transformer.moe.moe_utils import get_capacity
@@ -53,8 +53,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     """Megatron-Core ``MoETokenDispatcher`` over ``moe_ep_plugin.Buffer`` (built by ``MoELayer`` for
     ``moe_token_dispatcher_type: ep_plugin`` once :func:`moe_ep_plugin.megatron.install` ran)."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config: Any,
-                 pg_collection: Optional[Any] = None, options: Optional[PluginOptions] = None) -> None:
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: Any,
+                 pg_collection: Any | None = None, options: PluginOptions | None = None) -> None:
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
             pg_collection = get_default_pg_collection()
@@ -95,16 +95,16 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         # The shared buffer of the last token_dispatch and what get_buffer was asked for it: reused while the key
         # matches and the buffer is alive (get_buffer destroys a buffer before replacing it), which saves
         # get_buffer's size computation on every call.
-        self._shared_buffer: Optional[Buffer] = None
-        self._shared_buffer_key: Optional[tuple] = None
+        self._shared_buffer: Buffer | None = None
+        self._shared_buffer_key: tuple | None = None
         self._configs: ep_autograd.Configs = None  # per-call (dispatch, combine) Configs; see _get_buffer
         self._clear_state()
 
     def _clear_state(self) -> None:
-        self._routing_map: Optional[torch.Tensor] = None
+        self._routing_map: torch.Tensor | None = None
         self._capacity_rows: int | None = None  # drop-and-pad: every local expert's row count
         self._fp16 = False  # the tokens of this dispatch are fp16 (dispatched and combined as fp32)
-        self._tokens_per_expert: Optional[list[int]] = None
+        self._tokens_per_expert: list[int] | None = None
         self._handle = None
         self._buffer = None
 

@@ -8,7 +8,7 @@ so for CPU runs (tests, the launcher's smoke configuration) the plugin executes 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

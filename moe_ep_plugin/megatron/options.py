@@ -8,7 +8,7 @@ section.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -54,7 +54,7 @@ def set_plugin_options(config: Any, options: PluginOptions) -> None:
     setattr(config, CONFIG_ATTR, options)
 
 
-def get_plugin_options(config: Any, default: Optional[PluginOptions] = None) -> PluginOptions:
+def get_plugin_options(config: Any, default: PluginOptions | None = None) -> PluginOptions:
     """The options attached to ``config``, else ``default``, else :class:`PluginOptions` defaults."""
     options = getattr(config, CONFIG_ATTR, None)
     if options is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
@@ -77,14 +76,14 @@ class LLCombineParams(ctypes.Structure):
             "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "buffer_set")]
 
 
-_lib: Optional[ctypes.CDLL] = None
+_lib: ctypes.CDLL | None = None
 
 
 def library_path() -> str:
     return os.environ.get("MOE_EP_KERNEL_LIB", LIB_PATH)
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why the kernel library cannot be loaded (None when it can)."""
     path = library_path()
     if not os.path.isfile(path):

@@ -12,7 +12,6 @@ through torch ops; both give the same bits. No host syncs. Not differentiable by
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -78,9 +77,9 @@ def slot_layout(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torc
     return slot, round_up(counts[:num_local], alignment)
 
 
-def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: Optional[torch.Tensor] = None,
-            recv_scales: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: torch.Tensor | None = None,
+            recv_scales: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``recv_x`` ``[N, H]`` (any dtype; FP8 moves as bytes), ``recv_slot`` ``[N, K]`` int32, ``num_rows`` M,
     ``recv_weights`` ``[N, K]`` float32, ``recv_scales`` ``[N, S]`` float32 → ``(x [M, H] recv_x.dtype,
     probs [M] float32 or None, scales [M, S] float32 or None)``.
@@ -107,9 +106,9 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     return permute_valid(x, slot, n, num_rows, weights, scales)
 
 
-def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, weights: Optional[torch.Tensor] = None,
-                  scales: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, weights: torch.Tensor | None = None,
+                  scales: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The kernel of :func:`permute` on its first ``n`` rows, for inputs already known valid: CUDA tensors of one
     device with the kernel library loaded, ``x`` ``[>= n, H]`` with rows of a multiple of 16 bytes, ``slot``
     ``[n, K]`` int32 (1 <= K <= 32), ``weights`` ``[n, K]`` / ``scales`` ``[>= n, S]`` float32, all contiguous.
@@ -200,9 +199,9 @@ def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tu
     return slot.view(idx.shape), aligned
 
 
-def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: Optional[torch.Tensor],
-                   scales: Optional[torch.Tensor]
-                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: torch.Tensor | None,
+                   scales: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every output row gathers its source row in one ``index_select`` (rows no slot names read an appended zero
     row): one pass over the output instead of one scatter of ``x`` per top-k column."""
     n, k = slot.shape
@@ -251,7 +250,7 @@ def _dump_invalid(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
 # --- kernels and validation helpers ---
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> Optional[object]:
+def _kernels() -> object | None:
     """The kernel library, or None when it is missing or stale."""
     try:
         return library.load()
@@ -282,7 +281,7 @@ def _describe(t: object) -> str:
     return f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _check_slots(recv_slot: torch.Tensor, recv_x: Optional[torch.Tensor]) -> None:
+def _check_slots(recv_slot: torch.Tensor, recv_x: torch.Tensor | None) -> None:
     rows = "N" if recv_x is None else recv_x.shape[0]
     if (not isinstance(recv_slot, torch.Tensor) or recv_slot.dim() != 2 or recv_slot.shape[1] < 1
             or (recv_x is not None and recv_slot.shape[0] != recv_x.shape[0])):
@@ -293,8 +292,8 @@ def _check_slots(recv_slot: torch.Tensor, recv_x: Optional[torch.Tensor]) -> Non
         raise ValueError(f"recv_slot: expected a tensor on {recv_x.device}, got {recv_slot.device}")
 
 
-def _check_float32(name: str, t: Optional[torch.Tensor], recv_x: torch.Tensor,
-                   shape: Optional[tuple[int, int]]) -> None:
+def _check_float32(name: str, t: torch.Tensor | None, recv_x: torch.Tensor,
+                   shape: tuple[int, int] | None) -> None:
     """``t`` is None or a float32 ``[N, ...]`` tensor (exactly ``shape`` when given) on ``recv_x``'s device."""
     if t is None:
         return

@@ -7,8 +7,6 @@ conversion into its own autograd function (the Megatron dispatcher's dispatch).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..event import current_stream_handle
@@ -94,7 +92,7 @@ class _RoutingKernel:
     float32 probs, contiguous rows, and the kernel library loads (checked once)."""
 
     def __init__(self) -> None:
-        self._loaded: Optional[bool] = None
+        self._loaded: bool | None = None
 
     def usable(self, routing_map: torch.Tensor, probs: torch.Tensor) -> bool:
         if not (routing_map.is_cuda and probs.dtype == torch.float32 and routing_map.is_contiguous()

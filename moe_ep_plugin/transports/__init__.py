@@ -47,7 +47,7 @@ def _nvlink_on_every_node(group: dist.ProcessGroup, split: NodeSplit, device: to
 
 
 def resolve_transport(requested: str, group: dist.ProcessGroup, device: torch.device,
-                      ranks_per_node: Optional[int], timeout_s: float) -> tuple[str, Optional[NodeSplit]]:
+                      ranks_per_node: int | None, timeout_s: float) -> tuple[str, NodeSplit | None]:
     """``requested`` (or ``$MOE_EP_TRANSPORT`` when it is ``auto``) → a concrete transport name, plus the node
     split for ``hierarchical``. ``ranks_per_node`` emulates nodes (else torchrun's ``LOCAL_WORLD_SIZE`` or the
     hostnames); the one-host transports, asked for by name, refuse it. Collective over ``group`` (the node layout
@@ -93,7 +93,7 @@ def _stage(name: str, group: dist.ProcessGroup, device: torch.device, timeout_s:
 
 
 def create_transport(name: str, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
-                     num_nvl_bytes: int, split: Optional[NodeSplit] = None, rail: str = "torch") -> Transport:
+                     num_nvl_bytes: int, split: NodeSplit | None = None, rail: str = "torch") -> Transport:
     """The transport ``name`` (from :func:`resolve_transport`) over ``group``. ``rail``: the hierarchical
     transport's stage between nodes, ``torch`` (a real cluster: the rail ranks span hosts) or ``nvlink`` (ranks
     that emulate nodes on one host with a gloo group, which cannot carry CUDA tensors: the GPU tests)."""

@@ -6,8 +6,8 @@ run on the right stream, and are contiguous.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,19 +31,19 @@ class DispatchArgs:
     """
 
     x: torch.Tensor
-    x_scales: Optional[torch.Tensor]
-    topk_idx: Optional[torch.Tensor]
-    topk_weights: Optional[torch.Tensor]
-    num_tokens_per_rank: Optional[torch.Tensor]
-    is_token_in_rank: Optional[torch.Tensor]
+    x_scales: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    num_tokens_per_rank: torch.Tensor | None
+    is_token_in_rank: torch.Tensor | None
     num_experts: int
-    handle: Optional[DispatchHandle]
+    handle: DispatchHandle | None
     num_worst_tokens: int
     wire_fp8: bool
     fp8_out: bool
     round_scale: bool
     config: Config
-    num_tokens_per_expert: Optional[torch.Tensor] = None
+    num_tokens_per_expert: torch.Tensor | None = None
     layout_given: bool = False  # the layout tensors came from the caller (else the Buffer derived them from top-k)
 
 
@@ -55,12 +55,12 @@ class DispatchResult:
     ``host_counts``: the same counts as a list when the transport already read them on the host (saves a sync)."""
 
     recv_x: torch.Tensor
-    recv_scales: Optional[torch.Tensor]
-    recv_topk_idx: Optional[torch.Tensor]
-    recv_topk_weights: Optional[torch.Tensor]
-    num_recv_tokens_per_expert: Optional[torch.Tensor]
+    recv_scales: torch.Tensor | None
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens_per_expert: torch.Tensor | None
     handle: DispatchHandle
-    host_counts: Optional[list[int]] = None
+    host_counts: list[int] | None = None
 
     def counts_list(self) -> list[int]:
         """Received (row, local expert) pairs per local expert (unaligned), read once if the transport has not."""
@@ -76,8 +76,8 @@ class ExpertDispatchResult:
     (the top-k weight of each row's pair, 0 on padding) or None without weights (always None for a cached layout)."""
 
     x: torch.Tensor
-    x_scales: Optional[torch.Tensor]
-    probs: Optional[torch.Tensor]
+    x_scales: torch.Tensor | None
+    probs: torch.Tensor | None
     handle: DispatchHandle
 
 
@@ -93,7 +93,7 @@ def dispatch_meta(args: DispatchArgs) -> list[int]:
             int(args.wire_fp8 or args.x_scales is not None)]
 
 
-def meta_mismatch(rows: list[list[int]]) -> Optional[ValueError]:
+def meta_mismatch(rows: list[list[int]]) -> ValueError | None:
     """The error for every rank's ``dispatch_meta`` words (``rows[r]``) when they differ, else None."""
     fields = [f for f in range(len(META_FIELDS)) if any(row[f] != rows[0][f] for row in rows)]
     if not fields:
@@ -175,7 +175,7 @@ def negative_counts_error(ranks: list[int]) -> ValueError:
                       "get_dispatch_layout's outputs); every rank raises before any row moves")
 
 
-def slot_weights(expert_weights: Optional[torch.Tensor], layout: ExpertLayout) -> Optional[torch.Tensor]:
+def slot_weights(expert_weights: torch.Tensor | None, layout: ExpertLayout) -> torch.Tensor | None:
     """``expert_weights`` ``[M]`` float32 → ``[N_recv, K]``: each received (row, column) pair's value, 0 where the
     column has no local expert (None stays None)."""
     if expert_weights is None:
@@ -210,7 +210,7 @@ class Transport(abc.ABC):
         is_token_in_rank [N, R] bool)``. Default: plain torch ops on the tensor's device (no communication)."""
         return dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
-    def num_tokens_per_node(self, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
+    def num_tokens_per_node(self, is_token_in_rank: torch.Tensor) -> torch.Tensor | None:
         """``[M]`` int32 tokens with an expert on each node (DeepEP's ``num_tokens_per_rdma_rank``) when the
         group spans nodes; None for one-host transports."""
         return None
@@ -220,8 +220,8 @@ class Transport(abc.ABC):
         """Send row ``t`` of ``x`` once to every rank with ``is_token_in_rank[t, r]``; see ``DispatchResult``."""
 
     @abc.abstractmethod
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reverse of dispatch: ``x`` ``[N_recv, H]`` → ``[N, H]`` summed in fp32 over the ranks that got each token,
         plus each ``bias`` ``[N, H]``, cast to ``x.dtype``; ``topk_weights`` ``[N_recv, K]`` summed the same way."""
 
@@ -232,9 +232,9 @@ class Transport(abc.ABC):
         result = self.dispatch(args)
         return lambda: result
 
-    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                       bias: tuple[torch.Tensor, ...], config: Config
-                      ) -> Callable[[], tuple[torch.Tensor, Optional[torch.Tensor]]]:
+                      ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`combine` in two steps, as :meth:`start_dispatch`; this default runs the whole combine at once."""
         result = self.combine(x, handle, topk_weights, bias, config)
         return lambda: result
@@ -257,8 +257,8 @@ class Transport(abc.ABC):
                                            result.recv_topk_weights, result.recv_scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
-                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
+                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reverse of :meth:`dispatch_experts`: ``y`` ``[M, H]`` BF16/FP32 → ``([N, H] y.dtype, [N, K] float32 or None)``.
 
         Each received row sums its experts' rows (``permute.unpermute``: top-k columns ascending, fp32, rounded

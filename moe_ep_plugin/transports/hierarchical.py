@@ -34,9 +34,9 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,11 @@ from ..ops.layout import count_invalid, invalid_ids_error, send_positions
 from .base import DispatchArgs, DispatchResult, Transport, negative_counts_error
 from .torch_transport import TorchTransport, _all_gather_single
 
-
 # Where a rank's node layout comes from: the word each rank sends in the layout exchange (its value beside it).
 _LAYOUT_SOURCES = ("ranks_per_node", "LOCAL_WORLD_SIZE", "hostname")
 
 
-def node_ids(group: dist.ProcessGroup, ranks_per_node: Optional[int], device: torch.device,
+def node_ids(group: dist.ProcessGroup, ranks_per_node: int | None, device: torch.device,
              timeout_s: float) -> list[int]:
     """The node of every rank of ``group`` (group rank order): ``ranks_per_node`` when given (emulated nodes),
     else torchrun's ``LOCAL_WORLD_SIZE`` (global ranks are node-contiguous under torchrun), else the hostnames.
@@ -291,7 +290,7 @@ class HierarchicalTransport(Transport):
             finish = self._stage(_RAIL_DISPATCH, self.rail_ranks, self.rail.start_dispatch, rail_args)
             return lambda: self._stage(_RAIL_DISPATCH, self.rail_ranks, finish)
 
-        def node_stage(i: int, rail: DispatchResult) -> tuple[DispatchResult, Optional[torch.Tensor]]:
+        def node_stage(i: int, rail: DispatchResult) -> tuple[DispatchResult, torch.Tensor | None]:
             """Forward chunk ``i``'s rail rows inside the node → (the node stage's result, and for an uncached
             dispatch each received row's source token and rank as :meth:`_sources` packs them)."""
             if cached:
@@ -357,11 +356,11 @@ class HierarchicalTransport(Transport):
                 recv_w = _reordered(_cat([n.recv_topk_weights for n in nodes]), state.to_flat, rows, 0)
             expert_counts = torch.stack([n.num_recv_tokens_per_expert for n in nodes]).sum(0, dtype=torch.int32)
             if all(n.host_counts is not None for n in nodes):
-                host_counts = [sum(c) for c in zip(*(n.host_counts for n in nodes))]
+                host_counts = [sum(c) for c in zip(*(n.host_counts for n in nodes), strict=False)]
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, expert_counts, handle, host_counts)
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         state: _HierState = handle.transport_state
         num_recv = handle.num_recv_tokens
         x_node = x[:num_recv].index_select(0, state.to_node)
@@ -391,7 +390,7 @@ _RAIL_COMBINE = "inter-node (rail group) combine"
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, fp8.FP8_DTYPE: 2}
 
 
-def _cached_args(x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
+def _cached_args(x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
                  config: Config) -> DispatchArgs:
     """A sub-stage replay of ``handle``'s layout: rows (and FP8 scales) only."""
     return DispatchArgs(x=x, x_scales=x_scales, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,

@@ -15,8 +15,8 @@ with no exchange and no host read (a CUDA graph can capture it).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,8 @@ from .base import (
     ExpertDispatchResult,
     Transport,
     layout_contradiction,
-    negative_counts_error,
     layout_error,
+    negative_counts_error,
     padded,
     slot_weights,
 )
@@ -53,7 +53,7 @@ class _LocalState:
     (-1 where none; a token that was not received has none)."""
 
     src: torch.Tensor
-    slot: Optional[torch.Tensor] = None
+    slot: torch.Tensor | None = None
 
 
 class LocalTransport(Transport):
@@ -104,7 +104,7 @@ class LocalTransport(Transport):
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32),
                               handle, counts)
 
-    def _read(self, in_rank: torch.Tensor, topk_idx: Optional[torch.Tensor], args: DispatchArgs,
+    def _read(self, in_rank: torch.Tensor, topk_idx: torch.Tensor | None, args: DispatchArgs,
               tail: torch.Tensor) -> tuple[int, list[int]]:
         """The one host read of a fresh dispatch: received rows (tokens with ``in_rank`` ``[N]`` bool), then
         ``tail`` ``[C]`` int64 as a list; raises for out-of-range ids in ``topk_idx`` or a layout contradicting
@@ -153,8 +153,8 @@ class LocalTransport(Transport):
         return ExpertDispatchResult(rows, scales, probs, handle)
 
     # ---- combine ----
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         # send_pos [N, 1]: each token's received row, -1 when it was not sent: the one copy unpermute sums
         _state(handle)
         slot = handle.send_pos
@@ -167,8 +167,8 @@ class LocalTransport(Transport):
             combined = permute.unpermute(x, slot)
         return combined, None if topk_weights is None else permute.unpermute(topk_weights, slot)
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
-                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
+                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One ``unpermute`` over every token's slots: a token's sum over its experts is its combined row (the
         fp32 sum of one copy rounds back to itself), 0 for a token without experts."""
         slot = _state(handle).slot
@@ -280,8 +280,8 @@ def _handle(in_rank: torch.Tensor, src: torch.Tensor, num_experts: int, rows: in
         num_recv_rows=rows, transport_state=state)
 
 
-def _sent_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor], args: DispatchArgs
-               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArgs
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``x`` (of ``args.x``) as a sender puts them on the wire and a receiver keeps them: quantized with
     ``wire_fp8`` (and dequantized back unless ``fp8_out``); FP8 input keeps its scales ``x_scales``."""
     if not args.wire_fp8:
@@ -292,7 +292,7 @@ def _sent_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor], args: Dispatch
     return fp8.dequantize(q, scales, x.dtype), None
 
 
-def _rows(args: DispatchArgs, src: torch.Tensor, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _rows(args: DispatchArgs, src: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(recv_x [rows, H], recv_scales [rows, H/128] or None)``: the rows of tokens ``src``, zero rows after."""
     x = args.x.index_select(0, src) if args.x.dtype != fp8.FP8_DTYPE else \
         args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)

@@ -6,8 +6,9 @@ R = EP ranks, M = ``num_max_dispatch_tokens_per_rank``, H = hidden, E = experts,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Protocol
 
 import torch
 
@@ -72,23 +73,23 @@ class DispatchOutput:
     every source's entry), or an ``[R]`` int64 tensor per source rank (the kernels' device wait)."""
 
     recv_x: torch.Tensor
-    recv_scales: Optional[torch.Tensor]
+    recv_scales: torch.Tensor | None
     recv_count: torch.Tensor
     handle: LowLatencyHandle
-    finish: Callable[[], Union[int, torch.Tensor]]
+    finish: Callable[[], int | torch.Tensor]
 
 
 class LowLatencyTransport(Protocol):
     """What a low-latency transport provides (every one passes tests/test_low_latency.py)."""
 
     name: str
-    hidden_sizes: Optional[tuple[int, ...]]  # None: any multiple of 128
+    hidden_sizes: tuple[int, ...] | None  # None: any multiple of 128
 
     def dispatch(self, req: DispatchRequest) -> DispatchOutput: ...
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int
-                ) -> Callable[[], Union[int, torch.Tensor]]: ...
+                ) -> Callable[[], int | torch.Tensor]: ...
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor: ...
 

@@ -8,7 +8,7 @@ next low-latency call (or ``clean_low_latency_buffer``) raises ``TimeoutError`` 
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ class NVLinkLowLatency:
     hidden_sizes = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_rdma_bytes: int,
-                 runtime: Optional[NVLinkRuntime] = None) -> None:
+                 runtime: NVLinkRuntime | None = None) -> None:
         """``runtime``: the context to use (default: a new one over ``group``, collective)."""
         if runtime is None:
             # The context: header pages, then both sets; DeepEP's size hint covers the sets' slots, the signal

@@ -15,7 +15,7 @@ from 0, rounding to BF16 once.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -14,9 +14,9 @@ between. Design and timings: docs/torch_transport.md.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def _timeout_error(self, what: str, exc: Optional[Exception]) -> TimeoutError:
+    def _timeout_error(self, what: str, exc: Exception | None) -> TimeoutError:
         return TimeoutError(f"moe_ep_plugin[{self.name}] rank {self.rank}/{self.num_ranks}: {what} did not complete "
                             f"within {self.timeout_s:g} s (a peer rank never joined or failed)"
                             + (f": {exc}" if exc is not None else ""))
@@ -289,13 +289,13 @@ class TorchTransport(Transport):
         back = rows.new_empty(state.send_idx.shape[0], rows.shape[1])
         return back, self._start_all_to_all(back, rows, state.send_counts, state.recv_counts, what)
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.start_combine(x, handle, topk_weights, bias, config)()
 
-    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                       bias: tuple[torch.Tensor, ...], config: Config
-                      ) -> Callable[[], tuple[torch.Tensor, Optional[torch.Tensor]]]:
+                      ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
         """Both all-to-alls issued; the returned function waits for them and sums."""
         state: _TorchState = handle.transport_state
         num_recv = handle.num_recv_tokens
@@ -304,7 +304,7 @@ class TorchTransport(Transport):
         if topk_weights is not None:
             back_w, wait_w = self._start_return_rows(topk_weights[:num_recv], state, "combine weights")
 
-        def finish() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
             # unpermute's gather-sum is exactly combine's: each token's copies in ascending rank order, fp32 from
             # 0.0, rounded once, no atomics (one pass on CUDA). With biases the sum stays fp32 until they are added.
             wait()

@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from support import rounds  # noqa: E402
+from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
+from support.reference import routing  # noqa: E402
+from support.settle import settle  # noqa: E402
+
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
-from support import rounds  # noqa: E402
-from support.reference import routing  # noqa: E402
-from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
-from support.settle import settle  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 

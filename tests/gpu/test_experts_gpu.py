@@ -5,17 +5,15 @@ layer's, whose weight gradient is computed as ``grad_y^T x``). The grouped forwa
 Skips without an SM90+ GPU."""
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from moe_ep_plugin import experts
 from test_experts import _random_counts, _run
 
+from moe_ep_plugin import experts
 
-def _unavailable() -> Optional[str]:
+
+def _unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     if torch.cuda.get_device_capability() < (9, 0):
@@ -56,12 +54,12 @@ def test_ffn_grouped_equals_loop_on_cuda(rows, linear_layout):
     assert experts.resolve_impl("auto", tensors[0], tensors[1], tensors[3]) == "grouped"
     grouped, loop = (_run(_ffn(counts, impl), tensors, grad_out) for impl in ("grouped", "loop"))
     names = ("y", "grad_x", "grad_w1", "grad_b1", "grad_w2", "grad_b2")
-    for name, got, want in zip(names, grouped, loop):
+    for name, got, want in zip(names, grouped, loop, strict=False):
         assert got.shape == want.shape, name
         if want.numel():  # two GEMM kernels, fp32 accumulation in other orders, BF16 results
             err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6))
             assert err < 1e-2, f"{name}: relative error {err:.3g}"
-    for name, grad in zip(names[2:], grouped[2:]):  # experts without rows: exactly zero, not garbage
+    for name, grad in zip(names[2:], grouped[2:], strict=False):  # experts without rows: exactly zero, not garbage
         for l, c in enumerate(counts):
             if c == 0:
                 assert not grad[l].any(), f"{name}[{l}]"

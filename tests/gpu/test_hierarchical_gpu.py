@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
+
 from moe_ep_plugin import Buffer, Config, autograd  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8  # noqa: E402
 from moe_ep_plugin.transports import create_transport, node_ids, split_by_node  # noqa: E402
-from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 
@@ -59,7 +60,7 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
     ref = cpu.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=2)
     got = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=num_experts,
                        expert_alignment=2)
-    for a, b in zip(got[:3], ref[:3]):
+    for a, b in zip(got[:3], ref[:3], strict=False):
         assert torch.equal(a.cpu(), b)
     assert got[3] == ref[3]
     assert torch.equal(got[4].recv_src_idx.cpu(), ref[4].recv_src_idx)
@@ -74,7 +75,7 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
     config = Config(hierarchical_chunks=3)
     chunked = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=num_experts,
                            expert_alignment=2, config=config)
-    for a, b in zip(chunked[:3], ref[:3]):
+    for a, b in zip(chunked[:3], ref[:3], strict=False):
         assert torch.equal(a.cpu(), b)
     assert chunked[3] == ref[3] and torch.equal(chunked[4].recv_src_idx.cpu(), ref[4].recv_src_idx)
     assert torch.equal(gpu.dispatch(x.to(dev), handle=chunked[4])[0].cpu(), ref[0])

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from moe_ep_plugin import Buffer  # noqa: E402
-from moe_ep_plugin.launch import spawn  # noqa: E402
 from support.gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
 from support.settle import settle  # noqa: E402
+
+from moe_ep_plugin import Buffer  # noqa: E402
+from moe_ep_plugin.launch import spawn  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 _RUNS = [(1, "gloo")] + ([(min(GPUS, 8), "nccl")] if GPUS >= 2 else [(r, "gloo") for r in (2, 3, 4)])

@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from support.gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
+from support.settle import settle  # noqa: E402
+
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import Config, NVLinkTuning  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import fp8  # noqa: E402
-from support.gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
-from support.settle import settle  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 # (ranks, backend) of the multi-rank runs: one rank per GPU, or 2-4 ranks sharing the only GPU
@@ -123,7 +124,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _same(name: str, a, b) -> None:
     if isinstance(a, tuple):
         assert isinstance(b, tuple) and len(a) == len(b), name
-        for i, (u, v) in enumerate(zip(a, b)):
+        for i, (u, v) in enumerate(zip(a, b, strict=False)):
             _same(f"{name}[{i}]", u, v)
         return
     if a is None or b is None:
@@ -327,7 +328,7 @@ def _graph_replay(nv: Buffer, cached: bool) -> None:
         graph.replay()
         eager = step()
         torch.cuda.synchronize(device)
-        for name, a, b in zip(("recv_x", "combined", "combined_weights"), static, eager):
+        for name, a, b in zip(("recv_x", "combined", "combined_weights"), static, eager, strict=False):
             _same(f"graph replay {name}", a, b)
     if rank == 0:
         what = "cached handle, copy engine" if cached else "num_worst_tokens"

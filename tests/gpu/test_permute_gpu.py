@@ -9,17 +9,16 @@ memory, so padding rows that the kernel forgot to zero show up. Skips without a 
 from __future__ import annotations
 
 import random
-from typing import Optional
 
 import pytest
 import torch
+from test_permute import routing
 
 from moe_ep_plugin.ops import fp8, library
 from moe_ep_plugin.ops import permute as P
-from test_permute import routing
 
 
-def _unavailable() -> Optional[str]:
+def _unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     if P._kernels() is None:
@@ -50,7 +49,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _same(name: str, a: Optional[torch.Tensor], b: Optional[torch.Tensor], seed: int) -> None:
+def _same(name: str, a: torch.Tensor | None, b: torch.Tensor | None, seed: int) -> None:
     assert (a is None) == (b is None), f"{name}: {type(a)} vs {type(b)}"
     if a is None:
         return
@@ -103,7 +102,7 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     _poison(num_rows * hidden * x.element_size())
     got = P.permute(x, slot, num_rows, w, s)
     want = P._torch_permute(x.contiguous(), slot, num_rows, w, s)
-    for name, a, b, c in zip(("x", "probs", "scales"), got, want, P.permute(x_cpu, slot_cpu, num_rows, w_cpu, s_cpu)):
+    for name, a, b, c in zip(("x", "probs", "scales"), got, want, P.permute(x_cpu, slot_cpu, num_rows, w_cpu, s_cpu), strict=False):
         _same(f"permute {name} vs torch", a, b, seed)
         _same(f"permute {name} vs cpu", a, c, seed)
     _same("permute x without weights/scales", P.permute(x, slot, num_rows)[0], want[0], seed)

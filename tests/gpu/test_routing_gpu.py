@@ -33,7 +33,7 @@ def test_routing_map_to_topk_kernel_matches_plain_loop(tokens: int, experts: int
     probs = torch.rand(tokens, experts, device=device, requires_grad=True)
     idx, weights = routing_map_to_topk(routing_map, probs, topk)
     want_idx, want_w = [], []
-    for row, p in zip(routing_map.tolist(), probs.tolist()):
+    for row, p in zip(routing_map.tolist(), probs.tolist(), strict=False):
         chosen = [e for e, on in enumerate(row) if on][:topk]
         want_idx.append(chosen + [-1] * (topk - len(chosen)))
         want_w.append([p[e] for e in chosen] + [0.0] * (topk - len(chosen)))
@@ -43,8 +43,8 @@ def test_routing_map_to_topk_kernel_matches_plain_loop(tokens: int, experts: int
     grad_w = torch.randn(tokens, topk, device=device)
     (weights * grad_w).sum().backward()
     want_grad = torch.zeros(tokens, experts)
-    for t, (row, g) in enumerate(zip(want_idx, grad_w.tolist())):
-        for e, v in zip(row, g):
+    for t, (row, g) in enumerate(zip(want_idx, grad_w.tolist(), strict=False)):
+        for e, v in zip(row, g, strict=False):
             if e >= 0:
                 want_grad[t, e] += v
     assert torch.equal(probs.grad.cpu(), want_grad)

@@ -20,7 +20,7 @@ def expected_dispatch(xs, idxs, weights, num_experts: int, rank: int, num_ranks:
     local = num_experts // num_ranks
     rows, out_idx, out_w, src = [], [], [], []
     counts = [0] * local
-    for x, idx, w in zip(xs, idxs, weights):
+    for x, idx, w in zip(xs, idxs, weights, strict=False):
         for t in range(x.shape[0]):
             ids = idx[t].tolist()
             if not any(e >= 0 and e // local == rank for e in ids):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.ops import fp8
+
 from .reference import routing
 from .settle import settle
 
@@ -50,15 +50,15 @@ class Round:
 class State:
     """What later rounds reuse: the last round's handles (row-major and expert-major) and the draw they came from."""
 
-    handle: Optional[object] = None
-    handle_round: Optional[Round] = None
-    expert_handle: Optional[object] = None
-    expert_round: Optional[Round] = None
+    handle: object | None = None
+    handle_round: Round | None = None
+    expert_handle: object | None = None
+    expert_round: Round | None = None
     extra: dict = field(default_factory=dict)
 
 
-def draw(seed: int, world: int, entry: Optional[str] = None, mode: Optional[str] = None, form: Optional[str] = None,
-         topk: Optional[int] = None) -> Round:
+def draw(seed: int, world: int, entry: str | None = None, mode: str | None = None, form: str | None = None,
+         topk: int | None = None) -> Round:
     """A random round (``entry``/``mode``/``form``/``topk`` fixed when given)."""
     rng = random.Random(seed)
     form = form or rng.choice(FORMS)
@@ -121,7 +121,7 @@ def _wait(result: tuple) -> tuple:
 
 def _same(got, want) -> bool:
     if isinstance(want, tuple):
-        return isinstance(got, tuple) and all(_same(g, w) for g, w in zip(got, want))
+        return isinstance(got, tuple) and all(_same(g, w) for g, w in zip(got, want, strict=False))
     got = got.cpu()
     if want.dtype == fp8.FP8_DTYPE:
         return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

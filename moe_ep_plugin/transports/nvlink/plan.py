@@ -4,7 +4,7 @@ decisions (push, pull or copy engine; sender warps and blocks) taken from the ca
 library."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ...config import NVLinkTuning, round_up
 from ...ops.library import MAX_TOPK
@@ -59,7 +59,7 @@ def dispatch_roles(tuning: NVLinkTuning, wire_fp8: bool, fp8_out: bool) -> tuple
     return False, tuning.quantizing_dispatch_send_warps if fp8_out else tuning.dequantizing_dispatch_send_warps
 
 
-def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: Optional[int], row_bytes: int,
+def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: int | None, row_bytes: int,
                   pull_capacity: Callable[[], int]) -> Roles:
     """A combine's roles. ``most_rows``: the most rows any rank received (None when the counts are not on the host:
     a ``num_worst_tokens`` handle or another transport's handle), which the copy engines and the

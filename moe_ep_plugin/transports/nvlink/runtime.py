@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class NVLinkRuntime:
         self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @staticmethod
-    def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+    def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
         """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
         local = None
         if not torch.cuda.is_available():

@@ -3,7 +3,6 @@ words its notify exchanges."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -43,11 +42,11 @@ class NVLinkState:
 
     prefix: torch.Tensor
     send_list: torch.Tensor
-    host_counts: Optional[list[int]] = None
-    expert: Optional[ExpertState] = None
-    _counts: Optional[HostInts] = field(default=None, repr=False)
+    host_counts: list[int] | None = None
+    expert: ExpertState | None = None
+    _counts: HostInts | None = field(default=None, repr=False)
 
-    def copy_counts(self) -> Optional[HostInts]:
+    def copy_counts(self) -> HostInts | None:
         """``host_counts`` as the host array the copy-engine and pull combines read (built once), or None."""
         if self.host_counts is None:
             return None

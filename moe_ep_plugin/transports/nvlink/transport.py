@@ -19,8 +19,9 @@ host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ class _CombineLaunch:
 
     params: CombineParams
     out: torch.Tensor
-    out_weights: Optional[torch.Tensor]
+    out_weights: torch.Tensor | None
     keep: tuple
 
 
@@ -67,12 +68,12 @@ class NVLinkTransport(Transport):
     expert_layout_from_topk = True
 
     @staticmethod
-    def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+    def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
         """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
         return NVLinkRuntime.unavailable_reason(group, device)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int = 0,
-                 runtime: Optional[NVLinkRuntime] = None) -> None:
+                 runtime: NVLinkRuntime | None = None) -> None:
         """``runtime``: the peer memory and library calls to use (default: a new :class:`NVLinkRuntime` over
         ``group``, collective); the rank, group size and device are the runtime's."""
         rt = runtime if runtime is not None else NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
@@ -157,7 +158,7 @@ class NVLinkTransport(Transport):
         prefix, info = values[:r * r], values[r * r:]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
-        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:])]  # row minus the one above
+        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:], strict=False)]  # row minus the one above
         most = most_received(counts, r)
         if most > guess:
             self._recv_guess = most
@@ -177,9 +178,9 @@ class NVLinkTransport(Transport):
         self._check_capacity(n, slot, "x")
         return slot
 
-    def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: Optional[torch.Tensor],
-                         recv_x: Optional[torch.Tensor], recv_scales: Optional[torch.Tensor],
-                         topk_weights: Optional[torch.Tensor], alignment: int = 1, **outputs: int) -> None:
+    def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: torch.Tensor | None,
+                         recv_x: torch.Tensor | None, recv_scales: torch.Tensor | None,
+                         topk_weights: torch.Tensor | None, alignment: int = 1, **outputs: int) -> None:
         """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` fields, addresses as
         ints (passed to the struct's constructor with the rest: no attribute set per field)."""
         x = args.x
@@ -300,7 +301,7 @@ class NVLinkTransport(Transport):
                                 num_experts=num_experts, rank=self.rank, num_ranks=r, num_recv_rows=guess,
                                 transport_state=state)
 
-        def launch() -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        def launch() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
             recv_x, recv_scales = _recv_tensors(args, self.device, guess)
             probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
                      if args.topk_weights is not None else None)  # the most M can be
@@ -323,8 +324,8 @@ class NVLinkTransport(Transport):
         return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
-                                scales: Optional[torch.Tensor], recv_src_idx: torch.Tensor, recv_slot: torch.Tensor,
-                                probs: Optional[torch.Tensor], alignment: int, weights: Optional[torch.Tensor],
+                                scales: torch.Tensor | None, recv_src_idx: torch.Tensor, recv_slot: torch.Tensor,
+                                probs: torch.Tensor | None, alignment: int, weights: torch.Tensor | None,
                                 speculative_rows: int = 0) -> None:
         """The expert-major dispatch kernel into the received rows ``rows`` ``[rows, H]`` and ``scales``
         ``[rows, H/128]`` float32 (FP8 rows) or None, writing ``recv_src_idx`` and ``recv_slot``."""
@@ -336,7 +337,7 @@ class NVLinkTransport(Transport):
                               recv_slot=recv_slot.data_ptr(), expert_probs=_ptr(probs),
                               speculative_rows=speculative_rows)
 
-    def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: Optional[torch.Tensor]
+    def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: torch.Tensor | None
                          ) -> ExpertDispatchResult:
         """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute), with ``weights`` (the
         forward's, whose probs it returns) or without (a cached dispatch: its probs are the caller's)."""
@@ -358,7 +359,7 @@ class NVLinkTransport(Transport):
 
     # ---- combine ----
     def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
-                        topk_weights: Optional[torch.Tensor], bias: tuple[torch.Tensor, ...], config: Config
+                        topk_weights: torch.Tensor | None, bias: tuple[torch.Tensor, ...], config: Config
                         ) -> _CombineLaunch:
         """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
         pick how rows travel (``plan.combine_roles``); ``params.x`` is left for the caller."""
@@ -406,16 +407,16 @@ class NVLinkTransport(Transport):
             self._rt.barrier()
         self._rt.combine(params)
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check_error()
         launch = self._combine_launch(x.shape[1], x.dtype, handle, topk_weights, bias, config)
         launch.params.x = _ptr(x)
         self._launch_combine(launch.params)
         return launch.out, launch.out_weights
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: Optional[torch.Tensor],
-                        config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
+                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base class's ``unpermute`` + :meth:`combine` (same results, bit for bit), except when the combine
         pulls and the unpermute kernel serves: then, after the start barrier (peers are done reading this rank's own
         region), ``unpermute`` writes the ``[N_recv, H]`` received rows straight into that region, where the pull
@@ -444,7 +445,7 @@ class NVLinkTransport(Transport):
         return launch.out, launch.out_weights
 
 
-def _recv_tensors(args: DispatchArgs, device: torch.device, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _recv_tensors(args: DispatchArgs, device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(recv_x [rows, H], recv_scales [rows, H/128] float32 or None)`` in the dtype the mode receives: FP8 rows
     (arriving as FP8 with their scales), or dequantized back to the input's dtype."""
     x = args.x
@@ -458,7 +459,7 @@ def _recv_tensors(args: DispatchArgs, device: torch.device, rows: int) -> tuple[
 
 
 def _without_topk_counts(num_ranks: int, args: DispatchArgs, result: DispatchResult, prefix: torch.Tensor,
-                         info: Optional[list[int]]) -> DispatchResult:
+                         info: list[int] | None) -> DispatchResult:
     """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every rank's
     ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``info``) when read."""
     if args.topk_idx is not None:
