@@ -141,8 +141,8 @@ def _edit(section: str, **values) -> dict:
     (_edit("parallel", data_parallel_size=2), ValueError, r"parallel: unknown key"),
     (_edit("model", expert_model_parallel_size=2), ValueError, "belong in the parallel: section"),
     (_edit("model", moe_token_dispatcher_type="alltoall"), ValueError, "ep_plugin: options given"),
-    (_edit("model", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"), ValueError,
-     "ep_plugin: options given"),
+    (_edit("model", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepepv2"), ValueError,
+     "moe_flex_dispatcher_backend"),
     (_edit("model", moe_deepep_num_sms=20) | {"ep_plugin": {"num_sms": 24}}, ValueError, "conflicts"),
     (_edit("model", gated_linear_unit=True), ValueError, "activation or gated_linear_unit"),
     (_edit("model", bf16=True), ValueError, "dtype or bf16"),
@@ -162,9 +162,10 @@ def test_yaml_errors_name_the_key(raw, error, match) -> None:
         load_pretrain_config(raw)
 
 
-def test_yaml_flex_deepep_is_served_and_number_spellings() -> None:
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_yaml_flex_backends_are_served_and_number_spellings(backend: str) -> None:
     raw = _raw()
-    raw["model"].update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    raw["model"].update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     raw["train"]["lr"] = "3e-4"  # PyYAML reads this spelling as a string
     cfg = load_pretrain_config(raw)
     assert cfg.transformer.moe_token_dispatcher_type == "flex" and cfg.train.lr == 3e-4

@@ -9,7 +9,8 @@ names it:
   their Megatron names, plus ``activation: gelu | silu | swiglu | geglu`` (functions cannot be written in YAML)
   and ``dtype: fp32 | bf16 | fp16`` (sets ``params_dtype``/``bf16``/``fp16`` together).
   ``moe_token_dispatcher_type: ep_plugin`` selects this library's dispatcher; ``flex`` with
-  ``moe_flex_dispatcher_backend: deepep`` runs Megatron's own flex dispatcher on this library.
+  ``moe_flex_dispatcher_backend: deepep | hybridep | ncclep`` (ncclep where Megatron has it) runs Megatron's own
+  flex dispatcher on this library.
 - ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``).
 - ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
 - ``train``, ``data``: the launcher's own options (:class:`TrainOptions`, :class:`DataOptions`).
@@ -32,7 +33,7 @@ _ACTIVATIONS = {"gelu": (torch.nn.functional.gelu, False), "silu": (torch.nn.fun
                 "swiglu": (torch.nn.functional.silu, True), "geglu": (torch.nn.functional.gelu, True)}
 _DTYPES = {"fp32": (torch.float32, False, False), "bf16": (torch.bfloat16, True, False),
            "fp16": (torch.float16, False, True)}
-_SMS_KEYS = ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms")
+_SMS_KEYS = ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms", "moe_hybridep_num_sms")
 
 
 @dataclass(frozen=True)
@@ -192,11 +193,12 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     _check_experts(kwargs)
 
     dispatcher = model.get("moe_token_dispatcher_type", "allgather")
-    serves_plugin = dispatcher == PLUGIN_DISPATCHER_TYPE or (
-        dispatcher == "flex" and model.get("moe_flex_dispatcher_backend", "deepep") == "deepep")
+    # Every flex backend goes through install(): it serves deepep, hybridep (and ncclep where Megatron has it) and
+    # refuses any other backend at config time, naming the key.
+    serves_plugin = dispatcher in (PLUGIN_DISPATCHER_TYPE, "flex")
     if plugin is not None and not serves_plugin:
         raise ValueError(f"ep_plugin: options given but model.moe_token_dispatcher_type is {dispatcher!r}; use "
-                         f"{PLUGIN_DISPATCHER_TYPE!r} (or flex with backend deepep)")
+                         f"{PLUGIN_DISPATCHER_TYPE!r} or flex")
     sms = {k: model[k] for k in _SMS_KEYS if model.get(k) is not None}
     if plugin is not None and plugin.num_sms is not None and any(v != plugin.num_sms for v in sms.values()):
         raise ValueError(f"ep_plugin.num_sms={plugin.num_sms} conflicts with model {sms}")
