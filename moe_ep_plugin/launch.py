@@ -33,7 +33,7 @@ from .config import DEFAULT_TIMEOUT_S
 GRACE_S = 5.0  # after the first failure: how long the other ranks may take to end on their own, then per signal
 # How long the spawned ranks may take to start (a fresh interpreter importing torch, on a loaded machine) before
 # the rendezvous gives up; ``timeout_s`` then bounds the group's own setup and every collective.
-STARTUP_S = 300.0
+STARTUP_S = 900.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -80,9 +80,10 @@ class LaunchError(RuntimeError):
         super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}" + (f"\n{details}" if details else ""))
 
 
-class LaunchInterrupted(RuntimeError):
+class LaunchInterrupted(KeyboardInterrupt):
     """The launcher got ``signum`` (SIGTERM, SIGINT or SIGHUP): it forwarded it to every rank and killed those
-    still running ``grace_s`` seconds later (``killed`` lists them)."""
+    still running ``grace_s`` seconds later (``killed`` lists them). A ``KeyboardInterrupt``, so that a caller of
+    :func:`spawn` stops as the signal asked (a test session ends) instead of going on as after a failed call."""
 
     def __init__(self, signum: int, nprocs: int, killed: list[int]) -> None:
         self.signum, self.killed = signum, killed

@@ -156,6 +156,20 @@ def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, signum, deaf, to_gro
     assert not [pid for pid in pids if _alive(pid)], "a rank outlived the launcher"
 
 
+def _signal_the_launcher() -> None:
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(600)
+
+
+def test_spawn_raises_a_keyboard_interrupt_on_a_signal() -> None:
+    # a program calling spawn (here this test session) stops as the signal asked, its ranks ended first
+    with pytest.raises(launch.LaunchInterrupted) as info:
+        launch.spawn(_signal_the_launcher, 2, backend="gloo", grace_s=2.0)
+    assert isinstance(info.value, KeyboardInterrupt) and info.value.signum == signal.SIGTERM
+    assert info.value.killed == []  # both ranks ended by the forwarded SIGTERM
+
+
 def _threads_are(want: int) -> None:
     assert torch.get_num_threads() == want, f"rank {dist.get_rank()}: {torch.get_num_threads()} threads, want {want}"
 
