@@ -33,8 +33,8 @@ def _buffers() -> tuple[Buffer, Buffer]:
     group, device = dist.group.WORLD, torch.device("cuda", 0)
     gpu = Buffer(transport="nvlink", device=device, timeout_s=60)
     gpu.transport.destroy()
-    gpu.transport = create_transport("hierarchical", group, device, 60, 0, split_by_node(group, node_ids(group, 2)),
-                                     rail="nvlink")
+    split = split_by_node(group, node_ids(group, 2, device, 60), 60)
+    gpu.transport = create_transport("hierarchical", group, device, 60, 0, split, rail="nvlink")
     cpu = Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=60)
     assert type(gpu.transport.intra).__name__ == "NVLinkTransport"
     assert type(gpu.transport.rail).__name__ == "NVLinkTransport"
