@@ -52,6 +52,16 @@ def _configs(num_sms_dispatch: int | None, num_sms_combine: int | None, num_rank
         combine_config(second, num_ranks)
 
 
+def _topk_width(routing_map: torch.Tensor, group: dist.ProcessGroup) -> int:
+    """The widest ``routing_map`` row over the group (at least 1): the top-k width every rank converts to (the ranks
+    must agree on it). One small all-reduce and a host read per dispatch, which HybridEP's dense-map kernels do not
+    need."""
+    width = routing_map.sum(1).max() if routing_map.shape[0] else routing_map.new_zeros((), dtype=torch.int64)
+    width = width.to(torch.int64).reshape(1)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+    return max(1, int(width))
+
+
 def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, group: dist.ProcessGroup,
                        num_local_experts: int, num_sms_dispatch_api: int | None = None,
                        num_sms_combine_api: int | None = None, num_blocks_permute: int | None = None,
@@ -91,12 +101,7 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
     options = deepep_shim.current_options()
     buffer = get_buffer(group, x.size(1) * max(x.element_size(), 2), options.transport, options.timeout_s,
                         ranks_per_node=options.ranks_per_node)
-    # The widest routing-map row over the group is the top-k width every rank converts to (the ranks must agree on
-    # it): one small all-reduce and a host read per dispatch, which HybridEP's dense-map kernels do not need.
-    width = routing_map.sum(1).max() if routing_map.shape[0] else routing_map.new_zeros((), dtype=torch.int64)
-    width = width.to(torch.int64).reshape(1)
-    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-    topk = max(1, int(width))
+    topk = _topk_width(routing_map, group)
     configs = _configs(num_sms_dispatch_api, num_sms_combine_api, num_ranks)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
         buffer, x, routing_map, probs, topk, num_experts, fp8_dispatch=options.fp8_dispatch,

@@ -130,6 +130,34 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
     if prompt_len + new_tokens > m.seq_len:
         raise ValueError(f"--prompt-len + --new-tokens: at most model.seq_len={m.seq_len} positions, "
                          f"got {prompt_len + new_tokens}")
+    buffer = _low_latency_buffer(cfg, batch, world, dtype, cuda_graph)
+    model = MoETransformer(cfg, rank, world)
+    model.initialize(cfg.train.seed)
+    model.to(device=device, dtype=dtype).eval()
+    model.attach(buffer)
+    decoder = Decoder(model, buffer, batch)
+    gen = torch.Generator().manual_seed(cfg.train.seed + rank)
+    ids = torch.randint(0, m.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    graph = _capture(decoder) if cuda_graph and device.type == "cuda" else None
+    positions = prompt_len + new_tokens - 1
+    ids, got = _generate(decoder, graph, ids, prompt_len, positions)
+    # The same positions again, eagerly, each MoE block beside its normal-mode forward on the same input (same
+    # routing): the low-latency path's own error, which later routers cannot amplify.
+    block, eager = _rerun_checked(decoder, ids, positions)
+    replay = float((eager - got).abs().max()) if graph is not None else float("nan")
+    with torch.no_grad():
+        reference, _ = model(ids[:, :-1])  # normal mode (dispatch_experts) on the same Buffer
+    logits = float((got - reference).abs().max() / reference.abs().max())
+    _report(block, logits, replay, dtype, cfg.parallel.fp8_dispatch, graph is not None,
+            (batch, prompt_len, new_tokens), device)
+    return block, logits
+
+
+def _low_latency_buffer(cfg: config.TrainerConfig, batch: int, world: int, dtype: torch.dtype,
+                        cuda_graph: bool) -> Buffer:
+    """The Buffer of both modes: normal-mode peer memory for ``dtype`` rows, low-latency slots for ``batch``
+    tokens per rank; ``cuda_graph`` needs the nvlink transport."""
+    m = cfg.model
     hidden_bytes = m.hidden_size * max(dtype.itemsize, 2)
     buffer = Buffer(num_nvl_bytes=trainer.nvl_bytes_hint(world, hidden_bytes),
                     num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(batch, m.hidden_size, world,
@@ -139,21 +167,23 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
     if cuda_graph and buffer.transport_name != "nvlink":
         raise ValueError("--cuda-graph: needs the nvlink transport's low-latency kernels (the collective form reads "
                          "its header on the host)")
-    model = MoETransformer(cfg, rank, world)
-    model.initialize(cfg.train.seed)
-    model.to(device=device, dtype=dtype).eval()
-    model.attach(buffer)
-    decoder = Decoder(model, buffer, batch)
-    gen = torch.Generator().manual_seed(cfg.train.seed + rank)
-    ids = torch.randint(0, m.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    return buffer
 
-    graph = None
-    if cuda_graph and device.type == "cuda":
-        decoder.step()  # warm-up outside the capture (allocations, lazy initialisation)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decoder.step()
-    positions = prompt_len + new_tokens - 1
+
+def _capture(decoder: Decoder) -> torch.cuda.CUDAGraph:
+    """One decode step captured in a CUDA graph (after a warm-up step outside the capture: allocations, lazy
+    initialisation)."""
+    decoder.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.step()
+    return graph
+
+
+def _generate(decoder: Decoder, graph: torch.cuda.CUDAGraph | None, ids: torch.Tensor, prompt_len: int,
+              positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed ``ids [B, prompt_len]`` one position at a time (the graph's replay, else an eager step), appending the
+    greedy token from the prompt's last position on → ``(ids [B, positions + 1], logits [B, positions, vocab])``."""
     decoded = []
     for pos in range(positions):
         decoder.ids.copy_(ids[:, pos])
@@ -162,33 +192,38 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
         decoded.append(decoder.logits.clone())
         if pos + 1 >= prompt_len:
             ids = torch.cat([ids, decoder.logits.argmax(dim=1, keepdim=True)], dim=1)
-    got = torch.stack(decoded, dim=1)
+    return ids, torch.stack(decoded, dim=1)
 
-    # The same positions again, eagerly, each MoE block beside its normal-mode forward on the same input (same
-    # routing): the low-latency path's own error, which later routers cannot amplify.
+
+def _rerun_checked(decoder: Decoder, ids: torch.Tensor, positions: int) -> tuple[float, torch.Tensor]:
+    """Eager steps over ``ids``' first ``positions``, each MoE block checked against its normal-mode forward →
+    ``(largest block difference, logits [B, positions, vocab])``."""
     block, eager = 0.0, []
     for pos in range(positions):
         decoder.ids.copy_(ids[:, pos])
         decoder.pos.fill_(pos)
         block = max(block, decoder.step(check=True))
         eager.append(decoder.logits.clone())
-    replay = float((torch.stack(eager, dim=1) - got).abs().max()) if graph is not None else float("nan")
-    with torch.no_grad():
-        reference, _ = model(ids[:, :-1])  # normal mode (dispatch_experts) on the same Buffer
-    logits = float((got - reference).abs().max() / reference.abs().max())
-    wire = cfg.parallel.fp8_dispatch
-    # Every rank's row on rank 0, which prints one table in rank order and the verdict; every rank raises alike.
+    return block, torch.stack(eager, dim=1)
+
+
+def _report(block: float, logits: float, replay: float, dtype: torch.dtype, wire: bool, graph: bool,
+            shape: tuple[int, int, int], device: torch.device) -> None:
+    """Every rank's row on rank 0, which prints one table in rank order and the verdict; every rank raises alike.
+    ``shape``: ``(sequences, prompt length, new tokens)``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([block, logits, replay], dtype=torch.float64,
                         device=device if dist.get_backend() == "nccl" else "cpu")
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
-    failures = [f for r, row in enumerate(rows) for f in _failures(r, *row.tolist(), dtype, wire, graph is not None)]
+    failures = [f for r, row in enumerate(rows) for f in _failures(r, *row.tolist(), dtype, wire, graph)]
     if rank == 0:
+        batch, prompt_len, new_tokens = shape
         print(f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'MoE block':>9} {'logits':>8} "
               f"{'replay-eager':>12}")
         for r, row in enumerate(rows):
             b, lg, rp = row.tolist()
-            print(f"{r:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph is not None):>5} {b:>9.2e} "
+            print(f"{r:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph):>5} {b:>9.2e} "
                   f"{lg:>8.2e} {rp:>12.2e}")
         print("FAIL: " + "; ".join(failures) if failures else
               f"PASS: {world} ranks, every MoE block within {BLOCK_TOLERANCE[dtype, wire]:g} of its normal-mode "
@@ -196,7 +231,6 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
                            else ""), flush=True)
     if failures:
         raise AssertionError("; ".join(failures))
-    return block, logits
 
 
 def _failures(rank: int, block: float, logits: float, replay: float, dtype: torch.dtype, wire: bool,

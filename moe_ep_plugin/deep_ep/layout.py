@@ -1,0 +1,113 @@
+"""DeepEP V2's layouts built from this library's dispatch: per-expert counts, the expanded (expert-major) layout's
+blocks and capacity, ``recv_src_metadata``, rows padded to capacity, FP8 scales in TMA-aligned column-major form,
+and float32 weights carried bit for bit in a cached layout. All on the device, without a host read."""
+from __future__ import annotations
+
+import torch
+
+from ..handle import DispatchHandle
+from .arguments import align
+
+XInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def count_local(local_ids: torch.Tensor, num_local: int) -> torch.Tensor:
+    """int64 ``[num_local]``: how often each id in ``[0, num_local)`` occurs in ``local_ids`` (-1 ignored)."""
+    flat = local_ids.reshape(-1).long()
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, torch.where(flat >= 0, flat, num_local), torch.ones_like(flat))
+    return counts[:num_local]
+
+
+def expanded_blocks(tokens_per_expert: list[int], recv_slot: torch.Tensor,
+                    num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``([L] aligned start of each local expert's block, [L] its real (token, expert) pairs)`` of an
+    expanded layout whose ``recv_slot`` ``[rows, K]`` holds each top-k column's row (-1: not local)."""
+    starts = torch.tensor([0] + tokens_per_expert[:-1], dtype=torch.int64, device=recv_slot.device).cumsum(0)
+    slots = recv_slot.long()
+    block = torch.bucketize(slots, starts, right=True) - 1
+    return starts, count_local(torch.where(slots >= 0, block, -1), num_local)
+
+
+def expanded_capacity(rows: int, num_ranks: int, t_max: int, num_topk: int, num_local: int, alignment: int) -> int:
+    """Output rows of an expanded dispatch without a CPU sync: at least ``rows``, else every rank's most tokens
+    times ``min(K, L)`` plus each local expert's alignment padding."""
+    return max(rows, num_ranks * t_max * min(num_topk, max(num_local, 1)) + num_local * (alignment - 1))
+
+
+def source_metadata(inner: DispatchHandle, rank_idx: int, num_scaleout_ranks: int, num_scaleup_ranks: int,
+                    rows: int, num_topk: int, t_max: int,
+                    slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``recv_src_metadata`` ``[rows, 2 + K]`` int32 and ``psum_num_recv_tokens_per_scaleup_rank`` int32 of rank
+    ``rank_idx``, from the handle's rank prefix matrix; ``slots`` ``[rows, K]``: the expanded rows (None: -1)."""
+    column = inner.rank_prefix_matrix[:, rank_idx].long()  # inclusive prefix over source ranks
+    device = column.device
+    position = torch.arange(rows, device=device)
+    source = torch.bucketize(position, column, right=True)
+    valid = position < column[-1]
+    src_idx = inner.recv_src_idx.long()
+    if src_idx.shape[0] < rows:
+        src_idx = torch.cat([src_idx, src_idx.new_zeros(rows - src_idx.shape[0])])
+    meta = torch.full((rows, 2 + num_topk), -1, dtype=torch.int32, device=device)
+    meta[:, 0] = torch.where(valid, source * t_max + src_idx[:rows], -1).to(torch.int32)
+    meta[:, 1] = torch.where(valid, source, -1).to(torch.int32)
+    if slots is not None:
+        meta[:, 2:] = slots
+    per_source = torch.diff(column, prepend=column.new_zeros(1))
+    per_scaleup = per_source.view(num_scaleout_ranks, num_scaleup_ranks).sum(0)
+    return meta, per_scaleup.cumsum(0).to(torch.int32)
+
+
+def pad_rows(t: XInput | None, rows: int) -> XInput | None:
+    """``t`` (a tensor, an FP8 pair or None) extended with zero rows to ``rows`` rows."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(pad_rows(part, rows) for part in t)
+    if t.shape[0] >= rows:
+        return t
+    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
+def sf_layout(recv_x: XInput, col_major: bool) -> XInput:
+    """FP8 scales as DeepEP's TMA-aligned column-major tensor (rows padded to 4 in storage) when asked."""
+    if not col_major or not isinstance(recv_x, tuple):
+        return recv_x
+    data, scales = recv_x
+    rows = scales.shape[0]
+    storage = scales.new_zeros(scales.shape[1], align(max(rows, 1), 4))
+    storage[:, :rows] = scales.t()
+    return data, storage[:, :rows].t()
+
+
+def pack_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, K]`` → BF16 ``[T, align(2K, 8)]`` holding each float32 word as two BF16 values (dispatch
+    copies rows, it never computes on them; rows of 16-byte multiples for every transport)."""
+    num_tokens, num_topk = topk_weights.shape
+    packed = torch.zeros(num_tokens, align(2 * num_topk, 8), dtype=torch.bfloat16, device=topk_weights.device)
+    packed[:, :2 * num_topk] = topk_weights.contiguous().view(torch.bfloat16)
+    return packed
+
+
+def unpack_weights(rows: torch.Tensor, num_topk: int, recv_topk_idx: torch.Tensor | None,
+                   recv_slot: torch.Tensor | None) -> torch.Tensor:
+    """Dispatched :func:`pack_weights` rows back to float32: ``[rows, K]`` masked where ``recv_topk_idx`` is -1
+    (not expanded), or ``[rows]`` each expanded row's own column picked through ``recv_slot`` ``[T', K]``."""
+    values = rows[:, :2 * num_topk].contiguous().view(torch.float32)  # [rows, K]
+    if recv_slot is None:
+        return values.masked_fill(recv_topk_idx < 0, 0.0)
+    slots = recv_slot.long()
+    num_rows = values.shape[0]
+    column = torch.zeros(num_rows + 1, dtype=torch.int64, device=values.device)
+    target = torch.where(slots >= 0, slots, num_rows).flatten()
+    column.scatter_(0, target, torch.arange(num_topk, device=values.device).repeat(slots.shape[0]))
+    filled = torch.zeros(num_rows + 1, dtype=torch.bool, device=values.device)
+    filled.scatter_(0, target, True)
+    picked = values.gather(1, column[:num_rows, None]).squeeze(1)
+    return picked.masked_fill(~filled[:num_rows], 0.0)
+
+
+__all__ = ["count_local", "expanded_blocks", "expanded_capacity", "pack_weights", "pad_rows", "sf_layout",
+           "source_metadata", "unpack_weights"]
