@@ -64,7 +64,8 @@ local_idx = list(range(rank * L, (rank + 1) * L))
 
 
 def cfg(kind):
-    kw = dict(num_layers=1, hidden_size=a.hidden, num_attention_heads=8, num_moe_experts=a.experts, moe_router_topk=a.topk,
+    kw = dict(num_layers=1, hidden_size=a.hidden, num_attention_heads=8, num_moe_experts=a.experts,
+              moe_router_topk=a.topk,
               expert_model_parallel_size=world, moe_router_dtype="fp32", bf16=True, params_dtype=torch.bfloat16,
               moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
               moe_token_dispatcher_type=kind.split(":")[0].replace("flex_plugin", "flex"))
@@ -160,7 +161,8 @@ def trace(d, x, rmap, probs, label):
         forward()
     if rank != 0:
         return
-    events = [e for e in prof.events() if e.name.startswith("phase:") or e.device_type == torch.autograd.DeviceType.CUDA]
+    events = [e for e in prof.events()
+              if e.name.startswith("phase:") or e.device_type == torch.autograd.DeviceType.CUDA]
     events = [e for e in events if "nccl" not in e.name.lower() or e.device_type != torch.autograd.DeviceType.CUDA
               or e.time_range.elapsed_us() < 1000]  # leave out the barrier after the step
     t0 = min(e.time_range.start for e in events if e.name.startswith("phase:"))

@@ -8,8 +8,6 @@ FP8 applies to the forward dispatch only; gradients travel in the dtype of the a
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .buffer import Buffer
@@ -31,8 +29,8 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 # ``(dispatch Config, combine Config)`` for the forward and the backward alike, or None for the Buffer's defaults.
 # ``layout``: the caller's ``(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)`` (a dispatch without
 # top-k) or, for an expert-major dispatch from a routing map, ``(routing_map [N, E] bool, topk)``; else None.
-Configs = Optional[tuple[Config, Config]]
-_Layout = Optional[tuple]
+Configs = tuple[Config, Config] | None
+_Layout = tuple | None
 _DispatchCall = tuple[Buffer, torch.Tensor | None, int | None, bool, int, bool, Configs, _Layout]
 
 
@@ -80,8 +78,9 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """Row-major (``combine``/``dispatch``) or, with ``experts``, expert-major (``combine_experts``/``dispatch_experts``):
-    the backward is the cached dispatch of the output gradient; both dispatches return the rows first."""
+    """Row-major (``combine``/``dispatch``) or, with ``experts``, expert-major
+    (``combine_experts``/``dispatch_experts``): the backward is the cached dispatch of the output gradient; both
+    dispatches return the rows first."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, buffer: Buffer, handle: DispatchHandle, experts: bool, configs: Configs):

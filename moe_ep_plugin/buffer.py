@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
 from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport
 
-XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+XInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def _require_tensor(name: str, t: object) -> torch.Tensor:
@@ -358,9 +357,11 @@ class Buffer:
             num_experts = handle.num_experts
         else:
             if topk_idx is None:
-                if not layout or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-                    raise ValueError("topk_idx: required when no cached handle is given, unless num_tokens_per_rank, "
-                                     "is_token_in_rank and num_tokens_per_expert are all given (dispatch without top-k)")
+                if (not layout or num_tokens_per_rank is None or is_token_in_rank is None
+                        or num_tokens_per_expert is None):
+                    raise ValueError("topk_idx: required when no cached handle is given, unless "
+                                     "num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are all given "
+                                     "(dispatch without top-k)")
                 if topk_weights is not None:
                     raise ValueError("topk_weights: needs topk_idx")
             else:
@@ -371,13 +372,15 @@ class Buffer:
             if num_experts is None and num_tokens_per_expert is not None:
                 num_experts = _require_tensor("num_tokens_per_expert", num_tokens_per_expert).shape[0]
             if num_experts is None:
-                raise ValueError("num_experts: pass num_experts or num_tokens_per_expert so expert ids can be localised")
+                raise ValueError("num_experts: pass num_experts or num_tokens_per_expert so expert ids can be "
+                                 "localised")
             self._check_num_experts(num_experts)
             if num_tokens_per_expert is not None:
                 num_tokens_per_expert = _check("num_tokens_per_expert", num_tokens_per_expert,
                                                (torch.int32, torch.int64), (num_experts,), self._cuda)
             if (num_tokens_per_rank is None) != (is_token_in_rank is None):
-                raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither")
+                raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) "
+                                 "or neither")
             # Expert ids are range-checked by the transport: their count rides on the count exchange, so every
             # rank raises at that one host read, before any row moves (a separate check would cost a sync).
             if num_tokens_per_rank is None and layout:

@@ -42,9 +42,9 @@ class NVLinkTuning:
     Defaults: the fastest settings measured on 2 x H200 at 24 SMs (benchmarks/RESULTS.md, docs/kernels.md).
 
     - ``*_send_warps``: of the 16 warps of every block, how many send (the rest receive); ``combine_send_blocks``
-      > 0 (and below the grid's ``num_sms``): that many whole blocks send a combine's rows instead. A dispatch that quantizes in the
-      send path has its own warp count (``quantizing_``), and another when its receivers dequantize again
-      (``dequantizing_``).
+      > 0 (and below the grid's ``num_sms``): that many whole blocks send a combine's rows instead. A dispatch
+      that quantizes in the send path has its own warp count (``quantizing_``), and another when its receivers
+      dequantize again (``dequantizing_``).
     - ``dispatch_pull`` / ``quantizing_dispatch_pull``: senders stage rows in their own region with
       ``pull_dispatch_send_warps`` warps and receivers load them over NVLink (BF16/FP32 and FP8 input / quantizing).
     - ``combine_pull``: every warp reduces, loading peers' rows over NVLink, when the most rows any rank received
@@ -129,7 +129,8 @@ class Config:
         peers = min(num_ranks, 8)
         rdma_ranks = max(1, num_ranks // 8)
         per_token = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4  # row + worst-case top-k idx/weights + scales
-        size = channels * peers * (2 * rdma_ranks + 3) * 4 + channels * peers * self.num_max_nvl_chunked_recv_tokens * per_token
+        size = (channels * peers * (2 * rdma_ranks + 3) * 4
+                + channels * peers * self.num_max_nvl_chunked_recv_tokens * per_token)
         return round_up(size, _ALIGN)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:

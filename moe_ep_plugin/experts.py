@@ -129,8 +129,8 @@ def loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: ``x [M, K]`` rows of expert ``l`` times ``weight[l]`` (``weight [L, K, N]``), plus ``bias[l]``
     (``bias [L, N]`` or None) → ``[M, N]``."""
-    outputs = [rows @ weight[l] if bias is None else rows @ weight[l] + bias[l]
-               for l, rows in enumerate(torch.split(x, list(counts)))]
+    outputs = [rows @ weight[le] if bias is None else rows @ weight[le] + bias[le]
+               for le, rows in enumerate(torch.split(x, list(counts)))]
     return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[-1])
 
 

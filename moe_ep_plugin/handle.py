@@ -23,7 +23,8 @@ class ExpertLayout:
 
     - ``recv_slot`` ``[N_recv, K]`` int32: expert-major row of each pair; -1 where the column's expert is
       not local (or was -1).
-    - ``tokens_per_expert``: rows per local expert, rounded up to ``alignment`` (length L); ``num_rows`` = M = their sum.
+    - ``tokens_per_expert``: rows per local expert, rounded up to ``alignment`` (length L); ``num_rows`` = M =
+      their sum.
     """
 
     recv_slot: torch.Tensor

@@ -77,7 +77,8 @@ class LaunchError(RuntimeError):
         self.failures = failures
         self.summary = "\n".join(f"rank {f.rank} {f.reason}" for f in failures)
         details = "".join(f"--- rank {f.rank} ---\n{f.details}" for f in failures if f.details)
-        super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}" + (f"\n{details}" if details else ""))
+        super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}"
+                         + (f"\n{details}" if details else ""))
 
 
 class LaunchInterrupted(KeyboardInterrupt):

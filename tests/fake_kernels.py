@@ -3,9 +3,10 @@ GPU.
 
 ``NVLinkTransport``'s Python side runs on CPU tensors (their addresses serve its bookkeeping as well as device ones)
 over :class:`FakeLib`: :func:`installed` points ``ops.permute``'s launches and both stream queries at it, and
-:func:`nvlink_transport` passes the transport a :class:`FakeRuntime` over it (no process group, library or GPU). The fake kernels compute nothing; what they write is what the host itself reads or indexes
-with: the host read of a dispatch brings ``read_values`` and an expert-major dispatch fills ``recv_slot`` with -1
-(no local expert), so the host's indexing (``slot_weights``) stays in bounds.
+:func:`nvlink_transport` passes the transport a :class:`FakeRuntime` over it (no process group, library or GPU).
+The fake kernels compute nothing; what they write is what the host itself reads or indexes with: the host read of
+a dispatch brings ``read_values`` and an expert-major dispatch fills ``recv_slot`` with -1 (no local expert), so
+the host's indexing (``slot_weights``) stays in bounds.
 """
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ class FakeRuntime(NVLinkRuntime):
         self.group, self.rank, self.num_ranks, self.timeout_s = None, rank, num_ranks, 5.0
         self.device, self.index = torch.device("cpu"), DEVICE_INDEX
         self.lib, self.ctx, self.error = lib, CTX, [0, 0, 0, 0]
-        self.region_bytes, self.own_region, self.read_buffer, self.device_sms = 1 << 24, OWN_REGION, lib.read_buffer, 132
+        self.region_bytes, self.own_region = 1 << 24, OWN_REGION
+        self.read_buffer, self.device_sms = lib.read_buffer, 132
         lib.num_ranks = num_ranks
 
 

@@ -16,10 +16,13 @@ from moe_ep_plugin.ops import fp8
 # (tokens on rank r as a function of r, hidden, top-k, experts, routing) — every case runs on every world size.
 CASES = [
     dict(tokens=lambda r: 7 + 5 * r, hidden=256, topk=2, experts_per_rank=2, routing="random"),
-    dict(tokens=lambda r: 0 if r == 0 else 9, hidden=128, topk=8, experts_per_rank=4, routing="random"),  # a rank with 0 tokens
+    # a rank with 0 tokens
+    dict(tokens=lambda r: 0 if r == 0 else 9, hidden=128, topk=8, experts_per_rank=4, routing="random"),
     dict(tokens=lambda r: 6, hidden=40, topk=1, experts_per_rank=3, routing="random"),  # H not a multiple of 128 (BF16)
-    dict(tokens=lambda r: 11 - r, hidden=128, topk=4, experts_per_rank=2, routing="one_expert"),  # all tokens to expert E-1
-    dict(tokens=lambda r: 10, hidden=256, topk=3, experts_per_rank=2, routing="sparse"),  # many -1 entries, some rows empty
+    # all tokens to expert E-1
+    dict(tokens=lambda r: 11 - r, hidden=128, topk=4, experts_per_rank=2, routing="one_expert"),
+    # many -1 entries, some rows empty
+    dict(tokens=lambda r: 10, hidden=256, topk=3, experts_per_rank=2, routing="sparse"),
 ]
 
 
@@ -203,7 +206,8 @@ def _errors() -> None:
     odd = idx + (2 * world if dist.get_rank() == world - 1 else 0)
     assert buffer.get_dispatch_layout(odd, 2 * world)[2].sum().item() == (0 if dist.get_rank() == world - 1 else 8)
     for call in (buffer.dispatch, buffer.dispatch_experts):
-        with pytest.raises(ValueError, match=rf"topk_idx: expert ids must lie in \[-1, {2 * world}\); rank\(s\) \[{world - 1}\]"):
+        with pytest.raises(ValueError,
+                           match=rf"topk_idx: expert ids must lie in \[-1, {2 * world}\); rank\(s\) \[{world - 1}\]"):
             call(x, topk_idx=odd, num_experts=2 * world)
     # a combine with rows that do not match the handle is refused before communicating
     _, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=world)

@@ -117,7 +117,8 @@ def _stream_ordering() -> None:
             if not overlapped:  # sync without an event: the current stream, nothing to order
                 assert log == [("counts read", "compute")]
                 continue
-            first = ("wait_event", "comm", "compute") if "previous_event" in mode else ("wait_stream", "comm", "compute")
+            waited = "wait_event" if "previous_event" in mode else "wait_stream"
+            first = (waited, "comm", "compute")
             # the comm stream waits first, then the read happens on it (after the dispatch), then its end is recorded
             assert log[0] == first and log[1] == ("counts read", "comm") and log[2] == ("record", "comm"), log
             if mode.get("async_finish"):
@@ -180,7 +181,7 @@ def _without_topk(seed: int) -> None:
             assert torch.equal(recv_x[i], everyone[src][0][t])
         assert handle.recv_src_idx.tolist() == [t for _, t in rows]
         local = num_experts // world
-        summed = [sum(int(e[2][rank * local + l]) for e in everyone) for l in range(local)]
+        summed = [sum(int(e[2][rank * local + le]) for e in everyone) for le in range(local)]
         assert counts == [(c + 1) // 2 * 2 for c in summed]
         # combine, with and without weights: each token sums its copies over the ranks it went to
         y = recv_x.float() * (rank + 1)
@@ -245,7 +246,7 @@ def _handle_defaults_duplicates() -> None:
     for position, value in ((1, cpm), (2, rcpm), (5, send_head)):
         assert isinstance(value, NoEquivalent)
         with pytest.raises(NotImplementedError, match=rf"handle\[{position}\] \("):
-            value.shape
+            _ = value.shape  # reading any attribute must raise
         with pytest.raises(NotImplementedError, match=rf"handle\[{position}\]"):
             handle[position].sum()
     with pytest.raises(IndexError, match="6 positions"):

@@ -44,7 +44,7 @@ def expected_layout(idxs: list[torch.Tensor], num_experts: int, rank: int, world
                     row.append(None)
             received.append(row)
     tokens_per_expert = [-(-len(b) // alignment) * alignment for b in blocks]
-    base = [sum(tokens_per_expert[:l]) for l in range(local)]
+    base = [sum(tokens_per_expert[:le]) for le in range(local)]
     recv_slot = [[-1 if p is None else base[p[0]] + p[1] for p in row] for row in received]
     sources: list = []
     for b, size in zip(blocks, tokens_per_expert, strict=False):

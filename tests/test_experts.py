@@ -54,12 +54,13 @@ def test_swiglu_grouped_equals_loop(dtype, case):
     results = {impl: _run(lambda a, b, c: experts.swiglu_experts(a, b, c, counts, impl), (x, gate_up, down), grad_out)
                for impl in ("loop", "grouped", "auto")}
     for impl in ("grouped", "auto"):
-        for name, got, want in zip(("y", "grad_x", "grad_gate_up", "grad_down"), results[impl], results["loop"], strict=False):
+        names = ("y", "grad_x", "grad_gate_up", "grad_down")
+        for name, got, want in zip(names, results[impl], results["loop"], strict=False):
             assert torch.equal(got, want), (impl, name)
     # experts without rows get an exact zero gradient
-    for l, c in enumerate(counts):
+    for le, c in enumerate(counts):
         if c == 0:
-            assert not results["grouped"][2][l].any() and not results["grouped"][3][l].any()
+            assert not results["grouped"][2][le].any() and not results["grouped"][3][le].any()
     if dtype == torch.float32:
         # another summation order than the batched matmul: outputs of magnitude ~30 differ by a few fp32 ulps
         torch.testing.assert_close(results["loop"][0], _row_reference_swiglu(x, gate_up, down, counts),

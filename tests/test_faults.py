@@ -105,7 +105,7 @@ def _contradicting_layouts() -> None:
     # the layout get_dispatch_layout returned passes
     got = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=idx)[0]
-    assert got.shape[0] == int(sum(l[rank] for l in gather_all(per_rank)))
+    assert got.shape[0] == int(sum(counts[rank] for counts in gather_all(per_rank)))
 
     # num_worst_tokens smaller than the rows a rank receives: every rank raises, naming the rank(s) short
     received = [int(sum(r[j] for r in gather_all(per_rank))) for j in range(world)]

@@ -197,7 +197,8 @@ def _autograd(buffer: Buffer, seed: int) -> None:
     (out * g).sum().backward()
     ref = dense_reference(x, idx, w, g, expert_w, False)
     got = (out, x.grad, w.grad, local_w.grad)
-    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), got, ref[:3] + (ref[3][rank * local:(rank + 1) * local],), strict=False):
+    want = ref[:3] + (ref[3][rank * local:(rank + 1) * local],)
+    for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), got, want, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 

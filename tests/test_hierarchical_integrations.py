@@ -45,7 +45,8 @@ def _trainer_steps() -> None:
     assert 0 < nodes.inter_node_bytes <= nodes.flat_inter_node_bytes
     line = _format({"step": 1, "loss": 1.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
                     "load_max_over_mean": 1.0, "load_max_over_mean_worst_layer": 1.0, "eval_loss": None, "mfu": None,
-                    "nodes_per_token_mean": nodes.nodes_per_token_mean, "nodes_per_token_max": nodes.nodes_per_token_max,
+                    "nodes_per_token_mean": nodes.nodes_per_token_mean,
+                    "nodes_per_token_max": nodes.nodes_per_token_max,
                     "inter_node_mb": 0.5, "flat_inter_node_mb": 0.9}, 10)
     assert f"nodes/token {nodes.nodes_per_token_mean:.2f} (max {nodes.nodes_per_token_max})" in line
     assert "inter-node 0.50 MB/step (flat all-to-all 0.90)" in line

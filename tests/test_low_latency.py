@@ -53,26 +53,26 @@ def _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_exper
     data, scales = recv_x if use_fp8 else (recv_x, None)
     assert data.shape == (local, world * M, H)
     assert data.dtype == (fp8.FP8_DTYPE if use_fp8 else torch.bfloat16)
-    for l, rows in enumerate(expected):
+    for le, rows in enumerate(expected):
         begin = 0
         for s in range(world):
             count = sum(1 for src, _ in rows if src == s)
-            assert int(layout_range[l, s]) == (begin << 32) | count
+            assert int(layout_range[le, s]) == (begin << 32) | count
             begin += count
         for j, (s, t) in enumerate(rows):
-            assert int(src_info[l, j]) == t
+            assert int(src_info[le, j]) == t
             row = xs[s][t:t + 1]
             if not use_fp8:
-                assert torch.equal(data[l, j].view(torch.int16), row[0].view(torch.int16))
+                assert torch.equal(data[le, j].view(torch.int16), row[0].view(torch.int16))
                 continue
             q, sc = fp8.quantize(row, round_scale=round_scale)
-            assert torch.equal(data[l, j].view(torch.uint8), q[0].view(torch.uint8))
+            assert torch.equal(data[le, j].view(torch.uint8), q[0].view(torch.uint8))
             if use_ue8m0:
                 assert scales.dtype == torch.int32 and scales.shape == (local, world * M, H // 512)
-                assert torch.equal(scales[l, j], fp8.pack_ue8m0(sc)[0])
+                assert torch.equal(scales[le, j], fp8.pack_ue8m0(sc)[0])
             else:
                 assert scales.dtype == torch.float32 and scales.shape == (local, world * M, H // 128)
-                assert torch.equal(scales[l, j].view(torch.int32), sc[0].view(torch.int32))
+                assert torch.equal(scales[le, j].view(torch.int32), sc[0].view(torch.int32))
     if use_fp8:
         assert scales.stride(1) == 1  # column-major in the last two dims, as DeepEP returns them
     return expected
@@ -87,9 +87,9 @@ def _expected_combine(y_all, rows_all, x_idx, w, rank, world, num_experts):
         for k, e in enumerate(x_idx[t].tolist()):
             if e < 0:
                 continue
-            r, l = divmod(e, local)
-            j = rows_all[r][l].index((rank, t))
-            acc = acc + w[t, k] * y_all[r][l, j].float()
+            r, le = divmod(e, local)
+            j = rows_all[r][le].index((rank, t))
+            acc = acc + w[t, k] * y_all[r][le, j].float()
         out[t] = acc
     return out.bfloat16()
 

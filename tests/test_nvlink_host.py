@@ -200,7 +200,8 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     covered = fake.calls[6][1][12]
     assert fake.calls == [
         ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights), STREAM)),
+                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights),
+                                   STREAM)),
         ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
         ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=first["recv_x"],
                                                    recv_src_idx=at(5), recv_slot=at(6),

@@ -33,7 +33,8 @@ def test_deepseek_v3_proxy_has_the_deepseek_moe_dimensions_and_builds_on_meta():
     cfg = config.load(os.path.join(CONFIGS, "deepseek_v3_proxy.yaml"))
     m, e = cfg.model, cfg.moe
     assert (m.hidden_size, e.num_experts, e.topk, e.num_groups, e.group_topk) == (7168, 256, 8, 8, 4)
-    assert (e.score_function, e.scaling_factor, e.num_shared_experts, e.expert_ffn_hidden_size) == ("sigmoid", 2.5, 1, 2048)
+    assert ((e.score_function, e.scaling_factor, e.num_shared_experts, e.expert_ffn_hidden_size)
+            == ("sigmoid", 2.5, 1, 2048))
     assert 1 <= m.num_dense_layers < m.num_layers <= 8 and m.ffn_hidden_size == 18432 and cfg.parallel.fp8_dispatch
     report = cli.dry_run(cfg)
     # Per rank of EP=8: 32 experts x 3 MoE blocks x (7168 x 2 x 2048 + 2048 x 7168) weights.

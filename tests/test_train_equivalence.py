@@ -83,7 +83,8 @@ def _compare() -> None:
     assert abs(r2.loss - r1.loss) <= 1e-3 * abs(r1.loss), (r2.loss, r1.loss)
     errors = {name: float((g - _slice_of(name, g1[name], rank, 2)).norm() / g1[name].norm().clamp_min(1e-12))
               for name, g in g2.items()}
-    print(f"rank {rank}: fp8 vs fp32 loss {abs(r2.loss - r1.loss) / r1.loss:.2e}, worst grad {max(errors.values()):.2e}")
+    print(f"rank {rank}: fp8 vs fp32 loss {abs(r2.loss - r1.loss) / r1.loss:.2e}, "
+          f"worst grad {max(errors.values()):.2e}")
     assert max(errors.values()) <= 0.10, errors
 
 

@@ -56,6 +56,7 @@ def invalid_ids_error(ranks: list[int], num_experts: int) -> ValueError:
 
 
 def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
-    """``[N, R]`` bool → ``[N, R]`` int32: index of token ``t`` among the tokens sent to ``r`` (token order), -1 if not sent."""
+    """``[N, R]`` bool → ``[N, R]`` int32: index of token ``t`` among the tokens sent to ``r`` (token order),
+    -1 if not sent."""
     running = is_token_in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
     return torch.where(is_token_in_rank, running, torch.full_like(running, -1))

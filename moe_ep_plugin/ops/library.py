@@ -63,7 +63,8 @@ class LLDispatchParams(ctypes.Structure):
     """``moe_ep_ll_dispatch_params`` (low-latency dispatch)."""
 
     _fields_ = [(name, _p) for name in (
-        "x", "topk_idx", "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "wait_stats")] + [(name, _i64) for name in (
+        "x", "topk_idx", "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "wait_stats")] + [
+        (name, _i64) for name in (
             "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "use_fp8", "round_scale", "use_ue8m0",
             "buffer_set")]
 
@@ -142,7 +143,8 @@ def load() -> ctypes.CDLL:
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
                  "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start",
                  "moe_ep_read_wait", "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute",
-                 "moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send", "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
+                 "moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send",
+                 "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

@@ -2,8 +2,8 @@
 
 CUDA float32 probs go through one kernel (csrc/kernels/layout.cuh ``moe_ep_routing_map_topk``) when the kernel library
 loads, everything else through four torch ops; both give the same ids and weights. ``routing_map_to_topk`` is
-differentiable; ``topk_from_routing_map`` (no autograd) and ``topk_weights_grad`` are its two halves for a caller that folds the
-conversion into its own autograd function (the Megatron dispatcher's dispatch).
+differentiable; ``topk_from_routing_map`` (no autograd) and ``topk_weights_grad`` are its two halves for a caller
+that folds the conversion into its own autograd function (the Megatron dispatcher's dispatch).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def check_routing_map(routing_map: object, probs: object, topk: object) -> None:
         raise ValueError(f"topk must be in [1, {routing_map.shape[1]}], got {topk}")
 
 
-def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`routing_map_to_topk` without autograd, of arguments :func:`check_routing_map` accepted: for callers
     that give ``probs`` its gradient themselves (:func:`topk_weights_grad`)."""
     if _ROUTING_KERNEL.usable(routing_map, probs):
@@ -88,8 +89,8 @@ def _routing_kernel(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
 
 
 class _RoutingKernel:
-    """Whether the one-kernel CUDA path (csrc/kernels/layout.cuh ``moe_ep_routing_map_topk``) serves a call: CUDA tensors,
-    float32 probs, contiguous rows, and the kernel library loads (checked once)."""
+    """Whether the one-kernel CUDA path (csrc/kernels/layout.cuh ``moe_ep_routing_map_topk``) serves a call: CUDA
+    tensors, float32 probs, contiguous rows, and the kernel library loads (checked once)."""
 
     def __init__(self) -> None:
         self._loaded: bool | None = None

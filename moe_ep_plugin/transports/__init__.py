@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist

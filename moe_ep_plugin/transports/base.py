@@ -203,6 +203,8 @@ class Transport(abc.ABC):
         """Raise the error a kernel of this transport recorded (a wait on a peer that timed out, ranks that
         disagree); the Buffer calls it before any other work of an entry point, since such a kernel trapped and
         any CUDA call would fail first without naming why. Default: nothing records."""
+        # Not abstract: a transport whose kernels record no errors keeps this no-op.
+        return None
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,7 +261,8 @@ class Transport(abc.ABC):
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
                         config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Reverse of :meth:`dispatch_experts`: ``y`` ``[M, H]`` BF16/FP32 → ``([N, H] y.dtype, [N, K] float32 or None)``.
+        """Reverse of :meth:`dispatch_experts`: ``y`` ``[M, H]`` BF16/FP32 → ``([N, H] y.dtype, [N, K] float32
+        or None)``.
 
         Each received row sums its experts' rows (``permute.unpermute``: top-k columns ascending, fp32, rounded
         once), then :meth:`combine` sums over ranks. ``expert_weights`` ``[M]`` float32 reach column ``k`` of

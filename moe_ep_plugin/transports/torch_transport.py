@@ -147,7 +147,8 @@ class TorchTransport(Transport):
             invalid = per_rank.new_zeros(1)
         inline = num_experts <= INLINE_EXPERTS
         checks = [per_rank, invalid, layout_contradiction(args),
-                  torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64, device=per_rank.device),
+                  torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64,
+                               device=per_rank.device),
                   per_expert if inline else per_expert.new_zeros(0), per_expert.new_zeros(
                       INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS)]
         gathered, read_counts = self._start_count_exchange(torch.cat(checks))

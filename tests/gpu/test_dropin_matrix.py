@@ -91,7 +91,7 @@ def _async_counts_at_deepep_shape() -> None:
     local = num_experts // world
     everyone: list = [None] * world
     dist.all_gather_object(everyone, idx.cpu())
-    want = [sum(int((i == rank * local + l).sum()) for i in everyone) for l in range(local)]
+    want = [sum(int((i == rank * local + le).sum()) for i in everyone) for le in range(local)]
     for fp8_dispatch in (False, True):
         sync = buffer.dispatch(x, topk_idx=idx, num_experts=num_experts, fp8_dispatch=fp8_dispatch)[3]
         for mode in (dict(async_finish=True), dict(previous_event=buffer.capture(), async_finish=True),

@@ -60,9 +60,9 @@ def test_ffn_grouped_equals_loop_on_cuda(rows, linear_layout):
             err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6))
             assert err < 1e-2, f"{name}: relative error {err:.3g}"
     for name, grad in zip(names[2:], grouped[2:], strict=False):  # experts without rows: exactly zero, not garbage
-        for l, c in enumerate(counts):
+        for le, c in enumerate(counts):
             if c == 0:
-                assert not grad[l].any(), f"{name}[{l}]"
+                assert not grad[le].any(), f"{name}[{le}]"
     if linear_layout:  # each expert's slice of the weight gradient is contiguous in nn.Linear's layout
         assert grouped[2].transpose(1, 2).is_contiguous() and grouped[4].transpose(1, 2).is_contiguous()
 

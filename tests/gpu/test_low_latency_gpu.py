@@ -1,9 +1,9 @@
-"""Low-latency mode on the peer-memory kernels (``csrc/kernels/low_latency.cuh``) against the torch transport's collective
-form on the same inputs: BF16 rows bit-exact, FP8 bytes and scales equal (float32 and packed UE8M0), recv_count,
-src_info and layout_range exact, combine bit for bit (both sum weight * row over k ascending in fp32, no FMA). Also
-the hook, zero-copy, ``out=``, normal and low-latency calls alternating on one Buffer, CUDA-graph replay of
-dispatch -> expert stand-in -> combine on new inputs, and a peer that never arrives. Skips without a GPU or the
-built kernel library.
+"""Low-latency mode on the peer-memory kernels (``csrc/kernels/low_latency.cuh``) against the torch transport's
+collective form on the same inputs: BF16 rows bit-exact, FP8 bytes and scales equal (float32 and packed UE8M0),
+recv_count, src_info and layout_range exact, combine bit for bit (both sum weight * row over k ascending in fp32, no
+FMA). Also the hook, zero-copy, ``out=``, normal and low-latency calls alternating on one Buffer, CUDA-graph replay of
+dispatch -> expert stand-in -> combine on new inputs, and a peer that never arrives. Skips without a GPU or the built
+kernel library.
 
 With two or more GPUs every rank has its own GPU and the reference runs on NCCL; with one GPU, 2, 3 and 4 ranks
 share it (gloo group, ``Buffer(device="cuda:0")``) and the reference runs on the CPU. EP1 is the ``local``
@@ -73,11 +73,11 @@ def _check_dispatch(got: tuple, want: tuple, use_fp8: bool) -> list[int]:
     _same("layout_range", gh[1], wh[1])
     g_data, g_scales = gx if use_fp8 else (gx, None)
     w_data, w_scales = wx if use_fp8 else (wx, None)
-    for l, c in enumerate(counts):
-        _same(f"src_info[{l}]", gh[0][l, :c], wh[0][l, :c])
-        _same(f"recv_x[{l}]", g_data[l, :c], w_data[l, :c])
+    for le, c in enumerate(counts):
+        _same(f"src_info[{le}]", gh[0][le, :c], wh[0][le, :c])
+        _same(f"recv_x[{le}]", g_data[le, :c], w_data[le, :c])
         if use_fp8:
-            _same(f"scales[{l}]", g_scales[l, :c], w_scales[l, :c])
+            _same(f"scales[{le}]", g_scales[le, :c], w_scales[le, :c])
     return counts
 
 

@@ -102,7 +102,8 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     _poison(num_rows * hidden * x.element_size())
     got = P.permute(x, slot, num_rows, w, s)
     want = P._torch_permute(x.contiguous(), slot, num_rows, w, s)
-    for name, a, b, c in zip(("x", "probs", "scales"), got, want, P.permute(x_cpu, slot_cpu, num_rows, w_cpu, s_cpu), strict=False):
+    on_cpu = P.permute(x_cpu, slot_cpu, num_rows, w_cpu, s_cpu)
+    for name, a, b, c in zip(("x", "probs", "scales"), got, want, on_cpu, strict=False):
         _same(f"permute {name} vs torch", a, b, seed)
         _same(f"permute {name} vs cpu", a, c, seed)
     _same("permute x without weights/scales", P.permute(x, slot, num_rows)[0], want[0], seed)

@@ -74,7 +74,8 @@ def _dense_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: tor
 def dense_reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g: torch.Tensor, experts: torch.Tensor,
                     straight_through_fp8: bool):
     """Single-process truth for an EP layer: every rank's ``(x, idx, w, g)`` gathered, ``Σ (dense_moe · g)``
-    backpropagated (``experts`` ``[E, H, H]``). Returns this rank's ``(out, grad x, grad w, grad of all experts)`` (zeros for untouched leaves)."""
+    backpropagated (``experts`` ``[E, H, H]``). Returns this rank's ``(out, grad x, grad w, grad of all experts)``
+    (zeros for untouched leaves)."""
     experts = experts.detach().clone().requires_grad_(True)
     leaves, total = [], 0.0
     for rx, ridx, rw, rg in gather_all((x.detach(), idx, w.detach(), g)):

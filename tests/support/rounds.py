@@ -201,8 +201,8 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
         expert_x, expert_scales, probs, tokens_per_expert, handle = out[:5]
         alignment = handle.expert_layout.alignment
         blocks, block_w, counts = [], [], []
-        for l in range(local):
-            pairs = [(src, t, k) for src, t in rows for k, e in enumerate(idx_lists[src][t]) if e == rank * local + l]
+        for le in range(local):
+            pairs = [(src, t, k) for src, t in rows for k, e in enumerate(idx_lists[src][t]) if e == rank * local + le]
             counts.append(len(pairs))
             blocks += [expected_row(src, t) for src, t, _ in pairs]
             block_w += [float(everyone[src][2][t, k]) for src, t, k in pairs]
@@ -267,7 +267,7 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
         check("cached: no top-k returned", recv_idx is None and recv_w is None)
     elif no_topk:
         check("no top-k: recv_topk_idx/weights", recv_idx is None and recv_w is None)
-        summed = [sum(int(everyone[s][4][rank * local + l]) for s in range(world)) for l in range(local)]
+        summed = [sum(int(everyone[s][4][rank * local + le]) for s in range(world)) for le in range(local)]
         check("no top-k: counts", counts == [(c + rnd.alignment - 1) // rnd.alignment * rnd.alignment for c in summed])
     else:
         want_idx = [[e - rank * local if e >= 0 and e // local == rank else -1 for e in everyone[s][1][t].tolist()]
@@ -277,7 +277,7 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
                   for i, (s, t) in enumerate(rows)]
         check("recv_topk_weights", recv_w[:n_recv].cpu().tolist() == want_w)
         if rnd.entry != "num_worst_tokens":
-            ref_counts = [sum(r_.count(l) for r_ in want_idx) for l in range(local)]
+            ref_counts = [sum(r_.count(le) for r_ in want_idx) for le in range(local)]
             check("num_recv_tokens_per_expert_list",
                   counts == [(c + rnd.alignment - 1) // rnd.alignment * rnd.alignment for c in ref_counts])
         check("recv_src_idx", handle.recv_src_idx[:n_recv].cpu().tolist() == [t for _, t in rows])

@@ -90,9 +90,11 @@ class NVLinkRuntime:
             raise TimeoutError(f"{where}: rank {a} did not reach the start-of-operation barrier within "
                                f"{self.timeout_s:g} s (it never joined, or called a different operation)")
         if code == library.ERR_DISPATCH_TIMEOUT:
-            raise TimeoutError(f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
+            raise TimeoutError(f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within "
+                               f"{self.timeout_s:g} s")
         if code == library.ERR_COMBINE_TIMEOUT:
-            raise TimeoutError(f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s")
+            raise TimeoutError(f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within "
+                               f"{self.timeout_s:g} s")
         if code == library.ERR_WORST_TOKENS:
             raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
                              "the outputs of that dispatch are incomplete")
@@ -101,7 +103,8 @@ class NVLinkRuntime:
                                  [i for i in range(self.num_ranks) if a >> i & 1],
                                  " (found by notify; this buffer is unusable now: destroy it and make a new one)")
         if code == library.ERR_CAPACITY:
-            raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes")
+            raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; "
+                             "pass a larger num_nvl_bytes")
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
 
     def _check(self, code: int, what: str) -> None:

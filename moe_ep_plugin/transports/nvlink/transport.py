@@ -158,7 +158,8 @@ class NVLinkTransport(Transport):
         prefix, info = values[:r * r], values[r * r:]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
-        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:], strict=False)]  # row minus the one above
+        # row minus the one above
+        counts = prefix[:r] + [below - above for above, below in zip(prefix, prefix[r:], strict=False)]
         most = most_received(counts, r)
         if most > guess:
             self._recv_guess = most
@@ -173,7 +174,8 @@ class NVLinkTransport(Transport):
         if k > MAX_TOPK:
             raise ValueError(f"topk_idx: the nvlink kernels take at most {MAX_TOPK} experts per token, got {k}")
         if (hidden * (1 if fp8_rows else x.element_size())) % 16:
-            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}")
+            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, "
+                             f"got hidden={hidden} {x.dtype}")
         slot = dispatch_slot_bytes(hidden, x.element_size(), fp8_rows, k)
         self._check_capacity(n, slot, "x")
         return slot
@@ -243,8 +245,8 @@ class NVLinkTransport(Transport):
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
         cut = [None if t is None else t[:num_recv]
                for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
-        return _without_topk_counts(self.num_ranks, args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle),
-                                         prefix, info)
+        return _without_topk_counts(self.num_ranks, args,
+                                    DispatchResult(*cut, result.num_recv_tokens_per_expert, handle), prefix, info)
 
     def _dispatch_rows(self, args: DispatchArgs, handle: DispatchHandle, speculative_rows: int = 0) -> DispatchResult:
         """Outputs of ``handle.num_recv_rows`` rows and the dispatch kernel into them."""
