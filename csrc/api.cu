@@ -31,8 +31,8 @@ static int check_copy_rows(const Context* ctx, const int32_t* counts, int64_t ro
         const int64_t rows = counts[d * R + me];
         if (d != me && (rows > kMaxRegionRows || rows * row_bytes > ctx->dev.region_bytes))
             return set_error(-1, "combine: " + std::to_string(rows) + " rows of " + std::to_string(row_bytes) +
-                                     " bytes do not fit a peer staging region of " + std::to_string(ctx->dev.region_bytes) +
-                                     " bytes; pass a larger num_nvl_bytes");
+                                     " bytes do not fit a peer staging region of " +
+                                     std::to_string(ctx->dev.region_bytes) + " bytes; pass a larger num_nvl_bytes");
     }
     return 0;
 }
@@ -73,8 +73,8 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
                                  "] (all blocks must be resident at once)");
     if (num_send_blocks > 0) {
         if (num_send_blocks >= num_sms)
-            return set_error(-1, "num_send_blocks=" + std::to_string(num_send_blocks) + " must be < num_sms=" +
-                                     std::to_string(num_sms));
+            return set_error(-1, "num_send_blocks=" + std::to_string(num_send_blocks) +
+                                     " must be < num_sms=" + std::to_string(num_sms));
     } else if (num_send_warps < 0 || num_send_warps >= kWarps)
         return set_error(-1, "num_send_warps=" + std::to_string(num_send_warps) + " must lie in [0, " +
                                  std::to_string(kWarps - 1) + "]");
@@ -140,9 +140,13 @@ int resident_blocks(const void* kernel, size_t smem, std::atomic<int>* cache, in
     return 0;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+    return (a + b - 1) / b;
+}
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 }  // namespace permute_kernels
 }  // namespace moe_ep
@@ -174,11 +178,12 @@ extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_pe
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_dispatch: list_stride < num_tokens");
     if (num_tokens_per_rank != nullptr && (num_invalid == nullptr || rank_prefix_matrix == nullptr || info == nullptr))
         return set_error(-1, "moe_ep_notify_dispatch: a count exchange needs num_invalid, rank_prefix_matrix and info");
-    if (num_tokens_per_expert != nullptr &&
-        (num_tokens_per_rank == nullptr || num_experts < 1 || num_experts > kMaxExperts ||
-         num_experts % ctx->dev.num_ranks != 0))
-        return set_error(-1, "moe_ep_notify_dispatch: per-expert counts need a count exchange and num_experts a "
-                             "multiple of the ranks in [1, " + std::to_string(kMaxExperts) + "]");
+    if (num_tokens_per_expert != nullptr && (num_tokens_per_rank == nullptr || num_experts < 1 ||
+                                             num_experts > kMaxExperts || num_experts % ctx->dev.num_ranks != 0))
+        return set_error(-1,
+                         "moe_ep_notify_dispatch: per-expert counts need a count exchange and num_experts a "
+                         "multiple of the ranks in [1, " +
+                             std::to_string(kMaxExperts) + "]");
     NotifyArgs a = notify_outputs(rank_prefix_matrix, send_pos, send_list, info, num_tokens, list_stride, meta);
     a.num_tokens_per_expert = num_tokens_per_expert;
     a.num_experts = int(num_experts);
@@ -192,8 +197,8 @@ extern "C" int moe_ep_notify_dispatch(void* handle, const int32_t* num_tokens_pe
 extern "C" int moe_ep_notify_experts(void* handle, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                                      int64_t num_experts, int64_t alignment, int64_t list_stride,
                                      int32_t* rank_prefix_matrix, int32_t* send_pos, int32_t* send_list,
-                                     uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset, int32_t* info,
-                                     const int32_t* meta, void* stream) {
+                                     uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset,
+                                     int32_t* info, const int32_t* meta, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const int R = ctx->dev.num_ranks;
     if (num_tokens > list_stride) return set_error(-1, "moe_ep_notify_experts: list_stride < num_tokens");
@@ -249,11 +254,11 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     const int grid = int(p.num_sms);
     if (p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
-#define DISPATCH_LAUNCH_CASE(kQuant)                                                                                \
-    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                                             \
-                SWITCH_TOPK(kTopk, dispatch_topk(p),                                                                \
-                            SWITCH_MODE(kPull, p.pull != 0,                                                         \
-                                        dispatch_kernel<kQuant, kFp8Out, kTopk, kPull>                              \
+#define DISPATCH_LAUNCH_CASE(kQuant)                                                   \
+    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                \
+                SWITCH_TOPK(kTopk, dispatch_topk(p),                                   \
+                            SWITCH_MODE(kPull, p.pull != 0,                            \
+                                        dispatch_kernel<kQuant, kFp8Out, kTopk, kPull> \
                                         <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))));
     if (!quantize) {
         DISPATCH_LAUNCH_CASE(0);
@@ -325,10 +330,13 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         if (int err = check_copy_rows(ctx, p.host_counts, row_bytes + 4 * p.num_topk)) return err;
         if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
     }
-#define MOE_EP_LAUNCH_COMBINE(T)                                                                    \
-    if (R <= 2) combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);                         \
-    else if (R <= 4) combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p);                    \
-    else combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+#define MOE_EP_LAUNCH_COMBINE(T)                                     \
+    if (R <= 2)                                                      \
+        combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
+    else if (R <= 4)                                                 \
+        combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
+    else                                                             \
+        combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
     if (p.elem_bytes == 2) {
         MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {
@@ -352,16 +360,18 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         const int d = (me + k) % R;
         if (copied(d) == 0) continue;
         char* dst = ctx->dev.bufs[d] + kStagingOffset + int64_t(me) * ctx->dev.region_bytes + count(d) * row_bytes;
-        if (int err = check_cuda(cudaMemcpyAsync(dst, p.topk_weights + first[d] * p.num_topk,
-                                                 size_t(copied(d)) * p.num_topk * 4, cudaMemcpyDeviceToDevice,
-                                                 ctx->copy_streams[0]), "cudaMemcpyAsync(combine weights)"))
+        if (int err = check_cuda(
+                cudaMemcpyAsync(dst, p.topk_weights + first[d] * p.num_topk, size_t(copied(d)) * p.num_topk * 4,
+                                cudaMemcpyDeviceToDevice, ctx->copy_streams[0]),
+                "cudaMemcpyAsync(combine weights)"))
             return err;
     }
     if (p.topk_weights != nullptr)
         if (int err = copy_after_lead(mut, int(p.copy_streams))) return err;
     const char* x = static_cast<const char*>(p.x);
-    int err = copy_rows(mut, copied, [&](int d) { return x + first[d] * row_bytes; }, row_bytes, p.copy_piece_rows,
-                        int(p.copy_streams));
+    int err = copy_rows(
+        mut, copied, [&](int d) { return x + first[d] * row_bytes; }, row_bytes, p.copy_piece_rows,
+        int(p.copy_streams));
     return err ? err : copy_finish(mut, s, int(p.copy_streams));
 }
 
@@ -369,11 +379,13 @@ extern "C" int moe_ep_get_dispatch_layout(const int64_t* topk_idx, int64_t num_t
                                           int64_t num_experts, int64_t num_ranks, int32_t* per_rank,
                                           int32_t* per_expert, uint8_t* is_token_in_rank, void* stream) {
     if (num_ranks < 1 || num_ranks > 32 || num_experts % num_ranks != 0 || num_experts > 12288)
-        return set_error(-1, "moe_ep_get_dispatch_layout: need num_experts divisible by 1 <= num_ranks <= 32 and "
-                             "num_experts <= 12288");
+        return set_error(-1,
+                         "moe_ep_get_dispatch_layout: need num_experts divisible by 1 <= num_ranks <= 32 and "
+                         "num_experts <= 12288");
     if (num_tokens == 0) return 0;
-    const int blocks = int((num_tokens + kLayoutThreads - 1) / kLayoutThreads < 64
-                               ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads : 64);
+    const int blocks =
+        int((num_tokens + kLayoutThreads - 1) / kLayoutThreads < 64 ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads
+                                                                    : 64);
     const size_t smem = size_t(num_experts + num_ranks) * sizeof(int);
     layout_kernel<<<blocks, kLayoutThreads, smem, static_cast<cudaStream_t>(stream)>>>(
         topk_idx, int(num_tokens), int(num_topk), int(num_experts), int(num_ranks), per_rank, per_expert,
@@ -385,14 +397,15 @@ extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* 
                                        int64_t num_experts, int64_t topk, int64_t* topk_idx, float* topk_weights,
                                        void* stream) {
     if (num_tokens < 0 || num_experts < 1 || topk < 1 || topk > num_experts || num_tokens * num_experts > INT32_MAX)
-        return set_error(-1, "moe_ep_routing_map_topk: need 1 <= topk <= num_experts and num_tokens * num_experts < 2^31");
+        return set_error(-1,
+                         "moe_ep_routing_map_topk: need 1 <= topk <= num_experts and num_tokens * num_experts < 2^31");
     if (num_tokens == 0) return 0;
     const int64_t blocks = (num_tokens + kRoutingThreads / 32 - 1) / (kRoutingThreads / 32);
-    routing_map_topk_kernel<<<int(blocks < 1024 ? blocks : 1024), kRoutingThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        routing_map, probs, int(num_tokens), int(num_experts), int(topk), topk_idx, topk_weights);
+    routing_map_topk_kernel<<<int(blocks < 1024 ? blocks : 1024), kRoutingThreads, 0,
+                              static_cast<cudaStream_t>(stream)>>>(routing_map, probs, int(num_tokens),
+                                                                   int(num_experts), int(topk), topk_idx, topk_weights);
     return check_launch("routing_map_topk_kernel");
 }
-
 
 namespace {
 
@@ -404,12 +417,11 @@ int launch_expert_slots(const int64_t* topk_idx, int64_t num_entries, int64_t nu
         1, std::min<int64_t>(ceil_div(num_entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks));
     const int64_t per_warp = std::max<int64_t>(32, ceil_div(ceil_div(num_entries, blocks * kWarpsPerBlock), 32) * 32);
     const size_t smem = expert_slots_smem(int(num_local_experts));
-    slot_counts_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries,
-                                                                          int(num_local_experts), per_warp, workspace);
+    slot_counts_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries, int(num_local_experts),
+                                                                          per_warp, workspace);
     if (int err = check_launch("slot_counts_kernel")) return err;
-    slot_place_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries, int(num_local_experts),
-                                                                         int(alignment), per_warp, recv_slot,
-                                                                         workspace);
+    slot_place_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(
+        topk_idx, num_entries, int(num_local_experts), int(alignment), per_warp, recv_slot, workspace);
     return check_launch("slot_place_kernel");
 }
 
@@ -421,16 +433,16 @@ bool slots_args_ok(int64_t num_rows, int64_t num_topk, int64_t num_experts, int6
 }  // namespace
 
 extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk,
-                                   int64_t num_local_experts, int64_t alignment, int32_t* recv_slot,
-                                   int32_t* workspace, int64_t workspace_blocks, void* stream) {
+                                   int64_t num_local_experts, int64_t alignment, int32_t* recv_slot, int32_t* workspace,
+                                   int64_t workspace_blocks, void* stream) {
     if (!slots_args_ok(num_recv_rows, num_topk, num_local_experts, alignment, workspace_blocks))
         return set_error(-1, "moe_ep_expert_slots: need num_recv_rows >= 0, num_topk >= 1, 1 <= num_local_experts <= " +
                                  std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
                                  ", alignment >= 1 and workspace_blocks >= 1");
     const int64_t entries = num_recv_rows * num_topk;
     if (entries == 0) return 0;
-    return launch_expert_slots(topk_idx, entries, num_local_experts, alignment, recv_slot, workspace,
-                               workspace_blocks, static_cast<cudaStream_t>(stream));
+    return launch_expert_slots(topk_idx, entries, num_local_experts, alignment, recv_slot, workspace, workspace_blocks,
+                               static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,
@@ -446,8 +458,7 @@ extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const flo
     if (num_rows == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t row_vecs = row_bytes / 16;
-    if (int err = check_cuda(cudaMemsetAsync(covered, 0, size_t(num_rows), s), "cudaMemsetAsync(covered)"))
-        return err;
+    if (int err = check_cuda(cudaMemsetAsync(covered, 0, size_t(num_rows), s), "cudaMemsetAsync(covered)")) return err;
     if (num_recv_rows > 0) {
         static std::atomic<int> cache[kMaxDevices];
         int resident = 0;
@@ -471,8 +482,8 @@ extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const flo
 namespace {
 
 template <typename T>
-int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk,
-                     int64_t row_vecs, int64_t num_rows, void* out, cudaStream_t stream) {
+int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t row_vecs,
+                     int64_t num_rows, void* out, cudaStream_t stream) {
     static std::atomic<int> cache[kMaxDevices];
     int resident = 0;
     if (int err = resident_blocks(reinterpret_cast<const void*>(unpermute_kernel<T>), 0, cache, &resident)) return err;
@@ -490,8 +501,8 @@ extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t
                                 int64_t hidden, int64_t num_rows, int64_t dtype, void* out, void* stream) {
     const int64_t elem_bytes = dtype == MOE_EP_PERMUTE_FP32 ? 4 : dtype == MOE_EP_PERMUTE_BF16 ? 2 : 0;
     const int64_t row_bytes = hidden * elem_bytes;
-    if (elem_bytes == 0 || num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK ||
-        row_bytes < 16 || row_bytes % 16 != 0 || num_rows < 0 || !aligned16(y) || !aligned16(out))
+    if (elem_bytes == 0 || num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK || row_bytes < 16 ||
+        row_bytes % 16 != 0 || num_rows < 0 || !aligned16(y) || !aligned16(out))
         return set_error(-1, "moe_ep_unpermute: need an FP32/BF16 dtype code, 1 <= num_topk <= " +
                                  std::to_string(MOE_EP_PERMUTE_MAX_TOPK) +
                                  ", rows a positive multiple of 16 bytes and 16-byte aligned pointers");
@@ -554,49 +565,51 @@ extern "C" void* moe_ep_ll_combine_buffer(void* handle, int64_t max_tokens, int6
 }
 
 extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
-    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_dispatch_params& p,
-                                               const LLShape& s, cudaStream_t st) {
-        if (p.num_tokens > 0) {
-            ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
-            if (int err = check_launch("ll_pack_kernel")) return err;
-        }
-        ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
-        return check_launch("ll_dispatch_send_kernel");
-    });
+    return ll_entry(handle, params, stream,
+                    [](const Context* ctx, const moe_ep_ll_dispatch_params& p, const LLShape& s, cudaStream_t st) {
+                        if (p.num_tokens > 0) {
+                            ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
+                            if (int err = check_launch("ll_pack_kernel")) return err;
+                        }
+                        ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
+                        return check_launch("ll_dispatch_send_kernel");
+                    });
 }
 
 extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
-    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_dispatch_params& p,
-                                               const LLShape& s, cudaStream_t st) {
-        ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
-        if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
-        return ll_advance(ctx, s, p.buffer_set, st);
-    });
+    return ll_entry(handle, params, stream,
+                    [](const Context* ctx, const moe_ep_ll_dispatch_params& p, const LLShape& s, cudaStream_t st) {
+                        ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
+                        if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
+                        return ll_advance(ctx, s, p.buffer_set, st);
+                    });
 }
 
 extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
-    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_combine_params& p,
-                                               const LLShape& s, cudaStream_t st) {
-        ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, st>>>(ctx->dev, p, s);
-        return check_launch("ll_combine_send_kernel");
-    });
+    return ll_entry(handle, params, stream,
+                    [](const Context* ctx, const moe_ep_ll_combine_params& p, const LLShape& s, cudaStream_t st) {
+                        ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, st>>>(ctx->dev, p, s);
+                        return check_launch("ll_combine_send_kernel");
+                    });
 }
 
 extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
-    return ll_entry(handle, params, stream, [](const Context* ctx, const moe_ep_ll_combine_params& p,
-                                               const LLShape& s, cudaStream_t st) {
-        // at least one block: the receive is also a barrier, with or without tokens
-        ll_combine_recv_kernel<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev, p, s);
-        if (int err = check_launch("ll_combine_recv_kernel")) return err;
-        return ll_advance(ctx, s, p.buffer_set, st);
-    });
+    return ll_entry(handle, params, stream,
+                    [](const Context* ctx, const moe_ep_ll_combine_params& p, const LLShape& s, cudaStream_t st) {
+                        // at least one block: the receive is also a barrier, with or without tokens
+                        ll_combine_recv_kernel<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev,
+                                                                                                              p, s);
+                        if (int err = check_launch("ll_combine_recv_kernel")) return err;
+                        return ll_advance(ctx, s, p.buffer_set, st);
+                    });
 }
 
 extern "C" int moe_ep_ll_clean(void* handle, void* stream) {
     const Context* ctx = static_cast<const Context*>(handle);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (int err = check_cuda(cudaMemsetAsync(static_cast<char*>(ctx->local) + kStagingOffset, 0,
-                                             size_t(ctx->bytes - kStagingOffset), st), "cudaMemsetAsync(low-latency)"))
+                                             size_t(ctx->bytes - kStagingOffset), st),
+                             "cudaMemsetAsync(low-latency)"))
         return err;
     return moe_ep_barrier(handle, stream);
 }

@@ -8,8 +8,8 @@
 namespace moe_ep {
 
 struct Context {
-    DevCtx dev;                         // what kernels see (peer pointers, error record, sizes)
-    void* local = nullptr;              // this rank's cudaMalloc'd buffer
+    DevCtx dev;             // what kernels see (peer pointers, error record, sizes)
+    void* local = nullptr;  // this rank's cudaMalloc'd buffer
     volatile int32_t* host_err = nullptr;
     int64_t bytes = 0;
     int device = 0;

@@ -20,18 +20,18 @@ extern "C" {
 #define MOE_EP_ABI_VERSION 11
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
-#define MOE_EP_MAX_EXPERTS 1024 /* experts whose counts notify exchanges (expert-major mode) */
+#define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
 #define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine combine: streams the pieces alternate between */
 #define MOE_EP_META_WORDS 8 /* words describing a dispatch that every rank's must equal (moe_ep_plugin META_FIELDS) */
 
 /* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
-#define MOE_EP_ERR_BARRIER_TIMEOUT 1   /* [1] = peer rank that never arrived */
-#define MOE_EP_ERR_DISPATCH_TIMEOUT 2  /* [1] = source rank whose rows never arrived, [2] = chunk */
-#define MOE_EP_ERR_COMBINE_TIMEOUT 3   /* [1] = rank whose rows never came back, [2] = chunk */
-#define MOE_EP_ERR_WORST_TOKENS 4      /* [1] = rows received, [2] = rows allocated (num_worst_tokens) */
-#define MOE_EP_ERR_CAPACITY 5          /* [1] = rows needed in one peer region, [2] = rows it holds */
-#define MOE_EP_ERR_MISMATCH 6          /* [1] = bit mask of the ranks whose meta words differ from rank 0's,
-                                          [2] = bit mask of the words that differ */
+#define MOE_EP_ERR_BARRIER_TIMEOUT 1  /* [1] = peer rank that never arrived */
+#define MOE_EP_ERR_DISPATCH_TIMEOUT 2 /* [1] = source rank whose rows never arrived, [2] = chunk */
+#define MOE_EP_ERR_COMBINE_TIMEOUT 3  /* [1] = rank whose rows never came back, [2] = chunk */
+#define MOE_EP_ERR_WORST_TOKENS 4     /* [1] = rows received, [2] = rows allocated (num_worst_tokens) */
+#define MOE_EP_ERR_CAPACITY 5         /* [1] = rows needed in one peer region, [2] = rows it holds */
+/* [1] = bit mask of the ranks whose meta words differ from rank 0's, [2] = bit mask of the words that differ */
+#define MOE_EP_ERR_MISMATCH 6
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
  * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
@@ -60,11 +60,11 @@ typedef struct {
     const int32_t* send_pos; /* [N, R]: position of each token among the rows sent to each rank, -1 if none */
     /* expert-major mode */
     int64_t expert_major;
-    const int32_t* expert_pos;         /* [N, K]: index of (t, k) among this rank's entries for expert topk_idx[t, k] */
-    const int32_t* send_offset;        /* [E]: first row of this rank's entries in expert e's block on its owner */
-    const int32_t* expert_info;        /* notify's info [3 + 2L] (moe_ep_notify_experts) */
-    int32_t* recv_slot;                /* [num_recv_rows, K]: expert-major row of each (received row, k), -1 if none */
-    float* expert_probs;               /* [expert-major rows] or NULL */
+    const int32_t* expert_pos;  /* [N, K]: index of (t, k) among this rank's entries for expert topk_idx[t, k] */
+    const int32_t* send_offset; /* [E]: first row of this rank's entries in expert e's block on its owner */
+    const int32_t* expert_info; /* notify's info [3 + 2L] (moe_ep_notify_experts) */
+    int32_t* recv_slot;         /* [num_recv_rows, K]: expert-major row of each (received row, k), -1 if none */
+    float* expert_probs;        /* [expert-major rows] or NULL */
     int64_t alignment;
     /* speculative_rows != 0: num_recv_rows is the caller's guess, launched before it read the received row count;
      * when more rows arrive, receiving is skipped without an error (the caller dispatches again, all ranks alike) */
@@ -84,8 +84,8 @@ typedef struct {
     const int32_t* send_pos;           /* [num_tokens, R]: row of each token among those sent to r, -1 if none */
     const void* bias0;                 /* [num_tokens, hidden] or NULL */
     const void* bias1;
-    void* out;                         /* [num_tokens, hidden] */
-    float* out_weights;                /* [num_tokens, K] or NULL */
+    void* out;          /* [num_tokens, hidden] */
+    float* out_weights; /* [num_tokens, K] or NULL */
     int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
     /* copy_engine != 0: the context's copy streams ship every row (and its topk_weights) straight from x, in pieces
      * of at least copy_piece_rows rows alternating between copy_streams streams (1..MOE_EP_MAX_COPY_STREAMS); no
@@ -164,10 +164,10 @@ int moe_ep_notify_dispatch(void* ctx, const int32_t* num_tokens_per_rank, const 
  * moe_ep_dispatch_params) and info [4 + 2L] = {rows this rank receives, out-of-range-id rank mask, M = its
  * expert-major rows, per local expert the row count rounded up to `alignment`, then the exact count, then the most
  * expert-major rows any rank has (every rank computes the same)}; `meta` as in moe_ep_notify_dispatch. */
-int moe_ep_notify_experts(void* ctx, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
-                          int64_t num_experts, int64_t alignment, int64_t list_stride, int32_t* rank_prefix_matrix,
-                          int32_t* send_pos, int32_t* send_list, uint8_t* is_token_in_rank, int32_t* expert_pos,
-                          int32_t* send_offset, int32_t* info, const int32_t* meta, void* stream);
+int moe_ep_notify_experts(void* ctx, const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                          int64_t alignment, int64_t list_stride, int32_t* rank_prefix_matrix, int32_t* send_pos,
+                          int32_t* send_list, uint8_t* is_token_in_rank, int32_t* expert_pos, int32_t* send_offset,
+                          int32_t* info, const int32_t* meta, void* stream);
 int moe_ep_barrier(void* ctx, void* stream);
 int moe_ep_dispatch(void* ctx, const moe_ep_dispatch_params* params, void* stream);
 int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream);
@@ -217,26 +217,26 @@ int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_r
  * into the error record (MOE_EP_ERR_DISPATCH_TIMEOUT [1] = source rank, [2] = local expert;
  * MOE_EP_ERR_COMBINE_TIMEOUT [1] = expert rank, [2] = global expert). All ranks make the same sequence of calls. */
 typedef struct {
-    const void* x;                  /* [N, hidden] BF16 */
-    const int64_t* topk_idx;        /* [N, K] global expert ids, -1 = none (a repeated id sends one row) */
-    void* recv_x;                   /* [L, R*M, hidden] BF16, or FP8 e4m3 with use_fp8 */
-    void* recv_scales;              /* use_fp8: float32 [L, hidden/128, R*M], or with use_ue8m0 int32 [L, hidden/512,
+    const void* x;           /* [N, hidden] BF16 */
+    const int64_t* topk_idx; /* [N, K] global expert ids, -1 = none (a repeated id sends one row) */
+    void* recv_x;            /* [L, R*M, hidden] BF16, or FP8 e4m3 with use_fp8 */
+    void* recv_scales;       /* use_fp8: float32 [L, hidden/128, R*M], or with use_ue8m0 int32 [L, hidden/512,
                                      * R*M] (four exponent bytes, lowest block lowest); else NULL */
-    int32_t* recv_count;            /* [L] */
-    int32_t* src_info;              /* [L, R*M] source token of each row */
-    int64_t* layout_range;          /* [L, R] begin << 32 | count */
-    int64_t* wait_stats;            /* [R] or NULL: += ns the receive half waited for each source */
+    int32_t* recv_count;     /* [L] */
+    int32_t* src_info;       /* [L, R*M] source token of each row */
+    int64_t* layout_range;   /* [L, R] begin << 32 | count */
+    int64_t* wait_stats;     /* [R] or NULL: += ns the receive half waited for each source */
     int64_t num_tokens, hidden, num_topk, num_experts, max_tokens, use_fp8, round_scale, use_ue8m0, buffer_set;
 } moe_ep_ll_dispatch_params;
 
 typedef struct {
-    const void* x;                  /* [L, R*M, hidden] BF16 expert outputs in the dispatch's layout */
-    const int64_t* topk_idx;        /* [N, K] as given to the dispatch */
-    const float* topk_weights;      /* [N, K] */
-    const int32_t* src_info;        /* the dispatch's */
-    const int64_t* layout_range;    /* the dispatch's */
-    void* out;                      /* [N, hidden] BF16: sum over k ascending of weight * row, fp32, rounded once */
-    int64_t* wait_stats;            /* [R] or NULL */
+    const void* x;               /* [L, R*M, hidden] BF16 expert outputs in the dispatch's layout */
+    const int64_t* topk_idx;     /* [N, K] as given to the dispatch */
+    const float* topk_weights;   /* [N, K] */
+    const int32_t* src_info;     /* the dispatch's */
+    const int64_t* layout_range; /* the dispatch's */
+    void* out;                   /* [N, hidden] BF16: sum over k ascending of weight * row, fp32, rounded once */
+    int64_t* wait_stats;         /* [R] or NULL */
     int64_t num_tokens, hidden, num_topk, num_experts, max_tokens, buffer_set;
 } moe_ep_ll_combine_params;
 

@@ -21,7 +21,9 @@ int check_cuda(cudaError_t err, const char* what) {
     return set_error(int(err), std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
-int check_launch(const char* what) { return check_cuda(cudaGetLastError(), what); }
+int check_launch(const char* what) {
+    return check_cuda(cudaGetLastError(), what);
+}
 
 // The driver's cuStreamWriteValue32 (CUresult is an int-sized enum; flags 0 = a plain write with its memory
 // barrier, which orders the copy before the flag).
@@ -48,9 +50,11 @@ int copy_begin(Context* ctx, cudaStream_t stream, int n) {
 
 int copy_piece(Context* ctx, int i, void* dst, const void* src, size_t bytes, int* peer_flag) {
     cudaStream_t s = ctx->copy_streams[i];
-    if (int err = check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync(peer piece)"))
+    if (int err =
+            check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync(peer piece)"))
         return err;
-    const int r = reinterpret_cast<StreamValueFn>(ctx->write_value32)(s, reinterpret_cast<unsigned long long>(peer_flag), 1u, 0u);
+    const int r =
+        reinterpret_cast<StreamValueFn>(ctx->write_value32)(s, reinterpret_cast<unsigned long long>(peer_flag), 1u, 0u);
     return check_driver(r, "cuStreamWriteValue32");
 }
 
@@ -68,8 +72,9 @@ int copy_finish(Context* ctx, cudaStream_t stream, int n) {
         if (!err) err = check_cuda(cudaStreamWaitEvent(stream, ctx->joins[i], 0), "cudaStreamWaitEvent(join)");
     }
     if (!err)
-        err = check_cuda(cudaMemsetAsync(static_cast<char*>(ctx->local) + kCopyFlagsOffset, 0, sizeof(CopyFlags), stream),
-                         "cudaMemsetAsync(copy flags)");
+        err =
+            check_cuda(cudaMemsetAsync(static_cast<char*>(ctx->local) + kCopyFlagsOffset, 0, sizeof(CopyFlags), stream),
+                       "cudaMemsetAsync(copy flags)");
     return err;
 }
 
@@ -79,13 +84,18 @@ using namespace moe_ep;
 
 extern "C" {
 
-int moe_ep_abi_version(void) { return MOE_EP_ABI_VERSION; }
+int moe_ep_abi_version(void) {
+    return MOE_EP_ABI_VERSION;
+}
 
-const char* moe_ep_last_error(void) { return g_last_error.c_str(); }
+const char* moe_ep_last_error(void) {
+    return g_last_error.c_str();
+}
 
 void* moe_ep_create(int rank, int num_ranks, int device, int64_t buffer_bytes, int64_t timeout_ns) {
     if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
-        set_error(-1, "moe_ep_create: need 1 <= num_ranks <= " + std::to_string(kMaxRanks) + " and 0 <= rank < num_ranks");
+        set_error(-1,
+                  "moe_ep_create: need 1 <= num_ranks <= " + std::to_string(kMaxRanks) + " and 0 <= rank < num_ranks");
         return nullptr;
     }
     if (buffer_bytes < kStagingOffset + num_ranks * int64_t(1 << 20)) {
@@ -104,25 +114,34 @@ void* moe_ep_create(int rank, int num_ranks, int device, int64_t buffer_bytes, i
     if (!err) err = check_cuda(cudaMalloc(&ctx->local, size_t(ctx->bytes)), "cudaMalloc(peer buffer)");
     if (!err) err = check_cuda(cudaMemset(ctx->local, 0, size_t(kStagingOffset)), "cudaMemset(peer buffer header)");
     void* record = nullptr;
-    if (!err) err = check_cuda(cudaHostAlloc(&record, 4 * sizeof(int32_t), cudaHostAllocMapped),
-                               "cudaHostAlloc(error record)");
+    if (!err)
+        err =
+            check_cuda(cudaHostAlloc(&record, 4 * sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error record)");
     if (!err) {
         ctx->host_err = static_cast<volatile int32_t*>(record);
         std::memset(const_cast<int32_t*>(ctx->host_err), 0, 4 * sizeof(int32_t));
         err = check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctx->dev.host_err),
-                                                  const_cast<int32_t*>(ctx->host_err), 0), "cudaHostGetDevicePointer");
+                                                  const_cast<int32_t*>(ctx->host_err), 0),
+                         "cudaHostGetDevicePointer");
     }
     if (!err) err = check_cuda(cudaEventCreateWithFlags(&ctx->fork, cudaEventDisableTiming), "cudaEventCreate(fork)");
     if (!err) err = check_cuda(cudaEventCreateWithFlags(&ctx->lead, cudaEventDisableTiming), "cudaEventCreate(lead)");
     for (int i = 0; i < MOE_EP_MAX_COPY_STREAMS && !err; ++i) {
-        err = check_cuda(cudaStreamCreateWithFlags(&ctx->copy_streams[i], cudaStreamNonBlocking), "cudaStreamCreate(copy)");
-        if (!err) err = check_cuda(cudaEventCreateWithFlags(&ctx->joins[i], cudaEventDisableTiming), "cudaEventCreate(join)");
+        err = check_cuda(cudaStreamCreateWithFlags(&ctx->copy_streams[i], cudaStreamNonBlocking),
+                         "cudaStreamCreate(copy)");
+        if (!err)
+            err = check_cuda(cudaEventCreateWithFlags(&ctx->joins[i], cudaEventDisableTiming), "cudaEventCreate(join)");
     }
-    if (!err) err = check_cuda(cudaStreamCreateWithFlags(&ctx->read_stream, cudaStreamNonBlocking), "cudaStreamCreate(read)");
-    if (!err) err = check_cuda(cudaEventCreateWithFlags(&ctx->read_ready, cudaEventDisableTiming), "cudaEventCreate(read)");
-    if (!err) err = check_cuda(cudaEventCreateWithFlags(&ctx->read_done, cudaEventDisableTiming), "cudaEventCreate(read)");
-    if (!err) err = check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&ctx->read_host), MOE_EP_READ_BYTES, cudaHostAllocDefault),
-                               "cudaHostAlloc(read buffer)");
+    if (!err)
+        err = check_cuda(cudaStreamCreateWithFlags(&ctx->read_stream, cudaStreamNonBlocking), "cudaStreamCreate(read)");
+    if (!err)
+        err = check_cuda(cudaEventCreateWithFlags(&ctx->read_ready, cudaEventDisableTiming), "cudaEventCreate(read)");
+    if (!err)
+        err = check_cuda(cudaEventCreateWithFlags(&ctx->read_done, cudaEventDisableTiming), "cudaEventCreate(read)");
+    if (!err)
+        err = check_cuda(
+            cudaHostAlloc(reinterpret_cast<void**>(&ctx->read_host), MOE_EP_READ_BYTES, cudaHostAllocDefault),
+            "cudaHostAlloc(read buffer)");
     if (!err) err = driver_entry("cuStreamWriteValue32", &ctx->write_value32);
     if (!err) err = check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(create)");
     if (err) {
@@ -169,26 +188,36 @@ int moe_ep_destroy(void* handle) {
         }
     }
     for (int i = 0; i < MOE_EP_MAX_COPY_STREAMS; ++i) {
-        if (ctx->copy_streams[i] != nullptr) err = err ? err : check_cuda(cudaStreamDestroy(ctx->copy_streams[i]), "cudaStreamDestroy");
+        if (ctx->copy_streams[i] != nullptr)
+            err = err ? err : check_cuda(cudaStreamDestroy(ctx->copy_streams[i]), "cudaStreamDestroy");
         if (ctx->joins[i] != nullptr) err = err ? err : check_cuda(cudaEventDestroy(ctx->joins[i]), "cudaEventDestroy");
     }
-    if (ctx->read_stream != nullptr) err = err ? err : check_cuda(cudaStreamDestroy(ctx->read_stream), "cudaStreamDestroy");
+    if (ctx->read_stream != nullptr)
+        err = err ? err : check_cuda(cudaStreamDestroy(ctx->read_stream), "cudaStreamDestroy");
     if (ctx->read_ready != nullptr) err = err ? err : check_cuda(cudaEventDestroy(ctx->read_ready), "cudaEventDestroy");
     if (ctx->read_done != nullptr) err = err ? err : check_cuda(cudaEventDestroy(ctx->read_done), "cudaEventDestroy");
-    if (ctx->read_host != nullptr) err = err ? err : check_cuda(cudaFreeHost(ctx->read_host), "cudaFreeHost(read buffer)");
+    if (ctx->read_host != nullptr)
+        err = err ? err : check_cuda(cudaFreeHost(ctx->read_host), "cudaFreeHost(read buffer)");
     if (ctx->fork != nullptr) err = err ? err : check_cuda(cudaEventDestroy(ctx->fork), "cudaEventDestroy");
     if (ctx->lead != nullptr) err = err ? err : check_cuda(cudaEventDestroy(ctx->lead), "cudaEventDestroy");
     if (ctx->local != nullptr) err = err ? err : check_cuda(cudaFree(ctx->local), "cudaFree(peer buffer)");
-    if (ctx->host_err != nullptr) err = err ? err : check_cuda(cudaFreeHost(const_cast<int32_t*>(ctx->host_err)), "cudaFreeHost");
+    if (ctx->host_err != nullptr)
+        err = err ? err : check_cuda(cudaFreeHost(const_cast<int32_t*>(ctx->host_err)), "cudaFreeHost");
     delete ctx;
     return err;
 }
 
-volatile int32_t* moe_ep_error_info(void* handle) { return static_cast<Context*>(handle)->host_err; }
+volatile int32_t* moe_ep_error_info(void* handle) {
+    return static_cast<Context*>(handle)->host_err;
+}
 
-int64_t moe_ep_region_bytes(void* handle) { return static_cast<Context*>(handle)->dev.region_bytes; }
+int64_t moe_ep_region_bytes(void* handle) {
+    return static_cast<Context*>(handle)->dev.region_bytes;
+}
 
-int64_t moe_ep_staging_offset(void) { return kStagingOffset; }
+int64_t moe_ep_staging_offset(void) {
+    return kStagingOffset;
+}
 
 void* moe_ep_own_region(void* handle) {
     const Context* ctx = static_cast<const Context*>(handle);
@@ -201,8 +230,7 @@ int moe_ep_read_start(void* handle, const void* src, int64_t bytes, void* stream
         return set_error(-1, "moe_ep_read_start: " + std::to_string(bytes) + " bytes (at most " +
                                  std::to_string(MOE_EP_READ_BYTES) + ")");
     int err = check_cuda(cudaEventRecord(ctx->read_ready, static_cast<cudaStream_t>(stream)), "cudaEventRecord(read)");
-    if (!err)
-        err = check_cuda(cudaStreamWaitEvent(ctx->read_stream, ctx->read_ready, 0), "cudaStreamWaitEvent(read)");
+    if (!err) err = check_cuda(cudaStreamWaitEvent(ctx->read_stream, ctx->read_ready, 0), "cudaStreamWaitEvent(read)");
     if (!err)
         err = check_cuda(cudaMemcpyAsync(ctx->read_host, src, size_t(bytes), cudaMemcpyDeviceToHost, ctx->read_stream),
                          "cudaMemcpyAsync(read)");
@@ -214,6 +242,8 @@ int moe_ep_read_wait(void* handle) {
     return check_cuda(cudaEventSynchronize(static_cast<Context*>(handle)->read_done), "cudaEventSynchronize(read)");
 }
 
-const int32_t* moe_ep_read_buffer(void* handle) { return static_cast<Context*>(handle)->read_host; }
+const int32_t* moe_ep_read_buffer(void* handle) {
+    return static_cast<Context*>(handle)->read_host;
+}
 
 }  // extern "C"

@@ -117,12 +117,14 @@ __device__ __forceinline__ void quantize_row(const T* x, int hidden, uint8_t* q_
             uint32_t words[4];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-                    make_float2(__fmul_rn(In16<T>::get(raw[g], 4 * w), factor),
-                                __fmul_rn(In16<T>::get(raw[g], 4 * w + 1), factor)), __NV_SATFINITE, __NV_E4M3);
-                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-                    make_float2(__fmul_rn(In16<T>::get(raw[g], 4 * w + 2), factor),
-                                __fmul_rn(In16<T>::get(raw[g], 4 * w + 3), factor)), __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t lo =
+                    __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(In16<T>::get(raw[g], 4 * w), factor),
+                                                         __fmul_rn(In16<T>::get(raw[g], 4 * w + 1), factor)),
+                                             __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t hi =
+                    __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(In16<T>::get(raw[g], 4 * w + 2), factor),
+                                                         __fmul_rn(In16<T>::get(raw[g], 4 * w + 3), factor)),
+                                             __NV_SATFINITE, __NV_E4M3);
                 words[w] = uint32_t(lo) | (uint32_t(hi) << 16);
             }
             const int4 q = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));

@@ -81,7 +81,8 @@ __device__ __forceinline__ void copy_row(int4* wire, const Out& out, const int4*
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u) {
             const int j = base + 32 * u;
-            if (j < n) v[u] = load16B<kPeerWritten>(j < n_head || src_tail == nullptr ? src + j : src_tail + (j - n_head));
+            if (j < n)
+                v[u] = load16B<kPeerWritten>(j < n_head || src_tail == nullptr ? src + j : src_tail + (j - n_head));
         }
         if (wire != nullptr) {
 #pragma unroll
@@ -123,18 +124,21 @@ __device__ __forceinline__ void copy_floats(float* wire, const Out& out, const f
 // Warp-wide dequantization of one FP8 row into the OutT row of `out` (16 bytes per lane per step, kCopyBatch steps
 // in flight).
 template <bool kPeerWritten, typename OutT, typename Out>
-__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, const Out& out, int hidden, int lane) {
+__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, const Out& out, int hidden,
+                                            int lane) {
 #pragma unroll 1
     for (int base = lane * 16; base < hidden; base += 512 * kCopyBatch) {
         int4 v[kCopyBatch];
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u)
-            if (base + 512 * u < hidden) v[u] = load16B<kPeerWritten>(reinterpret_cast<const int4*>(q + base + 512 * u));
+            if (base + 512 * u < hidden)
+                v[u] = load16B<kPeerWritten>(reinterpret_cast<const int4*>(q + base + 512 * u));
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u) {
             const int c0 = base + 512 * u;
             if (c0 >= hidden) continue;
-            const float s = kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
+            const float s =
+                kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
             int4 o[sizeof(OutT)];
             dequant16<OutT>(v[u], s, o);
             out.each([&](char* head, char*) { store16(reinterpret_cast<OutT*>(head) + c0, o); });
@@ -199,7 +203,8 @@ struct Role {
 __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blocks, int warp) {
     if (num_send_blocks > 0) {
         if (int(blockIdx.x) < num_send_blocks) return {true, int(blockIdx.x) * kWarps + warp, num_send_blocks * kWarps};
-        return {false, (int(blockIdx.x) - num_send_blocks) * kWarps + warp, (int(gridDim.x) - num_send_blocks) * kWarps};
+        return {false, (int(blockIdx.x) - num_send_blocks) * kWarps + warp,
+                (int(gridDim.x) - num_send_blocks) * kWarps};
     }
     if (warp < num_send_warps) return {true, int(blockIdx.x) * num_send_warps + warp, int(gridDim.x) * num_send_warps};
     const int num_recv_warps = kWarps - num_send_warps;
@@ -216,18 +221,18 @@ __device__ __forceinline__ Role assign_role(int num_send_warps, int num_send_blo
 // rows of source 0 first, then source 1, ...); blocks 1..R also write is_token_in_rank; blocks R+1..R+E give each
 // (t, k) entry its position among this rank's entries for its expert.
 struct NotifyArgs {
-    const int32_t* num_tokens_per_rank;  // [R] (normal mode; null for a replay: barrier and send order only)
-    const int32_t* num_invalid;          // [1] with num_tokens_per_rank
+    const int32_t* num_tokens_per_rank;    // [R] (normal mode; null for a replay: barrier and send order only)
+    const int32_t* num_invalid;            // [1] with num_tokens_per_rank
     const int32_t* num_tokens_per_expert;  // [E] (normal mode without top-k, else null)
-    int meta[kMetaWords];                // this rank's dispatch description (check_meta)
+    int meta[kMetaWords];                  // this rank's dispatch description (check_meta)
     bool check_meta;
-    const uint8_t* in_rank;              // [N, R] (normal mode)
-    const int64_t* topk_idx;             // [N, K] (expert-major mode)
+    const uint8_t* in_rank;   // [N, R] (normal mode)
+    const int64_t* topk_idx;  // [N, K] (expert-major mode)
     int32_t *rpm, *send_pos, *send_list, *info;
-    uint8_t* in_rank_out;                // [N, R] (expert-major mode)
-    int32_t *expert_pos, *send_offset;   // [N, K], [E] (expert-major mode)
+    uint8_t* in_rank_out;               // [N, R] (expert-major mode)
+    int32_t *expert_pos, *send_offset;  // [N, K], [E] (expert-major mode)
     int num_tokens, num_topk, list_stride, num_experts, alignment;
-    bool derive;                         // expert-major mode: everything comes from topk_idx
+    bool derive;  // expert-major mode: everything comes from topk_idx
 };
 
 __device__ __forceinline__ bool token_goes_to(const NotifyArgs& a, int t, int dst, int num_local) {
@@ -276,7 +281,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
                 derive ? s_rank[j] : a.num_tokens_per_rank[j];
         }
         if (threadIdx.x < R)
-            *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) = derive ? s_invalid : *a.num_invalid;
+            *reinterpret_cast<volatile int*>(&header(c.bufs[threadIdx.x])->invalid[me]) =
+                derive ? s_invalid : *a.num_invalid;
         if (a.check_meta)
             for (int i = threadIdx.x; i < R * kMetaWords; i += blockDim.x)
                 *reinterpret_cast<volatile int*>(&header(c.bufs[i / kMetaWords])->meta[me][i % kMetaWords]) =
@@ -319,7 +325,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
         }
         __shared__ int s_most;  // the most expert-major rows of any rank
         if (threadIdx.x == 0) s_most = 0;
-        for (int i = threadIdx.x; i < R * E; i += blockDim.x) s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
+        for (int i = threadIdx.x; i < R * E; i += blockDim.x)
+            s_counts[i] = ld_volatile(expert_counts(c.bufs[me], i / E) + i % E);
         __syncthreads();
         // One thread per destination rank walks its experts in order (shared-memory reads only).
         if (threadIdx.x < R) {
@@ -353,8 +360,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
         int running = 0;
         for (int base = 0; base < a.num_tokens; base += kNotifyThreads) {
             const int t = base + threadIdx.x;
-            const bool sent = t < a.num_tokens &&
-                              (derive ? token_goes_to(a, t, dst, L) : a.in_rank[int64_t(t) * R + dst] != 0);
+            const bool sent =
+                t < a.num_tokens && (derive ? token_goes_to(a, t, dst, L) : a.in_rank[int64_t(t) * R + dst] != 0);
             int total;
             const int pos = running + block_exclusive_sum(sent ? 1 : 0, scratch, total);
             if (t < a.num_tokens) {
@@ -389,7 +396,9 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
     }
 }
 
-__global__ void barrier_kernel(DevCtx c) { block_barrier(c); }
+__global__ void barrier_kernel(DevCtx c) {
+    block_barrier(c);
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // dispatch. kQuant: 0 = rows travel as they are (BF16/FP32, or FP8 with its scales); 1 = BF16 rows and
@@ -409,11 +418,17 @@ inline bool dispatch_fp8_out(const moe_ep_dispatch_params& p, bool quantize) {
 }
 
 template <int kQuant>
-struct InputType { using type = uint8_t; };
+struct InputType {
+    using type = uint8_t;
+};
 template <>
-struct InputType<1> { using type = __nv_bfloat16; };
+struct InputType<1> {
+    using type = __nv_bfloat16;
+};
 template <>
-struct InputType<2> { using type = float; };
+struct InputType<2> {
+    using type = float;
+};
 
 // Token t's k-th expert as seen by rank `owner`: local id (-1 when the expert lives elsewhere) and weight (0
 // there), as the torch transport computes them.
@@ -463,8 +478,8 @@ __device__ __forceinline__ void for_each_entry(int rows, int K, int tok, int lan
 }
 
 template <int kQuant, int kFp8Out, int kTopk, int kPull>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl,
-                                                               int hist_bytes) {
+__global__ void __launch_bounds__(kThreads, 1)
+    dispatch_kernel(DevCtx c, moe_ep_dispatch_params p, SlotLayout sl, int hist_bytes) {
     using T = typename InputType<kQuant>::type;
     using OutT = typename std::conditional<kQuant == 2, float, __nv_bfloat16>::type;  // dequantized rows
     extern __shared__ __align__(16) char smem[];
@@ -501,9 +516,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     const Role role = assign_role(int(p.num_send_warps), 0, warp);
     // Pulling: source s stages its rows in its own region of its own buffer when all of them fit there (every rank
     // computes this alike from the rank prefix matrix), and receivers load them over NVLink.
-    auto pulls = [&](int s) {
-        return pull && staged_row(rpm, R, s, R) * sl.slot_bytes <= c.region_bytes;
-    };
+    auto pulls = [&](int s) { return pull && staged_row(rpm, R, s, R) * sl.slot_bytes <= c.region_bytes; };
 
     // Row t of x, read (and quantized) once: to the peer's staging slot `wire` and to the destination of `out`
     // (OneRow; each skipped when null). A plain copy goes through registers; FP8 rows come from
@@ -522,8 +535,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                 copy_row<false>(reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
                                 sl.payload_bytes / 16, lane);
                 if (!fp8_in) return;
-                copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, out.scales(), xs,
-                                   S, lane);
+                copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, out.scales(), xs, S,
+                                   lane);
             }
         } else {
             const bool out_q = out.head != nullptr && !dequant;
@@ -537,8 +550,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
     };
     // This rank's output of received row r (-1: none): row r of recv_x.
     auto write_row = [&](int t, char* wire, int64_t r) {
-        write_to(t, wire, OneRow{r < 0 ? nullptr : recv_x + r * out_row_bytes,
-                                 r < 0 ? nullptr : reinterpret_cast<char*>(p.recv_scales + r * S)});
+        write_to(t, wire,
+                 OneRow{r < 0 ? nullptr : recv_x + r * out_row_bytes,
+                        r < 0 ? nullptr : reinterpret_cast<char*>(p.recv_scales + r * S)});
     };
     // A token kept here and sent to peers is read (and quantized) once, by the sender of its first peer in the
     // order me+1, me+2, ...: that sender also writes this rank's own output row; the receivers write the rest.
@@ -634,7 +648,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
                     write_row(__shfl_sync(0xffffffffu, tok, i), nullptr, (own_rows >> i) & 1u ? out_first + i : -1);
                 continue;
             }
-            if (!wait_rows(c, s, begin, Arrival{0, 1} /* every row by SM stores */, seq, MOE_EP_ERR_DISPATCH_TIMEOUT, seen[s], lane)) break;
+            if (!wait_rows(c, s, begin, Arrival{0, 1} /* every row by SM stores */, seq, MOE_EP_ERR_DISPATCH_TIMEOUT,
+                           seen[s], lane))
+                break;
             const char* first = pulls(s) ? region(c, s, s) + (staged_row(rpm, R, s, me) + begin) * sl.slot_bytes
                                          : region(c, me, s) + int64_t(begin) * sl.slot_bytes;
             if (recv_topk || expert)
@@ -670,9 +686,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DevCtx c, moe_ep_
             };
             for (int i = 0; i < rows; ++i) {
                 const char* slot = first + int64_t(i) * sl.slot_bytes;
-                receive_row(slot, OneRow{recv_x + (out_first + i) * out_row_bytes,
-                                         wire_fp8 ? reinterpret_cast<char*>(p.recv_scales + (out_first + i) * S)
-                                                  : nullptr});
+                receive_row(slot,
+                            OneRow{recv_x + (out_first + i) * out_row_bytes,
+                                   wire_fp8 ? reinterpret_cast<char*>(p.recv_scales + (out_first + i) * S) : nullptr});
             }
         }
     }
@@ -752,11 +768,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             char* dst_region = region(c, d, me);
             prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
             for (int i = 0; i < end - begin; ++i)
-                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes), OneRow{nullptr, nullptr},
+                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes),
+                                OneRow{nullptr, nullptr},
                                 reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
             if (p.topk_weights != nullptr) {
                 float* w = reinterpret_cast<float*>(dst_region + count * row_bytes) + int64_t(begin) * K;
-                for (int e = lane; e < (end - begin) * K; e += 32) w[e] = __ldg(p.topk_weights + (base + begin) * K + e);
+                for (int e = lane; e < (end - begin) * K; e += 32)
+                    w[e] = __ldg(p.topk_weights + (base + begin) * K + e);
             }
             publish(flags(c.bufs[d], me) + begin / kChunkRows, seq, lane);
         }
@@ -794,7 +812,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     // send_pos of the next token is loaded while the current one is summed
     int next_pos[kRanks];
 #pragma unroll
-    for (int r = 0; r < kRanks; ++r) next_pos[r] = (r < R && gw < p.num_tokens) ? __ldg(p.send_pos + int64_t(gw) * R + r) : -1;
+    for (int r = 0; r < kRanks; ++r)
+        next_pos[r] = (r < R && gw < p.num_tokens) ? __ldg(p.send_pos + int64_t(gw) * R + r) : -1;
     for (int t = gw; t < p.num_tokens; t += nw) {
         int cur_pos[kRanks];
 #pragma unroll
@@ -841,8 +860,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
 #pragma unroll
                 for (int r = 0; r < kRanks; ++r)
                     if (src[r] != nullptr) Vec<T>::add(acc, v[r][u]);
-                if (bias0 != nullptr) Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias0 + int64_t(t) * row_bytes) + j));
-                if (bias1 != nullptr) Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
+                if (bias0 != nullptr)
+                    Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias0 + int64_t(t) * row_bytes) + j));
+                if (bias1 != nullptr)
+                    Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
                 out[j] = Vec<T>::pack(acc);
             }
         }

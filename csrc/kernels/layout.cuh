@@ -10,10 +10,9 @@ constexpr int kLayoutThreads = 256;
 
 // One thread per token (grid-stride). Block-local histograms in shared memory, flushed with one atomic per
 // nonzero bin. Experts are laid out contiguously over ranks: rank = expert / (E / R).
-__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens,
-                                                                int num_topk, int num_experts, int num_ranks,
-                                                                int32_t* per_rank, int32_t* per_expert,
-                                                                uint8_t* is_token_in_rank) {
+__global__ void __launch_bounds__(kLayoutThreads)
+    layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                  int32_t* per_rank, int32_t* per_expert, uint8_t* is_token_in_rank) {
     extern __shared__ int s_counts[];  // [num_experts] then [num_ranks]
     int* s_rank = s_counts + num_experts;
     for (int i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) s_counts[i] = 0;
@@ -43,10 +42,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const int64_t* _
 // One warp per token: the token's selected experts (nonzero bytes of its routing-map row) fill its top-k slots in
 // ascending expert order, their probabilities gathered alongside; slots past them get -1 / 0.
 constexpr int kRoutingThreads = 256;
-__global__ void __launch_bounds__(kRoutingThreads) routing_map_topk_kernel(const uint8_t* __restrict__ routing_map,
-                                                                          const float* __restrict__ probs,
-                                                                          int num_tokens, int num_experts, int topk,
-                                                                          int64_t* topk_idx, float* topk_weights) {
+__global__ void __launch_bounds__(kRoutingThreads)
+    routing_map_topk_kernel(const uint8_t* __restrict__ routing_map, const float* __restrict__ probs, int num_tokens,
+                            int num_experts, int topk, int64_t* topk_idx, float* topk_weights) {
     const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * (kRoutingThreads / 32);
     for (int t = blockIdx.x * (kRoutingThreads / 32) + (threadIdx.x >> 5); t < num_tokens; t += warps) {

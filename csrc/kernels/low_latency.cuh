@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(256) ll_pack_kernel(DevCtx c, moe_ep_ll_dispat
     }
 }
 
-__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(DevCtx c, moe_ep_ll_dispatch_params p,
-                                                                       LLShape s) {
+__global__ void __launch_bounds__(kLLThreads)
+    ll_dispatch_send_kernel(DevCtx c, moe_ep_ll_dispatch_params p, LLShape s) {
     __shared__ int scratch[33];
     __shared__ int tokens[kLLThreads];
     const int e = blockIdx.x, owner = int(e / s.L), l = int(e % s.L);
@@ -122,8 +122,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(DevCtx c, 
     }
 }
 
-__global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, moe_ep_ll_dispatch_params p,
-                                                                       LLShape s) {
+__global__ void __launch_bounds__(kLLThreads)
+    ll_dispatch_recv_kernel(DevCtx c, moe_ep_ll_dispatch_params p, LLShape s) {
     __shared__ int counts[kMaxRanks], begins[kMaxRanks + 1], ok;
     const int l = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const LLSet mine = ll_set(c, c.rank, s, int(p.buffer_set));
@@ -157,8 +157,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, 
         const int64_t row = int64_t(l) * rows + j;
         if (lane == 0) p.src_info[row] = ld_volatile(reinterpret_cast<const int*>(msg));
         if (!p.use_fp8) {
-            ll_copy<true>(static_cast<int4*>(p.recv_x) + row * (2 * s.H / 16),
-                          reinterpret_cast<const int4*>(msg + 16), 2 * s.H / 16, lane);
+            ll_copy<true>(static_cast<int4*>(p.recv_x) + row * (2 * s.H / 16), reinterpret_cast<const int4*>(msg + 16),
+                          2 * s.H / 16, lane);
             continue;
         }
         ll_copy<true>(static_cast<int4*>(p.recv_x) + row * (s.H / 16), reinterpret_cast<const int4*>(msg + 16),
@@ -179,8 +179,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_recv_kernel(DevCtx c, 
 }
 
 // ---- combine ----
-__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(DevCtx c, moe_ep_ll_combine_params p,
-                                                                      LLShape s) {
+__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(DevCtx c, moe_ep_ll_combine_params p, LLShape s) {
     const int l = int(blockIdx.x / s.R), dst = int(blockIdx.x % s.R);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int set = int(p.buffer_set);
@@ -253,6 +252,8 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
     }
 }
 
-__global__ void ll_advance_kernel(int* seq) { *seq += 1; }
+__global__ void ll_advance_kernel(int* seq) {
+    *seq += 1;
+}
 
 }  // namespace moe_ep

@@ -19,11 +19,11 @@ constexpr int kWarpsPerBlock = 8;
 constexpr int kBlockThreads = kWarpsPerBlock * 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxDevices = 64;
-constexpr int kPermuteUnroll = 4;    // 16-byte vectors of a row each lane holds before storing them K times
+constexpr int kPermuteUnroll = 4;                // 16-byte vectors of a row each lane holds before storing them K times
 constexpr int kChunkVecs = 32 * kPermuteUnroll;  // 16-byte vectors of a row per work item (one warp)
-constexpr int kUnpermuteBatch = 8;   // slot rows whose vectors are loaded together, then summed in order
-constexpr int kSlotsBatch = 4;       // expert_slots: 32-entry steps whose ids a warp loads together
-constexpr int kCountsBatch = 8;      // expert_slots: block counts each thread loads together
+constexpr int kUnpermuteBatch = 8;               // slot rows whose vectors are loaded together, then summed in order
+constexpr int kSlotsBatch = 4;                   // expert_slots: 32-entry steps whose ids a warp loads together
+constexpr int kCountsBatch = 8;                  // expert_slots: block counts each thread loads together
 
 __device__ __forceinline__ unsigned lanemask_lt() {
     unsigned mask;
@@ -39,7 +39,6 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 // each expert for each of its warps, then the warps walk their range again and hand out rows in order. Ranks inside
 // a 32-entry step come from __match_any_sync, never from atomics. No grid-wide sync: the kernel boundary orders them.
 
-
 // Local expert of flat entry i of a warp range ending at `end`, or -1 (past the end, -1, or not local).
 __device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, int64_t end, int num_local_experts) {
     if (i >= end) return -1;
@@ -50,8 +49,8 @@ __device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, 
 // Walks the warp's entries [begin, end) in order, 32 at a time (ids of kSlotsBatch steps loaded together), calling
 // step(i, e, peers) with the lane's entry i, its local expert e (-1: none) and the lanes sharing e.
 template <typename Step>
-__device__ __forceinline__ void walk_entries(const int64_t* topk_idx, int64_t begin, int64_t end,
-                                             int num_local_experts, Step step) {
+__device__ __forceinline__ void walk_entries(const int64_t* topk_idx, int64_t begin, int64_t end, int num_local_experts,
+                                             Step step) {
     const int lane = threadIdx.x & 31;
     for (int64_t i = begin; i < end; i += 32 * kSlotsBatch) {
         int e[kSlotsBatch];
@@ -125,10 +124,10 @@ __global__ void __launch_bounds__(kBlockThreads)
                       int64_t per_warp, int32_t* __restrict__ recv_slot, const int32_t* __restrict__ block_counts) {
     extern __shared__ int smem[];
     const int L = num_local_experts;
-    int* counters = smem;                          // [warp][l]: the warp's pairs of l, then its next row of l
-    int* totals = counters + kWarpsPerBlock * L;   // [l]: aligned totals, then their exclusive prefix (bases)
-    int* before = totals + L;                      // [l]: pairs of l in the blocks before this one
-    int* scratch = before + L;                     // [33]: the block scan's scratch
+    int* counters = smem;                         // [warp][l]: the warp's pairs of l, then its next row of l
+    int* totals = counters + kWarpsPerBlock * L;  // [l]: aligned totals, then their exclusive prefix (bases)
+    int* before = totals + L;                     // [l]: pairs of l in the blocks before this one
+    int* scratch = before + L;                    // [33]: the block scan's scratch
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const WarpRange range = count_warp_range(topk_idx, num_entries, L, per_warp, counters);
     for (int l = threadIdx.x; l < L; l += kBlockThreads) totals[l] = before[l] = 0;
@@ -263,8 +262,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads)
     unpermute_kernel(const int4* __restrict__ y, const int32_t* __restrict__ recv_slot, int64_t num_recv_rows,
-                     int num_topk, int64_t row_vecs, int64_t chunks_per_row, int64_t num_rows,
-                     int4* __restrict__ out) {
+                     int num_topk, int64_t row_vecs, int64_t chunks_per_row, int64_t num_rows, int4* __restrict__ out) {
     __shared__ int lists[kWarpsPerBlock][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* list = lists[warp];
@@ -276,7 +274,8 @@ __global__ void __launch_bounds__(kBlockThreads)
         const int64_t last = min(first + kChunkVecs, row_vecs);
         const int n = row_slots(recv_slot, r, num_topk, num_rows, list).count;
         int4* dst = out + r * row_vecs;
-        for (int64_t v = first + lane; v < last; v += 32) dst[v] = sum_rows<T, kUnpermuteBatch>(y, row_vecs, list, n, v);
+        for (int64_t v = first + lane; v < last; v += 32)
+            dst[v] = sum_rows<T, kUnpermuteBatch>(y, row_vecs, list, n, v);
         __syncwarp();  // the list is rewritten for the next item
     }
 }
