@@ -57,8 +57,8 @@ def test_host_syncs_are_counted_by_their_line(monkeypatch):
 
     def step() -> None:  # what torch's sync debug mode reports for each synchronizing call
         for _ in range(3):
-            warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
-        warnings.warn("something else", stacklevel=2)
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
 
     report = bench.host_syncs(step).splitlines()
     line = step.__code__.co_firstlineno + 2
