@@ -64,3 +64,51 @@ def _save_and_resume(root: str) -> None:
 
 def test_checkpoints_save_prune_and_resume(tmp_path) -> None:
     launch.spawn(_save_and_resume, 2, (str(tmp_path / "ckpt"),), backend="gloo", timeout_s=30.0)
+
+
+def _damaged(root: str) -> None:
+    config = {"model": {"hidden": 8}}
+    directory = checkpoint.save(root, 3, config, state={"w": torch.ones(4)})
+    path = checkpoint.rank_file(directory, 0)
+    for damage in (lambda b: b[: len(b) // 2], lambda b: b"garbage" * 9):  # a truncated file; garbage bytes
+        with open(path, "rb") as f:
+            whole = f.read()
+        with open(path, "wb") as f:
+            f.write(damage(whole))
+        with pytest.raises(ValueError, match=r"^output.resume: checkpoint step_0000003: .*rank_00000.pt is unreadable "
+                                             r"\(.*\); remove .*step_0000003 to resume from the checkpoint before it$"):
+            checkpoint.load_rank_state(directory, "output.resume")
+        with open(path, "wb") as f:
+            f.write(whole)
+    assert torch.equal(checkpoint.load_rank_state(directory, "output.resume")["w"], torch.ones(4))
+    meta = os.path.join(directory, checkpoint.META)
+    for text in ('{"step": 3, "world', '["not", "a", "meta"]'):  # cut short; valid JSON of the wrong shape
+        with open(meta, "w", encoding="utf-8") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=r"^output.resume: checkpoint step_0000003: .*meta.json is unreadable"):
+            checkpoint.read_meta(directory, "output.resume")
+
+
+def test_a_damaged_checkpoint_is_refused_naming_its_file_and_step(tmp_path) -> None:
+    launch.spawn(_damaged, 1, (str(tmp_path / "ckpt"),), backend="gloo", timeout_s=30.0)
+
+
+def _disk_full(root: str) -> None:
+    def full(state, path):  # what torch.save meets on a full disk, after writing part of the file
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs 1024")
+
+    torch.save, real = full, torch.save
+    try:
+        with pytest.raises(OSError, match=r"^\[Errno 5\] checkpoint step 5: no space left on device writing "
+                                          r".*step_0000005/rank_00000.pt$"):
+            checkpoint.save(root, 5, {}, state={"w": torch.ones(2)})
+    finally:
+        torch.save = real
+    directory = checkpoint.step_dir(root, 5)
+    assert os.listdir(directory) == [] and checkpoint.newest(root) is None  # no temp file, nothing complete
+
+
+def test_a_full_disk_names_the_step_and_file_and_leaves_no_temp_file(tmp_path) -> None:
+    launch.spawn(_disk_full, 1, (str(tmp_path / "ckpt"),), backend="gloo", timeout_s=30.0)

@@ -7,6 +7,7 @@ trainer (``resume: auto``), the Megatron-Core launcher and the DeepSpeed example
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -46,8 +47,22 @@ def read_meta(directory: str, key: str) -> dict[str, Any]:
     """``meta.json`` of a complete checkpoint; ``key`` names the setting that chose it in the error."""
     if not os.path.isfile(os.path.join(directory, COMPLETE)):
         raise ValueError(f"{key}: {directory} is not a complete checkpoint (no {COMPLETE} marker)")
-    with open(os.path.join(directory, META), encoding="utf-8") as f:
-        return json.load(f)
+    path = os.path.join(directory, META)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(_unreadable(key, directory, path, exc)) from exc
+    if not isinstance(meta, dict) or not {"step", "world_size", "config"} <= meta.keys():
+        raise ValueError(_unreadable(key, directory, path, ValueError("not a checkpoint's meta.json")))
+    return meta
+
+
+def _unreadable(key: str, directory: str, path: str, exc: BaseException) -> str:
+    """The one-line error of a damaged file of the checkpoint ``directory``: never train from it."""
+    return (f"{key}: checkpoint {os.path.basename(directory)}: {path} is unreadable ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); remove {directory} to resume from the "
+            "checkpoint before it")
 
 
 def check_matches(meta: dict[str, Any], directory: str, config: dict[str, Any], keys: Iterable[str],
@@ -87,9 +102,7 @@ def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup 
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     if state is not None:
-        tmp = rank_file(directory, rank) + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, rank_file(directory, rank))
+        _write_state(state, rank_file(directory, rank), step)
     if write is not None:
         write(directory)
     dist.barrier(group)
@@ -105,6 +118,22 @@ def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup 
     return directory
 
 
+def _write_state(state: dict[str, Any], path: str, step: int) -> None:
+    """``state`` to ``path`` through a temporary file renamed at the end, so a failed write leaves no file that
+    looks whole; on failure the temporary file is removed and the error names the step and the file."""
+    tmp = path + ".tmp"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        full = getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in str(exc)
+        why = "no space left on device" if full else f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        raise OSError(getattr(exc, "errno", None) or errno.EIO, f"checkpoint step {step}: {why} writing {path}") \
+            from exc
+
+
 def load_rank_state(directory: str, key: str, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """This rank's file of a complete checkpoint (``key`` names the setting that chose it in errors)."""
     group = group if group is not None else dist.group.WORLD
@@ -113,4 +142,7 @@ def load_rank_state(directory: str, key: str, group: dist.ProcessGroup | None = 
     path = rank_file(directory, rank)
     if not os.path.isfile(path):
         raise ValueError(f"{key}: {directory} has no file for rank {rank}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # torch.load raises many kinds (UnpicklingError, EOFError, RuntimeError) for a bad file
+        raise ValueError(_unreadable(key, directory, path, exc)) from exc
