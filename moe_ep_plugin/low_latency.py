@@ -288,12 +288,10 @@ class LowLatencyMode:
 
     def _refuse(self, call: str, exc: Exception) -> NoReturn:
         """Raise ``exc``, this rank's bad input to ``call``, on every rank alike: through the transport's header
-        exchange (the peers are in the same call and would otherwise wait for this rank until they time out). A
-        transport without one (the kernels') raises it here only; the peers' kernels then time out naming this
+        exchange (the peers are in the same call and would otherwise wait for this rank until they time out). The
+        kernels' transport has no header exchange: it raises here only, and the peers' kernels time out naming this
         rank."""
-        refuse = getattr(self.transport, "refuse", None)
-        if refuse is not None:
-            refuse(call, exc)
+        self.transport.refuse(call, exc)
         raise exc
 
     def _check_handle(self, handle: object) -> LowLatencyHandle:

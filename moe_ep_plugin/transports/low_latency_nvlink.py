@@ -82,6 +82,9 @@ class NVLinkLowLatency:
         return self.runtime.low_latency_combine_buffer(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
                                                        handle.num_experts, buffer_set)
 
+    def refuse(self, call: str, exc: Exception) -> None:
+        """The kernels exchange no header to carry a refusal: the peers' waits time out naming this rank."""
+
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor:
         shape = (handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         # int16 reinterpreted as BF16: the array interface has no BF16 type string
