@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,10 @@ from .handle import DispatchHandle, align_counts
 from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
 from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport
+from .transports.base import REFUSABLE
 
 XInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+T = TypeVar("T")
 
 
 def _require_tensor(name: str, t: object) -> torch.Tensor:
@@ -253,8 +256,12 @@ class Buffer:
 
         Ids outside ``[-1, num_experts)`` are left out of the counts here (checking them would cost a host sync);
         the dispatch that follows rejects them on every rank with a ``ValueError`` before any row moves."""
-        self._check_num_experts(num_experts)
-        topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
+        self._check_live()
+
+        def check() -> torch.Tensor:
+            self._check_num_experts(num_experts)
+            return _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
+        topk_idx = self._refusing("get_dispatch_layout", None, check)
 
         def layout() -> tuple:
             per_rank, per_expert, in_rank = self.transport.get_dispatch_layout(topk_idx, num_experts)
@@ -263,6 +270,22 @@ class Buffer:
         per_rank, per_node, per_expert, in_rank, event = self._on_comm_stream(
             layout, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
         return per_rank, per_node, per_expert, in_rank, event
+
+    def _refusing(self, call: str, handle: DispatchHandle | None, check: Callable[[], T]) -> T:
+        """``check()``, this rank's validation of ``call``'s input. When it raises and ``call`` starts a fresh
+        dispatch (no cached ``handle``; ``get_dispatch_layout`` precedes one), this rank joins the count exchange
+        its peers' dispatch starts with (``Transport.refuse``), so every rank raises the cause naming this rank
+        (the low-latency calls do the same through their header exchange). Should the peers never come, this rank
+        raises its own cause after ``timeout_s``."""
+        try:
+            return check()
+        except REFUSABLE as exc:
+            if handle is None and self.group_size > 1:
+                try:
+                    self.transport.refuse(call, exc)
+                except TimeoutError as timeout:
+                    raise exc from timeout
+            raise
 
     def _check_num_experts(self, num_experts: int) -> None:
         positive_int(num_experts, "num_experts")
@@ -317,9 +340,9 @@ class Buffer:
         inputs = (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, handle)
 
         def run() -> tuple:
-            args = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                       topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, num_experts,
-                                       fp8_dispatch, fp8_out, round_scale)
+            args = self._refusing("dispatch", handle, lambda: self._dispatch_args(
+                x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                expert_alignment, num_worst_tokens, config, num_experts, fp8_dispatch, fp8_out, round_scale))
             result = self.transport.dispatch(args)
             counts: list[int] = []
             if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
@@ -501,9 +524,9 @@ class Buffer:
                                  f"got {expert_alignment!r}")
             expert_alignment = layout.alignment
         def run() -> tuple:
-            args = self._dispatch_args(x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0,
-                                       config, num_experts, fp8_dispatch, fp8_out, round_scale,
-                                       layout=not self.transport.expert_layout_from_topk)
+            args = self._refusing("dispatch", handle, lambda: self._dispatch_args(
+                x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0, config, num_experts,
+                fp8_dispatch, fp8_out, round_scale, layout=not self.transport.expert_layout_from_topk))
             result = self.transport.dispatch_experts(args, expert_alignment)
             # host values the transport read after the work producing them; a copy: the handle's stays intact
             return result, list(result.handle.expert_layout.tokens_per_expert)

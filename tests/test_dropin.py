@@ -161,9 +161,9 @@ def _layout(n: int, world: int, num_experts: int, gen: torch.Generator, kind: st
     return in_rank.sum(0, dtype=torch.int32), in_rank, per_expert
 
 
-def _without_topk(seed: int) -> None:
+def _without_topk(seed: int, transport: str, ranks_per_node: int | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    buffer = Buffer(transport="torch", timeout_s=60)
+    buffer = Buffer(transport=transport, ranks_per_node=ranks_per_node, timeout_s=60)
     for case, (tokens, kind) in enumerate([(lambda r: 5 + 3 * r, "random"), (lambda r: 0 if r == 0 else 4, "random"),
                                            (lambda r: 6, "one")]):
         gen = torch.Generator().manual_seed(seed * 100 + case * 10 + rank)
@@ -220,9 +220,11 @@ def _without_topk(seed: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_dispatch_without_topk(world: int) -> None:
-    spawn(_without_topk, world, args=(int(time.time()) % 1000,), backend="gloo")
+@pytest.mark.parametrize("transport,world,ranks_per_node", [("torch", 1, None), ("torch", 2, None),
+                                                            ("torch", 3, None), ("hierarchical", 4, 2),
+                                                            ("hierarchical", 3, 1)])
+def test_dispatch_without_topk(transport: str, world: int, ranks_per_node: int | None) -> None:
+    spawn(_without_topk, world, args=(int(time.time()) % 1000, transport, ranks_per_node), backend="gloo")
 
 
 # ---- the handle as DeepEP's tuple; default dtype and device; repeated expert ids ----

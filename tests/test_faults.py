@@ -96,8 +96,8 @@ def _contradicting_layouts() -> None:
         (flipped_counts, flipped, str(list(range(world)))),
     ]
     for counts, layout, ranks in cases:
-        _raises_everywhere(lambda: buffer.dispatch(x, num_tokens_per_rank=counts, is_token_in_rank=layout,
-                                                   num_tokens_per_expert=per_expert, topk_idx=idx),
+        _raises_everywhere(lambda c=counts, lay=layout: buffer.dispatch(
+            x, num_tokens_per_rank=c, is_token_in_rank=lay, num_tokens_per_expert=per_expert, topk_idx=idx),
                            "num_tokens_per_rank/is_token_in_rank: on " + re.escape(f"rank(s) {ranks} "))
     # without top-k only the counts can be checked: they must be is_token_in_rank.sum(0)
     _raises_everywhere(lambda: buffer.dispatch(x, num_tokens_per_rank=wrong_count, is_token_in_rank=in_rank,
@@ -166,6 +166,50 @@ def _negative_counts_on_both_transports() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_negative_counts_and_a_destroyed_buffer(world: int) -> None:
     spawn(_negative_counts_on_both_transports, world, backend="gloo", timeout_s=120)
+
+
+def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
+    """Bad input on the last rank only, in a fresh dispatch (both forms) or the layout before one: every rank
+    raises the cause with its class, naming that rank, at the count exchange (not after a timeout); the group
+    stays usable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad = rank == world - 1
+    buffer = Buffer(transport=transport, ranks_per_node=ranks_per_node, timeout_s=TIMEOUT_S)
+    gen = torch.Generator().manual_seed(41 + rank)
+    num_experts, n = 2 * world, 6
+    x = torch.randn(n, 32, generator=gen).bfloat16()
+    idx = routing("random", n, 2, num_experts, gen)
+    w = torch.rand(n, 2, generator=gen)
+    cases = [
+        (TypeError, "x: expected dtype", lambda: buffer.dispatch(x.half() if bad else x, topk_idx=idx,
+                                                                 num_experts=num_experts)),
+        (ValueError, "topk_idx: expected shape", lambda: buffer.dispatch(x, topk_idx=idx[:3] if bad else idx,
+                                                                         num_experts=num_experts)),
+        (TypeError, "topk_weights: expected dtype", lambda: buffer.dispatch(
+            x, topk_idx=idx, topk_weights=w.double() if bad else w, num_experts=num_experts)),
+        (ValueError, "num_experts: ", lambda: buffer.dispatch(x, topk_idx=idx, num_experts=0 if bad else num_experts)),
+        (TypeError, "x: expected dtype", lambda: buffer.dispatch_experts(x.half() if bad else x, idx, w, num_experts)),
+    ]
+
+    def layout_then_dispatch():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx.float() if bad else idx, num_experts)
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=idx)
+    cases.append((TypeError, "get_dispatch_layout: topk_idx: expected dtype", layout_then_dispatch))
+    for cls, cause, call in cases:
+        start = time.monotonic()
+        with pytest.raises(cls, match=re.escape(f"dispatch: rank(s) [{world - 1}] refused the call "
+                                                f"(rank {world - 1}: {cause}")):
+            call()
+        assert time.monotonic() - start < TIMEOUT_S  # the cause, not a peer's timeout
+    _healthy(buffer, 5)
+
+
+@pytest.mark.parametrize("transport,world,ranks_per_node", [("torch", 2, None), ("torch", 3, None),
+                                                            ("hierarchical", 2, 1), ("hierarchical", 4, 2)])
+def test_bad_input_on_one_rank_raises_the_cause_on_every_rank(transport: str, world: int,
+                                                              ranks_per_node: int | None) -> None:
+    spawn(_one_rank_bad_input, world, args=(transport, ranks_per_node), backend="gloo", timeout_s=120)
 
 
 def _constructor_arguments() -> None:

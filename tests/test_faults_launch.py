@@ -309,3 +309,38 @@ def test_deepspeed_example_config_errors(capsys, overrides, key) -> None:
     cli = _deepspeed_cli()
     assert cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"), *overrides]) == 2
     _one_line_error(capsys, "deepspeed_moe.py", key)
+
+
+def test_an_unwritable_output_directory_is_refused_before_any_rank_starts(capsys, tmp_path, monkeypatch) -> None:
+    """Every front door (and the trainer's --dry-run) names the key and the path in one line and starts no rank.
+    The directory lies under a regular file: no process, root included, can make it (chmod binds no root)."""
+    pytest.importorskip("megatron.core")
+    import yaml
+
+    from moe_ep_plugin import megatron as ep_megatron
+    from moe_ep_plugin.recipes.megatron import pretrain
+    from moe_ep_plugin.recipes.train import cli
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = str(blocker / "run")
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(launch, "run_ranks", no_rank)
+    expected = f"{out!r} cannot be made: {blocker} is not a directory"
+    for argv in (["--dry-run", "--set", f"output.dir={out}"], ["--set", f"output.dir={out}"]):
+        assert cli.main(argv) == 2
+        assert expected in _one_line_error(capsys, "moe-ep-train", "output.dir")
+    raw = yaml.safe_load(open(MEGATRON_CPU))
+    raw["train"]["save_dir"] = out
+    try:
+        assert pretrain.main([_write(tmp_path, yaml.safe_dump(raw))]) == 2
+        assert expected in _one_line_error(capsys, "moe-ep-pretrain", "train.save_dir")
+        assert pretrain.main([MEGATRON_CPU, "--save-dir", out]) == 2
+        assert expected in _one_line_error(capsys, "moe-ep-pretrain", "--save-dir")
+    finally:
+        ep_megatron.uninstall()
+    deepspeed_cli = _deepspeed_cli()
+    assert deepspeed_cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"),
+                          f"train.checkpoint_dir={out}"]) == 2
+    assert expected in _one_line_error(capsys, "deepspeed_moe.py", "train.checkpoint_dir")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def _losses(path: str) -> list[tuple[int, float]]:
         return [(r["step"], r["loss"]) for r in map(json.loads, f)]
 
 
-def test_pretrain_trains_checkpoints_and_resumes(tmp_path) -> None:
+def test_pretrain_trains_checkpoints_and_resumes(tmp_path, capfd) -> None:
     from moe_ep_plugin.recipes.megatron import pretrain
     with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
         raw = yaml.safe_load(f)
@@ -42,6 +43,12 @@ def test_pretrain_trains_checkpoints_and_resumes(tmp_path) -> None:
     config.write_text(yaml.safe_dump(raw))
 
     assert pretrain.main([str(config)]) == 0
+    # rank 0's progress: the first step, every log_interval-th and the last, each with its time per step and ETA
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [int(ln.split()[1].split("/")[0]) for ln in lines] == [1, 2, 4, 6, 8], lines
+    for ln in lines:
+        assert re.fullmatch(r"step \d/8 \| loss \d+\.\d{4} \| lr \S+ \| grad norm \S+ \| [\d,]+ tok/s \| "
+                            r"[\d,]+ ms/step \| ETA \d+:\d\d:\d\d", ln), ln
     run = tmp_path / "run"
     assert [os.path.basename(d) for d in checkpoint.complete_checkpoints(str(run))] == ["step_0000004", "step_0000008"]
     for step in (4, 8):

@@ -38,6 +38,8 @@ def test_progress_due_and_line() -> None:
     assert progress.line(7, 300, ["loss 1.0000", "lr 1.00e-03"]) == "step   7/300 | loss 1.0000 | lr 1.00e-03"
     rate = progress.TokenRate(100, step=0)
     assert rate.mark(4) > 0 and rate.step == 4
+    rate.step_s = 1.5
+    assert rate.pace(2404) == ["1,500 ms/step", "ETA 1:00:00"]
 
 
 def _save_and_resume(root: str) -> None:
@@ -112,3 +114,15 @@ def _disk_full(root: str) -> None:
 
 def test_a_full_disk_names_the_step_and_file_and_leaves_no_temp_file(tmp_path) -> None:
     launch.spawn(_disk_full, 1, (str(tmp_path / "ckpt"),), backend="gloo", timeout_s=30.0)
+
+
+def test_check_writable_probes_without_making_anything(tmp_path) -> None:
+    nested = tmp_path / "a" / "b"
+    checkpoint.check_writable(str(nested), "output.dir")  # makeable: fine, and nothing is left behind
+    assert os.listdir(tmp_path) == []
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for path in (blocker, blocker / "sub", blocker / "sub" / "deeper"):
+        with pytest.raises(ValueError, match=rf"^train.save_dir: '{path}' cannot be made: {blocker} is not a "
+                                             "directory$"):
+            checkpoint.check_writable(str(path), "train.save_dir")

@@ -68,6 +68,9 @@ def test_ep2_h200_config_loads():
     (["data.path=/no/such/file.txt"], "data.path"),
     (["data.eval_fraction=0.7"], "data.eval_fraction"),
     (["output.resume=/no/such/checkpoint"], "output.resume"),
+    (["parallel.transport=torch", "parallel.ranks_per_node=1"], "parallel.ranks_per_node"),  # no nodes to split
+    (["parallel.transport=nvlink", "parallel.ranks_per_node=2"], "parallel.ranks_per_node"),
+    ([f"output.dir={__file__}/run"], "output.dir"),                 # under a regular file: nobody can make it
 ])
 def test_impossible_values_are_errors_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=rf"^{re.escape(key)}:"):

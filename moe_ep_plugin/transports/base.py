@@ -169,6 +169,12 @@ def refusal_error(what: str, codes: list[int], words: list[list[int]]) -> Except
                                           "nothing was sent")
 
 
+def refused(call: str, exc: Exception) -> Exception:
+    """``exc`` as the refusal of a dispatch: of its class, its message led by ``call`` when that is another call
+    (the layout that precedes the dispatch)."""
+    return exc if call == "dispatch" else REFUSABLE[refusal_code(exc) - 1](f"{call}: {exc}")
+
+
 def negative_counts_error(ranks: list[int]) -> ValueError:
     """The error every rank raises when the ``num_tokens_per_rank`` of ``ranks`` hold negative counts."""
     return ValueError(f"num_tokens_per_rank: counts must be >= 0; rank(s) {ranks} passed negative ones (pass "
@@ -204,6 +210,14 @@ class Transport(abc.ABC):
         disagree); the Buffer calls it before any other work of an entry point, since such a kernel trapped and
         any CUDA call would fail first without naming why. Default: nothing records."""
         # Not abstract: a transport whose kernels record no errors keeps this no-op.
+        return None
+
+    def refuse(self, call: str, exc: Exception) -> None:
+        """This rank refuses ``call`` (``exc``: its bad input to a fresh dispatch, or to the layout that precedes
+        one): join the count exchange its peers' fresh dispatch starts with, so that every rank raises the cause
+        naming this rank. Default: that exchange carries no refusal (the kernels' notify, a one-rank group), and the
+        caller raises ``exc`` on this rank only; the peers' waits time out."""
+        # Not abstract: a transport without a host count exchange keeps this no-op.
         return None
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int

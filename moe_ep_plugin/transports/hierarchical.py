@@ -31,6 +31,7 @@ partials over nodes (ascending) in fp32, adds the biases and rounds once:
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import socket
@@ -45,8 +46,8 @@ from ..config import Config
 from ..handle import DispatchHandle
 from ..ops import fp8
 from ..ops.layout import count_invalid, invalid_ids_error, send_positions
-from .base import DispatchArgs, DispatchResult, Transport, negative_counts_error
-from .torch_transport import TorchTransport, _all_gather_single
+from .base import DispatchArgs, DispatchResult, Transport, negative_counts_error, refusal_code, refused
+from .torch_transport import TorchTransport
 
 # Where a rank's node layout comes from: the word each rank sends in the layout exchange (its value beside it).
 _LAYOUT_SOURCES = ("ranks_per_node", "LOCAL_WORLD_SIZE", "hostname")
@@ -170,6 +171,9 @@ class HierarchicalTransport(Transport):
         self.node, self.local_rank = split.node, split.local_rank
         self.node_ranks, self.rail_ranks = split.node_ranks, split.rail_ranks
         self.intra, self.rail = intra, rail
+        # The count exchange over the whole group (host tensors on gloo, device ones on NCCL).
+        self.whole = TorchTransport(group, device if dist.get_backend(group) == "nccl" else torch.device("cpu"),
+                                    timeout_s)
 
     def destroy(self) -> None:
         for stage in (self.intra, self.rail):
@@ -198,32 +202,19 @@ class HierarchicalTransport(Transport):
                                f"{exc}") from exc
 
     def _exchange_counts(self, args: DispatchArgs) -> tuple[torch.Tensor, list[int]]:
-        """All-gather over the whole group: each rank's per-rank counts, out-of-range id count, token count and
-        call signature (hidden, dtype, top-k width, experts, FP8 flags, chunks) → (``[R, R]`` int64 counts on the
-        host, every rank's token count); raises the same error on every rank if any rank passed bad ids or
-        disagrees (so ranks that would run different numbers of chunk collectives never start them)."""
+        """All-gather over the whole group: each rank's per-rank counts, out-of-range id count, token count, call
+        signature (hidden, dtype, top-k width, experts, FP8 flags, chunks) and refusal code (0) → (``[R, R]`` int64
+        counts on the host, every rank's token count); raises the same error on every rank if any rank refused the
+        call, passed bad ids or disagrees (so ranks that would run different numbers of chunk collectives never
+        start them)."""
         x, topk = args.x, args.topk_idx
-        signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), topk.shape[1], args.num_experts,
-                     int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None),
+        signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), 0 if topk is None else topk.shape[1],
+                     args.num_experts, int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None),
                      args.config.hierarchical_chunks]
-        local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(),
-                           count_invalid(topk, args.num_experts).to(torch.int64).cpu(),
-                           torch.tensor([x.shape[0]] + signature, dtype=torch.int64)])
-        gathered = torch.empty(self.num_ranks, local.numel(), dtype=torch.int64)
-        nccl = dist.get_backend(self.group) == "nccl"  # NCCL moves device tensors only; gloo host tensors
-        if nccl:
-            on_device = gathered.to(self.device)
-            work = _all_gather_single(on_device.view(-1), local.to(self.device), group=self.group, async_op=True)
-        else:
-            work = _all_gather_single(gathered.view(-1), local, group=self.group, async_op=True)
-        try:
-            work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            raise TimeoutError(f"moe_ep_plugin[hierarchical] rank {self.rank}/{self.num_ranks}: the dispatch count "
-                               f"exchange over the whole EP group did not complete within {self.timeout_s:g} s "
-                               f"(a peer rank never joined or failed): {exc}") from exc
-        if nccl:
-            gathered = on_device.cpu()
+        invalid = torch.zeros(1, dtype=torch.int64) if topk is None else count_invalid(topk, args.num_experts).cpu()
+        local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(), invalid.to(torch.int64),
+                           torch.tensor([x.shape[0]] + signature + [0], dtype=torch.int64)])
+        gathered = self._gather_counts(local)
         r = self.num_ranks
         negative = (gathered[:, :r] < 0).any(1).tolist()
         if any(negative):
@@ -231,7 +222,7 @@ class HierarchicalTransport(Transport):
         bad = gathered[:, r].tolist()
         if any(bad):
             raise invalid_ids_error([i for i, b in enumerate(bad) if b], args.num_experts)
-        signatures = gathered[:, r + 2:]
+        signatures = gathered[:, r + 2:-1]
         if not bool((signatures == signatures[0]).all()):
             names = ["hidden", "dtype", "top-k width", "num_experts", "fp8_dispatch", "fp8_out", "topk_weights given",
                      "Config.hierarchical_chunks"]
@@ -240,6 +231,20 @@ class HierarchicalTransport(Transport):
                              f"{signatures[:, [names.index(d) for d in differ]].tolist()}); every rank must pass the "
                              "same hidden size, dtype, top-k width, number of experts, FP8 options and chunks")
         return gathered[:, :r], gathered[:, r + 1].tolist()
+
+    def _gather_counts(self, local: torch.Tensor, refusal: Exception | None = None) -> torch.Tensor:
+        """All-gather ``local`` (``_COUNT_WORDS`` + R int64 words, the refusal code last) over the whole group →
+        ``[R, C]`` on the host; raises the refusal on every rank alike when any rank refused the call."""
+        read = self.whole._start_count_exchange(local.to(self.whole.device), "the dispatch count exchange over the "
+                                                "whole EP group")[1]
+        gathered = self._stage("count exchange", dist.get_process_group_ranks(self.group), read).cpu()
+        self.whole._check_refusals("dispatch", gathered[:, -1].tolist(), refusal)
+        return gathered
+
+    def refuse(self, call: str, exc: Exception) -> None:
+        local = torch.zeros(self.num_ranks + _COUNT_WORDS, dtype=torch.int64)
+        local[-1] = refusal_code(exc)
+        self._gather_counts(local, refused(call, exc))
 
     def _sources(self, chunk: int, num_chunks: int, rail: DispatchResult, num_tokens: list[int]) -> torch.Tensor:
         """``[rows, 4]`` int32 for the rows the rail stage brought in ``chunk``: column 0 the source token (its
@@ -260,6 +265,8 @@ class HierarchicalTransport(Transport):
         return packed
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        if args.handle is None and args.topk_idx is None:
+            return self._dispatch_without_topk(args)
         cached = args.handle is not None
         x, x_scales = args.x, args.x_scales
         if args.wire_fp8:
@@ -359,6 +366,22 @@ class HierarchicalTransport(Transport):
                 host_counts = [sum(c) for c in zip(*(n.host_counts for n in nodes), strict=False)]
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, expert_counts, handle, host_counts)
 
+    def _dispatch_without_topk(self, args: DispatchArgs) -> DispatchResult:
+        """DeepEP's dispatch without top-k (rows go where ``is_token_in_rank`` says): each token's ranks become
+        top-k columns naming the first expert of each rank (-1 elsewhere), so both stages route it as any top-k
+        dispatch, and the handle is that dispatch's. The outputs carry no top-k, and the per-expert list sums every
+        rank's ``num_tokens_per_expert`` over this rank's experts, as the ``torch`` transport's does."""
+        num_local = args.num_experts // self.num_ranks
+        first = torch.arange(self.num_ranks, dtype=torch.int64, device=args.x.device) * num_local
+        topk = torch.where(args.is_token_in_rank, first, -1)
+        result = self.dispatch(dataclasses.replace(args, topk_idx=topk, layout_given=False))
+        # every rank agreed on num_experts in the dispatch's count exchange: the [E] counts line up
+        counts = self.whole._start_count_exchange(args.num_tokens_per_expert.to(torch.int64).to(self.whole.device),
+                                                  "the per-expert count exchange")[1]()
+        mine = counts[:, self.rank * num_local:(self.rank + 1) * num_local].sum(0)
+        return DispatchResult(result.recv_x, result.recv_scales, None, None, mine.to(torch.int32).to(self.device),
+                              result.handle, mine.tolist())
+
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         state: _HierState = handle.transport_state
@@ -388,6 +411,7 @@ _RAIL_DISPATCH = "inter-node (rail group) dispatch"
 _NODE_DISPATCH = "intra-node (node group) dispatch"
 _RAIL_COMBINE = "inter-node (rail group) combine"
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, fp8.FP8_DTYPE: 2}
+_COUNT_WORDS = 11  # words of the count exchange beyond the R per-rank counts: ids, tokens, signature (8), refusal
 
 
 def _cached_args(x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,

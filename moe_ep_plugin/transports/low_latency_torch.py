@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..ops import fp8
 from ..ops.layout import count_invalid, invalid_ids_error
-from .base import refusal_code, refusal_error, refusal_words
+from .base import refusal_code
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle, elapsed_ns
 from .torch_transport import TorchTransport
 
@@ -66,9 +66,7 @@ class TorchLowLatency:
         table = read().tolist()
         what = _CALLS[call]
         codes = [row[len(_FIELDS)] for row in table]
-        if any(codes):
-            words = self.base._start_count_exchange(refusal_words(refusal, self.device), f"{what} refusal exchange")
-            raise refusal_error(what, codes, words[1]().tolist())
+        self.base._check_refusals(what, codes, refusal)
         for i, name in enumerate(_FIELDS):
             values = [row[i] for row in table]
             if len(set(values)) > 1:

@@ -36,6 +36,10 @@ from .base import (
     meta_mismatch,
     negative_counts_error,
     padded,
+    refusal_code,
+    refusal_error,
+    refusal_words,
+    refused,
 )
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machine runs 2.11).
@@ -120,6 +124,24 @@ class TorchTransport(Transport):
             return host
         return gathered, finish_cuda
 
+    def _check_refusals(self, what: str, codes: list[int], refusal: Exception | None) -> None:
+        """When a rank's ``codes[r]`` (its ``refusal_code``, from an exchange every rank joined) is non-zero: exchange
+        the refusals' messages (``refusal``: this rank's, or None) and raise ``refusal_error`` on every rank alike."""
+        if any(codes):
+            read = self._start_count_exchange(refusal_words(refusal, self.device), f"{what} refusal exchange")[1]
+            raise refusal_error(what, codes, read().tolist())
+
+    def _count_words(self) -> int:
+        """Words each rank sends in a fresh dispatch's count exchange (see ``_start_layout``); the last one is the
+        rank's ``refusal_code``."""
+        return self.num_ranks + 3 + len(META_FIELDS) + INLINE_EXPERTS + 1
+
+    def refuse(self, call: str, exc: Exception) -> None:
+        local = torch.zeros(self._count_words(), dtype=torch.int64, device=self.device)
+        local[-1] = refusal_code(exc)
+        rows = self._start_count_exchange(local)[1]().tolist()
+        self._check_refusals("dispatch", [row[-1] for row in rows], refused(call, exc))
+
     def _start_layout(self, args: DispatchArgs) -> Callable[[], tuple[DispatchHandle, torch.Tensor, list[int]]]:
         """Launch the first count exchange and the send order; the returned function reads the counts (raising on
         every rank alike when any rank's dispatch is bad: see ``_check_exchanged``), exchanges the per-expert counts
@@ -150,7 +172,7 @@ class TorchTransport(Transport):
                   torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64,
                                device=per_rank.device),
                   per_expert if inline else per_expert.new_zeros(0), per_expert.new_zeros(
-                      INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS)]
+                      (INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS) + 1)]  # + 1: no refusal
         gathered, read_counts = self._start_count_exchange(torch.cat(checks))
         start = num_ranks + 3 + len(META_FIELDS)  # where the inline per-expert counts begin
 
@@ -167,7 +189,9 @@ class TorchTransport(Transport):
 
         def finish() -> tuple[DispatchHandle, torch.Tensor, list[int]]:
             counts = read_counts()
-            self._check_exchanged(counts.tolist(), num_experts)
+            rows = counts.tolist()
+            self._check_refusals("dispatch", [row[-1] for row in rows], None)
+            self._check_exchanged(rows, num_experts)
             local_experts = slice(start + me * num_local, start + (me + 1) * num_local)
             gathered_experts, host_experts = gathered, counts
             if not inline:

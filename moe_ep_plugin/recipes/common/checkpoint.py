@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,25 @@ def step_dir(root: str, step: int) -> str:
 
 def rank_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank_{rank:05d}.pt")
+
+
+def check_writable(directory: str, key: str) -> None:
+    """Raise ``ValueError`` naming ``key`` unless ``directory`` is a directory this process can write in, or can be
+    made (the run makes it later; this check makes nothing): a file is created in it, or in its nearest existing
+    ancestor, and removed. Run before any rank starts, so a read-only or impossible output directory is one line,
+    not a failure at the first checkpoint. Writing is the test because ``os.access`` answers yes to root on a
+    read-only mount."""
+    probe_in = os.path.abspath(directory)
+    while not os.path.exists(probe_in):
+        probe_in = os.path.dirname(probe_in)
+    if not os.path.isdir(probe_in):
+        raise ValueError(f"{key}: {directory!r} cannot be made: {probe_in} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".moe_ep_write_check_", dir=probe_in)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"{key}: {directory!r} is not writable ({exc.strerror or exc} in {probe_in})") from exc
 
 
 def complete_checkpoints(root: str) -> list[str]:

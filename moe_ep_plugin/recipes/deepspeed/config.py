@@ -21,7 +21,7 @@ import torch
 
 from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 from ...ops import fp8
-from ..common import schedule
+from ..common import checkpoint, schedule
 from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml
 
 DISPATCHERS = ("plugin", "deepspeed")
@@ -161,6 +161,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if stage not in (0, 1, 2):
         raise ValueError("deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, "
                          f"got {stage}")
+    if cfg.train.checkpoint_dir:
+        checkpoint.check_writable(cfg.train.checkpoint_dir, "train.checkpoint_dir")
     return cfg
 
 

@@ -215,7 +215,8 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
         if is_logger and progress.due(done, train.steps, train.log_interval, start):
             print(progress.line(done, train.steps, [f"loss {step_loss:.4f}", f"lr {_lr(step, train):.2e}",
                                                     f"grad norm {float(grad_norm):.3f}",
-                                                    f"{rate.mark(done):,.0f} tok/s"]), flush=True)
+                                                    f"{rate.mark(done):,.0f} tok/s", *rate.pace(train.steps)]),
+                  flush=True)
         if metrics is not None:
             metrics.write(json.dumps({"step": done, "loss": step_loss, "lr": _lr(step, train),
                                       "grad_norm": float(grad_norm)}) + "\n")
@@ -278,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      * par.get("expert_model_parallel_size", 1))
             world_key = "--nprocs" if args.nprocs else "parallel (TP x EP)"
         check_world(cfg, nprocs, world_key)
+        if cfg.train.save_dir:
+            checkpoint.check_writable(cfg.train.save_dir, "--save-dir" if args.save_dir else "train.save_dir")
     except (TypeError, ValueError) as exc:
         return config_error("moe-ep-pretrain", exc)
     timeout_s = cfg.plugin.timeout_s if cfg.plugin is not None else DEFAULT_TIMEOUT_S

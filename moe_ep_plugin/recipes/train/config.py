@@ -16,6 +16,7 @@ from typing import Any
 from ...config import DEFAULT_TIMEOUT_S
 from ...experts import EXPERT_COMPUTE
 from ...transports import TRANSPORTS
+from ..common import checkpoint
 from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml, type_name
 
 FP8_BLOCK = 128  # FP8 dispatch quantizes per token in blocks of this many channels (moe_ep_plugin.ops.fp8.BLOCK)
@@ -227,6 +228,9 @@ def validate(cfg: TrainerConfig, world_size: int | None = None) -> None:
     _require(e.group_topk <= e.num_groups, "moe.group_topk",
              f"{e.group_topk} is more than moe.num_groups={e.num_groups}")
     if p.ranks_per_node is not None:
+        _require(p.transport not in ("torch", "nvlink"), "parallel.ranks_per_node",
+                 f"only the 'hierarchical' transport (or 'auto', which may pick it) splits the EP ranks into nodes; "
+                 f"parallel.transport is {p.transport!r} (drop ranks_per_node, or use transport: hierarchical)")
         _require(p.ranks_per_node > 0 and ep % p.ranks_per_node == 0, "parallel.ranks_per_node",
                  f"{p.ranks_per_node} does not divide the {ep} EP ranks ({ep_key}={ep})")
         nodes = ep // p.ranks_per_node
@@ -252,8 +256,7 @@ def validate(cfg: TrainerConfig, world_size: int | None = None) -> None:
     _require(not (p.device == "cpu" and p.backend == "nccl"), "parallel.backend", "nccl needs parallel.device: cuda")
     _require(not (p.device == "cuda" and p.backend == "gloo"), "parallel.backend",
              "gloo cannot move CUDA tensors for the Buffer; use nccl or auto")
-    _require(not os.path.exists(o.dir) or os.path.isdir(o.dir), "output.dir",
-             f"{o.dir!r} exists and is not a directory")
+    checkpoint.check_writable(o.dir, "output.dir")
     _require(o.peak_tflops is None or o.peak_tflops > 0, "output.peak_tflops",
              f"must be > 0 or null, got {o.peak_tflops}")
     _require(o.resume in ("auto", "never") or os.path.isdir(o.resume), "output.resume",
