@@ -116,3 +116,20 @@ def test_the_check_sees_a_missing_path(tmp_path) -> None:
     assert _exists("README.md", "docs/kernels.md") and not _exists("README.md", "benchmarks/nope.py")
     assert _exists("docs/buffer.md", "kernels.md") and not _exists("README.md", "DESIGN.md")
     assert [_module_exists(name) for kind, name in refs if kind == "module"] == [True, False, True, False]
+
+
+def test_megatron_doc_lists_every_ep_plugin_key() -> None:
+    import dataclasses
+
+    from moe_ep_plugin.plugin_options import PluginOptions
+    with open(os.path.join(ROOT, "docs", "megatron.md"), encoding="utf-8") as f:
+        text = f.read()
+    missing = [f.name for f in dataclasses.fields(PluginOptions) if f"| `{f.name}` |" not in text]
+    assert not missing, f"docs/megatron.md has no row for ep_plugin keys {missing}"
+
+
+@pytest.mark.parametrize("needle", ["DESIGN.md", "shared/research"])
+def test_no_doc_names_files_a_user_does_not_have(needle: str) -> None:
+    docs = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    naming = [os.path.relpath(d, ROOT) for d in docs if needle in open(d, encoding="utf-8").read()]
+    assert not naming, f"{naming} name {needle}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,11 +62,19 @@ def test_a_failed_rank_ends_a_sleeping_one() -> None:
     with pytest.raises(launch.LaunchError) as info:
         launch.spawn(_fail_rank_0_while_rank_1_sleeps, 2, backend="gloo", grace_s=1.0)
     assert time.monotonic() - start < 60
-    assert [(f.rank, f.reason) for f in info.value.failures] == [
-        (0, "failed: ValueError: moe.topk: rank 0 refuses"),
-        (1, "was still running 1 s after rank 0 failed; ended by the launcher")]
-    assert "Traceback" in info.value.failures[0].details
-    assert str(info.value).startswith("2 of 2 ranks failed\nrank 0 failed: ValueError: moe.topk: rank 0 refuses\n")
+    reasons = {f.rank: f.reason for f in info.value.failures}
+    assert sorted(reasons) == [0, 1] and reasons[0] == "failed: ValueError: moe.topk: rank 0 refuses"
+    assert _ended_or_lost_its_peer(reasons[1]), reasons[1]
+    assert "Traceback" in next(f for f in info.value.failures if f.rank == 0).details
+    assert str(info.value).startswith("2 of 2 ranks failed\n")
+    assert "\nrank 0 failed: ValueError: moe.topk: rank 0 refuses\n" in str(info.value)
+
+
+def _ended_or_lost_its_peer(reason: str) -> bool:
+    """Rank 1's fate when rank 0 fails: ended by the launcher while it sleeps, or (whichever the launcher sees first
+    on a loaded machine) failed of its gloo connections closing when rank 0 exits."""
+    return reason.startswith("failed: ") or re.fullmatch(r"was still running \d+ s after rank 0 failed; ended by "
+                                                          "the launcher", reason) is not None
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -84,7 +93,8 @@ def test_run_ranks_exits_1_with_one_line_per_failed_rank(capfd) -> None:
     err = capfd.readouterr().err
     assert code == 1
     assert "prog: rank 0 failed: ValueError: moe.topk: rank 0 refuses\n" in err
-    assert "prog: rank 1 was still running" in err
+    line = next(ln for ln in err.splitlines() if ln.startswith("prog: rank 1 "))
+    assert _ended_or_lost_its_peer(line.removeprefix("prog: rank 1 ")), line
 
 
 def _write_pid_and_wait(pid_dir: str, deaf_rank: int) -> None:

@@ -199,7 +199,7 @@ def _autograd(buffer: Buffer, seed: int) -> None:
     got = (out, x.grad, w.grad, local_w.grad)
     want = ref[:3] + (ref[3][rank * local:(rank + 1) * local],)
     for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), got, want, strict=False):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _errors(buffer: Buffer) -> None:
@@ -353,7 +353,10 @@ def test_hierarchical_chunks_validated(chunks, error: type) -> None:
 
 def _timeout() -> None:
     side = dist.new_group()  # where the absent rank waits until the others timed out (it must not leave earlier)
-    buffer = Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=3)
+    # new_group returns on each rank at its own time: line the ranks up so that no rank's slow start on a loaded
+    # machine eats into the short timeout of the Buffer's own set-up exchanges
+    dist.barrier(group=side)
+    buffer = Buffer(transport="hierarchical", ranks_per_node=2, timeout_s=5)
     if dist.get_rank() == 3:
         dist.barrier(group=side)  # never joins the dispatch
         return

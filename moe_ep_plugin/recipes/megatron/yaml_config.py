@@ -11,7 +11,8 @@ names it:
   ``moe_token_dispatcher_type: ep_plugin`` selects this library's dispatcher; ``flex`` with
   ``moe_flex_dispatcher_backend: deepep | hybridep | ncclep`` (ncclep where Megatron has it) runs Megatron's own
   flex dispatcher on this library.
-- ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``).
+- ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``,
+  ``ranks_per_node``).
 - ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
 - ``train``, ``data``: the launcher's own options (:class:`TrainOptions`, :class:`DataOptions`).
 """
