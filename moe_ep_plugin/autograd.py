@@ -1,4 +1,4 @@
-"""Differentiable dispatch and combine (DESIGN.md autograd contract), row-major and expert-major.
+"""Differentiable dispatch and combine (the contract: docs/buffer.md), row-major and expert-major.
 
 - dispatch backward = ``combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights)``
 - combine backward  = ``dispatch(grad_combined_x, handle=handle)`` (cached layout, no top-k)

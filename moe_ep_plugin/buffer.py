@@ -280,7 +280,7 @@ class Buffer:
         try:
             return check()
         except REFUSABLE as exc:
-            if handle is None and self.group_size > 1:
+            if handle is None:
                 try:
                     self.transport.refuse(call, exc)
                 except TimeoutError as timeout:

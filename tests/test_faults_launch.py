@@ -261,6 +261,7 @@ MEGATRON_CPU = os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml")
     ({"parallel": {"pipeline_model_parallel_size": 2}}, "parallel.pipeline_model_parallel_size"),
     ({"ep_plugin": {"timeout_s": -1}}, "ep_plugin.timeout_s"),
     ({"ep_plugin": {"fp8_dispatch": "yes"}}, "ep_plugin.fp8_dispatch"),
+    ({"ep_plugin": {"transport": "torch", "ranks_per_node": 1}}, "ep_plugin.ranks_per_node"),  # no nodes to split
     ({"train": {"global_batch_size": 12}}, "train.global_batch_size"),  # not a multiple of 4 x DP 2
     ({"model": {"num_attention_heads": 3}}, "model.num_attention_heads"),  # a reshape error in the ranks before
     ({"model": {"num_query_groups": 3}}, "model.num_query_groups"),
@@ -314,6 +315,7 @@ def _deepspeed_cli():
     (["moe.round_scale=true"], "moe.round_scale"),                      # without fp8_dispatch
     (["moe.transport=rdma"], "moe.transport"),
     (["moe.num_experts=7"], "moe.num_experts"),
+    (["moe.transport=torch", "moe.ranks_per_node=1"], "moe.ranks_per_node"),
 ])
 def test_deepspeed_example_config_errors(capsys, overrides, key) -> None:
     cli = _deepspeed_cli()

@@ -11,7 +11,7 @@ The EP group of R = M x P ranks (M nodes, P ranks each, node-contiguous: group r
 - the **node group** (the P ranks of this node): ``nvlink`` kernels when they can serve it, else ``torch``. The
   forwarding rank dispatches the rows it received over the rails to the ranks of its node hosting their experts.
 
-Dispatch outputs equal the flat contract (DESIGN.md): rows ordered by source rank, then source token (the node
+Dispatch outputs equal the flat contract (docs/buffer.md): rows ordered by source rank, then source token (the node
 stage delivers them by (source local index, source node, token); one gather restores the flat order),
 ``recv_topk_idx`` local to the receiving rank, the per-expert list. A count exchange over the whole group comes
 first: every rank checks ids and the ranks' agreement on shapes before any row moves, and the per-rank counts

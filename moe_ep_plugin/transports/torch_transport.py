@@ -1,7 +1,8 @@
 """The reference transport: variable-split ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU).
 
 A dispatch is one fixed-size ``all_gather`` of per-rank and per-expert counts and the words every rank checks
-(the ranks' agreement on the dispatch's shape, out-of-range ids, the layout, ``num_worst_tokens``), then the rows in one
+(the ranks' agreement on the dispatch's shape, out-of-range ids, the layout, ``num_worst_tokens``, a
+rank's refusal of its own bad input: ``refuse``), then the rows in one
 ``all_to_all_single`` straight from an ``index_select`` of ``x`` in send order (FP8 rows as bytes), and the
 small per-row metadata (top-k ids, source index, weights, FP8 scales) in a second one. A cached-handle dispatch
 sends the rows (and FP8 scales) only. Combine sends the rows back in one ``all_to_all_single`` and sums each
