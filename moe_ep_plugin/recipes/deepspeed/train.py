@@ -258,11 +258,11 @@ def format_table(cfg: RunConfig, results: dict[str, TrainResult]) -> str:
     lines = [f"world {dist.get_world_size()}, EP {cfg.moe.ep_size}, E {cfg.moe.num_experts}, k {cfg.moe.k}, "
              f"H {cfg.model.hidden_size}, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
              f"{cfg.train.torch_dtype()}, median over steps {w}..{cfg.train.steps - 1}",
-             f"{'dispatcher':<14}{'transport':<20}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
+             f"{'dispatcher':<14}{'transport':<23}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
              f"{'last loss':>11}"]
     for name, r in results.items():
         t = r.median_step_s(w)
-        lines.append(f"{name:<14}{r.transport:<20}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
+        lines.append(f"{name:<14}{r.transport:<23}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
                      f"{r.losses[0]:>12.4f}{r.losses[-1]:>11.4f}")
     return "\n".join(lines)
 
