@@ -1,8 +1,10 @@
-"""Train a small MoE model with deepspeed.initialize; the YAML picks stock DeepSpeed MoE or the plugin.
+"""Train a small MoE model with deepspeed.initialize; the YAML picks stock DeepSpeed MoE, the plugin's layer, or
+DeepSpeed AutoEP (comm_backend deepep on this library, or AutoEP's own comm).
 
     python examples/deepspeed_moe.py --config configs/deepspeed_moe.yaml                 # spawns train.nprocs ranks
     torchrun --nproc-per-node 2 examples/deepspeed_moe.py --config configs/deepspeed_moe.yaml
     python examples/deepspeed_moe.py --config configs/deepspeed_moe.yaml --compare       # stock, then plugin: table
+    python examples/deepspeed_moe.py --config configs/deepspeed_autoep.yaml --compare    # AutoEP comm, then deepep
     python examples/deepspeed_moe.py --config configs/deepspeed_moe.yaml moe.k=1 train.steps=50   # overrides
 
 CPU: gloo ranks (DS_ACCELERATOR=cpu is set here when torch sees no GPU; DeepSpeed compiles no op). GPU: one rank
@@ -22,7 +24,7 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator when import
 
 from moe_ep_plugin import launch  # noqa: E402
 from moe_ep_plugin.recipes.common.yaml_sections import config_error  # noqa: E402
-from moe_ep_plugin.recipes.deepspeed.config import load_config  # noqa: E402
+from moe_ep_plugin.recipes.deepspeed.config import compare_configs, load_config  # noqa: E402
 
 PROG = "deepspeed_moe.py"
 
@@ -39,12 +41,15 @@ def cli(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (configs/deepspeed_*.yaml)")
     parser.add_argument("--compare", action="store_true",
-                        help="train with stock DeepSpeed MoE, then with the plugin, and print a step-time table")
+                        help="train the baseline (stock DeepSpeed MoE; autoep: its comm backend), then this library "
+                             "(the plugin's layer; autoep: its deepep backend), and print a step-time table")
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     args = parser.parse_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else None
     try:  # a bad config fails before any rank starts
         cfg = load_config(args.config, tuple(args.overrides), world)
+        if args.compare:
+            compare_configs(cfg, world)
     except ValueError as exc:
         return config_error(PROG, exc)
     nprocs = world if world is not None else cfg.train.nprocs

@@ -7,8 +7,8 @@ the input, the router, the shared expert and every expert weight must equal a pl
 each token is run through each of its selected experts locally (all experts' weights gathered on every rank);
 ``tokens_per_expert`` must equal Megatron's count from its routing map. Both entry points are checked:
 ``moe_token_dispatcher_type: ep_plugin`` and the unchanged ``flex`` dispatcher with the ``deepep`` and ``hybridep``
-backends served by the shims. (Megatron's ``alltoall`` dispatcher needs CUDA streams, so the reference is this
-plain loop, which ``alltoall`` also equals.)
+backends served by the shims (``ncclep`` on megatron-core >= 0.19, ``deepepv2`` on Megatron-LM dev). (Megatron's
+``alltoall`` dispatcher needs CUDA streams, so the reference is this plain loop, which ``alltoall`` also equals.)
 """
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK, GROUPS, GROUP_TOPK, FFN = 16, 8, 3, 4, 2, 8
+FLEX_KINDS = ("flex", "hybridep", "ncclep", "deepepv2")
 
 
 def _config(world: int, kind: str, capacity: float | None, overlap: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    # "flex": flex + deepep; "hybridep"/"ncclep": flex with that backend (all served by the install()'s shims)
+    # "flex": flex + deepep; "hybridep"/"ncclep"/"deepepv2": flex with that backend (all served by install()'s shims)
     extra = {"moe_flex_dispatcher_backend": "deepep" if kind == "flex" else kind} \
-        if kind in ("flex", "hybridep", "ncclep") else {}
+        if kind in FLEX_KINDS else {}
     if kind == "ncclep":  # megatron-core >= 0.19: sizes the receive buffer (generously: no overflow here)
         extra["moe_expert_rank_capacity_factor"] = float(world)
-    kind = "flex" if kind in ("hybridep", "ncclep") else kind
+    kind = "flex" if kind in FLEX_KINDS else kind
     if overlap:
         extra["moe_shared_expert_overlap"] = True
     if capacity is not None:
@@ -171,7 +172,7 @@ def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int, transport:
     try:
         for kind in kinds:
             for i, case in enumerate(cases):
-                if kind in ("flex", "hybridep", "ncclep") and case == "shared_overlap":
+                if kind in FLEX_KINDS and case == "shared_overlap":
                     continue  # the overlap under test is the plugin dispatcher's; flex has its own
                 _check_case(world, kind, case, seed + i, device)
     finally:
@@ -191,6 +192,22 @@ def test_moe_layer_matches_local_reference(world: int, kinds: tuple[str, ...]) -
     kinds = _served(*kinds)
     cases = ("random", "uneven", "one_expert", "one_token", "capacity") if world > 1 else ("random", "capacity")
     spawn(_suite, world, args=(kinds, cases, int(time.time()) % 1000), backend="gloo", timeout_s=300)
+
+
+def _have_deepepv2() -> bool:
+    from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
+    return "deepepv2" in SERVED_FLEX_BACKENDS
+
+
+@pytest.mark.skipif(not _have_deepepv2(), reason="the installed megatron-core has no deepepv2 flex backend "
+                    "(Megatron-LM dev has: put a copy of its megatron/ first on PYTHONPATH, docs/compat.md)")
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_flex_deepepv2(world: int) -> None:
+    """Megatron-LM dev's ``flex`` + ``deepepv2`` (``_DeepepV2Manager`` on :mod:`moe_ep_plugin.megatron.deepepv2_shim`)
+    equals the plain loop, and so ``alltoall``, with the ``ep_plugin`` dispatcher checked alongside."""
+    cases = ("random", "uneven", "one_expert", "one_token", "capacity")
+    spawn(_suite, world, args=(("ep_plugin", "deepepv2"), cases, int(time.time()) % 1000), backend="gloo",
+          timeout_s=300)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

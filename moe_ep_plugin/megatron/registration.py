@@ -9,11 +9,13 @@ After :func:`install`:
   ``TransformerConfig.__post_init__`` validates an ``ep_plugin`` config the way it validates ``alltoall``
   (the built-in dispatcher whose features — shared-expert overlap, capacity dropping — the plugin has), then
   checks the plugin's own options.
-- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep``, ``hybridep`` or ``ncclep`` runs on this
-  library's Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms`` (``deepep_shim``) and
-  ``hybrid_ep_dispatch``/``hybrid_ep_combine`` (``hybridep_shim``), and on megatron-core >= 0.19 the ``ncclep``
-  functions (``ncclep_shim``) are rebound in ``token_dispatcher`` and
-  ``fused_a2a`` (Megatron reads them at call time). A ``flex`` config naming another backend, or plugin options
+- ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep``, ``hybridep``, ``ncclep`` or
+  ``deepepv2`` runs on this library's Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms``
+  (``deepep_shim``) and ``hybrid_ep_dispatch``/``hybrid_ep_combine`` (``hybridep_shim``), on megatron-core >= 0.19
+  the ``ncclep`` functions (``ncclep_shim``), and on Megatron-LM dev (which has ``deepepv2``)
+  ``get_elastic_buffer``/``deepepv2_dispatch``/``deepepv2_combine`` (``deepepv2_shim``) are rebound in
+  ``token_dispatcher`` and ``fused_a2a`` (Megatron reads them at call time). A ``flex`` config naming another
+  backend, or plugin options
   its shape cannot take, fails in ``TransformerConfig.__post_init__`` naming the key.
 
 Both steps are idempotent; :func:`uninstall` restores every original object.
@@ -29,7 +31,7 @@ import megatron.core
 from megatron.core.transformer import transformer_config as tc_module
 from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
-from . import deepep_shim, hybridep_shim, ncclep_shim
+from . import deepep_shim, deepepv2_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
 from .options import OVERLAP_REFUSAL, PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 
@@ -37,12 +39,17 @@ SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
 _NCCLEP_NAMES = ("ensure_nccl_ep_bootstrapped", "new_nccl_ep_buffer", "nccl_ep_dispatch", "nccl_ep_combine",
                  "alloc_ep_symm_buffer", "nccl_ep_finalize")
+_DEEPEPV2_NAMES = ("get_elastic_buffer", "deepepv2_dispatch", "deepepv2_combine")
 _HAVE_NCCLEP = hasattr(fused_a2a, "nccl_ep_dispatch")  # megatron-core >= 0.19
+# Megatron-LM dev: the names exist (None without DeepEP V2) wherever the deepepv2 backend does
+_HAVE_DEEPEPV2 = hasattr(fused_a2a, "deepepv2_dispatch")
 _SHIMS = ((deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms")),
           (hybridep_shim, ("hybrid_ep_dispatch", "hybrid_ep_combine"))) + (
-    ((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ())
-# the flex backends install() serves on this megatron-core (ncclep where the installed version has it)
-SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ())
+    ((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ()) + (
+    ((deepepv2_shim, _DEEPEPV2_NAMES),) if _HAVE_DEEPEPV2 else ())
+# the flex backends install() serves on this megatron-core (ncclep, deepepv2 where the installed version has them)
+SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ()) + (
+    ("deepepv2",) if _HAVE_DEEPEPV2 else ())
 _originals: dict[tuple[Any, str], Any] = {}
 _default_options = PluginOptions()
 
@@ -159,3 +166,4 @@ def uninstall() -> None:
     _default_options = PluginOptions()
     deepep_shim.configure(_default_options)
     ncclep_shim.nccl_ep_finalize()
+    deepepv2_shim.reset_elastic_buffer()

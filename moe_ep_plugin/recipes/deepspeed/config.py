@@ -2,9 +2,11 @@
 
 A file maps sections to keys::
 
-    dispatcher: plugin        # 'plugin' (moe_ep_plugin.deepspeed.MoE) or 'deepspeed' (deepspeed.moe.layer.MoE)
+    dispatcher: plugin        # 'plugin' (moe_ep_plugin.deepspeed.MoE), 'deepspeed' (deepspeed.moe.layer.MoE) or
+                              # 'autoep' (DeepSpeed AutoEP on a tiny Mixtral: recipes/deepspeed/autoep.py)
     model: {...}              # ModelConfig
     moe: {...}                # MoEConfig: deepspeed.moe.layer.MoE's arguments + the plugin's options
+    autoep: {...}             # AutoEPConfig (dispatcher: autoep only)
     train: {...}              # TrainConfig
     deepspeed: {...}          # passed to deepspeed.initialize as its config (JSON keys)
 
@@ -14,17 +16,20 @@ Missing keys take their defaults; an unknown section or key, a wrong type or an 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...deep_ep.install import real_deep_ep_origin
 from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 from ...ops import fp8
 from ..common import checkpoint, schedule
 from ..common.yaml_sections import apply_overrides, build_section, check_sections, read_yaml
 
-DISPATCHERS = ("plugin", "deepspeed")
+DISPATCHERS = ("plugin", "deepspeed", "autoep")
+AUTOEP_BACKENDS = ("deepep", "comm")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -68,6 +73,23 @@ class MoEConfig(DeepSpeedOptions):
 
 
 @dataclass
+class AutoEPConfig:
+    """``dispatcher: autoep``: DeepSpeed's ``expert_parallel`` section (``enabled``, ``autoep_size`` = ``moe.ep_size``,
+    ``preset_model: mixtral``, ``comm_max_tokens_per_rank`` = the tokens of a micro-batch are set by the example)."""
+
+    comm_backend: str = "deepep"   # deepep: DeepEP's API served by moe_ep_plugin | comm: AutoEP's own all-to-all
+    use_grouped_mm: bool = False   # AutoEP's experts as torch._grouped_mm (else its per-expert loop)
+    num_attention_heads: int = 4   # the Mixtral's attention heads (key/value heads alike)
+
+
+# DeepSpeed MoE layer arguments AutoEP's Mixtral blocks do not take (dropless top-k softmax routing, no aux loss)
+_AUTOEP_REFUSED_MOE = {"capacity_factor": "capacity", "eval_capacity_factor": "capacity",
+                       "min_capacity": "capacity", "drop_tokens": "token dropping",
+                       "noisy_gate_policy": "noisy gating", "use_residual": "residual MoE",
+                       "use_rts": "random token selection", "top2_2nd_expert_sampling": "second-expert sampling"}
+
+
+@dataclass
 class TrainConfig:
     steps: int = 30
     micro_batch_size: int = 8          # sequences per rank per step
@@ -98,6 +120,7 @@ class RunConfig:
     dispatcher: str = "plugin"
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    autoep: AutoEPConfig = field(default_factory=AutoEPConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: dict = field(default_factory=lambda: {"zero_optimization": {"stage": 2}})
 
@@ -105,7 +128,8 @@ class RunConfig:
 # keys of the DeepSpeed config the train section owns
 _OWNED_DS_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "train_batch_size":
                   "train.micro_batch_size", "gradient_accumulation_steps": "train.micro_batch_size",
-                  "bf16": "train.dtype", "fp16": "train.dtype", "optimizer": "train.lr (a torch AdamW is used)"}
+                  "bf16": "train.dtype", "fp16": "train.dtype", "optimizer": "train.lr (a torch AdamW is used)",
+                  "expert_parallel": "dispatcher: autoep and the autoep section"}
 
 
 def _positive(key: str, value: int) -> None:
@@ -136,9 +160,12 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if ranks % m.ep_size:
         raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks")
     changed = [f.name for f in dataclasses.fields(DeepSpeedOptions)
-               if f.name != "transport" and getattr(options, f.name) != getattr(DeepSpeedOptions(), f.name)]
-    if cfg.dispatcher == "deepspeed" and changed:
+               if (f.name != "transport" or cfg.dispatcher == "autoep")
+               and getattr(options, f.name) != getattr(DeepSpeedOptions(), f.name)]
+    if cfg.dispatcher != "plugin" and changed:
         raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
+    if cfg.dispatcher == "autoep":
+        _validate_autoep(cfg)
     if not cfg.train.lr > 0 or cfg.train.lr_warmup_steps < 0:
         raise ValueError(f"train.lr: expected > 0 with train.lr_warmup_steps >= 0, got {cfg.train.lr} and "
                          f"{cfg.train.lr_warmup_steps}")
@@ -166,14 +193,61 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     return cfg
 
 
+def _validate_autoep(cfg: RunConfig) -> None:
+    """What ``dispatcher: autoep`` can run: AutoEP's backends, the Mixtral's shape, the dtype DeepEP's API takes."""
+    a = cfg.autoep
+    if a.comm_backend not in AUTOEP_BACKENDS:
+        raise ValueError(f"autoep.comm_backend: expected one of {AUTOEP_BACKENDS} (deepep: served by moe_ep_plugin, "
+                         f"comm: AutoEP's all-to-all), got {a.comm_backend!r}")
+    _positive("autoep.num_attention_heads", a.num_attention_heads)
+    if cfg.model.hidden_size % a.num_attention_heads:
+        raise ValueError(f"autoep.num_attention_heads: {a.num_attention_heads} does not divide model.hidden_size="
+                         f"{cfg.model.hidden_size}")
+    defaults = MoEConfig()
+    for key, what in _AUTOEP_REFUSED_MOE.items():
+        if getattr(cfg.moe, key) != getattr(defaults, key):
+            raise ValueError(f"moe.{key}: AutoEP's Mixtral blocks have no {what}; leave it out with "
+                             f"dispatcher: autoep")
+    if cfg.moe.aux_loss_coeff:
+        raise ValueError("moe.aux_loss_coeff: AutoEP's Mixtral blocks add no auxiliary loss (DeepSpeed refuses "
+                         "load_balance_coeff); set 0 with dispatcher: autoep")
+    if a.comm_backend == "deepep":
+        if cfg.train.torch_dtype() != torch.bfloat16:
+            raise ValueError(f"train.dtype: autoep.comm_backend 'deepep' dispatches bfloat16 only (DeepSpeed checks); "
+                             f"'{cfg.train.dtype}' gives {cfg.train.torch_dtype()} here (use bfloat16)")
+        origin = real_deep_ep_origin()
+        if origin is not None:
+            raise ValueError(f"autoep.comm_backend: 'deepep' is served by moe_ep_plugin through install_deep_ep(), "
+                             f"which does not shadow the real deep_ep importable at {origin}")
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("dispatcher: 'autoep' needs transformers (AutoEP replaces Hugging Face MoE blocks; the "
+                         "example builds a tiny Mixtral): pip install transformers")
+
+
+def compare_configs(cfg: RunConfig, world_size: int | None = None) -> dict[str, RunConfig]:
+    """The runs of ``--compare``, each validated: the baseline first, then this library's. Stock DeepSpeed MoE vs
+    the plugin's layer; with ``dispatcher: autoep``, AutoEP's ``comm`` backend vs its ``deepep`` one on this
+    library."""
+    if cfg.dispatcher == "autoep":
+        runs = {f"autoep {backend}": dataclasses.replace(cfg, autoep=dataclasses.replace(cfg.autoep,
+                                                                                         comm_backend=backend))
+                for backend in ("comm", "deepep")}
+    else:
+        runs = {"deepspeed": dataclasses.replace(cfg, dispatcher="deepspeed", moe=cfg.moe.stock()),
+                "plugin": dataclasses.replace(cfg, dispatcher="plugin")}
+    return {name: validate(run, world_size) for name, run in runs.items()}
+
+
 def parse_config(data: Any, world_size: int | None = None) -> RunConfig:
     """A parsed YAML document (a mapping) → validated :class:`RunConfig`."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
-    sections = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}
+    sections = {"model": ModelConfig, "moe": MoEConfig, "autoep": AutoEPConfig, "train": TrainConfig}
     check_sections(data, ("dispatcher", *sections, "deepspeed"))
+    if "autoep" in data and data.get("dispatcher", "plugin") != "autoep":
+        raise ValueError("autoep: this section is read with dispatcher: autoep only")
     cfg = RunConfig(dispatcher=data.get("dispatcher", "plugin"),
                     deepspeed=data.get("deepspeed", RunConfig().deepspeed),
                     **{name: build_section(name, cls, data.get(name)) for name, cls in sections.items()})

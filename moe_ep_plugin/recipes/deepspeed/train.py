@@ -2,7 +2,8 @@
 
 Runs on every rank of an initialised process group (gloo on CPU, NCCL on GPUs). The model is an embedding,
 ``num_layers`` pre-norm residual blocks whose MLP is a DeepSpeed MoE layer (stock ``deepspeed.moe.layer.MoE`` or
-``moe_ep_plugin.deepspeed.MoE``), a final norm and an LM head. The data is a synthetic next-token task a
+``moe_ep_plugin.deepspeed.MoE``), a final norm and an LM head; with ``dispatcher: autoep`` it is a tiny Mixtral whose
+MoE blocks DeepSpeed AutoEP replaces (:mod:`.autoep`). The data is a synthetic next-token task a
 token-wise model can learn (each token is followed by a fixed successor 90% of the time), so the loss falls
 from ln(vocab) within a few dozen steps. The optimizer is a plain ``torch.optim.AdamW`` over DeepSpeed's MoE
 parameter groups, and on CPU DeepSpeed's shared-memory allreduce op is switched off (:func:`init_deepspeed_comm`):
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -25,7 +27,8 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from ...buffer_cache import cached_transports, destroy_buffers
 from ...deepspeed.layer import MoE, update_expert_biases
 from ..common import checkpoint, progress, schedule
-from .config import RunConfig, validate
+from . import autoep
+from .config import RunConfig, compare_configs, validate
 
 SUCCESSOR_PROB = 0.9
 
@@ -110,11 +113,15 @@ def deepspeed_config(cfg: RunConfig) -> dict:
     ds["gradient_accumulation_steps"] = 1
     ds["bf16"] = {"enabled": cfg.train.torch_dtype() == torch.bfloat16}
     ds.setdefault("zero_allow_untested_optimizer", True)  # ZeRO wrapping torch's AdamW
+    if cfg.dispatcher == "autoep":
+        ds.update(autoep.deepspeed_section(cfg))
     return ds
 
 
-def build_model(cfg: RunConfig) -> TinyMoELM:
+def build_model(cfg: RunConfig) -> torch.nn.Module:
     """The model of ``cfg``, seeded by ``train.seed`` (the same weights for either dispatcher)."""
+    if cfg.dispatcher == "autoep":
+        return autoep.build_model(cfg)
     torch.manual_seed(cfg.train.seed)
     model = TinyMoELM(cfg)
     _init_experts(model, cfg)
@@ -122,7 +129,12 @@ def build_model(cfg: RunConfig) -> TinyMoELM:
 
 
 def initialize(model: torch.nn.Module, cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
-    """``deepspeed.initialize`` with AdamW over DeepSpeed's MoE parameter groups."""
+    """``deepspeed.initialize`` with AdamW over DeepSpeed's MoE parameter groups (AutoEP: DeepSpeed's AdamW, built
+    after AutoEP has sharded the experts)."""
+    if cfg.dispatcher == "autoep":
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=deepspeed_config(cfg))
+        return engine
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "parameters"})
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=0.0)
@@ -204,10 +216,11 @@ def train_steps(engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: i
 
 def train(cfg: RunConfig) -> TrainResult:
     """Build, train ``train.steps`` steps (rank 0 logs), save a checkpoint if ``train.checkpoint_dir`` is set."""
+    if cfg.dispatcher == "autoep":
+        autoep.prepare(cfg)
     engine = build_engine(cfg)
     result = train_steps(engine, cfg, 0, cfg.train.steps, log=True)
-    result.transport = ("padded all_to_all" if cfg.dispatcher == "deepspeed" else
-                        "+".join(cached_transports()) + (" fp8" if cfg.moe.fp8_dispatch else ""))
+    result.transport = _transport(cfg)
     if cfg.train.checkpoint_dir:
         checkpoint.save(cfg.train.checkpoint_dir, cfg.train.steps, dataclasses.asdict(cfg),
                         write=lambda directory: engine.save_checkpoint(os.path.dirname(directory),
@@ -216,11 +229,22 @@ def train(cfg: RunConfig) -> TrainResult:
     return result
 
 
+def _transport(cfg: RunConfig) -> str:
+    """What moved the tokens of a run of ``cfg``."""
+    if cfg.dispatcher == "deepspeed":
+        return "padded all_to_all"
+    if cfg.dispatcher == "autoep":
+        # the package DeepSpeed's ``import deep_ep`` found (the table says whether this library served it)
+        return "all_to_all" if cfg.autoep.comm_backend == "comm" else \
+            f"deep_ep={sys.modules['deep_ep'].__name__.split('.')[0]}"
+    return "+".join(cached_transports()) + (" fp8" if cfg.moe.fp8_dispatch else "")
+
+
 def compare(cfg: RunConfig) -> dict[str, TrainResult]:
-    """Train with the stock DeepSpeed dispatcher, then with the plugin (same weights and data) in this process
-    group; rank 0 prints a table of step times and losses."""
-    runs = {"deepspeed": dataclasses.replace(cfg, dispatcher="deepspeed", moe=cfg.moe.stock()),
-            "plugin": dataclasses.replace(cfg, dispatcher="plugin")}
+    """Train with the baseline, then with this library (same weights and data) in this process group: stock
+    DeepSpeed MoE vs the plugin's layer, or (``dispatcher: autoep``) AutoEP's ``comm`` backend vs its ``deepep``
+    backend on this library; rank 0 prints a table of step times and losses."""
+    runs = compare_configs(cfg, dist.get_world_size())
     results = {name: train(run_cfg) for name, run_cfg in runs.items()}
     if dist.get_rank() == 0:
         print(format_table(cfg, results), flush=True)
@@ -234,11 +258,11 @@ def format_table(cfg: RunConfig, results: dict[str, TrainResult]) -> str:
     lines = [f"world {dist.get_world_size()}, EP {cfg.moe.ep_size}, E {cfg.moe.num_experts}, k {cfg.moe.k}, "
              f"H {cfg.model.hidden_size}, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
              f"{cfg.train.torch_dtype()}, median over steps {w}..{cfg.train.steps - 1}",
-             f"{'dispatcher':<12}{'transport':<20}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
+             f"{'dispatcher':<14}{'transport':<23}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
              f"{'last loss':>11}"]
     for name, r in results.items():
         t = r.median_step_s(w)
-        lines.append(f"{name:<12}{r.transport:<20}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
+        lines.append(f"{name:<14}{r.transport:<23}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
                      f"{r.losses[0]:>12.4f}{r.losses[-1]:>11.4f}")
     return "\n".join(lines)
 

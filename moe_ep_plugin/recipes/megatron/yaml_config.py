@@ -9,8 +9,8 @@ names it:
   their Megatron names, plus ``activation: gelu | silu | swiglu | geglu`` (functions cannot be written in YAML)
   and ``dtype: fp32 | bf16 | fp16`` (sets ``params_dtype``/``bf16``/``fp16`` together).
   ``moe_token_dispatcher_type: ep_plugin`` selects this library's dispatcher; ``flex`` with
-  ``moe_flex_dispatcher_backend: deepep | hybridep | ncclep`` (ncclep where Megatron has it) runs Megatron's own
-  flex dispatcher on this library.
+  ``moe_flex_dispatcher_backend: deepep | hybridep | ncclep | deepepv2`` (the last two where Megatron has them) runs
+  Megatron's own flex dispatcher on this library.
 - ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``,
   ``ranks_per_node``).
 - ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
@@ -194,8 +194,8 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     _check_experts(kwargs)
 
     dispatcher = model.get("moe_token_dispatcher_type", "allgather")
-    # Every flex backend goes through install(): it serves deepep, hybridep (and ncclep where Megatron has it) and
-    # refuses any other backend at config time, naming the key.
+    # Every flex backend goes through install(): it serves deepep, hybridep (ncclep, deepepv2 where Megatron has them)
+    # and refuses any other backend at config time, naming the key.
     serves_plugin = dispatcher in (PLUGIN_DISPATCHER_TYPE, "flex")
     if plugin is not None and not serves_plugin:
         raise ValueError(f"ep_plugin: options given but model.moe_token_dispatcher_type is {dispatcher!r}; use "
