@@ -6,21 +6,21 @@ sequence parallelism; per layout: dropless, capacity dropping and drop-and-pad, 
 ``moe_layer_recompute``. Drop-and-pad also checks the fixed per-expert row count (capacity x TP x EP).
 
 Megatron's ``alltoall`` runs on CPU with a device mapping: ``host.cuda_device_is_host`` (its TP gathers allocate on
-``torch.cuda.current_device()``) and :func:`_cuda_streams_are_host` (its token-count copies go through ``torch.cuda``
-streams and come back as numpy split sizes, recompute saves the CUDA RNG state, and its expert-TP gather and
-reduce-scatter have per-rank sizes, which gloo does not take).
+``torch.cuda.current_device()``) and :func:`support.megatron_host.cuda_streams_are_host` (its token-count copies go
+through ``torch.cuda`` streams and come back as numpy split sizes, recompute saves the CUDA RNG state, and its
+expert-TP gather and reduce-scatter have per-rank sizes, which gloo does not take).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from support.megatron_host import cuda_streams_are_host  # noqa: E402
 
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
@@ -33,78 +33,6 @@ CASES = (("dropless", torch.bfloat16, False), ("capacity", torch.bfloat16, True)
 # token's expert outputs and reduce-scatters the TP partials in the model dtype, the plugin sums both in fp32.
 # The tolerance is four units.
 RELATIVE_TOLERANCE = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
-
-
-class _HostStream:
-    """Stands in for ``torch.cuda.Stream``/``current_stream``: on CPU every copy is already complete."""
-
-    def wait_stream(self, stream: object) -> None:
-        pass
-
-    def record_event(self) -> _HostStream:
-        return self
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _uneven_all_gather(all_gather):
-    """gloo's all_gather wants equal shapes; Megatron's TP gather of the received tokens has per-rank sizes (as
-    NCCL allows): gather zero-padded rows and keep each rank's own."""
-    def gather(tensor_list, tensor, group=None, async_op=False):
-        rows = max(t.shape[0] for t in tensor_list)
-        if all(t.shape[0] == rows for t in tensor_list) and tensor.shape[0] == rows:
-            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
-        padded = [torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype) for _ in tensor_list]
-        all_gather(padded, torch.cat([tensor, padded[0][tensor.shape[0]:]]), group=group)
-        for out, full in zip(tensor_list, padded, strict=True):
-            out.copy_(full[:out.shape[0]])
-    return gather
-
-
-def _reduce_scatter(output, input_list, group=None, async_op=False) -> None:
-    """Megatron's TP reduce-scatter of expert outputs (gloo has none): all-reduce the rows, keep this rank's."""
-    full = torch.cat(input_list)
-    dist.all_reduce(full, group=group)
-    start = sum(t.shape[0] for t in input_list[:dist.get_rank(group)])
-    output.copy_(full[start:start + output.shape[0]])
-
-
-@contextlib.contextmanager
-def _cuda_streams_are_host() -> Iterator[None]:
-    """Without CUDA: the CUDA stream calls of Megatron's alltoall (token-count copies) and of recompute's RNG
-    bookkeeping become no-ops, and its uneven TP gather / reduce-scatter run on gloo; with CUDA nothing changes."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import token_dispatcher
-    from megatron.core.transformer.moe.token_dispatcher import (
-        MoEAlltoAllTokenDispatcher,
-    )
-    stream = _HostStream()
-    saved = [(torch.cuda, "current_stream"), (torch.cuda, "stream"), (mrandom, "_get_cuda_rng_state"),
-             (mrandom, "_set_cuda_rng_state"), (token_dispatcher, "maybe_move_tensor_to_cpu"),
-             (dist, "all_gather"), (dist, "reduce_scatter")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
-    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
-
-    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
-        # what the CUDA path returns (split sizes as numpy arrays, which all_to_all_single takes) for host tensors
-        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else to_cpu(tensor, as_numpy, record_stream)
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    dist.all_gather, dist.reduce_scatter = _uneven_all_gather(dist.all_gather), _reduce_scatter
-    torch.cuda.current_stream = lambda *args: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
 
 
 def _config(kind: str, tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool):
@@ -189,7 +117,7 @@ def _suite(tp: int, ep: int, seed: int) -> None:
     seed_model_parallel_rng(seed)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
-        with _cuda_streams_are_host(), cuda_device_is_host():
+        with cuda_streams_are_host(), cuda_device_is_host():
             for i, (mode, dtype, recompute) in enumerate(CASES):
                 _check_case(tp, ep, mode, dtype, recompute, seed + i)
     finally:

@@ -15,6 +15,9 @@ After :func:`install`:
   functions (``ncclep_shim``) are rebound in ``token_dispatcher`` and
   ``fused_a2a`` (Megatron reads them at call time). A ``flex`` config naming another backend, or plugin options
   its shape cannot take, fails in ``TransformerConfig.__post_init__`` naming the key.
+- ``overlap_moe_expert_parallel_comm`` (Megatron's 1F1B EP-overlap schedule): ``should_free_input`` keeps the
+  ``moe_dispatch`` and ``mlp`` nodes' inputs for ``ep_plugin``, as Megatron keeps them for ``hybridep``
+  (:func:`_wrap_should_free_input`).
 
 Both steps are idempotent; :func:`uninstall` restores every original object.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +35,7 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
 from . import deepep_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
-from .options import OVERLAP_REFUSAL, PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
+from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
@@ -43,6 +47,9 @@ _SHIMS = ((deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms"
     ((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ())
 # the flex backends install() serves on this megatron-core (ncclep where the installed version has it)
 SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ())
+# Where Megatron's 1F1B EP-overlap schedule decides which node inputs it frees after forward (0.19: the common
+# schedule utilities; 0.16: the GPT fine-grained callables).
+_FREE_INPUT_MODULES = ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
 _originals: dict[tuple[Any, str], Any] = {}
 _default_options = PluginOptions()
 
@@ -101,14 +108,39 @@ def _wrap_post_init(original: Any) -> Any:
             return _check_flex(self)
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
-        if getattr(self, "overlap_moe_expert_parallel_comm", False):
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: {OVERLAP_REFUSAL}")
         with _dispatcher_type_shown_as(self, "alltoall"):
             original(self)
         options = get_plugin_options(self, _default_options)
         set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
     __post_init__._moe_ep_plugin = True
     return __post_init__
+
+
+def _free_input_module() -> Any:
+    """The Megatron module that defines the overlap schedule's ``should_free_input``."""
+    for name in _FREE_INPUT_MODULES:
+        module = importlib.import_module(name) if importlib.util.find_spec(name) else None
+        if module is not None and hasattr(module, "should_free_input"):
+            return module
+    raise RuntimeError(f"megatron-core {getattr(megatron.core, '__version__', '?')}: should_free_input is in none "
+                       f"of {', '.join(_FREE_INPUT_MODULES)}; this layout is not supported")
+
+
+def _wrap_should_free_input(original: Any) -> Any:
+    """Under the overlap schedule a node may free its input after forward, which is safe where the tensor was a
+    copy nobody saved for backward (``alltoall`` permutes the tokens before its dispatch and sorts the received
+    rows by expert after it). The plugin's ``dispatch_preprocess`` only reshapes the layernorm output (which the
+    router saved) and its ``dispatch_postprocess`` hands the received rows to the experts unchanged (which save
+    them): for ``ep_plugin`` the ``moe_dispatch`` and ``mlp`` inputs are kept, as Megatron keeps ``hybridep``'s.
+    Keeping them costs no memory, both tensors being saved for backward anyway. The ``moe_combine`` input may go:
+    the plugin's combine saves none of it."""
+    @functools.wraps(original)
+    def should_free_input(name: str, is_moe: bool, config: Any, *args: Any) -> bool:
+        if getattr(config, "moe_token_dispatcher_type", None) == PLUGIN_DISPATCHER_TYPE and name in (
+                "moe_dispatch", "mlp"):
+            return False
+        return original(name, is_moe, config, *args)
+    return should_free_input
 
 
 def _check_flex(config: Any) -> None:
@@ -141,6 +173,8 @@ def install(options: PluginOptions | None = None) -> None:
     if is_installed():
         return
     _patch(moe_layer.MoELayer, "__init__", _wrap_moe_layer_init(moe_layer.MoELayer.__init__))
+    free_input = _free_input_module()
+    _patch(free_input, "should_free_input", _wrap_should_free_input(free_input.should_free_input))
     config_cls = tc_module.TransformerConfig
     _patch(config_cls, "__post_init__", _wrap_post_init(config_cls.__post_init__))
     for module in (token_dispatcher, fused_a2a):
