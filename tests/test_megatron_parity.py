@@ -1,5 +1,7 @@
 """``ep_plugin`` beside Megatron-Core's own ``alltoall`` dispatcher: the same ``MoELayer`` (same weights, same tokens)
 built twice on CPU gloo ranks must give the same output and the same gradient of the input and of every parameter.
+So must Megatron's ``flex`` dispatcher with the ``deepep`` and ``hybridep`` backends on this library, in the BF16 cases
+Megatron's flex takes (:func:`_flex_backends`).
 
 Layouts TP x EP 1x8, 8x1, 4x2, 2x2, 1x1 with expert tensor parallelism equal to TP (Megatron's default) and
 sequence parallelism; per layout: dropless, capacity dropping and drop-and-pad, in BF16 and FP16, half of them under
@@ -20,11 +22,12 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from support.megatron_host import cuda_streams_are_host  # noqa: E402
+from support.megatron_host import cuda_streams_are_host, flex_backends_on_host  # noqa: E402
 
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK, FFN = 16, 8, 2, 16
+FLEX_BACKENDS = ("deepep", "hybridep")
 # (drop mode, dtype, recompute): every mode in both dtypes, recompute on half of them.
 CASES = (("dropless", torch.bfloat16, False), ("capacity", torch.bfloat16, True), ("pad", torch.bfloat16, False),
          ("dropless", torch.float16, True), ("capacity", torch.float16, False), ("pad", torch.float16, True))
@@ -37,7 +40,9 @@ RELATIVE_TOLERANCE = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
 
 def _config(kind: str, tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    extra = {}
+    # "deepep" / "hybridep": Megatron's flex dispatcher with that backend (served by install()'s shims)
+    extra = {"moe_flex_dispatcher_backend": kind} if kind in FLEX_BACKENDS else {}
+    kind = "flex" if extra else kind
     if mode != "dropless":
         extra.update(moe_expert_capacity_factor=0.5 if mode == "capacity" else 0.75, moe_token_drop_policy="probs",
                      moe_pad_expert_input_to_capacity=mode == "pad")
@@ -73,15 +78,27 @@ def _run(layer, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, 
     return out.detach(), grads
 
 
+def _flex_backends(tp: int, ep: int, mode: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The flex backends a case runs with: Megatron's flex needs TP x EP > 1 and refuses drop-and-pad with
+    ``deepep``; the shims carry bf16/fp32 (FP16 is ep_plugin's, docs/megatron.md). Drop-and-pad with ``hybridep``
+    at expert TP > 1 is left out: Megatron's ``_HybridEPManager`` (0.16.1 and 0.19.2) sizes its capacity from TP x E
+    experts while the router pads to the capacity of E, so its row budget and per-expert counts are smaller than the
+    rows the router sends (docs/compat.md). Without CUDA, megatron-core >= 0.19 runs ``deepep`` only
+    (:func:`support.megatron_host.flex_backends_on_host`)."""
+    if tp * ep == 1 or dtype != torch.bfloat16:
+        return ()
+    return tuple(b for b in flex_backends_on_host(FLEX_BACKENDS) if mode != "pad" or (b == "hybridep" and tp == 1))
+
+
 def _check_case(tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool, seed: int) -> None:
     from moe_ep_plugin.megatron import compat
     rank = dist.get_rank()
     layers = {}
-    for kind in ("alltoall", "ep_plugin"):
+    for kind in ("alltoall", "ep_plugin", *_flex_backends(tp, ep, mode, dtype)):
         torch.manual_seed(seed)
         layers[kind] = compat.build_moe_layer(compat.local_moe_spec(EXPERTS), _config(kind, tp, ep, mode, dtype,
                                                                                         recompute))
-    layers["ep_plugin"].load_state_dict(layers["alltoall"].state_dict())
+        layers[kind].load_state_dict(layers["alltoall"].state_dict())
     # Drop-and-pad needs one capacity everywhere (alltoall's fixed splits): equal token counts on every rank.
     tokens = 6 if mode == "pad" else 3 + 2 * (rank % 3)
     gen = torch.Generator().manual_seed(seed * 31 + rank)
@@ -100,12 +117,27 @@ def _check_case(tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool
         ref_rows = ref_rows.view(-1, tp, ep, capacity, HIDDEN).transpose(1, 2).reshape(rows.shape)
         ref_probs = ref_probs.view(-1, tp, ep, capacity).transpose(1, 2).reshape(probs.shape)
         assert torch.equal(rows, ref_rows) and torch.equal(probs, ref_probs.to(probs.dtype))
+    _assert_close("ep_plugin", out, got, ref_out, ref, (tp, ep, mode, dtype, recompute))
+    for backend in _flex_backends(tp, ep, mode, dtype):
+        # the flex dispatchers' rows and counts have their own layouts: outputs and gradients are compared
+        flex_out, flex = _run(layers[backend], x, grad_out)
+        for name in ("tokens_per_expert", "rows", "probs"):
+            flex.pop(name)
+        _assert_close(backend, flex_out, flex, ref_out, ref, (tp, ep, mode, dtype, recompute))
+
+
+def _assert_close(kind: str, out: torch.Tensor, got: dict[str, torch.Tensor], ref_out: torch.Tensor,
+                  ref: dict[str, torch.Tensor], case: tuple) -> None:
+    """The output and every gradient of ``kind`` equal ``alltoall``'s within the tolerance of the case's dtype
+    (``case``: tp, ep, mode, dtype, recompute)."""
+    dtype = case[3]
+    assert set(got) == set(ref), (kind, sorted(got), sorted(ref))
     for name, expected in [("output", ref_out), *ref.items()]:
         actual = out if name == "output" else got[name]
-        assert actual.dtype == expected.dtype, (name, actual.dtype, expected.dtype)
+        assert actual.dtype == expected.dtype, (kind, name, actual.dtype, expected.dtype)
         scale = max(float(expected.abs().max()), 1e-3)
         error = float((actual.float() - expected.float()).abs().max()) / scale
-        assert error <= RELATIVE_TOLERANCE[dtype], (tp, ep, mode, dtype, recompute, name, error)
+        assert error <= RELATIVE_TOLERANCE[dtype], (kind, *case, name, error)
 
 
 def _suite(tp: int, ep: int, seed: int) -> None:

@@ -117,3 +117,14 @@ def overlap_schedule_is_host() -> Iterator[HostStream]:
         del torch.Tensor.record_stream
         for owner, name, value in saved:
             setattr(owner, name, value)
+
+
+def flex_backends_on_host(backends: tuple[str, ...]) -> tuple[str, ...]:
+    """``backends`` less those whose Megatron manager cannot be built here: megatron-core >= 0.19's
+    ``_HybridEPManager`` allocates its overflow flag on ``device='cuda'`` when it is built, so without CUDA
+    ``hybridep`` runs on megatron-core 0.16-0.18 only."""
+    import megatron.core
+    major, minor = (int(part) for part in megatron.core.__version__.split(".")[:2])
+    if torch.cuda.is_available() or (major, minor) < (0, 19):
+        return backends
+    return tuple(b for b in backends if b != "hybridep")
