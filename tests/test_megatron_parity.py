@@ -80,11 +80,10 @@ def _run(layer, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _flex_backends(tp: int, ep: int, mode: str, dtype: torch.dtype) -> tuple[str, ...]:
     """The flex backends a case runs with: Megatron's flex needs TP x EP > 1 and refuses drop-and-pad with
-    ``deepep``; the shims carry bf16/fp32 (FP16 is ep_plugin's, docs/megatron.md). Drop-and-pad with ``hybridep``
-    at expert TP > 1 is left out: Megatron's ``_HybridEPManager`` (0.16.1 and 0.19.2) sizes its capacity from TP x E
-    experts while the router pads to the capacity of E, so its row budget and per-expert counts are smaller than the
-    rows the router sends (docs/compat.md). Without CUDA, megatron-core >= 0.19 runs ``deepep`` only
-    (:func:`support.megatron_host.flex_backends_on_host`)."""
+    ``deepep``; the shims carry bf16/fp32 (FP16 is ep_plugin's, docs/megatron.md). ``install()`` refuses
+    drop-and-pad with ``hybridep`` at expert TP > 1: Megatron's ``_HybridEPManager`` (0.16.1 and 0.19.2) sizes its
+    capacity from TP x E experts while the router pads to the capacity of E (docs/compat.md). Without CUDA,
+    megatron-core >= 0.19 runs ``deepep`` only (:func:`support.megatron_host.flex_backends_on_host`)."""
     if tp * ep == 1 or dtype != torch.bfloat16:
         return ()
     return tuple(b for b in flex_backends_on_host(FLEX_BACKENDS) if mode != "pad" or (b == "hybridep" and tp == 1))

@@ -150,6 +150,13 @@ def _check_flex(config: Any) -> None:
     if backend not in SERVED_FLEX_BACKENDS:
         raise ValueError(f"moe_flex_dispatcher_backend: {backend!r} is not served by moe_ep_plugin on megatron-core "
                          f"{getattr(megatron.core, '__version__', '?')} (served: {', '.join(SERVED_FLEX_BACKENDS)})")
+    expert_tp = getattr(config, "expert_tensor_parallel_size", None) or 1
+    if backend == "hybridep" and getattr(config, "moe_pad_expert_input_to_capacity", False) and expert_tp > 1:
+        # Megatron's _HybridEPManager sizes the capacity from its TP x E experts while the router pads every expert
+        # to the capacity of E: the row budget it passes is smaller than the rows sent, which would be dropped.
+        raise ValueError(f"moe_pad_expert_input_to_capacity with moe_flex_dispatcher_backend: 'hybridep' needs "
+                         f"expert_tensor_parallel_size 1, got {expert_tp} (Megatron's hybridep capacity counts TP "
+                         f"x experts); use moe_token_dispatcher_type: ep_plugin or alltoall")
     options = get_plugin_options(config, _default_options)
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:
