@@ -98,13 +98,18 @@ def test_flex_config_refusals() -> None:
 
     import moe_ep_plugin.megatron as ep_megatron
 
-    def config(backend: str, hidden: int = 16):
+    def config(backend: str, hidden: int = 16, **extra):
         return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=4,
                                  moe_router_topk=2, moe_token_dispatcher_type="flex",
-                                 moe_flex_dispatcher_backend=backend, use_cpu_initialization=True)
+                                 moe_flex_dispatcher_backend=backend, use_cpu_initialization=True, **extra)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
         config("hybridep")
+        pad = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        config("hybridep", expert_model_parallel_size=2, **pad)  # drop-and-pad at expert TP 1
+        with pytest.raises(ValueError, match="moe_pad_expert_input_to_capacity.*'hybridep'.*expert_tensor_parallel"):
+            config("hybridep", tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
+                   add_bias_linear=False, **pad)
         with pytest.raises(ValueError, match="moe_flex_dispatcher_backend: 'ncclep' is not served"):
             config("ncclep")
         ep_megatron.install(ep_megatron.PluginOptions(transport="torch", fp8_dispatch=True))

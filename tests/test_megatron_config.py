@@ -14,7 +14,7 @@ from megatron.core.transformer import transformer_config as tc  # noqa: E402
 from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher  # noqa: E402
 
 import moe_ep_plugin.megatron as ep_megatron  # noqa: E402
-from moe_ep_plugin.megatron import deepep_shim  # noqa: E402
+from moe_ep_plugin.megatron import deepep_shim, registration  # noqa: E402
 from moe_ep_plugin.recipes.megatron.yaml_config import load_pretrain_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,8 @@ def _restore_megatron():
 
 def _originals():
     return (moe_layer.MoELayer.__init__, tc.TransformerConfig.__post_init__, token_dispatcher.fused_dispatch,
-            token_dispatcher.fused_combine, token_dispatcher.set_deepep_num_sms, fused_a2a.fused_dispatch)
+            token_dispatcher.fused_combine, token_dispatcher.set_deepep_num_sms, fused_a2a.fused_dispatch,
+            registration._free_input_module().should_free_input)
 
 
 def _moe_config(**kw):
@@ -68,12 +69,22 @@ def test_config_validation_after_install() -> None:
     config = _moe_config(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
     assert config.moe_token_dispatcher_type == "ep_plugin"
     assert ep_megatron.get_plugin_options(config) == ep_megatron.PluginOptions()
-    # Expert TP and drop-and-pad are served (tests/test_megatron_parity.py); the EP-overlap schedule is refused.
+    # Expert TP, drop-and-pad and the EP-overlap schedule are served (tests/test_megatron_parity.py,
+    # tests/test_megatron_overlap.py).
     assert _moe_config(expert_tensor_parallel_size=2, tensor_model_parallel_size=2,
                        sequence_parallel=True, add_bias_linear=False).expert_tensor_parallel_size == 2
     assert _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-    with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm is not supported"):
-        _moe_config(overlap_moe_expert_parallel_comm=True, bf16=True, expert_model_parallel_size=2)
+    overlap = dict(overlap_moe_expert_parallel_comm=True, bf16=True, expert_model_parallel_size=2)
+    assert _moe_config(**overlap).overlap_moe_expert_parallel_comm
+    # Megatron's other checks of the overlap flag still hold for ep_plugin.
+    for extra, match in (({"expert_model_parallel_size": 1}, "only supported with expert model parallelism"),
+                         ({"bf16": False}, "only supported with bf16 or fp16"),
+                         ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+                          "disable full recomputation"),
+                         ({"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_overlap": True},
+                          "disable moe_shared_expert_overlap")):
+        with pytest.raises(AssertionError, match=match):
+            _moe_config(**{**overlap, **extra})
     # FP16: the torch transport serves it; a kernel transport is refused when the config is made or given them.
     fp16 = _moe_config(fp16=True)
     ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport="torch"))

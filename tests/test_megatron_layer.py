@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
+from support.megatron_host import flex_backends_on_host  # noqa: E402
+
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK, GROUPS, GROUP_TOPK, FFN = 16, 8, 3, 4, 2, 8
@@ -146,7 +148,7 @@ def _check_case(world: int, kind: str, case: str, seed: int, device: torch.devic
     torch.testing.assert_close(x_plugin.grad, x_ref.grad, **tol)
     assert set(ref_grads) == {n for n in plugin_grads if ".local_experts." not in n}
     for name, grad in ref_grads.items():  # router and shared expert: this rank's own contribution
-        torch.testing.assert_close(plugin_grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(plugin_grads[name], grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
     for w1, w2 in ref_w:  # expert weights: the gradient summed over every rank's tokens
         for w in (w1, w2):
             if w.grad is None:  # no token of this rank selected the expert
@@ -181,9 +183,11 @@ def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int, transport:
 
 
 def _served(*kinds: str) -> tuple[str, ...]:
-    """``kinds`` less the flex backends the installed megatron-core lacks (ncclep needs 0.19)."""
+    """``kinds`` less the flex backends the installed megatron-core lacks (ncclep needs 0.19) or cannot build
+    without CUDA (hybridep on >= 0.19, :func:`support.megatron_host.flex_backends_on_host`)."""
     from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
-    return tuple(k for k in kinds if k not in ("hybridep", "ncclep") or k in SERVED_FLEX_BACKENDS)
+    return tuple(k for k in flex_backends_on_host(kinds)
+                 if k not in ("hybridep", "ncclep") or k in SERVED_FLEX_BACKENDS)
 
 
 @pytest.mark.parametrize("world,kinds", [(1, ("ep_plugin",)), (2, ("ep_plugin", "flex", "hybridep", "ncclep")),

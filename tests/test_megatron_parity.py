@@ -1,20 +1,20 @@
 """``ep_plugin`` beside Megatron-Core's own ``alltoall`` dispatcher: the same ``MoELayer`` (same weights, same tokens)
 built twice on CPU gloo ranks must give the same output and the same gradient of the input and of every parameter.
+So must Megatron's ``flex`` dispatcher with the ``deepep`` and ``hybridep`` backends on this library, in the BF16 cases
+Megatron's flex takes (:func:`_flex_backends`).
 
 Layouts TP x EP 1x8, 8x1, 4x2, 2x2, 1x1 with expert tensor parallelism equal to TP (Megatron's default) and
 sequence parallelism; per layout: dropless, capacity dropping and drop-and-pad, in BF16 and FP16, half of them under
 ``moe_layer_recompute``. Drop-and-pad also checks the fixed per-expert row count (capacity x TP x EP).
 
 Megatron's ``alltoall`` runs on CPU with a device mapping: ``host.cuda_device_is_host`` (its TP gathers allocate on
-``torch.cuda.current_device()``) and :func:`_cuda_streams_are_host` (its token-count copies go through ``torch.cuda``
-streams and come back as numpy split sizes, recompute saves the CUDA RNG state, and its expert-TP gather and
-reduce-scatter have per-rank sizes, which gloo does not take).
+``torch.cuda.current_device()``) and :func:`support.megatron_host.cuda_streams_are_host` (its token-count copies go
+through ``torch.cuda`` streams and come back as numpy split sizes, recompute saves the CUDA RNG state, and its
+expert-TP gather and reduce-scatter have per-rank sizes, which gloo does not take).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,9 +22,12 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
+from support.megatron_host import cuda_streams_are_host, flex_backends_on_host  # noqa: E402
+
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK, FFN = 16, 8, 2, 16
+FLEX_BACKENDS = ("deepep", "hybridep")
 # (drop mode, dtype, recompute): every mode in both dtypes, recompute on half of them.
 CASES = (("dropless", torch.bfloat16, False), ("capacity", torch.bfloat16, True), ("pad", torch.bfloat16, False),
          ("dropless", torch.float16, True), ("capacity", torch.float16, False), ("pad", torch.float16, True))
@@ -35,81 +38,11 @@ CASES = (("dropless", torch.bfloat16, False), ("capacity", torch.bfloat16, True)
 RELATIVE_TOLERANCE = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
 
 
-class _HostStream:
-    """Stands in for ``torch.cuda.Stream``/``current_stream``: on CPU every copy is already complete."""
-
-    def wait_stream(self, stream: object) -> None:
-        pass
-
-    def record_event(self) -> _HostStream:
-        return self
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _uneven_all_gather(all_gather):
-    """gloo's all_gather wants equal shapes; Megatron's TP gather of the received tokens has per-rank sizes (as
-    NCCL allows): gather zero-padded rows and keep each rank's own."""
-    def gather(tensor_list, tensor, group=None, async_op=False):
-        rows = max(t.shape[0] for t in tensor_list)
-        if all(t.shape[0] == rows for t in tensor_list) and tensor.shape[0] == rows:
-            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
-        padded = [torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype) for _ in tensor_list]
-        all_gather(padded, torch.cat([tensor, padded[0][tensor.shape[0]:]]), group=group)
-        for out, full in zip(tensor_list, padded, strict=True):
-            out.copy_(full[:out.shape[0]])
-    return gather
-
-
-def _reduce_scatter(output, input_list, group=None, async_op=False) -> None:
-    """Megatron's TP reduce-scatter of expert outputs (gloo has none): all-reduce the rows, keep this rank's."""
-    full = torch.cat(input_list)
-    dist.all_reduce(full, group=group)
-    start = sum(t.shape[0] for t in input_list[:dist.get_rank(group)])
-    output.copy_(full[start:start + output.shape[0]])
-
-
-@contextlib.contextmanager
-def _cuda_streams_are_host() -> Iterator[None]:
-    """Without CUDA: the CUDA stream calls of Megatron's alltoall (token-count copies) and of recompute's RNG
-    bookkeeping become no-ops, and its uneven TP gather / reduce-scatter run on gloo; with CUDA nothing changes."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import token_dispatcher
-    from megatron.core.transformer.moe.token_dispatcher import (
-        MoEAlltoAllTokenDispatcher,
-    )
-    stream = _HostStream()
-    saved = [(torch.cuda, "current_stream"), (torch.cuda, "stream"), (mrandom, "_get_cuda_rng_state"),
-             (mrandom, "_set_cuda_rng_state"), (token_dispatcher, "maybe_move_tensor_to_cpu"),
-             (dist, "all_gather"), (dist, "reduce_scatter")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
-    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
-
-    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
-        # what the CUDA path returns (split sizes as numpy arrays, which all_to_all_single takes) for host tensors
-        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else to_cpu(tensor, as_numpy, record_stream)
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    dist.all_gather, dist.reduce_scatter = _uneven_all_gather(dist.all_gather), _reduce_scatter
-    torch.cuda.current_stream = lambda *args: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
-
-
 def _config(kind: str, tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    extra = {}
+    # "deepep" / "hybridep": Megatron's flex dispatcher with that backend (served by install()'s shims)
+    extra = {"moe_flex_dispatcher_backend": kind} if kind in FLEX_BACKENDS else {}
+    kind = "flex" if extra else kind
     if mode != "dropless":
         extra.update(moe_expert_capacity_factor=0.5 if mode == "capacity" else 0.75, moe_token_drop_policy="probs",
                      moe_pad_expert_input_to_capacity=mode == "pad")
@@ -145,15 +78,26 @@ def _run(layer, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, 
     return out.detach(), grads
 
 
+def _flex_backends(tp: int, ep: int, mode: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The flex backends a case runs with: Megatron's flex needs TP x EP > 1 and refuses drop-and-pad with
+    ``deepep``; the shims carry bf16/fp32 (FP16 is ep_plugin's, docs/megatron.md). ``install()`` refuses
+    drop-and-pad with ``hybridep`` at expert TP > 1: Megatron's ``_HybridEPManager`` (0.16.1 and 0.19.2) sizes its
+    capacity from TP x E experts while the router pads to the capacity of E (docs/compat.md). Without CUDA,
+    megatron-core >= 0.19 runs ``deepep`` only (:func:`support.megatron_host.flex_backends_on_host`)."""
+    if tp * ep == 1 or dtype != torch.bfloat16:
+        return ()
+    return tuple(b for b in flex_backends_on_host(FLEX_BACKENDS) if mode != "pad" or (b == "hybridep" and tp == 1))
+
+
 def _check_case(tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool, seed: int) -> None:
     from moe_ep_plugin.megatron import compat
     rank = dist.get_rank()
     layers = {}
-    for kind in ("alltoall", "ep_plugin"):
+    for kind in ("alltoall", "ep_plugin", *_flex_backends(tp, ep, mode, dtype)):
         torch.manual_seed(seed)
         layers[kind] = compat.build_moe_layer(compat.local_moe_spec(EXPERTS), _config(kind, tp, ep, mode, dtype,
                                                                                         recompute))
-    layers["ep_plugin"].load_state_dict(layers["alltoall"].state_dict())
+        layers[kind].load_state_dict(layers["alltoall"].state_dict())
     # Drop-and-pad needs one capacity everywhere (alltoall's fixed splits): equal token counts on every rank.
     tokens = 6 if mode == "pad" else 3 + 2 * (rank % 3)
     gen = torch.Generator().manual_seed(seed * 31 + rank)
@@ -172,12 +116,27 @@ def _check_case(tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool
         ref_rows = ref_rows.view(-1, tp, ep, capacity, HIDDEN).transpose(1, 2).reshape(rows.shape)
         ref_probs = ref_probs.view(-1, tp, ep, capacity).transpose(1, 2).reshape(probs.shape)
         assert torch.equal(rows, ref_rows) and torch.equal(probs, ref_probs.to(probs.dtype))
+    _assert_close("ep_plugin", out, got, ref_out, ref, (tp, ep, mode, dtype, recompute))
+    for backend in _flex_backends(tp, ep, mode, dtype):
+        # the flex dispatchers' rows and counts have their own layouts: outputs and gradients are compared
+        flex_out, flex = _run(layers[backend], x, grad_out)
+        for name in ("tokens_per_expert", "rows", "probs"):
+            flex.pop(name)
+        _assert_close(backend, flex_out, flex, ref_out, ref, (tp, ep, mode, dtype, recompute))
+
+
+def _assert_close(kind: str, out: torch.Tensor, got: dict[str, torch.Tensor], ref_out: torch.Tensor,
+                  ref: dict[str, torch.Tensor], case: tuple) -> None:
+    """The output and every gradient of ``kind`` equal ``alltoall``'s within the tolerance of the case's dtype
+    (``case``: tp, ep, mode, dtype, recompute)."""
+    dtype = case[3]
+    assert set(got) == set(ref), (kind, sorted(got), sorted(ref))
     for name, expected in [("output", ref_out), *ref.items()]:
         actual = out if name == "output" else got[name]
-        assert actual.dtype == expected.dtype, (name, actual.dtype, expected.dtype)
+        assert actual.dtype == expected.dtype, (kind, name, actual.dtype, expected.dtype)
         scale = max(float(expected.abs().max()), 1e-3)
         error = float((actual.float() - expected.float()).abs().max()) / scale
-        assert error <= RELATIVE_TOLERANCE[dtype], (tp, ep, mode, dtype, recompute, name, error)
+        assert error <= RELATIVE_TOLERANCE[dtype], (kind, *case, name, error)
 
 
 def _suite(tp: int, ep: int, seed: int) -> None:
@@ -189,7 +148,7 @@ def _suite(tp: int, ep: int, seed: int) -> None:
     seed_model_parallel_rng(seed)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
-        with _cuda_streams_are_host(), cuda_device_is_host():
+        with cuda_streams_are_host(), cuda_device_is_host():
             for i, (mode, dtype, recompute) in enumerate(CASES):
                 _check_case(tp, ep, mode, dtype, recompute, seed + i)
     finally:

@@ -24,6 +24,10 @@ column repeated for the TP ranks of its EP rank), so K and E scale by TP; the co
 Drop-and-pad: the router's map already holds ``capacity`` tokens per expert (padding tokens with prob 0); every
 marked pair travels (K = the expert count), giving ``capacity * TP * EP`` rows per local expert. FP16 (``torch``
 transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 and casts once.
+
+Megatron's 1F1B EP-overlap schedule (``overlap_moe_expert_parallel_comm``) calls these methods from separate nodes
+whose inputs are detached: tokens and probs reach the autograd functions only through the arguments, and what this
+object keeps between calls (routing map, counts, handle) carries no graph, so each node's backward stays inside it.
 """
 from __future__ import annotations
 
@@ -40,8 +44,6 @@ from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
 from .options import (
     FP16_DTYPES,
-    OVERLAP_REFUSAL,
-    PLUGIN_DISPATCHER_TYPE,
     PluginOptions,
     check_fp16,
     fp16_served,
@@ -62,8 +64,6 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.options = options if options is not None else get_plugin_options(config)
         if not isinstance(self.options, PluginOptions):
             raise TypeError(f"options: expected PluginOptions, got {type(self.options).__name__}")
-        if getattr(config, "overlap_moe_expert_parallel_comm", False):
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: {OVERLAP_REFUSAL}")
         check_fp16(config, self.options)
         if num_local_experts <= 0 or len(local_expert_indices) != num_local_experts:
             raise ValueError(f"num_local_experts={num_local_experts} does not match local_expert_indices "

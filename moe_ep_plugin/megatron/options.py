@@ -19,11 +19,6 @@ CONFIG_ATTR = "moe_ep_plugin"
 __all__ = ["PLUGIN_DISPATCHER_TYPE", "CONFIG_ATTR", "PluginOptions", "set_plugin_options", "get_plugin_options",
            "check_fp16", "fp16_served"]
 FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
-OVERLAP_REFUSAL = (
-    "overlap_moe_expert_parallel_comm is not supported: Megatron's 1F1B overlap schedule splits the layer "
-    "into nodes on CUDA streams, frees node inputs and re-attaches detached tensors; the plugin's dispatch "
-    "and combine autograd nodes have not been run and checked under that schedule (it needs CUDA). Use "
-    "moe_token_dispatcher_type: flex with moe_flex_dispatcher_backend: deepep, which serves it on this library")
 
 
 def fp16_served(options: PluginOptions) -> bool:

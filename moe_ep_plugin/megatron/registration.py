@@ -17,6 +17,9 @@ After :func:`install`:
   ``token_dispatcher`` and ``fused_a2a`` (Megatron reads them at call time). A ``flex`` config naming another
   backend, or plugin options
   its shape cannot take, fails in ``TransformerConfig.__post_init__`` naming the key.
+- ``overlap_moe_expert_parallel_comm`` (Megatron's 1F1B EP-overlap schedule): ``should_free_input`` keeps the
+  ``moe_dispatch`` and ``mlp`` nodes' inputs for ``ep_plugin``, as Megatron keeps them for ``hybridep``
+  (:func:`_wrap_should_free_input`).
 
 Both steps are idempotent; :func:`uninstall` restores every original object.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +37,7 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
 from . import deepep_shim, deepepv2_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
-from .options import OVERLAP_REFUSAL, PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
+from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
@@ -50,6 +54,9 @@ _SHIMS = ((deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms"
 # the flex backends install() serves on this megatron-core (ncclep, deepepv2 where the installed version has them)
 SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ()) + (
     ("deepepv2",) if _HAVE_DEEPEPV2 else ())
+# Where Megatron's 1F1B EP-overlap schedule decides which node inputs it frees after forward (0.19: the common
+# schedule utilities; 0.16: the GPT fine-grained callables).
+_FREE_INPUT_MODULES = ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
 _originals: dict[tuple[Any, str], Any] = {}
 _default_options = PluginOptions()
 
@@ -108,14 +115,39 @@ def _wrap_post_init(original: Any) -> Any:
             return _check_flex(self)
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
-        if getattr(self, "overlap_moe_expert_parallel_comm", False):
-            raise ValueError(f"{PLUGIN_DISPATCHER_TYPE}: {OVERLAP_REFUSAL}")
         with _dispatcher_type_shown_as(self, "alltoall"):
             original(self)
         options = get_plugin_options(self, _default_options)
         set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
     __post_init__._moe_ep_plugin = True
     return __post_init__
+
+
+def _free_input_module() -> Any:
+    """The Megatron module that defines the overlap schedule's ``should_free_input``."""
+    for name in _FREE_INPUT_MODULES:
+        module = importlib.import_module(name) if importlib.util.find_spec(name) else None
+        if module is not None and hasattr(module, "should_free_input"):
+            return module
+    raise RuntimeError(f"megatron-core {getattr(megatron.core, '__version__', '?')}: should_free_input is in none "
+                       f"of {', '.join(_FREE_INPUT_MODULES)}; this layout is not supported")
+
+
+def _wrap_should_free_input(original: Any) -> Any:
+    """Under the overlap schedule a node may free its input after forward, which is safe where the tensor was a
+    copy nobody saved for backward (``alltoall`` permutes the tokens before its dispatch and sorts the received
+    rows by expert after it). The plugin's ``dispatch_preprocess`` only reshapes the layernorm output (which the
+    router saved) and its ``dispatch_postprocess`` hands the received rows to the experts unchanged (which save
+    them): for ``ep_plugin`` the ``moe_dispatch`` and ``mlp`` inputs are kept, as Megatron keeps ``hybridep``'s.
+    Keeping them costs no memory, both tensors being saved for backward anyway. The ``moe_combine`` input may go:
+    the plugin's combine saves none of it."""
+    @functools.wraps(original)
+    def should_free_input(name: str, is_moe: bool, config: Any, *args: Any) -> bool:
+        if getattr(config, "moe_token_dispatcher_type", None) == PLUGIN_DISPATCHER_TYPE and name in (
+                "moe_dispatch", "mlp"):
+            return False
+        return original(name, is_moe, config, *args)
+    return should_free_input
 
 
 def _check_flex(config: Any) -> None:
@@ -125,6 +157,13 @@ def _check_flex(config: Any) -> None:
     if backend not in SERVED_FLEX_BACKENDS:
         raise ValueError(f"moe_flex_dispatcher_backend: {backend!r} is not served by moe_ep_plugin on megatron-core "
                          f"{getattr(megatron.core, '__version__', '?')} (served: {', '.join(SERVED_FLEX_BACKENDS)})")
+    expert_tp = getattr(config, "expert_tensor_parallel_size", None) or 1
+    if backend == "hybridep" and getattr(config, "moe_pad_expert_input_to_capacity", False) and expert_tp > 1:
+        # Megatron's _HybridEPManager sizes the capacity from its TP x E experts while the router pads every expert
+        # to the capacity of E: the row budget it passes is smaller than the rows sent, which would be dropped.
+        raise ValueError(f"moe_pad_expert_input_to_capacity with moe_flex_dispatcher_backend: 'hybridep' needs "
+                         f"expert_tensor_parallel_size 1, got {expert_tp} (Megatron's hybridep capacity counts TP "
+                         f"x experts); use moe_token_dispatcher_type: ep_plugin or alltoall")
     options = get_plugin_options(config, _default_options)
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:
@@ -148,6 +187,8 @@ def install(options: PluginOptions | None = None) -> None:
     if is_installed():
         return
     _patch(moe_layer.MoELayer, "__init__", _wrap_moe_layer_init(moe_layer.MoELayer.__init__))
+    free_input = _free_input_module()
+    _patch(free_input, "should_free_input", _wrap_should_free_input(free_input.should_free_input))
     config_cls = tc_module.TransformerConfig
     _patch(config_cls, "__post_init__", _wrap_post_init(config_cls.__post_init__))
     for module in (token_dispatcher, fused_a2a):
