@@ -7,8 +7,8 @@ the input, the router, the shared expert and every expert weight must equal a pl
 each token is run through each of its selected experts locally (all experts' weights gathered on every rank);
 ``tokens_per_expert`` must equal Megatron's count from its routing map. Both entry points are checked:
 ``moe_token_dispatcher_type: ep_plugin`` and the unchanged ``flex`` dispatcher with the ``deepep`` and ``hybridep``
-backends served by the shims (``ncclep`` on megatron-core >= 0.19, ``deepepv2`` on Megatron-LM dev). (Megatron's
-``alltoall`` dispatcher needs CUDA streams, so the reference is this plain loop, which ``alltoall`` also equals.)
+backends served by the shims (``ncclep`` on megatron-core >= 0.19, ``deepepv2`` on Megatron-LM dev). Equality with
+Megatron's own ``alltoall`` (on CPU with host doubles for its CUDA streams) is tests/test_megatron_parity.py's.
 """
 from __future__ import annotations
 
