@@ -115,8 +115,11 @@ def _clip_factors(path: str) -> list[float]:
         return [1.0e-3 / r["grad_norm"] for r in map(json.loads, f)]
 
 
-@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+@pytest.mark.parametrize("backend", ["deepep", "hybridep", "ncclep", "deepepv2"])
 def test_pretrain_runs_megatron_flex_backends_on_this_library(tmp_path, backend: str) -> None:
+    from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
+    if backend not in SERVED_FLEX_BACKENDS:  # ncclep: megatron-core >= 0.19; deepepv2: Megatron-LM dev
+        pytest.skip(f"megatron-core {_megatron_version()} has no {backend} flex backend")
     if backend not in flex_backends_on_host((backend,)):
         pytest.skip(f"megatron-core {_megatron_version()}'s {backend} manager allocates on CUDA when built")
     # Megatron's own flex dispatcher, its backend served by this library after install() (which the launcher runs
@@ -126,6 +129,8 @@ def test_pretrain_runs_megatron_flex_backends_on_this_library(tmp_path, backend:
         raw = yaml.safe_load(f)
     raw["model"].update(num_layers=2, moe_layer_freq=[0, 1], moe_token_dispatcher_type="flex",
                         moe_flex_dispatcher_backend=backend)
+    if backend == "ncclep":  # sizes each rank's receive buffer: every routed row fits (no overflow)
+        raw["model"]["moe_expert_rank_capacity_factor"] = 2.0
     raw["gpt"]["max_sequence_length"] = 32
     raw["train"].update(seq_length=32, steps=4, warmup_steps=1, save_interval=0, log_interval=2,
                         save_dir=str(tmp_path / "run"))
