@@ -56,8 +56,9 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[
     return t
 
 
-def _buffer_device(group: dist.ProcessGroup, device: object) -> torch.device:
-    """The buffer's device from ``device`` (validated) or, when None, from the group's backend."""
+def buffer_device(group: dist.ProcessGroup, device: object) -> torch.device:
+    """The device a Buffer of ``group`` lives on: ``device`` (validated; ``cuda`` without an index is the current
+    one) or, when None, the current CUDA device for an NCCL group and the CPU otherwise."""
     nccl = dist.get_backend(group) == "nccl"
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -144,7 +145,7 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
-        self.device = _buffer_device(group, device)
+        self.device = buffer_device(group, device)
         is_cuda = self.device.type == "cuda"
         self._cuda = is_cuda  # what _check compares input tensors with
         self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node, timeout_s)

@@ -6,12 +6,13 @@ The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all ta
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
-from .buffer import Buffer
+from .buffer import Buffer, buffer_device
 from .config import Config, combine_config, dispatch_config
 
-_BUFFERS: dict[tuple[dist.ProcessGroup, str, int | None], Buffer] = {}
+_BUFFERS: dict[tuple[dist.ProcessGroup, str, int | None, torch.device], Buffer] = {}
 
 
 def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: int | None = None) -> int:
@@ -34,20 +35,22 @@ def sm_configs(num_sms: int | None, num_ranks: int) -> tuple[Config, Config] | N
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
                timeout_s: float | None = None, num_sms: int | None = None,
-               ranks_per_node: int | None = None) -> Buffer:
-    """The shared Buffer of ``group``, ``transport`` and ``ranks_per_node`` (None: the launcher's nodes);
-    re-created (collectively) when rows of ``hidden_bytes`` no longer fit at ``num_sms`` SMs (None:
+               ranks_per_node: int | None = None, device: torch.device | str | None = None) -> Buffer:
+    """The shared Buffer of ``group``, ``transport``, ``ranks_per_node`` (None: the launcher's nodes) and
+    ``device`` (None: the group's default, see ``Buffer``; a CUDA device with a gloo group serves ranks that share
+    one GPU); re-created (collectively) when rows of ``hidden_bytes`` no longer fit at ``num_sms`` SMs (None:
     ``Buffer.num_sms``). Collective on first use."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
     need = nvl_bytes_hint(dist.get_world_size(group), hidden_bytes, num_sms)
-    key = (group, transport, ranks_per_node)
+    device = buffer_device(group, device)
+    key = (group, transport, ranks_per_node, device)
     buffer = _BUFFERS.get(key)
     if buffer is None or buffer.num_nvl_bytes < need:
         if buffer is not None:
             buffer.destroy()
         buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s,
-                        ranks_per_node=ranks_per_node)
+                        ranks_per_node=ranks_per_node, device=device)
         _BUFFERS[key] = buffer
     return buffer
 

@@ -247,6 +247,8 @@ def _buffer_reuse() -> None:
 
         first = dispatched_buffer(32)
         assert first is get_buffer(d.ep_group, 32 * 4, "torch") and dispatched_buffer(32) is first
+        # the tokens' device, which the dispatcher passes, names the group's default (a gloo group's: the CPU)
+        assert first.device == torch.device("cpu") and get_buffer(d.ep_group, 32 * 4, "torch", device="cpu") is first
         destroy_buffers()  # a destroyed buffer is never handed out again
         second = dispatched_buffer(32)
         assert first.destroyed and second is not first and not second.destroyed

@@ -50,7 +50,7 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
         raise ValueError(f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
     if token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP), got {token_probs.dtype}")
-    buffer = get_buffer(group, _hidden_bytes(x), _options.transport, _options.timeout_s)
+    buffer = get_buffer(group, _hidden_bytes(x), _options.transport, _options.timeout_s, device=x.device)
     recv_x, recv_idx, recv_probs, counts, handle = ep_autograd.dispatch(
         buffer, x.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch,
         round_scale=_options.round_scale)

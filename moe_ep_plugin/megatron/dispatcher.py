@@ -156,7 +156,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                 raise TypeError(f"hidden_states: float16 needs ep_plugin.transport 'torch' (transport "
                                 f"{self.options.transport!r} takes {FP16_DTYPES})")
             hidden_states = hidden_states.float()
-        self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2))
+        self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2),
+                                        hidden_states.device)
         num_experts = self.num_experts * self.tp_size
         # Drop-and-pad maps hold the padding tokens too (up to every expert per token): top-k is the expert count.
         topk = num_experts if self.drop_and_pad else self.topk * self.tp_size
@@ -175,17 +176,18 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(expert_x)
         return expert_x, expert_probs
 
-    def _get_buffer(self, hidden_bytes: int) -> Buffer:
-        """The shared Buffer of the EP group for rows of ``hidden_bytes`` at this dispatcher's SM count (its
+    def _get_buffer(self, hidden_bytes: int, device: torch.device | None = None) -> Buffer:
+        """The shared Buffer of the EP group on the tokens' ``device`` (None: the group's default, see ``Buffer``;
+        a gloo group's ranks sharing one GPU pass it) for rows of ``hidden_bytes`` at this dispatcher's SM count (its
         ``num_sms``, else ``Buffer.num_sms``), which also sets ``self._configs``, the per-call Configs of that SM
         count (None: the Buffer's defaults). Nothing global changes."""
         options = self.options
         num_sms = Buffer.num_sms if options.num_sms is None else options.num_sms
-        key = (hidden_bytes, num_sms, options)
+        key = (hidden_bytes, num_sms, options, device)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
             buffer = get_buffer(self.group, hidden_bytes, options.transport, options.timeout_s, num_sms,
-                                options.ranks_per_node)
+                                options.ranks_per_node, device)
             self._shared_buffer, self._shared_buffer_key = buffer, key
             self._configs = sm_configs(options.num_sms, buffer.group_size)
         return buffer

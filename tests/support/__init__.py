@@ -1,1 +1,2 @@
-"""Helpers the tests share: plain-loop references, random drop-in rounds, bounded waits, GPU skip marks."""
+"""Helpers the tests share: plain-loop references, random drop-in rounds, bounded waits, GPU skip marks, Megatron's
+host doubles and its EP-overlap schedule against the plain layer."""
