@@ -131,6 +131,11 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
         store.wait([f"started/{r}" for r in range(world)], datetime.timedelta(seconds=STARTUP_S))
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         init_process_group(backend, timeout_s, store)
+        # gloo's connectFullMesh can return on one rank while a peer is still connecting: a rank whose fn ends at
+        # once would close its sockets under that peer's handshake ("Connection closed by peer"). Every rank starts
+        # fn only once every rank's group is set up.
+        store.set(f"joined/{local_rank}", "1")
+        store.wait([f"joined/{r}" for r in range(world)])
         fn(*args)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the launcher says it once
         report.send(("interrupted by SIGINT", ""))
