@@ -5,6 +5,7 @@ import csv
 import logging
 import os
 import sys
+import threading
 
 import torch
 from tqdm import tqdm
@@ -17,6 +18,13 @@ COLUMNS = ("step", "loss", "lm_loss", "aux_loss", "eval_loss", "lr", "grad_norm"
 # Dense BF16 tensor-core peak per device from the vendor datasheets (H200 SXM has the H100 SXM's compute); MFU
 # is reported against these, the usual convention. A measured 8192^3 BF16 matmul on one H200 reaches ~790 TFLOP/s.
 DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
+
+
+def use_thread_lock() -> None:
+    """Give tqdm a thread lock. Its default lock holds a multiprocessing semaphore, which a rank leaving through
+    ``os._exit`` (``launch.spawn``) never releases, so the launcher's resource tracker warned of leaked semaphores
+    at shutdown; every rank's bar and log lines are written by that rank's own process, so a thread lock serves."""
+    tqdm.set_lock(threading.RLock())
 
 
 class _TqdmHandler(logging.Handler):

@@ -327,6 +327,7 @@ class Trainer:
         if lead:
             os.makedirs(out, exist_ok=True)
         dist.barrier(self.group)
+        metrics.use_thread_lock()
         logger = metrics.make_logger(out, to_console=lead) if lead else None
         resumed = self.resume()
         writer = metrics.MetricsWriter(out, self.step, cfg.output.tensorboard) if lead else None
