@@ -123,6 +123,7 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
         # The ranks share this host's cores: each takes its share of intra-op threads (torch's default is every
         # core per process; 4 ranks of small ops ran a soak round 3.7x slower so on a 2-core machine).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=STARTUP_S))
         # Every rank has started before the group forms: ``timeout_s`` then bounds the group's setup, not how long
@@ -150,6 +151,14 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
     # joinable after a collective that timed out on a peer, and their C++ destructors then abort the process
     # ("terminate called without an active exception"), turning a finished rank into a SIGABRT.
     _leave(0)
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """A rank's SIGINT handler: KeyboardInterrupt once, later SIGINTs ignored. Ctrl-C reaches the rank from the
+    terminal and again forwarded by the launcher; a second KeyboardInterrupt inside the first one's handling would
+    escape it as a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _leave(code: int) -> None:
