@@ -172,6 +172,14 @@ def _case_inputs(case: dict, mode: tuple, device: torch.device):
 
 # _suite: every combine that fits pulls (by default small ones push)
 PULL_ALL = NVLinkTuning(pull_combine_min_bytes=0)
+# _variants' tunings, built here so that collecting this file (also without a GPU) fails on a field that is gone
+PULL_QUANTIZED = dataclasses.replace(PULL_ALL, quantizing_dispatch_pull=True)
+PUSH = dataclasses.replace(PULL_ALL, dispatch_pull=False, combine_pull=False, copy_engine_combine_below_sms=0)
+COPY_ENGINE = [dataclasses.replace(PUSH, copy_engine_combine_below_sms=1000, copy_piece_rows=8, copy_streams=streams)
+               for streams in (1, 4)]
+WARP_COMBINE = dataclasses.replace(PUSH, combine_send_blocks=0)
+ONE_WARP = dataclasses.replace(PUSH, dispatch_send_warps=1, quantizing_dispatch_send_warps=1,
+                               dequantizing_dispatch_send_warps=1, combine_send_warps=1)
 
 
 def _configs(tuning: NVLinkTuning) -> tuple[Config, Config]:
@@ -382,35 +390,27 @@ def _suite(part: str) -> None:
 def _variants(nv: Buffer, ref, cases: list[dict]) -> None:
     # the other kernel variants: quantized rows pulled; pushing rows instead of pulling them; the copy engines
     # carrying every combined row (no sender warps), in many small pieces on one or four streams; SM stores only
-    # with the default roles, at 2 SMs, whole sender blocks in dispatch, warp roles in combine, and 2 SMs with one
-    # sending warp each
-    pull_quantized = dataclasses.replace(PULL_ALL, quantizing_dispatch_pull=True)  # pushed above
+    # with the default roles, at 2 SMs, warp roles in combine, and 2 SMs with one sending warp each
     for mode in (MODES[2], MODES[3], MODES[5]):
-        _check_case(nv, ref, cases[1], mode, pull_quantized)
-    _check_expert_case(nv, ref, cases[1], MODES[2], 16, pull_quantized)
-    push = dataclasses.replace(PULL_ALL, dispatch_pull=False, combine_pull=False, copy_engine_combine_below_sms=0)
-    for streams in (1, 4):
-        copy_engine = dataclasses.replace(push, copy_engine_combine_below_sms=1000, copy_piece_rows=8,
-                                          copy_streams=streams)
+        _check_case(nv, ref, cases[1], mode, PULL_QUANTIZED)
+    _check_expert_case(nv, ref, cases[1], MODES[2], 16, PULL_QUANTIZED)
+    for copy_engine in COPY_ENGINE:
         for mode in (MODES[0], MODES[2], MODES[6]):
             _check_case(nv, ref, cases[0], mode, copy_engine)
         _check_expert_case(nv, ref, cases[2], MODES[2], 16, copy_engine)
     Buffer.set_num_sms(2)
-    _check_case(nv, ref, cases[3], MODES[3], push)
+    _check_case(nv, ref, cases[3], MODES[3], PUSH)
     Buffer.set_num_sms(24)
     for case in (cases[0], cases[1], cases[5]):
         for mode in (MODES[0], MODES[2], MODES[3], MODES[6]):
-            _check_case(nv, ref, case, mode, push)
-        _check_expert_case(nv, ref, case, MODES[2], 16, push)
-    blocks = dataclasses.replace(push, dispatch_send_blocks=8, combine_send_blocks=0)
-    _check_expert_case(nv, ref, cases[2], MODES[0], 16, blocks)
-    _check_case(nv, ref, cases[2], MODES[0], blocks)
-    _check_case(nv, ref, cases[2], MODES[2], blocks)
-    one_warp = dataclasses.replace(push, dispatch_send_warps=1, quantizing_dispatch_send_warps=1,
-                                   dequantizing_dispatch_send_warps=1, combine_send_warps=1)
+            _check_case(nv, ref, case, mode, PUSH)
+        _check_expert_case(nv, ref, case, MODES[2], 16, PUSH)
+    _check_expert_case(nv, ref, cases[2], MODES[0], 16, WARP_COMBINE)
+    _check_case(nv, ref, cases[2], MODES[0], WARP_COMBINE)
+    _check_case(nv, ref, cases[2], MODES[2], WARP_COMBINE)
     Buffer.set_num_sms(2)
-    _check_case(nv, ref, cases[0], MODES[2], one_warp)
-    _check_expert_case(nv, ref, cases[0], MODES[2], 1, one_warp)
+    _check_case(nv, ref, cases[0], MODES[2], ONE_WARP)
+    _check_expert_case(nv, ref, cases[0], MODES[2], 1, ONE_WARP)
     Buffer.set_num_sms(24)
     _graph_replay(nv, cached=False)
     _graph_replay(nv, cached=True)
