@@ -262,7 +262,7 @@ class Buffer:
         def check() -> torch.Tensor:
             self._check_num_experts(num_experts)
             return _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
-        topk_idx = self._refusing("get_dispatch_layout", None, check)
+        topk_idx = self.refusing("get_dispatch_layout", None, check)
 
         def layout() -> tuple:
             per_rank, per_expert, in_rank = self.transport.get_dispatch_layout(topk_idx, num_experts)
@@ -272,11 +272,12 @@ class Buffer:
             layout, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
         return per_rank, per_node, per_expert, in_rank, event
 
-    def _refusing(self, call: str, handle: DispatchHandle | None, check: Callable[[], T]) -> T:
-        """``check()``, this rank's validation of ``call``'s input. When it raises and ``call`` starts a fresh
-        dispatch (no cached ``handle``; ``get_dispatch_layout`` precedes one), this rank joins the count exchange
-        its peers' dispatch starts with (``Transport.refuse``), so every rank raises the cause naming this rank
-        (the low-latency calls do the same through their header exchange). Should the peers never come, this rank
+    def refusing(self, call: str, handle: object | None, check: Callable[[], T]) -> T:
+        """``check()``, this rank's validation of ``call``'s input (here, or in a front door built on this Buffer,
+        such as the ``deep_ep`` module's ``ElasticBuffer``). When it raises and ``call`` starts a fresh dispatch
+        (no cached ``handle``; ``get_dispatch_layout`` precedes one), this rank joins the count exchange its peers'
+        dispatch starts with (``Transport.refuse``), so every rank raises the cause naming this rank (the
+        low-latency calls do the same through their header exchange). Should the peers never come, this rank
         raises its own cause after ``timeout_s``."""
         try:
             return check()
@@ -341,7 +342,7 @@ class Buffer:
         inputs = (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, handle)
 
         def run() -> tuple:
-            args = self._refusing("dispatch", handle, lambda: self._dispatch_args(
+            args = self.refusing("dispatch", handle, lambda: self._dispatch_args(
                 x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                 expert_alignment, num_worst_tokens, config, num_experts, fp8_dispatch, fp8_out, round_scale))
             result = self.transport.dispatch(args)
@@ -525,7 +526,7 @@ class Buffer:
                                  f"got {expert_alignment!r}")
             expert_alignment = layout.alignment
         def run() -> tuple:
-            args = self._refusing("dispatch", handle, lambda: self._dispatch_args(
+            args = self.refusing("dispatch", handle, lambda: self._dispatch_args(
                 x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0, config, num_experts,
                 fp8_dispatch, fp8_out, round_scale, layout=not self.transport.expert_layout_from_topk))
             result = self.transport.dispatch_experts(args, expert_alignment)

@@ -2,7 +2,8 @@
 ``deepepv2``, so a driver doing what ``_DeepepV2Manager`` does calls the three functions) on gloo, 1-3 ranks,
 against a plain loop: the dispatched rows, local ids, probabilities and per-expert counts, the unweighted combine
 of weighted expert rows, gradients of tokens and probabilities (Megatron's ``DeepepV2Dispatch``/``Combine``
-autograd), a buffer re-made when the token count grows, FP8 dispatch from the plugin options, and misuse errors."""
+autograd), with uneven token counts over ranks and ranks without tokens; the shared buffer kept when the token
+count changes and re-made for wider rows; FP8 dispatch from the plugin options; misuse errors."""
 from __future__ import annotations
 
 import time
@@ -33,8 +34,11 @@ def _manager_round(shim, x, idx, probs, num_experts: int):
     return buffer, (recv_x, recv_idx, recv_probs, tokens_per_expert), combined
 
 
-def _round(shim, seed: int, n: int, kind: str, fp8: bool) -> None:
+def _round(shim, seed: int, tokens: tuple[int, ...], kind: str, fp8: bool) -> None:
+    """One round with ``tokens[rank % len(tokens)]`` tokens on each rank (Megatron passes each rank's own count as
+    ``num_max_tokens_per_rank``, 0 included)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    n = tokens[rank % len(tokens)]
     num_experts = LOCAL * world
     gen = torch.Generator().manual_seed(seed * 13 + rank)
     x = torch.randn(n, HIDDEN, generator=gen).requires_grad_(True)
@@ -51,7 +55,7 @@ def _round(shim, seed: int, n: int, kind: str, fp8: bool) -> None:
     # reference: every (token, expert) pair's row x[t] (e + 1) w[t, k], summed per token; -1 adds nothing
     x_ref = (recv_ref_x(x.detach()) if fp8 else x.detach()).requires_grad_(True)
     p_ref = probs.detach().clone().requires_grad_(True)
-    expected = 0 * x_ref
+    expected = 0 * x_ref + 0 * p_ref.sum()  # both have a gradient, also on a rank without tokens
     for t in range(n):
         for k in range(TOPK):
             if idx[t, k] >= 0:
@@ -78,13 +82,16 @@ def _suite(seed: int) -> None:
     shim.reset_elastic_buffer()
     deepep_shim.configure(PluginOptions(transport="torch"))
     try:
-        for i, (n, kind) in enumerate(((4, "random"), (6, "sparse"), (6, "one_expert"), (9, "random"))):
-            _round(shim, seed + i, n, kind, fp8=False)
+        rounds = (((4,), "random"), ((6,), "sparse"), ((6,), "one_expert"), ((9,), "random"), ((3, 7, 5), "random"),
+                  ((0, 5), "random"), ((5, 0, 2), "one_expert"))
+        for i, (tokens, kind) in enumerate(rounds):
+            _round(shim, seed + i, tokens, kind, fp8=False)
         first = shim.get_elastic_buffer(dist.group.WORLD, 9, HIDDEN, TOPK)
-        assert shim.get_elastic_buffer(dist.group.WORLD, 5, HIDDEN, TOPK) is first  # fits: kept
-        assert shim.get_elastic_buffer(dist.group.WORLD, 12, HIDDEN, TOPK) is not first  # grew: re-made
+        # the size does not grow with the tokens (ranks passing different counts decide alike): kept
+        assert shim.get_elastic_buffer(dist.group.WORLD, 5 + 20 * dist.get_rank(), HIDDEN, TOPK) is first
+        assert shim.get_elastic_buffer(dist.group.WORLD, 9, 16 * HIDDEN, TOPK) is not first  # wider rows: re-made
         deepep_shim.configure(PluginOptions(transport="torch", fp8_dispatch=True))
-        _round(shim, seed + 9, 5, "random", fp8=True)
+        _round(shim, seed + 9, (5, 0), "random", fp8=True)
         deepep_shim.configure(PluginOptions(transport="torch"))
         buffer = shim.get_elastic_buffer(dist.group.WORLD, 4, HIDDEN, TOPK)
         x, idx = torch.zeros(4, HIDDEN), torch.zeros(4, TOPK, dtype=torch.int64)

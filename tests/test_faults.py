@@ -12,6 +12,7 @@ import torch.distributed as dist
 from support.reference import expected_dispatch, gather_all, routing
 
 from moe_ep_plugin import Buffer
+from moe_ep_plugin.deep_ep import ElasticBuffer
 from moe_ep_plugin.launch import spawn
 
 TIMEOUT_S = 20.0
@@ -169,9 +170,9 @@ def test_negative_counts_and_a_destroyed_buffer(world: int) -> None:
 
 
 def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
-    """Bad input on the last rank only, in a fresh dispatch (both forms) or the layout before one: every rank
-    raises the cause with its class, naming that rank, at the count exchange (not after a timeout); the group
-    stays usable."""
+    """Bad input on the last rank only, in a fresh dispatch (both forms, and DeepEP V2's ``ElasticBuffer.dispatch``)
+    or the layout before one: every rank raises the cause with its class, naming that rank, at the count exchange
+    (not after a timeout); the group stays usable."""
     rank, world = dist.get_rank(), dist.get_world_size()
     bad = rank == world - 1
     buffer = Buffer(transport=transport, ranks_per_node=ranks_per_node, timeout_s=TIMEOUT_S)
@@ -196,6 +197,16 @@ def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
         return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                num_tokens_per_expert=per_expert, topk_idx=idx)
     cases.append((TypeError, "get_dispatch_layout: topk_idx: expected dtype", layout_then_dispatch))
+    # DeepEP V2's ElasticBuffer checks its own arguments before its Buffer's dispatch: refused alike
+    elastic = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=n, hidden=32, num_topk=2, transport=transport,
+                            ranks_per_node=ranks_per_node, num_cpu_timeout_secs=TIMEOUT_S)
+    x2, idx2 = torch.cat([x, x]), torch.cat([idx, idx])
+    cases += [
+        (ValueError, f"x: {2 * n} tokens, more than num_max_tokens_per_rank={n}",
+         lambda: elastic.dispatch(x2 if bad else x, topk_idx=idx2 if bad else idx, num_experts=num_experts)),
+        (ValueError, "num_sms: expected an int >= 0",
+         lambda: elastic.dispatch(x, topk_idx=idx, num_experts=num_experts, num_sms=-1 if bad else 0)),
+    ]
     for cls, cause, call in cases:
         start = time.monotonic()
         with pytest.raises(cls, match=re.escape(f"dispatch: rank(s) [{world - 1}] refused the call "
@@ -203,6 +214,8 @@ def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
             call()
         assert time.monotonic() - start < TIMEOUT_S  # the cause, not a peer's timeout
     _healthy(buffer, 5)
+    recv_x = elastic.dispatch(x, topk_idx=idx, num_experts=num_experts)[0]
+    assert recv_x.shape[0] == sum(int((i // 2 == rank).any(1).sum()) for i in gather_all(idx)), "ElasticBuffer usable"
 
 
 @pytest.mark.parametrize("transport,world,ranks_per_node", [("torch", 2, None), ("torch", 3, None),

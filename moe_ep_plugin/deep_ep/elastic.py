@@ -277,10 +277,13 @@ class ElasticBuffer:
                   before_epilogue: object, async_with_compute_stream: bool, allocate_on_comm_stream: bool,
                   handle: EPHandle | None, do_handle_copy: bool, do_cpu_sync: bool | None, do_expand: bool,
                   do_zero_padding: bool, use_tma_aligned_col_major_sf: bool):
-        args = dispatch_args(self, x, topk_idx, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
-                             num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                             use_tma_aligned_col_major_sf)
-        sms = check_num_sms(num_sms) or self.get_theoretical_num_sms(args.num_experts, max(args.num_topk, 1))
+        def check() -> tuple[DispatchArgs, int]:
+            return (dispatch_args(self, x, topk_idx, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
+                                  num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+                                  use_tma_aligned_col_major_sf), check_num_sms(num_sms))
+        # a fresh dispatch's refusal travels in the count exchange: every rank raises it (Buffer.refusing)
+        args, sms = self.buffer.refusing("dispatch", handle, check)
+        sms = sms or self.get_theoretical_num_sms(args.num_experts, max(args.num_topk, 1))
         kw = stream_args(self.buffer, dispatch_config(sms, self.num_ranks), previous_event, before_epilogue,
                          async_with_compute_stream, allocate_on_comm_stream)
         if args.handle is not None:

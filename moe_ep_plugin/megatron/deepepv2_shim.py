@@ -30,8 +30,10 @@ _elastic_buffer: ElasticBuffer | None = None
 
 def get_elastic_buffer(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
                        num_topk: int) -> ElasticBuffer:
-    """The shared :class:`ElasticBuffer` of ``group`` (collective when made): re-made when the group changes or it
-    is too small for ``num_max_tokens_per_rank`` tokens of ``hidden`` values (the same on every rank).
+    """The shared :class:`ElasticBuffer` of ``group`` (collective when made): re-made when the group changes or its
+    peer memory is too small for rows of ``hidden`` values. That size does not grow with the token count, so ranks
+    passing different ``num_max_tokens_per_rank`` (Megatron passes each rank's own) decide alike; each dispatch
+    passes its own bound.
 
     Arguments:
         group: the expert-parallel group (Megatron's TP x EP group).
@@ -46,8 +48,7 @@ def get_elastic_buffer(group: dist.ProcessGroup, num_max_tokens_per_rank: int, h
     num_bytes = ElasticBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank=num_max_tokens_per_rank,
                                                    hidden=hidden, num_topk=num_topk)
     buf = _elastic_buffer
-    if (buf is None or buf.group is not group or buf.num_bytes < num_bytes
-            or buf.num_max_tokens_per_rank < num_max_tokens_per_rank):
+    if buf is None or buf.group is not group or buf.num_bytes < num_bytes:
         _elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, num_max_tokens_per_rank=num_max_tokens_per_rank,
                                         hidden=hidden, num_topk=num_topk, transport=options.transport,
                                         num_cpu_timeout_secs=options.timeout_s,
@@ -125,7 +126,8 @@ def deepepv2_dispatch(buffer: ElasticBuffer, x: torch.Tensor, token_indices: tor
         token_indices: ``[T, K]`` int64 global expert ids, -1 = none.
         token_probs: ``[T, K]`` float32 routing probabilities.
         num_experts: experts over the group.
-        num_max_tokens_per_rank: the most tokens a rank dispatches (``T`` on every rank in Megatron).
+        num_max_tokens_per_rank: the most tokens a rank dispatches (Megatron passes this rank's ``T``; 0, a rank
+            without tokens, is taken as 1, a bound that still holds).
         expert_alignment: each local expert's count is rounded up to a multiple of it.
         num_sms: SMs of the kernels (0: the buffer's model).
         async_finish, allocate_on_comm_stream: accepted (the work is on the current stream).
@@ -139,7 +141,7 @@ def deepepv2_dispatch(buffer: ElasticBuffer, x: torch.Tensor, token_indices: tor
     if not isinstance(token_probs, torch.Tensor) or token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP V2), got {getattr(token_probs, 'dtype', None)}")
     return _Dispatch.apply(_check_buffer(buffer), x.contiguous(), token_indices, token_probs, num_experts,
-                           num_max_tokens_per_rank, expert_alignment, num_sms)
+                           num_max_tokens_per_rank or 1, expert_alignment, num_sms)
 
 
 def deepepv2_combine(buffer: ElasticBuffer, x: torch.Tensor, handle: EPHandle, num_sms: int = 0,
