@@ -270,7 +270,6 @@ class ElasticBuffer:
                               handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                               use_tma_aligned_col_major_sf)
 
-
     def _dispatch(self, x: XInput, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
                   stats: torch.Tensor | None, num_experts: int | None, num_max_tokens_per_rank: int | None,
                   expert_alignment: int | None, num_sms: int, num_qps: int, previous_event: object,
