@@ -409,19 +409,20 @@ extern "C" int moe_ep_routing_map_topk(const uint8_t* routing_map, const float* 
 
 namespace {
 
-// Both expert_slots kernels over one grid (workspace: workspace_blocks * L int32).
-int launch_expert_slots(const int64_t* topk_idx, int64_t num_entries, int64_t num_local_experts, int64_t alignment,
-                        int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks, cudaStream_t stream) {
+// Both expert_slots kernels over one grid (workspace: workspace_blocks * (L + 2) int32).
+int launch_expert_slots(const int64_t* topk_idx, int64_t num_entries, int64_t num_topk, int64_t num_local_experts,
+                        int64_t alignment, int32_t* recv_slot, int64_t* words, int32_t* workspace,
+                        int64_t workspace_blocks, cudaStream_t stream) {
     if (num_entries > INT_MAX) return set_error(-1, "expert_slots: more than INT_MAX (row, top-k) entries");
     const int64_t blocks = std::max<int64_t>(
         1, std::min<int64_t>(ceil_div(num_entries, int64_t(kBlockThreads) * kSlotsBatch), workspace_blocks));
     const int64_t per_warp = std::max<int64_t>(32, ceil_div(ceil_div(num_entries, blocks * kWarpsPerBlock), 32) * 32);
     const size_t smem = expert_slots_smem(int(num_local_experts));
-    slot_counts_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries, int(num_local_experts),
-                                                                          per_warp, workspace);
+    slot_counts_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(topk_idx, num_entries, int(num_topk),
+                                                                          int(num_local_experts), per_warp, workspace);
     if (int err = check_launch("slot_counts_kernel")) return err;
     slot_place_kernel<<<unsigned(blocks), kBlockThreads, smem, stream>>>(
-        topk_idx, num_entries, int(num_local_experts), int(alignment), per_warp, recv_slot, workspace);
+        topk_idx, num_entries, int(num_local_experts), int(alignment), per_warp, recv_slot, workspace, words);
     return check_launch("slot_place_kernel");
 }
 
@@ -433,16 +434,16 @@ bool slots_args_ok(int64_t num_rows, int64_t num_topk, int64_t num_experts, int6
 }  // namespace
 
 extern "C" int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk,
-                                   int64_t num_local_experts, int64_t alignment, int32_t* recv_slot, int32_t* workspace,
-                                   int64_t workspace_blocks, void* stream) {
+                                   int64_t num_local_experts, int64_t alignment, int32_t* recv_slot, int64_t* words,
+                                   int32_t* workspace, int64_t workspace_blocks, void* stream) {
     if (!slots_args_ok(num_recv_rows, num_topk, num_local_experts, alignment, workspace_blocks))
         return set_error(-1, "moe_ep_expert_slots: need num_recv_rows >= 0, num_topk >= 1, 1 <= num_local_experts <= " +
                                  std::to_string(MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS) +
                                  ", alignment >= 1 and workspace_blocks >= 1");
     const int64_t entries = num_recv_rows * num_topk;
     if (entries == 0) return 0;
-    return launch_expert_slots(topk_idx, entries, num_local_experts, alignment, recv_slot, workspace, workspace_blocks,
-                               static_cast<cudaStream_t>(stream));
+    return launch_expert_slots(topk_idx, entries, num_topk, num_local_experts, alignment, recv_slot, words, workspace,
+                               workspace_blocks, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights, const float* scales,

@@ -183,12 +183,14 @@ int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream)
 #define MOE_EP_PERMUTE_FP32 0
 #define MOE_EP_PERMUTE_BF16 1
 
-/* topk_idx [num_recv_rows, num_topk] local expert ids (outside [0, num_local_experts) = none) -> recv_slot.
- * The counts are computed on the device (two kernels); workspace holds workspace_blocks * num_local_experts int32
- * (workspace_blocks >= 1; the number of SMs is enough). */
+/* topk_idx [num_recv_rows, num_topk] local expert ids (outside [0, num_local_experts) = none) -> recv_slot, and
+ * (unless NULL) words [2 + num_local_experts] int64: rows naming a local expert, ids outside [-1, num_local_experts),
+ * then the pairs of each local expert rounded up to alignment (not written when num_recv_rows is 0).
+ * The counts are computed on the device (two kernels); workspace holds workspace_blocks * (num_local_experts + 2)
+ * int32 (workspace_blocks >= 1; the number of SMs is enough). */
 int moe_ep_expert_slots(const int64_t* topk_idx, int64_t num_recv_rows, int64_t num_topk, int64_t num_local_experts,
-                        int64_t alignment, int32_t* recv_slot, int32_t* workspace, int64_t workspace_blocks,
-                        void* stream);
+                        int64_t alignment, int32_t* recv_slot, int64_t* words, int32_t* workspace,
+                        int64_t workspace_blocks, void* stream);
 
 /* Scatter: every received row of x (row_bytes each; row_bytes and the pointers 16-byte aligned) is read once and
  * stored to each of its slots in out_x [num_rows, row_bytes]; weights [N, K] -> out_probs [num_rows] and scales

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.ops.permute import expert_slots, permute, unpermute
+from moe_ep_plugin.ops.permute import expert_slots, permute, slot_layout, unpermute
 
 
 def routing(kind: str, n: int, k: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
@@ -41,6 +41,13 @@ def reference_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[
         row = start + -(-(row - start) // alignment) * alignment
         counts.append(row - start)
     return slot, counts
+
+
+def reference_words(idx: torch.Tensor, num_local: int, alignment: int) -> list[int]:
+    """``slot_layout``'s words by loops: rows naming a local expert, ids outside ``[-1, L)``, aligned counts."""
+    rows = sum(any(0 <= e < num_local for e in row) for row in idx.tolist())
+    invalid = sum(not -1 <= e < num_local for row in idx.tolist() for e in row)
+    return [rows, invalid] + reference_slots(idx, num_local, alignment)[1]
 
 
 def reference_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, w: torch.Tensor, s: torch.Tensor
@@ -106,6 +113,19 @@ def test_layout_matches_loops(n: int, k: int, num_local: int, alignment: int, ki
     y = torch.randn(num_rows, hidden, generator=gen).to(out_dtype)
     back = unpermute(y, slot)
     assert back.dtype == out_dtype and torch.equal(bits(back), bits(reference_unpermute(y, slot))), f"seed {seed}"
+
+
+@pytest.mark.parametrize("kind", ["random", "foreign", "one_expert", "none"])
+def test_slot_layout_words_match_loops(kind: str) -> None:
+    """The words a one-rank dispatch reads, with ids below -1 and past the local experts among the routing."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    n, k, num_local, alignment = int(torch.randint(0, 40, (), generator=gen)), 5, 6, 4
+    idx = routing(kind, n, k, num_local, gen)
+    idx[torch.rand(n, k, generator=gen) < 0.05] = -7
+    slot, words = slot_layout(idx, num_local, alignment)
+    assert words.dtype == torch.int64 and words.tolist() == reference_words(idx, num_local, alignment), f"seed {seed}"
+    assert torch.equal(slot, reference_slots(idx, num_local, alignment)[0]), f"seed {seed}"
 
 
 def test_out_of_range_ids_and_slots_are_ignored() -> None:

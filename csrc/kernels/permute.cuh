@@ -46,6 +46,29 @@ __device__ __forceinline__ int local_expert(const int64_t* topk_idx, int64_t i, 
     return (e >= 0 && e < num_local_experts) ? int(e) : -1;
 }
 
+// The words a one-rank dispatch reads on the host, summed per block: rows naming a local expert (counted by the
+// lane holding the row's first column, so once per row) and ids outside [-1, L).
+struct SlotExtras {
+    int rows, invalid;
+};
+__device__ __forceinline__ SlotExtras warp_extras(const int64_t* topk_idx, int64_t begin, int64_t end, int num_topk,
+                                                  int L) {
+    SlotExtras mine{0, 0};
+    for (int64_t i = begin + (threadIdx.x & 31); i < end; i += 32) {
+        const int64_t e = __ldg(topk_idx + i);
+        mine.invalid += (e < -1 || e >= L);
+        if (i % num_topk == 0) {
+            bool named = false;
+            for (int k = 0; k < num_topk; ++k) {
+                const int64_t c = __ldg(topk_idx + i + k);
+                named |= (c >= 0 && c < L);
+            }
+            mine.rows += named;
+        }
+    }
+    return {__reduce_add_sync(kFullMask, mine.rows), __reduce_add_sync(kFullMask, mine.invalid)};
+}
+
 // Walks the warp's entries [begin, end) in order, 32 at a time (ids of kSlotsBatch steps loaded together), calling
 // step(i, e, peers) with the lane's entry i, its local expert e (-1: none) and the lanes sharing e.
 template <typename Step>
@@ -105,23 +128,33 @@ __device__ __forceinline__ WarpRange count_warp_range(const int64_t* topk_idx, i
     return {begin, end};
 }
 
-// block_counts: [blocks][L] pairs per local expert.
+// block_counts: [blocks][L] pairs per local expert, then [blocks][2] the block's SlotExtras.
 __global__ void __launch_bounds__(kBlockThreads)
-    slot_counts_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts,
+    slot_counts_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_topk, int num_local_experts,
                        int64_t per_warp, int32_t* __restrict__ block_counts) {
     extern __shared__ int smem[];
+    __shared__ int extras[2];
     const int L = num_local_experts;
-    count_warp_range(topk_idx, num_entries, L, per_warp, smem);
+    if (threadIdx.x < 2) extras[threadIdx.x] = 0;  // ordered before the adds by count_warp_range's barriers
+    const WarpRange range = count_warp_range(topk_idx, num_entries, L, per_warp, smem);
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int sum = 0;
         for (int w = 0; w < kWarpsPerBlock; ++w) sum += smem[w * L + l];
         block_counts[int64_t(blockIdx.x) * L + l] = sum;
     }
+    const SlotExtras warp = warp_extras(topk_idx, range.begin, range.end, num_topk, L);
+    if ((threadIdx.x & 31) == 0) {
+        atomicAdd(&extras[0], warp.rows);
+        atomicAdd(&extras[1], warp.invalid);
+    }
+    __syncthreads();
+    if (threadIdx.x < 2) block_counts[int64_t(gridDim.x) * L + 2 * blockIdx.x + threadIdx.x] = extras[threadIdx.x];
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
     slot_place_kernel(const int64_t* __restrict__ topk_idx, int64_t num_entries, int num_local_experts, int alignment,
-                      int64_t per_warp, int32_t* __restrict__ recv_slot, const int32_t* __restrict__ block_counts) {
+                      int64_t per_warp, int32_t* __restrict__ recv_slot, const int32_t* __restrict__ block_counts,
+                      int64_t* __restrict__ words) {
     extern __shared__ int smem[];
     const int L = num_local_experts;
     int* counters = smem;                         // [warp][l]: the warp's pairs of l, then its next row of l
@@ -154,6 +187,14 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int l = threadIdx.x; l < L; l += kBlockThreads)
         totals[l] = int((int64_t(totals[l]) + alignment - 1) / alignment * alignment);
     __syncthreads();
+    if (words != nullptr && blockIdx.x == 0) {  // [rows, invalid, aligned totals [L]]: what the host reads
+        for (int l = threadIdx.x; l < L; l += kBlockThreads) words[2 + l] = totals[l];
+        if (threadIdx.x < 2) {
+            int64_t sum = 0;
+            for (unsigned b = 0; b < gridDim.x; ++b) sum += block_counts[int64_t(gridDim.x) * L + 2 * b + threadIdx.x];
+            words[threadIdx.x] = sum;
+        }
+    }
     block_exclusive_scan(totals, L, scratch);
     for (int l = threadIdx.x; l < L; l += kBlockThreads) {
         int next = totals[l] + before[l];

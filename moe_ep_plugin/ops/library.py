@@ -132,7 +132,7 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_barrier.argtypes = [_p, _p]
     lib.moe_ep_dispatch.argtypes = [_p, ctypes.POINTER(DispatchParams), _p]
     lib.moe_ep_combine.argtypes = [_p, ctypes.POINTER(CombineParams), _p]
-    lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _p]
+    lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _p]
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_ll_set_bytes.restype = _i64

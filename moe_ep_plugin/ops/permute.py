@@ -51,7 +51,8 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
     if n * k > _INT32_MAX or sum(tokens_per_expert) > _INT32_MAX:
         raise ValueError(f"recv_topk_idx: {n} x {k} entries into {sum(tokens_per_expert)} rows exceed int32 slots")
     idx = recv_topk_idx.contiguous()
-    slot, aligned = slot_layout(idx, len(tokens_per_expert), alignment)
+    slot, words = slot_layout(idx, len(tokens_per_expert), alignment)
+    aligned = words[2:]
     if idx.device.type == "cpu" and aligned.tolist() != list(tokens_per_expert):
         raise ValueError(f"tokens_per_expert: recv_topk_idx implies {aligned.tolist()} (pairs per local expert rounded "
                          f"up to alignment={alignment}), got {list(tokens_per_expert)}")
@@ -60,21 +61,22 @@ def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alig
 
 def slot_layout(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert-major layout of contiguous ``idx`` ``[N, K]`` int64 local expert ids (ids outside ``[0, L)``
-    count as none) on its device, with no host sync → ``(recv_slot [N, K] int32, tokens_per_expert [L] int64:
-    pairs per local expert rounded up to alignment)``. Slots from the kernel on CUDA, else torch ops."""
+    count as none) on its device, with no host sync → ``(recv_slot [N, K] int32, words [2 + L] int64)``: ``words``
+    holds the rows naming a local expert, the ids outside ``[-1, L)``, then the pairs of each local expert rounded
+    up to ``alignment`` (a one-rank dispatch reads them all at once). Both from the kernels on CUDA, else torch ops.
+    """
     if not (kernels_for(idx) and num_local <= _MAX_KERNEL_LOCAL_EXPERTS):
         return _torch_expert_slots(idx, num_local, alignment)
     n, k = idx.shape
     slot = torch.empty(n, k, dtype=torch.int32, device=idx.device)
-    if n:
-        blocks = torch.cuda.get_device_properties(idx.device).multi_processor_count
-        workspace = torch.empty(blocks * num_local, dtype=torch.int32, device=idx.device)
-        _launch(idx, "moe_ep_expert_slots", idx.data_ptr(), n, k, num_local, alignment, slot.data_ptr(),
-                workspace.data_ptr(), blocks)
-    flat = idx.reshape(-1)
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=idx.device)
-    counts.scatter_add_(0, torch.where((flat >= 0) & (flat < num_local), flat, num_local), torch.ones_like(flat))
-    return slot, round_up(counts[:num_local], alignment)
+    if not n:
+        return slot, torch.zeros(2 + num_local, dtype=torch.int64, device=idx.device)
+    words = torch.empty(2 + num_local, dtype=torch.int64, device=idx.device)
+    blocks = torch.cuda.get_device_properties(idx.device).multi_processor_count
+    workspace = torch.empty(blocks * (num_local + 2), dtype=torch.int32, device=idx.device)
+    _launch(idx, "moe_ep_expert_slots", idx.data_ptr(), n, k, num_local, alignment, slot.data_ptr(), words.data_ptr(),
+            workspace.data_ptr(), blocks)
+    return slot, words
 
 
 def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: torch.Tensor | None = None,
@@ -182,10 +184,11 @@ def unpermute_into(y: torch.Tensor, slot: torch.Tensor, out: int) -> None:
 # --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---
 
 def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(recv_slot [N, K] int32, aligned counts [L] int64)``: a stable sort by expert puts the pairs in layout
-    order; each pair's row is its expert's base plus its rank among that expert's pairs."""
+    """``(recv_slot [N, K] int32, words [2 + L] int64)`` as :func:`slot_layout` returns them: a stable sort by expert
+    puts the pairs in layout order; each pair's row is its expert's base plus its rank among that expert's pairs."""
     flat = idx.reshape(-1)
-    key = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # num_local = no local expert: sorts last
+    local = (flat >= 0) & (flat < num_local)
+    key = torch.where(local, flat, num_local)  # num_local = no local expert: sorts last
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=idx.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     aligned = round_up(counts[:num_local], alignment)
@@ -196,7 +199,9 @@ def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tu
     rank = torch.arange(flat.numel(), device=idx.device) - first[sorted_key]
     sorted_slot = torch.where(sorted_key < num_local, base[sorted_key.clamp_max(num_local - 1)] + rank, -1)
     slot = torch.empty_like(flat, dtype=torch.int32).index_copy_(0, order, sorted_slot.to(torch.int32))
-    return slot.view(idx.shape), aligned
+    rows = local.view(idx.shape).any(1).sum(dtype=torch.int64).reshape(1)
+    invalid = ((flat < -1) | (flat >= num_local)).sum(dtype=torch.int64).reshape(1)
+    return slot.view(idx.shape), torch.cat([rows, invalid, aligned])
 
 
 def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: torch.Tensor | None,

@@ -85,7 +85,9 @@ class LocalTransport(Transport):
             per_expert = _expert_counts(topk, args.num_experts)
         else:
             per_expert = args.num_tokens_per_expert.to(torch.int64)
-        num_recv, counts = self._read(in_rank[:, 0], topk, args, per_expert)
+        invalid = count_invalid(topk, args.num_experts).to(torch.int64) if topk is not None else per_expert.new_zeros(1)
+        num_recv, counts = self._read(torch.cat([in_rank[:, 0].sum(dtype=torch.int64).reshape(1), invalid, per_expert]),
+                                      args)
         if 0 < args.num_worst_tokens < num_recv:
             raise ValueError(f"num_worst_tokens: smaller than the rows a rank receives (rank 0: {num_recv} rows, "
                              f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves")
@@ -104,22 +106,22 @@ class LocalTransport(Transport):
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32),
                               handle, counts)
 
-    def _read(self, in_rank: torch.Tensor, topk_idx: torch.Tensor | None, args: DispatchArgs,
-              tail: torch.Tensor) -> tuple[int, list[int]]:
-        """The one host read of a fresh dispatch: received rows (tokens with ``in_rank`` ``[N]`` bool), then
-        ``tail`` ``[C]`` int64 as a list; raises for out-of-range ids in ``topk_idx`` or a layout contradicting
-        itself or the top-k."""
-        invalid = (count_invalid(topk_idx, args.num_experts).to(torch.int64) if topk_idx is not None
-                   else tail.new_zeros(1))
-        words = torch.cat([in_rank.sum(dtype=torch.int64).reshape(1), invalid, layout_contradiction(args), tail])
+    def _read(self, words: torch.Tensor, args: DispatchArgs) -> tuple[int, list[int]]:
+        """The one host read of a fresh dispatch: ``words`` ``[2 + C]`` int64 on the device (received rows, ids
+        outside ``[-1, num_experts)``, then ``C`` counts) → ``(received rows, counts)``; raises for out-of-range ids
+        or a layout the caller passed that contradicts itself or the top-k."""
+        if args.layout_given:
+            words = torch.cat([words, layout_contradiction(args)])
         values = words.tolist()
         if values[1]:
             raise invalid_ids_error([0], args.num_experts)
-        if values[2] == 2:
-            raise negative_counts_error([0])
-        if values[2]:
-            raise layout_error([0])
-        return values[0], values[3:]
+        if args.layout_given:
+            contradiction = values.pop()
+            if contradiction == 2:
+                raise negative_counts_error([0])
+            if contradiction:
+                raise layout_error([0])
+        return values[0], values[2:]
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
         """The received rows are ``x``'s rows of the tokens that name an expert, so ``x`` itself is laid out
@@ -134,18 +136,20 @@ class LocalTransport(Transport):
             rows, _, scales = permute.permute(x, slot, layout.num_rows, None, x_scales)
             return ExpertDispatchResult(rows, scales, None, handle)
         topk, n = args.topk_idx, x.shape[0]
-        slot, aligned = permute.slot_layout(topk, args.num_experts, alignment)
-        valid = (topk >= 0) & (topk < args.num_experts)
+        slot, words = permute.slot_layout(topk, args.num_experts, alignment)
         most = n * topk.shape[1]
         if alignment == 1:  # M <= N * K: expanded now, the first M rows returned after the read
             expanded = permute.permute(x, slot, most, args.topk_weights, x_scales)
-        num_recv, counts = self._read(valid.any(1), topk, args, aligned)
+        num_recv, counts = self._read(words, args)
         num_rows = sum(counts)
         if alignment == 1:
             rows, probs, scales = (t if t is None or num_rows == most else t[:num_rows] for t in expanded)
         else:
             rows, probs, scales = permute.permute(x, slot, num_rows, args.topk_weights, x_scales)
-        in_rank = valid.any(1, keepdim=True)
+        if num_recv == n:  # every token names an expert (the usual case): no mask to derive
+            in_rank = torch.ones(n, 1, dtype=torch.bool, device=x.device)
+        else:
+            in_rank = (slot >= 0).any(1, keepdim=True)
         src = _received(in_rank[:, 0], num_recv)
         handle = _handle(in_rank, src, args.num_experts, num_recv, _LocalState(src, slot))
         recv_slot = slot if num_recv == n else slot.index_select(0, src)
@@ -272,12 +276,15 @@ def _received(in_rank: torch.Tensor, num_recv: int) -> torch.Tensor:
 def _handle(in_rank: torch.Tensor, src: torch.Tensor, num_experts: int, rows: int, state: _LocalState
             ) -> DispatchHandle:
     """The handle of a dispatch that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows`` rows."""
-    num_recv = src.shape[0]
+    num_recv, num_tokens = src.shape[0], in_rank.shape[0]
+    recv_src = src.to(torch.int32)
+    # every token sent: token t is row t, so the send positions are the received tokens themselves
+    send_pos = recv_src.view(num_tokens, 1) if num_recv == num_tokens else send_positions(in_rank)
     return DispatchHandle(
         rank_prefix_matrix=torch.full((1, 1), num_recv, dtype=torch.int32, device=in_rank.device),
-        is_token_in_rank=in_rank, send_pos=send_positions(in_rank), recv_src_idx=src.to(torch.int32),
-        num_tokens=in_rank.shape[0], num_recv_tokens=num_recv, num_experts=num_experts, rank=0, num_ranks=1,
-        num_recv_rows=rows, transport_state=state)
+        is_token_in_rank=in_rank, send_pos=send_pos, recv_src_idx=recv_src, num_tokens=num_tokens,
+        num_recv_tokens=num_recv, num_experts=num_experts, rank=0, num_ranks=1, num_recv_rows=rows,
+        transport_state=state)
 
 
 def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArgs

@@ -98,6 +98,10 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     _same("recv_slot vs torch", slot, P._torch_expert_slots(idx, num_local, alignment)[0], seed)
     slot_cpu = P.expert_slots(idx_cpu, counts, alignment)
     _same("recv_slot vs cpu", slot, slot_cpu, seed)
+    bad = idx.clone()
+    bad[torch.rand(n, k, device="cuda") < 0.05] = -7  # ids below -1: counted in the words, never placed
+    words = P.slot_layout(bad, num_local, alignment)[1]
+    _same("words vs cpu", words, P.slot_layout(bad.cpu(), num_local, alignment)[1], seed)
 
     _poison(num_rows * hidden * x.element_size())
     got = P.permute(x, slot, num_rows, w, s)
