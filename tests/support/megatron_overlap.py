@@ -33,7 +33,8 @@ def config(kind: str, etp: int, ep: int):
 
 def build_layer(kind: str, etp: int, ep: int, seed: int, device: torch.device):
     """Megatron's local-spec MoE transformer layer with the dispatcher ``kind``, built on the CPU from ``seed`` and
-    moved to ``device``."""
+    moved to ``device`` in BF16 throughout, as Megatron's ``Float16Module`` casts a ``bf16`` model (the local spec's
+    norms are made in fp32, which CUDA's ``layer_norm`` refuses beside BF16 inputs)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -41,7 +42,7 @@ def build_layer(kind: str, etp: int, ep: int, seed: int, device: torch.device):
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS)
     assert compat.use_router([spec]) == 1
     torch.manual_seed(seed)
-    return build_module(spec, config=config(kind, etp, ep), layer_number=1).to(device)
+    return build_module(spec, config=config(kind, etp, ep), layer_number=1).to(device=device, dtype=torch.bfloat16)
 
 
 def _grads(layer) -> dict[str, torch.Tensor]:
