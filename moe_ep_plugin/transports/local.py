@@ -7,8 +7,7 @@ quantized and, unless ``fp8_out``, dequantized on the way as the senders do); co
 copy in fp32 from 0.0 (``permute.unpermute``, which also adds nothing for a token that was not sent) plus the
 biases. An expert-major dispatch lays out ``x`` itself (``permute.slot_layout`` and ``permute.permute``:
 kernels on CUDA, torch ops on CPU) and its combine is one ``unpermute``. One host read per fresh dispatch: the
-received row count, the out-of-range ids and the counts; at alignment 1 the expert-major rows are expanded before
-it, into ``N * K`` rows (the most ``M`` can be) of which the first ``M`` are returned.
+received row count, the out-of-range ids and the counts (on CUDA all three written by the slot kernel).
 
 Low-latency mode at one rank is :class:`LocalLowLatency`: the collectives form's layout and results made by gathers,
 with no exchange and no host read (a CUDA graph can capture it).
@@ -125,7 +124,7 @@ class LocalTransport(Transport):
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
         """The received rows are ``x``'s rows of the tokens that name an expert, so ``x`` itself is laid out
-        expert-major: the slots of every token, then ``permute`` (launched before the host read at alignment 1)."""
+        expert-major: the slots of every token, the host read, then ``permute`` into the rows the read counted."""
         x, x_scales = _sent_rows(args.x, args.x_scales, args)
         if args.handle is not None:
             handle = args.handle
@@ -136,16 +135,12 @@ class LocalTransport(Transport):
             rows, _, scales = permute.permute(x, slot, layout.num_rows, None, x_scales)
             return ExpertDispatchResult(rows, scales, None, handle)
         topk, n = args.topk_idx, x.shape[0]
+        # The read waits for the slot kernels alone: the permute, launched after it, would hold it back by its
+        # whole write of the expert rows.
         slot, words = permute.slot_layout(topk, args.num_experts, alignment)
-        most = n * topk.shape[1]
-        if alignment == 1:  # M <= N * K: expanded now, the first M rows returned after the read
-            expanded = permute.permute(x, slot, most, args.topk_weights, x_scales)
         num_recv, counts = self._read(words, args)
         num_rows = sum(counts)
-        if alignment == 1:
-            rows, probs, scales = (t if t is None or num_rows == most else t[:num_rows] for t in expanded)
-        else:
-            rows, probs, scales = permute.permute(x, slot, num_rows, args.topk_weights, x_scales)
+        rows, probs, scales = permute.permute(x, slot, num_rows, args.topk_weights, x_scales)
         if num_recv == n:  # every token names an expert (the usual case): no mask to derive
             in_rank = torch.ones(n, 1, dtype=torch.bool, device=x.device)
         else:

@@ -1,0 +1,94 @@
+"""The ``local`` transport's host work on its kernel path, on CPU over the recording stand-in library
+(``tests/fake_kernels.py``): a fresh expert-major dispatch is the slot kernel, the one host read of the words that
+kernel writes, then the permute into exactly the rows the read counted, with a handful of small torch ops beside
+them. Each small op is a launch of host time on a GPU; what the kernels compute is tests/gpu's business."""
+from __future__ import annotations
+
+import collections
+import ctypes
+import random
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from fake_kernels import FakeLib, installed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_ep_plugin.config import Config, round_up
+from moe_ep_plugin.transports.base import DispatchArgs
+from moe_ep_plugin.transports.local import LocalTransport
+
+# aten ops that allocate or re-view memory: no kernel runs for them
+_NO_KERNEL = {"empty", "view", "slice", "select", "alias", "as_strided", "_reshape_alias", "detach", "t",
+              "unsqueeze", "squeeze", "expand"}
+# what may launch beside the library's kernels when every token names an expert: the handle's all-true mask,
+# its token indices (int64, then int32) and its rank prefix matrix
+_SMALL_OPS = {"ones": 1, "arange": 1, "_to_copy": 1, "full": 1}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops that run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _words(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
+    """What the slot kernel writes for the host: rows naming an expert, out-of-range ids (none here), aligned
+    counts."""
+    flat = topk_idx[topk_idx >= 0]
+    counts = round_up(torch.bincount(flat, minlength=num_experts), alignment)
+    return [int((topk_idx >= 0).any(1).sum()), 0, *counts.tolist()]
+
+
+def _slot_kernel(lib: FakeLib, words: list[int]):
+    """The fake ``moe_ep_expert_slots``: records the call, writes ``words`` and marks every slot empty."""
+    def call(idx, n, k, num_local, alignment, slot, out_words, workspace, blocks, stream) -> int:
+        lib.calls.append(("moe_ep_expert_slots", (n, k, num_local, alignment)))
+        (ctypes.c_int64 * len(words)).from_address(out_words)[:] = words
+        ctypes.memset(slot, 0xFF, 4 * n * k)
+        return 0
+    return call
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+@pytest.mark.parametrize("everyone", [True, False])
+def test_fresh_expert_dispatch_is_the_kernels_and_one_read(alignment: int, everyone: bool) -> None:
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    n, k, e, h = 64, 4, 8, 128
+    topk_idx = torch.rand(n, e, generator=gen).topk(k, dim=1).indices
+    if not everyone:
+        topk_idx[torch.randint(n, (3,), generator=gen)] = -1  # tokens naming no expert
+    x = torch.randn(n, h, generator=gen).bfloat16()
+    words = _words(topk_idx, e, alignment)
+    lib = FakeLib(1)
+    lib.moe_ep_expert_slots = _slot_kernel(lib, words)
+    props = type("Props", (), {"multi_processor_count": 4})()
+    with mock.patch.object(dist, "get_rank", lambda group: 0), \
+            mock.patch.object(dist, "get_world_size", lambda group: 1):
+        transport = LocalTransport(None, torch.device("cpu"), 5.0)
+    args = DispatchArgs(x=x, x_scales=None, topk_idx=topk_idx, topk_weights=None, num_tokens_per_rank=None,
+                        is_token_in_rank=None, num_experts=e, handle=None, num_worst_tokens=0, wire_fp8=False,
+                        fp8_out=False, round_scale=False, config=Config())
+    ops = _Ops()
+    with installed(lib), mock.patch.object(torch.cuda, "get_device_properties", lambda device: props), ops:
+        result = transport.dispatch_experts(args, alignment)
+
+    num_rows = sum(words[2:])
+    names = [name for name, _ in lib.calls]
+    assert names == ["moe_ep_expert_slots", "moe_ep_permute"], (seed, names)
+    assert lib.calls[1][1][8] == num_rows, seed  # the permute's rows: what the read counted, nothing more
+    assert result.x.shape == (num_rows, h) and result.handle.expert_layout.tokens_per_expert == words[2:], seed
+    assert result.handle.num_recv_tokens == words[0], seed
+    launched = {name: c for name, c in ops.counts.items() if name not in _NO_KERNEL}
+    if everyone:
+        assert launched == _SMALL_OPS, (seed, launched)
+    else:  # the tokens without an expert take a mask, its send positions and the received tokens' order (13 today)
+        assert sum(launched.values()) <= 13, (seed, launched)
