@@ -177,6 +177,13 @@ class Buffer:
         return combine_config(Buffer.num_sms, num_ranks)
 
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether FP8 dispatch is available (DeepEP: its kernels built for SM90, which its FP8 paths need): always
+        True here, since every transport serves FP8 rows (the kernels are built for sm_90a, the torch transport
+        quantizes with torch ops)."""
+        return True
+
+    @staticmethod
     def capture() -> EventOverlap:
         from .event import capture
         return capture()

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPORTS = ("import deep_ep, deep_ep.utils; from deep_ep import Buffer, Config, ElasticBuffer, EPBuffer, EPHandle, "
            "EventOverlap, topk_idx_t; from deep_ep.utils import EventOverlap, EventHandle; "
            "import moe_ep_plugin.deep_ep as ours; assert deep_ep is ours and deep_ep.utils is ours.utils; "
-           "assert topk_idx_t is __import__('torch').int64; print('served')")
+           "assert topk_idx_t is __import__('torch').int64 and Buffer.is_sm90_compiled(); print('served')")
 
 
 def _run(code: str, pythonpath: list[str], env: dict | None = None) -> subprocess.CompletedProcess:

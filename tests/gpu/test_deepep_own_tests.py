@@ -1,0 +1,60 @@
+"""DeepEP's own test files, unchanged, against this library through its ``deep_ep`` module, with their ranks
+sharing one GPU: ``tests/legacy/test_intranode.py`` and ``tests/legacy/test_low_latency.py`` (V1 ``Buffer``,
+normal and low-latency) and ``tests/elastic/test_ep.py`` (V2 ``ElasticBuffer``; correctness only, with and without
+its CPU sync). Each file checks its own results against its own references and asserts; a run passes when every
+rank exits 0.
+
+They come from a DeepEP checkout named by ``MOE_EP_DEEPEP_SRC`` (its ``tests/`` and ``deep_ep/utils/``; nothing of
+DeepEP is kept here). ``tests/support/deepep_own`` goes first on ``PYTHONPATH``: there ``import deep_ep`` is this
+library and ``deep_ep.utils.envs`` starts the ranks over gloo on ``cuda:0`` (``tests/support/deepep_envs.py``),
+since DeepEP's own start-up is NCCL with one process per GPU through its compiled ``_C``. More than two ranks need
+an MPS daemon for their kernels to run side by side (docs/gpu_testing.md). Skips without a GPU, the kernel library
+or ``MOE_EP_DEEPEP_SRC``, naming which.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from support.gpu_marks import NEEDS_KERNELS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUPPORT = os.path.join(ROOT, "tests", "support")
+SOURCE = os.environ.get("MOE_EP_DEEPEP_SRC", "")
+TIMEOUT_S = 540
+
+# (DeepEP test file, its arguments beyond --num-processes)
+CASES = [
+    ("legacy/test_intranode.py", []),
+    ("legacy/test_low_latency.py", []),
+    ("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "1"]),
+    ("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "0"]),
+]
+
+pytestmark = [*NEEDS_KERNELS, pytest.mark.skipif(
+    not os.path.isfile(os.path.join(SOURCE, "tests", "legacy", "test_intranode.py")),
+    reason="set MOE_EP_DEEPEP_SRC to a DeepEP checkout (its tests/ and deep_ep/utils/)")]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("script,extra", CASES)
+def test_deepep_test_file_passes(script: str, extra: list[str], ranks: int, tmp_path) -> None:
+    path = os.path.join(SOURCE, "tests", script)
+    env = dict(os.environ, MOE_EP_DEEPEP_RENDEZVOUS=str(tmp_path / "rendezvous"),
+               PYTHONPATH=os.pathsep.join([os.path.join(SUPPORT, "deepep_own"), ROOT,
+                                           os.environ.get("PYTHONPATH", "")]))
+    # its own process group: a run past the limit is ended with every rank it spawned
+    proc = subprocess.Popen([sys.executable, path, "--num-processes", str(ranks), *extra], cwd=os.path.dirname(path),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script} {extra} at {ranks} ranks: not done within {TIMEOUT_S} s\n{out[-6000:]}")
+    print(out[-3000:])
+    assert proc.returncode == 0, f"{script} {extra} at {ranks} ranks: exit {proc.returncode}\n{out[-6000:]}"
