@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 11
+#define MOE_EP_ABI_VERSION 12
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
@@ -32,6 +32,9 @@ extern "C" {
 #define MOE_EP_ERR_CAPACITY 5         /* [1] = rows needed in one peer region, [2] = rows it holds */
 /* [1] = bit mask of the ranks whose meta words differ from rank 0's, [2] = bit mask of the words that differ */
 #define MOE_EP_ERR_MISMATCH 6
+/* [1] = bit mask of the ranks that refused the dispatch (a non-zero last meta word, MOE_EP_META_WORDS - 1),
+ * [2] = that word of the lowest of them: its refusal code. Checked before MOE_EP_ERR_MISMATCH. */
+#define MOE_EP_ERR_REFUSED 7
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
  * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows

@@ -388,6 +388,29 @@ def test_a_kernel_that_trapped_raises_its_record(fake: FakeLib) -> None:
     assert len(fake.calls) == launched
 
 
+def test_a_refusing_rank_joins_the_notify_with_its_code(fake: FakeLib) -> None:
+    """A rank that refused its fresh dispatch joins its peers' notify with no tokens and its refusal code in the last
+    meta word, then waits for that notify with a host read. Every rank's notify then records the refusal, which a
+    peer raises, of the refusing rank's error class, naming that rank; a rank with an error already recorded joins
+    nothing (its peers' next calls end on their own records)."""
+    t = _transport(fake, guess=16)
+    fake.read_values = [0] * (R * R + 2)
+    t.refuse("dispatch", TypeError("x: expected dtype in [...], got torch.float16"))
+    assert [name for name, _ in fake.calls] == ["moe_ep_notify_dispatch", "moe_ep_read_start", "moe_ep_read_wait"]
+    # (ctx, counts, invalid, in_rank, tokens, list stride, prefix, send_pos, send_list, info, meta, per-expert, E, ...)
+    notify = fake.calls[0][1]
+    assert notify[3:6] == (0, 0, 1) and notify[11:13] == (0, 0)
+    assert notify[10] == [0] * (library.META_WORDS - 1) + [2]  # 2: a TypeError (base.REFUSABLE)
+    peer = _transport(fake, guess=16, rank=0)
+    peer._rt.error[:] = [library.ERR_REFUSED, 1 << ME, 2, 0]
+    with pytest.raises(TypeError, match=r"dispatch: rank\(s\) \[1\] refused the call \(a TypeError on rank 1"):
+        peer.dispatch(_args(*_inputs()))
+    fake.calls.clear()
+    t._rt.error[:] = [library.ERR_MISMATCH, 1, 1, ME]
+    t.refuse("dispatch", ValueError("x: bad"))
+    assert fake.calls == []
+
+
 @pytest.mark.parametrize("guess, prefix, info", [
     (16, PREFIX, [NUM_RECV, 0]),
     (8, [6, 3, 10, 7], [7, 0]),  # the peer received 10 > 8 rows: both dispatch again

@@ -305,13 +305,22 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(DevCtx c, Notify
             for (int i = 0; i < R; ++i) ranks |= ld_volatile(&mine->invalid[i]) != 0 ? 1 << i : 0;
             a.info[1] = ranks;
             if (a.check_meta) {  // every rank sees every rank's words, so every rank records the same error
+                // A rank that refused its call joins with its refusal code in the last word (its other words are
+                // not a dispatch's): that is the error, not a mismatch.
+                int refused = 0, code = 0;
+                for (int i = 0; i < R; ++i) {
+                    const int w = ld_volatile(&mine->meta[i][kMetaWords - 1]);
+                    if (w != 0 && refused == 0) code = w;
+                    refused |= w != 0 ? 1 << i : 0;
+                }
                 int differ = 0, words = 0;
-                for (int i = 1; i < R; ++i)
+                for (int i = 1; i < R && refused == 0; ++i)
                     for (int w = 0; w < kMetaWords; ++w)
                         if (ld_volatile(&mine->meta[i][w]) != ld_volatile(&mine->meta[0][w])) {
                             differ |= 1 << i;
                             words |= 1 << w;
                         }
+                if (refused != 0) report_error(c, MOE_EP_ERR_REFUSED, refused, code);
                 if (differ != 0) report_error(c, MOE_EP_ERR_MISMATCH, differ, words);
             }
         }

@@ -11,7 +11,7 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 11
+ABI_VERSION = 12
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -28,8 +28,9 @@ ERR_COMBINE_TIMEOUT = 3
 ERR_WORST_TOKENS = 4
 ERR_CAPACITY = 5
 ERR_MISMATCH = 6
+ERR_REFUSED = 7
 TIMEOUTS = (ERR_BARRIER_TIMEOUT, ERR_DISPATCH_TIMEOUT, ERR_COMBINE_TIMEOUT)  # the recorded errors whose kernel traps
-META_WORDS = 8  # MOE_EP_META_WORDS
+META_WORDS = 8  # MOE_EP_META_WORDS; the last carries a refusal code (csrc/moe_ep.h MOE_EP_ERR_REFUSED)
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64

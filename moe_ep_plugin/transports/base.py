@@ -215,9 +215,8 @@ class Transport(abc.ABC):
     def refuse(self, call: str, exc: Exception) -> None:
         """This rank refuses ``call`` (``exc``: its bad input to a fresh dispatch, or to the layout that precedes
         one): join the count exchange its peers' fresh dispatch starts with, so that every rank raises the cause
-        naming this rank. Default: that exchange carries no refusal (the kernels' notify, a one-rank group), and the
-        caller raises ``exc`` on this rank only; the peers' waits time out."""
-        # Not abstract: a transport without a host count exchange keeps this no-op.
+        naming this rank. Default: nothing to join (a one-rank group), and the caller raises ``exc``."""
+        # Not abstract: a transport without peers keeps this no-op.
         return None
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import time
 import traceback
@@ -471,6 +472,34 @@ def _absent_peer(timeout_s: float) -> None:
     dist.barrier()
 
 
+def _refusing_peer(timeout_s: float) -> None:
+    """Bad input on rank 1 only, in a fresh dispatch of each form and in the layout before one: rank 1 raises its
+    cause, rank 0 the refusal of that class naming rank 1, both at the notify (well within the timeout, no trap).
+    The refusal ends the buffer (as ranks that disagree do): each case takes a fresh one."""
+    bad = dist.get_rank() == 1
+    probe = _nvlink_buffer(timeout_s)
+    device = probe.device
+    probe.destroy()
+    x = torch.randn(16, 256, device=device).to(torch.bfloat16)
+    idx = torch.arange(16 * 2, device=device).reshape(16, 2) % 4
+    cases = [
+        (TypeError, "x: expected dtype", lambda nv: nv.dispatch(x.half() if bad else x, topk_idx=idx, num_experts=4)),
+        (TypeError, "x: expected dtype", lambda nv: nv.dispatch_experts(x.half() if bad else x, idx, None, 4)),
+        (ValueError, "topk_idx: expected shape",
+         lambda nv: nv.dispatch_experts(x, idx[:3] if bad else idx, None, 4)),
+        (TypeError, "topk_idx: expected dtype", lambda nv: nv.get_dispatch_layout(idx.float(), 4) if bad else
+         nv.dispatch(x, topk_idx=idx, num_experts=4)),
+    ]
+    for cls, cause, call in cases:
+        nv = _nvlink_buffer(timeout_s)
+        start = time.monotonic()
+        with pytest.raises(cls, match=re.escape(cause) if bad else r"dispatch: rank\(s\) \[1\] refused the call"):
+            call(nv)
+        assert time.monotonic() - start < timeout_s
+        torch.cuda.synchronize(device)  # no kernel trapped
+        nv.destroy()
+
+
 class _Late:
     """Stands in for a rank's dispatch launch: first a GPU sleep of ``cycles``, so the rank's dispatch kernel (after
     its notify and host read) starts late on the device."""
@@ -526,6 +555,10 @@ def test_single_rank_local_kernels_match_torch_ops() -> None:
 
 def test_nvlink_peer_that_never_arrives_raises() -> None:
     spawn(_absent_peer, 2, args=(2.0,), backend=_PEER_BACKEND, timeout_s=120.0)
+
+
+def test_nvlink_peer_refusal_raises_on_every_rank() -> None:
+    spawn(_refusing_peer, 2, args=(5.0,), backend=_PEER_BACKEND, timeout_s=120.0)
 
 
 def test_nvlink_late_peer_outputs_raise() -> None:

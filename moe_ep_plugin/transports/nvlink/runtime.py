@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ...event import current_stream_handle
 from ...ops import library
-from ..base import META_FIELDS, metadata_error
+from ..base import META_FIELDS, REFUSABLE, metadata_error
 from .plan import DEFAULT_ROW_BYTES, DEFAULT_ROWS
 
 
@@ -102,6 +102,12 @@ class NVLinkRuntime:
             raise metadata_error([f for f in range(len(META_FIELDS)) if b >> f & 1],
                                  [i for i in range(self.num_ranks) if a >> i & 1],
                                  " (found by notify; this buffer is unusable now: destroy it and make a new one)")
+        if code == library.ERR_REFUSED:
+            ranks = [i for i in range(self.num_ranks) if a >> i & 1]
+            cls = REFUSABLE[b - 1] if 1 <= b <= len(REFUSABLE) else RuntimeError
+            raise cls(f"dispatch: rank(s) {ranks} refused the call (a {cls.__name__} on rank {ranks[0]}, whose own "
+                      "error names the cause); every rank raises, nothing was sent (found by notify; this buffer is "
+                      "unusable now: destroy it and make a new one)")
         if code == library.ERR_CAPACITY:
             raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; "
                              "pass a larger num_nvl_bytes")
