@@ -28,10 +28,10 @@ TIMEOUT_S = 540
 
 # (DeepEP test file, its arguments beyond --num-processes)
 CASES = [
-    ("legacy/test_intranode.py", []),
-    ("legacy/test_low_latency.py", []),
-    ("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "1"]),
-    ("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "0"]),
+    pytest.param("legacy/test_intranode.py", [], id="intranode"),
+    pytest.param("legacy/test_low_latency.py", [], id="low_latency"),
+    pytest.param("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "1"], id="elastic-cpu_sync"),
+    pytest.param("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "0"], id="elastic-no_cpu_sync"),
 ]
 
 pytestmark = [*NEEDS_KERNELS, pytest.mark.skipif(
@@ -39,7 +39,7 @@ pytestmark = [*NEEDS_KERNELS, pytest.mark.skipif(
     reason="set MOE_EP_DEEPEP_SRC to a DeepEP checkout (its tests/ and deep_ep/utils/)")]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, 4], ids=lambda r: f"{r}ranks")
 @pytest.mark.parametrize("script,extra", CASES)
 def test_deepep_test_file_passes(script: str, extra: list[str], ranks: int, tmp_path) -> None:
     path = os.path.join(SOURCE, "tests", script)
