@@ -133,6 +133,19 @@ class NVLinkRuntime:
         """``moe_ep_notify_dispatch`` on this context and the current stream (arguments as csrc/moe_ep.h)."""
         self._check(self.lib.moe_ep_notify_dispatch(self.ctx, *args, self.stream()), "notify_dispatch")
 
+    def notify_refusal(self, code: int) -> None:
+        """Join the peers' notify as a rank that refused its dispatch: no tokens, and refusal ``code``
+        (``base.refusal_code``) in the last meta word, so that every rank's notify records ``MOE_EP_ERR_REFUSED``
+        (csrc/moe_ep.h). Then wait for it with a host read, which raises the recorded ``TimeoutError`` when a peer
+        never came and the kernel trapped."""
+        r = self.num_ranks
+        counts, invalid, prefix = (torch.zeros(n, dtype=torch.int32, device=self.device) for n in (r, 1, r * r + 2))
+        send_pos, send_list = (torch.empty(shape, dtype=torch.int32, device=self.device) for shape in ((0, r), (r, 1)))
+        meta = library.HostInts([0] * (library.META_WORDS - 1) + [code])
+        self.notify_dispatch(counts.data_ptr(), invalid.data_ptr(), 0, 0, 1, prefix.data_ptr(), send_pos.data_ptr(),
+                             send_list.data_ptr(), prefix.data_ptr() + 4 * r * r, meta.array, 0, 0)
+        self.start_read(prefix.data_ptr(), r * r + 2)()
+
     def notify_experts(self, *args: int) -> None:
         """``moe_ep_notify_experts`` on this context and the current stream (arguments as csrc/moe_ep.h)."""
         self._check(self.lib.moe_ep_notify_experts(self.ctx, *args, self.stream()), "notify_experts")

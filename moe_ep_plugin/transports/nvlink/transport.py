@@ -30,7 +30,7 @@ from ...config import Config
 from ...handle import DispatchHandle, ExpertLayout
 from ...ops import permute
 from ...ops.layout import count_invalid, invalid_ids_error, kernel_dispatch_layout
-from ...ops.library import MAX_EXPERTS, MAX_TOPK, META_WORDS, CombineParams, DispatchParams, HostInts
+from ...ops.library import MAX_EXPERTS, MAX_TOPK, CombineParams, DispatchParams
 from ...ops.library import ptr as _ptr
 from ..base import DispatchArgs, DispatchResult, ExpertDispatchResult, Transport, refusal_code, slot_weights
 from .plan import combine_roles, combine_row_bytes, dispatch_roles, dispatch_slot_bytes, most_received, staging_capacity
@@ -135,22 +135,10 @@ class NVLinkTransport(Transport):
         return prefix, send_pos, send_list
 
     def refuse(self, call: str, exc: Exception) -> None:
-        """This rank refused a fresh dispatch (or the layout before one): it joins the notify its peers' dispatch
-        starts with, sending no tokens and its refusal code in the last meta word, so that every rank's notify
-        records the refusal (csrc/moe_ep.h ``MOE_EP_ERR_REFUSED``) and every peer raises it naming this rank;
-        this rank raises ``exc`` itself (the caller does). Waits for that notify (a host read after it): when a
-        peer never comes, its barrier times out (the kernel traps) and this raises the recorded ``TimeoutError``."""
-        if self._rt.error[0]:
-            return  # an earlier error already ends every rank's next call
-        r = self.num_ranks
-        counts, invalid, prefix = self._int32((r,), (1,), (r * r + 2,))
-        counts.zero_()
-        invalid.zero_()
-        send_pos, send_list = self._int32((0, r), (r, 1))
-        meta = HostInts([0] * (META_WORDS - 1) + [refusal_code(exc)])
-        self._rt.notify_dispatch(counts.data_ptr(), invalid.data_ptr(), 0, 0, 1, prefix.data_ptr(),
-                                 send_pos.data_ptr(), send_list.data_ptr(), info_address(prefix, r), meta.array, 0, 0)
-        self._rt.start_read(prefix.data_ptr(), r * r + 2)()  # fails, raising that TimeoutError, after a trap
+        """Join the peers' notify with this rank's refusal (``NVLinkRuntime.notify_refusal``), unless an error is
+        recorded already (the peers' next calls end on their own records); the caller raises ``exc``."""
+        if not self._rt.error[0]:
+            self._rt.notify_refusal(refusal_code(exc))
 
     def _int32(self, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=torch.int32, device=self.device) for shape in shapes]
