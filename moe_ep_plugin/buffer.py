@@ -127,6 +127,9 @@ class Buffer:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
         positive_int(num_qps_per_rank, "num_qps_per_rank")
+        if enable_shrink:  # DeepEP's low_latency_*_mask_buffer calls, which this library does not have
+            raise ValueError("enable_shrink: shrink mode (masking ranks out of low-latency calls) is not served by "
+                             "this library; pass enable_shrink=False")
         if not isinstance(transport, str):
             raise TypeError(f"transport: expected a str, got {type(transport).__name__}")
         if timeout_s is None:

@@ -166,6 +166,7 @@ def _errors() -> None:
         (lambda: Buffer.set_num_sms(3), ValueError, "new_num_sms"),
         (lambda: Config(num_sms=0), ValueError, "num_sms"),
         (lambda: Buffer(low_latency_mode=True, num_qps_per_rank=0), ValueError, "num_qps_per_rank"),
+        (lambda: Buffer(low_latency_mode=True, enable_shrink=True), ValueError, "enable_shrink: shrink mode"),
     ]
     for entry in bad:
         if entry is None:
