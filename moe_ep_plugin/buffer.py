@@ -58,10 +58,12 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[
 
 def buffer_device(group: dist.ProcessGroup, device: object) -> torch.device:
     """The device a Buffer of ``group`` lives on: ``device`` (validated; ``cuda`` without an index is the current
-    one) or, when None, the current CUDA device for an NCCL group and the CPU otherwise."""
+    one) or, when None, the current CUDA device for an NCCL group or while torch's default device is CUDA
+    (``torch.set_default_device("cuda")``, as DeepEP's test harness sets), and the CPU otherwise."""
     nccl = dist.get_backend(group) == "nccl"
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        cuda = nccl or torch.get_default_device().type == "cuda"
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not isinstance(device, (torch.device, str)):
         raise TypeError(f"device: expected a torch.device or str, got {type(device).__name__}")
     try:
@@ -104,10 +106,10 @@ class Buffer:
     ``timeout_s`` bounds every wait on another rank (``$MOE_EP_TIMEOUT_S``, default ``config.DEFAULT_TIMEOUT_S``,
     120 s).
 
-    ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group,
-    else the CPU. A CUDA device with a gloo group serves several ranks that share one GPU (NCCL refuses two
-    ranks on one GPU); only the ``nvlink`` transport works so, since the ``torch`` transport moves rows with
-    the group's own collectives.
+    ``device``: where inputs and outputs live. Default: the current CUDA device when ``group`` is an NCCL group
+    or torch's default device is CUDA, else the CPU. A CUDA device with a gloo group serves several ranks that
+    share one GPU (NCCL refuses two ranks on one GPU); only the ``nvlink`` transport works so, since the
+    ``torch`` transport moves rows with the group's own collectives.
     """
 
     num_sms: int = 20

@@ -95,7 +95,7 @@ def expert_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
     for c in counts:
         total += c
         ends.append(total)
-    host = torch.tensor(ends, dtype=torch.int32)
+    host = torch.tensor(ends, dtype=torch.int32, device="cpu")
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

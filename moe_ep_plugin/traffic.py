@@ -39,12 +39,12 @@ def node_traffic(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks
     n = topk_idx.shape[0]
     num_nodes, local = num_ranks // ranks_per_node, num_experts // num_ranks
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    in_rank = torch.zeros(n, num_ranks + 1, dtype=torch.bool)
+    in_rank = torch.zeros(n, num_ranks + 1, dtype=torch.bool, device="cpu")
     in_rank.scatter_(1, torch.where(valid, topk_idx // local, num_ranks).cpu(), True)
     in_rank = in_rank[:, :num_ranks].view(n, num_nodes, ranks_per_node)
     in_node = in_rank.any(2)  # [N, M]
     my_node, my_local = divmod(rank, ranks_per_node)
-    remote = torch.ones(num_nodes, dtype=torch.bool)
+    remote = torch.ones(num_nodes, dtype=torch.bool, device="cpu")
     remote[my_node] = False
     ranks_hit = in_rank.sum(2)  # [N, M] destination ranks per node
     nodes = in_node.sum(1)

@@ -231,7 +231,7 @@ def test_dispatch_without_topk(transport: str, world: int, ranks_per_node: int |
 def _handle_defaults_duplicates() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(3 + rank)
-    num_experts, n, h = 2 * world, 7, 64
+    num_experts, n, h = 2 * world, 7, 128
     x = torch.randn(n, h, generator=gen).bfloat16()
     idx = routing("random", n, 3, num_experts, gen)
     w = torch.rand(n, 3, generator=gen)
@@ -259,6 +259,12 @@ def _handle_defaults_duplicates() -> None:
     # default dtype BF16 and default device meta: nothing the library allocates follows them
     ref_combined = buffer.combine(reference[0], handle)[0]
     ref_experts = buffer.dispatch_experts(x, idx, w, num_experts, expert_alignment=4)
+    m = 8
+    ll_args = dict(num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, h, world, num_experts),
+                   low_latency_mode=True, num_qps_per_rank=2, transport="torch", timeout_s=60)
+    ll = Buffer(**ll_args)
+    ref_ll = ll.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+    ref_ll_combined = ll.low_latency_combine(ref_ll[0], idx, w, ref_ll[2])[0]
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("meta")
     try:
@@ -269,6 +275,12 @@ def _handle_defaults_duplicates() -> None:
         combined = fresh.combine(got[0], got[4])[0]
         experts = fresh.dispatch_experts(x, idx, w, num_experts, expert_alignment=4)
         back = fresh.combine_experts(experts[0], experts[4], experts[2])
+        # a refusal: rank 0's expert ids as float; every rank raises naming it
+        with pytest.raises(TypeError, match=r"topk_idx"):
+            fresh.dispatch(x, topk_idx=idx.float() if rank == 0 else idx, num_experts=num_experts)
+        fresh_ll = Buffer(**ll_args)
+        got_ll = fresh_ll.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+        ll_combined = fresh_ll.low_latency_combine(got_ll[0], idx, w, got_ll[2])[0]
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)
@@ -277,6 +289,8 @@ def _handle_defaults_duplicates() -> None:
     assert got[3] == reference[3] and torch.equal(combined, ref_combined)
     assert torch.equal(experts[0], ref_experts[0]) and torch.equal(experts[2], ref_experts[2])
     assert experts[3] == ref_experts[3] and back[0].device.type == "cpu" and back[1].dtype == torch.float32
+    assert got_ll[0].device.type == "cpu" and torch.equal(got_ll[0], ref_ll[0]) and torch.equal(got_ll[1], ref_ll[1])
+    assert torch.equal(ll_combined, ref_ll_combined)
 
     # a repeated expert id in one row is two (token, expert) pairs: the row travels once, counts twice, and the
     # expert-major layout holds it twice (DeepEP counts such pairs alike)

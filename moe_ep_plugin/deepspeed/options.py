@@ -89,8 +89,8 @@ def check_moe_args(hidden_size: int, num_experts: int, ep_size: int, k: int, dro
         fp8.check_fp8_hidden(hidden_size, "hidden_size")
     if options.router == "group_limited":
         # gating validates num_groups/group_topk/scaling_factor against E and k; one dummy token runs it now
-        bias = torch.zeros(num_experts) if options.expert_bias_rate else None
-        gating.group_limited_topk(torch.zeros(1, num_experts), k, score_function=options.score_function,
+        bias = torch.zeros(num_experts, device="cpu") if options.expert_bias_rate else None
+        gating.group_limited_topk(torch.zeros(1, num_experts, device="cpu"), k, score_function=options.score_function,
                                   use_pre_softmax=options.use_pre_softmax, num_groups=options.num_groups,
                                   group_topk=options.group_topk, scaling_factor=options.scaling_factor,
                                   expert_bias=bias)

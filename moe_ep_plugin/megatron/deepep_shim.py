@@ -54,7 +54,8 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
     recv_x, recv_idx, recv_probs, counts, handle = ep_autograd.dispatch(
         buffer, x.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch,
         round_scale=_options.round_scale)
-    return recv_x, recv_idx, recv_probs, torch.tensor(list(counts), dtype=torch.long), (group, buffer, handle)
+    counts = torch.tensor(list(counts), dtype=torch.long, device="cpu")
+    return recv_x, recv_idx, recv_probs, counts, (group, buffer, handle)
 
 
 def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: Any, async_finish: bool = False,

@@ -83,7 +83,7 @@ class _Dispatch(torch.autograd.Function):
             recv_x = fp8.dequantize(*recv_x, dtype=x.dtype)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.mark_non_differentiable(recv_idx)
-        tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list)
+        tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device="cpu")
         return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
 
     @staticmethod

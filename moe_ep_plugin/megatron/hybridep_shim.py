@@ -109,13 +109,14 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
     rows = sum(tokens_per_expert)
     overflow = torch.zeros(1, dtype=torch.int32, device=x.device)
     if num_permuted_tokens is None:
-        counts = torch.tensor(tokens_per_expert, dtype=torch.int64)
+        counts = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
         return expert_x, expert_probs, None, counts, (buffer, handle, rows, None, configs, overflow)
     budget = num_permuted_tokens
     if rows > budget:
         overflow.fill_(1)
-    ends = torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0)
-    clipped = (ends.clamp(max=budget) - (ends - torch.tensor(tokens_per_expert)).clamp(max=budget)).to(x.device)
+    counts = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
+    ends = counts.cumsum(0)
+    clipped = (ends.clamp(max=budget) - (ends - counts).clamp(max=budget)).to(x.device)
     return (fit_rows(expert_x, budget), fit_rows(expert_probs, budget), None, clipped,
             (buffer, handle, rows, budget, configs, overflow))
 

@@ -196,8 +196,8 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
                          f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)")
     state.dropped_rows += max(0, num_rows - capacity)
     buffer.handle, buffer.rows = handle, num_rows
-    ends = torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0)
-    starts = ends - torch.tensor(tokens_per_expert, dtype=torch.int64)
+    ends = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu").cumsum(0)
+    starts = ends - torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
     kept = (ends.clamp(max=capacity) - starts.clamp(max=capacity)).to(torch.int32).to(tokens.device)
     out, out_probs = fit_rows(rows, capacity), fit_rows(probs, capacity)
     for name, given, value in (("recv_tokens", recv_tokens, out), ("recv_topk_weights", recv_topk_weights, out_probs)):

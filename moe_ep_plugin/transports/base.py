@@ -6,6 +6,7 @@ run on the right stream, and are contiguous.
 from __future__ import annotations
 
 import abc
+import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -163,8 +164,8 @@ def refusal_error(what: str, codes: list[int], words: list[list[int]]) -> Except
     """The error every rank raises when the ranks with a non-zero ``codes[r]`` refused ``what``; ``words[r]``:
     their ``refusal_words``. Of the first refusing rank's class."""
     ranks = [r for r, code in enumerate(codes) if code]
-    causes = "; ".join(f"rank {r}: " + torch.tensor(words[r], dtype=torch.int64).numpy().tobytes().rstrip(b"\0")
-                       .decode(errors="replace") for r in ranks)
+    causes = "; ".join(f"rank {r}: " + array.array("q", words[r]).tobytes().rstrip(b"\0").decode(errors="replace")
+                       for r in ranks)
     return REFUSABLE[codes[ranks[0]] - 1](f"{what}: rank(s) {ranks} refused the call ({causes}); every rank raises, "
                                           "nothing was sent")
 

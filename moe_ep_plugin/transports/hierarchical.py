@@ -211,9 +211,10 @@ class HierarchicalTransport(Transport):
         signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), 0 if topk is None else topk.shape[1],
                      args.num_experts, int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None),
                      args.config.hierarchical_chunks]
-        invalid = torch.zeros(1, dtype=torch.int64) if topk is None else count_invalid(topk, args.num_experts).cpu()
+        invalid = (torch.zeros(1, dtype=torch.int64, device="cpu") if topk is None
+                   else count_invalid(topk, args.num_experts).cpu())
         local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(), invalid.to(torch.int64),
-                           torch.tensor([x.shape[0]] + signature + [0], dtype=torch.int64)])
+                           torch.tensor([x.shape[0]] + signature + [0], dtype=torch.int64, device="cpu")])
         gathered = self._gather_counts(local)
         r = self.num_ranks
         negative = (gathered[:, :r] < 0).any(1).tolist()
@@ -242,7 +243,7 @@ class HierarchicalTransport(Transport):
         return gathered
 
     def refuse(self, call: str, exc: Exception) -> None:
-        local = torch.zeros(self.num_ranks + _COUNT_WORDS, dtype=torch.int64)
+        local = torch.zeros(self.num_ranks + _COUNT_WORDS, dtype=torch.int64, device="cpu")
         local[-1] = refusal_code(exc)
         self._gather_counts(local, refused(call, exc))
 

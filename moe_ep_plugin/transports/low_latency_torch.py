@@ -37,8 +37,8 @@ class _State:
     each received row, ``slots`` ``[P]`` int64 flat index (into ``[R, L, M]``) of its source slot."""
 
     def __init__(self) -> None:
-        self.rows = torch.empty(0, dtype=torch.int64)
-        self.slots = torch.empty(0, dtype=torch.int64)
+        self.rows = torch.empty(0, dtype=torch.int64, device="cpu")
+        self.slots = torch.empty(0, dtype=torch.int64, device="cpu")
 
 
 class TorchLowLatency:

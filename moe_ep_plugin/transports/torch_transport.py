@@ -110,7 +110,7 @@ class TorchTransport(Transport):
                 return gathered
             return gathered, finish_cpu
         _all_gather_single(gathered.view(-1), local, group=self.group)  # stream-ordered, the host goes on
-        host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(gathered.shape, dtype=torch.int64, device="cpu", pin_memory=True)
         host.copy_(gathered, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
