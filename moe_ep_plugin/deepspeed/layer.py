@@ -106,7 +106,7 @@ class PluginMOELayer(MOELayer):
 
         options = self.options
         buffer = get_buffer(self.ep_group, hidden * max(x.element_size(), 2), options.transport, options.timeout_s,
-                            options.num_sms, options.ranks_per_node)
+                            options.num_sms, options.ranks_per_node, x.device)
         configs = sm_configs(options.num_sms, buffer.group_size)
         self._time(FIRST_ALLTOALL_TIMER, True)
         rows, probs, counts, handle = ep_autograd.dispatch_experts(

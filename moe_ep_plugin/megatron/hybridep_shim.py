@@ -100,7 +100,7 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
             raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
     options = deepep_shim.current_options()
     buffer = get_buffer(group, x.size(1) * max(x.element_size(), 2), options.transport, options.timeout_s,
-                        ranks_per_node=options.ranks_per_node)
+                        ranks_per_node=options.ranks_per_node, device=x.device)
     topk = _topk_width(routing_map, group)
     configs = _configs(num_sms_dispatch_api, num_sms_combine_api, num_ranks)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
