@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 12
+#define MOE_EP_ABI_VERSION 13
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
@@ -32,8 +32,9 @@ extern "C" {
 #define MOE_EP_ERR_CAPACITY 5         /* [1] = rows needed in one peer region, [2] = rows it holds */
 /* [1] = bit mask of the ranks whose meta words differ from rank 0's, [2] = bit mask of the words that differ */
 #define MOE_EP_ERR_MISMATCH 6
-/* [1] = bit mask of the ranks that refused the dispatch (a non-zero last meta word, MOE_EP_META_WORDS - 1),
- * [2] = that word of the lowest of them: its refusal code. Checked before MOE_EP_ERR_MISMATCH. */
+/* [1] = bit mask of the ranks that refused the call, [2] = the refusal word of one of them: the refusal code
+ * (moe_ep_plugin's refusal_code) | the call << 8 (0: a dispatch, in the last meta word MOE_EP_META_WORDS - 1,
+ * checked before MOE_EP_ERR_MISMATCH; 1: a low-latency dispatch, 2: a low-latency combine, their `refusal`). */
 #define MOE_EP_ERR_REFUSED 7
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
@@ -211,7 +212,8 @@ int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_r
 
 /* Low-latency mode (low_latency.cu), DeepEP V1's decode kernels on CUDA-IPC peer memory. A context made for it
  * holds, after moe_ep_staging_offset() bytes, two alternating buffer sets (moe_ep_ll_set_bytes each): per set a
- * signal page (the set's call sequence, then per (local expert, source rank) a row count and a flag, per global
+ * signal page (the set's call sequence, the mask of ranks that refused a call and a refusal word, then per (local
+ * expert, source rank) a row count and a flag, per global
  * expert a combine flag), fixed dispatch slots [local expert][source rank][M] of 16 + 2*hidden bytes (a header
  * holding the source token, then the BF16 row or the FP8 row and its float32 scales), and combine slots
  * [global expert][M] of BF16 rows, which also stage this rank's packed rows during a dispatch. Rows of one
@@ -232,6 +234,10 @@ typedef struct {
     int64_t* layout_range;   /* [L, R] begin << 32 | count */
     int64_t* wait_stats;     /* [R] or NULL: += ns the receive half waited for each source */
     int64_t num_tokens, hidden, num_topk, num_experts, max_tokens, use_fp8, round_scale, use_ue8m0, buffer_set;
+    /* Non-zero: this rank refused the call (the refusal word of MOE_EP_ERR_REFUSED). It takes part without data
+     * (num_tokens 0; the pointers may be NULL, nothing is written): its send half marks it refused in every
+     * peer's set before the flags, and every rank's receive half then records MOE_EP_ERR_REFUSED. */
+    int64_t refusal;
 } moe_ep_ll_dispatch_params;
 
 typedef struct {
@@ -243,6 +249,7 @@ typedef struct {
     void* out;                   /* [N, hidden] BF16: sum over k ascending of weight * row, fp32, rounded once */
     int64_t* wait_stats;         /* [R] or NULL */
     int64_t num_tokens, hidden, num_topk, num_experts, max_tokens, buffer_set;
+    int64_t refusal; /* as the dispatch's: this rank refused the combine (num_tokens 0, the pointers may be NULL) */
 } moe_ep_ll_combine_params;
 
 int64_t moe_ep_ll_set_bytes(int64_t max_tokens, int64_t hidden, int64_t num_experts);

@@ -179,7 +179,8 @@ class LowLatencyMode:
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         except REFUSABLE as exc:
-            self._refuse("low_latency_dispatch", exc)
+            hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+            self._refuse("low_latency_dispatch", exc, (num_max_dispatch_tokens_per_rank, hidden, num_experts))
         self._calls += 1
         out = self.transport.dispatch(DispatchRequest(x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, s))
 
@@ -286,12 +287,20 @@ class LowLatencyMode:
         self.sets.clean()
         self._layout = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def _refuse(self, call: str, exc: Exception) -> NoReturn:
-        """Raise ``exc``, this rank's bad input to ``call``, on every rank alike: through the transport's header
-        exchange (the peers are in the same call and would otherwise wait for this rank until they time out). The
-        kernels' transport has no header exchange: it raises here only, and the peers' kernels time out naming this
-        rank."""
-        self.transport.refuse(call, exc)
+    def _refuse(self, call: str, exc: Exception, shapes: tuple | None = None) -> NoReturn:
+        """Raise ``exc``, this rank's bad input to ``call``, on every rank alike (the peers are in the same call and
+        would otherwise wait for this rank until they time out): the transport takes part in the call without
+        data and tells the peers. The kernels need the buffer's layout for that: the one fixed by the calls so far,
+        else the call's own ``shapes`` ``(M, hidden, num_experts)`` when they are valid; without either, only this
+        rank raises and the peers' kernels time out naming it."""
+        layout = self._layout
+        if layout is None and shapes is not None:
+            try:
+                self._check_shapes(*shapes)
+                layout = shapes
+            except REFUSABLE:
+                layout = None
+        self.transport.refuse(call, exc, layout, self.sets.next)
         raise exc
 
     def _check_handle(self, handle: object) -> LowLatencyHandle:

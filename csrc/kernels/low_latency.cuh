@@ -49,6 +49,9 @@ __host__ __device__ inline LLShape ll_shape(int64_t M, int64_t H, int64_t E, int
 struct LLSet {
     char* base;
     __device__ int* seq() const { return reinterpret_cast<int*>(base); }
+    // ranks that refused a call (bit mask) and the refusal word of one of them (csrc/moe_ep.h MOE_EP_ERR_REFUSED)
+    __device__ int* refused() const { return reinterpret_cast<int*>(base) + 1; }
+    __device__ int* refusal() const { return reinterpret_cast<int*>(base) + 2; }
     __device__ int* disp_count(const LLShape& s) const { return reinterpret_cast<int*>(base + 16); }
     __device__ int* disp_flag(const LLShape& s) const { return reinterpret_cast<int*>(base + 16) + s.E; }
     __device__ int* comb_flag(const LLShape& s) const { return reinterpret_cast<int*>(base + 16) + 2 * s.E; }
@@ -63,6 +66,18 @@ struct LLSet {
 
 __device__ __forceinline__ LLSet ll_set(const DevCtx& c, int owner, const LLShape& s, int set) {
     return LLSet{c.bufs[owner] + kStagingOffset + set * s.set_bytes};
+}
+
+// A refusing rank's mark in `peer`'s set, stored before the flags that publish it.
+__device__ __forceinline__ void ll_mark_refused(const LLSet& peer, int rank, int64_t refusal) {
+    atomicOr_system(peer.refused(), 1 << rank);
+    *reinterpret_cast<volatile int*>(peer.refusal()) = int(refusal);
+}
+
+// After acquiring `src`'s flag: record MOE_EP_ERR_REFUSED when `src` marked itself refused.
+__device__ __forceinline__ void ll_check_refused(const DevCtx& c, const LLSet& mine, int src) {
+    const int mask = ld_volatile(mine.refused());
+    if ((mask >> src) & 1) report_error(c, MOE_EP_ERR_REFUSED, mask, ld_volatile(mine.refusal()));
 }
 
 // Warp-wide copy of n 16-byte vectors; kPeerWritten: src was written by another GPU (coherent loads).
@@ -114,6 +129,7 @@ __global__ void __launch_bounds__(kLLThreads)
         sent += total;
         __syncthreads();
     }
+    if (p.refusal != 0 && threadIdx.x == 0) ll_mark_refused(peer, c.rank, p.refusal);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -133,7 +149,10 @@ __global__ void __launch_bounds__(kLLThreads)
     const int src = threadIdx.x;
     if (src < s.R) {
         const uint64_t start = now_ns();
-        if (!wait_flag<true>(c, &mine.disp_flag(s)[l * s.R + src], seq, MOE_EP_ERR_DISPATCH_TIMEOUT, src, l)) ok = 0;
+        if (!wait_flag<true>(c, &mine.disp_flag(s)[l * s.R + src], seq, MOE_EP_ERR_DISPATCH_TIMEOUT, src, l))
+            ok = 0;
+        else
+            ll_check_refused(c, mine, src);
         // a count beyond the slots (never sent by a healthy peer) must not address outside them
         counts[src] = min(max(ld_volatile(&mine.disp_count(s)[l * s.R + src]), 0), int(s.M));
         if (p.wait_stats != nullptr)
@@ -141,7 +160,7 @@ __global__ void __launch_bounds__(kLLThreads)
                       (unsigned long long)(now_ns() - start));
     }
     __syncthreads();
-    if (!ok) return;
+    if (!ok || p.refusal != 0) return;  // a refusing rank writes no outputs
     if (threadIdx.x == 0) {
         begins[0] = 0;
         for (int r = 0; r < s.R; ++r) begins[r + 1] = begins[r] + counts[r];
@@ -185,7 +204,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(DevCtx c, m
     const int set = int(p.buffer_set);
     const LLSet mine = ll_set(c, c.rank, s, set), peer = ll_set(c, dst, s, set);
     const int seq = ld_volatile(mine.seq()) + 1;
-    const int64_t range = p.layout_range[l * s.R + dst];
+    const int64_t range = p.refusal != 0 ? 0 : p.layout_range[l * s.R + dst];  // a refusing rank sends no rows
     const int begin = int(range >> 32), count = int(range & 0xffffffff);
     const int e = c.rank * int(s.L) + l;
     const int64_t rows = s.R * s.M;
@@ -198,6 +217,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(DevCtx c, m
         ll_copy<false>(reinterpret_cast<int4*>(peer.comb_slot(s, e, t)),
                        static_cast<const int4*>(p.x) + row * (2 * s.H / 16), 2 * s.H / 16, lane);
     }
+    if (p.refusal != 0 && threadIdx.x == 0) ll_mark_refused(peer, c.rank, p.refusal);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) st_release_sys(&peer.comb_flag(s)[e], seq);
@@ -213,9 +233,14 @@ __global__ void __launch_bounds__(256) ll_combine_recv_kernel(DevCtx c, moe_ep_l
     // Every rank's combine send flags every expert on every rank, so block 0 waiting for all of them makes the
     // receive a barrier: without it a rank whose tokens need no peer (or that has none) would run ahead into its
     // next dispatch and overwrite slots a peer's previous dispatch receive may still be reading.
+    // It is also where a refusing rank's mark is found.
     if (blockIdx.x == 0)
-        for (int e = threadIdx.x; e < s.E; e += blockDim.x)
-            if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), e)) ok = 0;
+        for (int e = threadIdx.x; e < s.E; e += blockDim.x) {
+            if (!wait_flag<true>(c, &mine.comb_flag(s)[e], seq, MOE_EP_ERR_COMBINE_TIMEOUT, int(e / s.L), e))
+                ok = 0;
+            else
+                ll_check_refused(c, mine, int(e / s.L));
+        }
     if (t >= p.num_tokens) return;  // the barrier block of a rank without tokens
     const int64_t* idx = p.topk_idx + int64_t(t) * p.num_topk;
     if (threadIdx.x < p.num_topk) {

@@ -11,7 +11,7 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 12
+ABI_VERSION = 13
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -67,7 +67,7 @@ class LLDispatchParams(ctypes.Structure):
         "x", "topk_idx", "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "wait_stats")] + [
         (name, _i64) for name in (
             "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "use_fp8", "round_scale", "use_ue8m0",
-            "buffer_set")]
+            "buffer_set", "refusal")]
 
 
 class LLCombineParams(ctypes.Structure):
@@ -75,7 +75,7 @@ class LLCombineParams(ctypes.Structure):
 
     _fields_ = [(name, _p) for name in (
         "x", "topk_idx", "topk_weights", "src_info", "layout_range", "out", "wait_stats")] + [(name, _i64) for name in (
-            "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "buffer_set")]
+            "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "buffer_set", "refusal")]
 
 
 _lib: ctypes.CDLL | None = None

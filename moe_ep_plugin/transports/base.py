@@ -145,6 +145,8 @@ def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
 # joins the call's first exchange with the error's class and then its message, so every rank raises the cause.
 REFUSABLE = (ValueError, TypeError, RuntimeError)
 REFUSAL_WORDS = 64  # int64 words of a refusal's message (512 UTF-8 bytes, cut beyond)
+# The calls a kernel refusal word names (csrc/moe_ep.h MOE_EP_ERR_REFUSED: refusal code | index << 8).
+REFUSED_CALLS = ("dispatch", "low_latency_dispatch", "low_latency_combine")
 
 
 def refusal_code(exc: BaseException | None) -> int:

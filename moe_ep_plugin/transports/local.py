@@ -184,7 +184,7 @@ class LocalLowLatency(TorchLowLatency):
 
     name = "local"
 
-    def refuse(self, call: str, exc: Exception) -> None:
+    def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
         """No peer waits on a one-rank group: the caller raises ``exc`` itself."""
 
     def _check_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:

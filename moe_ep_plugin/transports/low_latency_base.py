@@ -93,9 +93,10 @@ class LowLatencyTransport(Protocol):
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor: ...
 
-    def refuse(self, call: str, exc: Exception) -> None:
+    def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
         """This rank refuses ``call`` (``exc``: its bad input): let the peers, which are in the same call, raise the
-        cause too where the transport can tell them; the caller then raises ``exc``."""
+        cause too where the transport can tell them; the caller then raises ``exc``. ``layout``: the buffer's
+        ``(M, hidden, num_experts)`` if known, ``buffer_set``: the set the peers' call takes."""
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None: ...
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..ops import fp8, library
 from ..ops.library import ptr as _ptr
+from .base import REFUSED_CALLS, refusal_code
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
 from .nvlink.runtime import NVLinkRuntime
 
@@ -82,8 +83,26 @@ class NVLinkLowLatency:
         return self.runtime.low_latency_combine_buffer(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
                                                        handle.num_experts, buffer_set)
 
-    def refuse(self, call: str, exc: Exception) -> None:
-        """The kernels exchange no header to carry a refusal: the peers' waits time out naming this rank."""
+    def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
+        """Take part in the peers' ``call`` without data, marked refused (csrc/moe_ep.h ``refusal``), so that every
+        rank's receive half records ``MOE_EP_ERR_REFUSED`` and its next call raises it naming this rank. Needs the
+        buffer's ``layout`` to find the peers' slots; without it, or for a clean (a memset and a barrier), the
+        peers' waits time out naming this rank instead. Skipped when this rank already recorded an error (its
+        kernels would not run)."""
+        if layout is None or call not in REFUSED_CALLS or self.runtime.error[0] != 0:
+            return
+        m, hidden, num_experts = layout
+        word = refusal_code(exc) | REFUSED_CALLS.index(call) << 8
+        shape = dict(num_tokens=0, hidden=hidden, num_topk=1, num_experts=num_experts, max_tokens=m,
+                     buffer_set=buffer_set, refusal=word)
+        if call == "low_latency_dispatch":
+            params = library.LLDispatchParams(**shape)
+            self.runtime.low_latency("dispatch_send", params)
+            self.runtime.low_latency("dispatch_recv", params)
+        else:
+            params = library.LLCombineParams(**shape)
+            self.runtime.low_latency("combine_send", params)
+            self.runtime.low_latency("combine_recv", params)
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor:
         shape = (handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)

@@ -79,9 +79,9 @@ class TorchLowLatency:
         if bad_ranks:
             raise invalid_ids_error(bad_ranks, num_experts)
 
-    def refuse(self, call: str, exc: Exception) -> None:
+    def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
         """This rank refuses ``call`` (``exc``: its bad input): join the call's header exchange so that every rank
-        raises the cause, naming this rank."""
+        raises the cause, naming this rank (the header needs neither ``layout`` nor ``buffer_set``)."""
         self._agree(next(c for c, name in _CALLS.items() if name == call), 0, 0, 0, (False, False, False), None, exc)
 
     def _exchange(self, send: torch.Tensor, what: str) -> Callable[[], tuple[torch.Tensor, int]]:

@@ -2,8 +2,8 @@
 collective form on the same inputs: BF16 rows bit-exact, FP8 bytes and scales equal (float32 and packed UE8M0),
 recv_count, src_info and layout_range exact, combine bit for bit (both sum weight * row over k ascending in fp32, no
 FMA). Also the hook, zero-copy, ``out=``, normal and low-latency calls alternating on one Buffer, CUDA-graph replay of
-dispatch -> expert stand-in -> combine on new inputs, and a peer that never arrives. Skips without a GPU or the built
-kernel library.
+dispatch -> expert stand-in -> combine on new inputs, a peer that never arrives and one that refuses a call. Skips
+without a GPU or the built kernel library.
 
 With two or more GPUs every rank has its own GPU and the reference runs on NCCL; with one GPU, 2, 3 and 4 ranks
 share it (gloo group, ``Buffer(device="cuda:0")``) and the reference runs on the CPU. EP1 is the ``local``
@@ -179,6 +179,43 @@ def _absent_peer(timeout_s: float) -> None:
     dist.barrier(group=side)
 
 
+def _refusing_peer(timeout_s: float) -> None:
+    """Rank 1 refuses a call its peer makes: a dispatch of more than M tokens (the first call: the buffer's layout
+    from the call's own shapes), then, on a fresh buffer, a combine of FP16 rows. Rank 1 raises the cause; rank 0's
+    call returns (no host read) and its next call raises the refusal, of the cause's class, naming rank 1 and the
+    call; all well within the timeout, no kernel trapped."""
+    bad = dist.get_rank() == 1
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cuda", 0)
+    m, hidden, num_experts = 8, 2048, 2 * dist.get_world_size()
+    x = torch.randn(m, hidden, device=dev).bfloat16()
+    idx = torch.arange(m, device=dev).view(m, 1) % num_experts
+    start = time.monotonic()
+    nv, _ = _buffers(m, hidden, num_experts, timeout_s=timeout_s)
+    if bad:
+        with pytest.raises(ValueError, match=f"x: {m + 1} tokens exceed"):
+            nv.low_latency_dispatch(torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), m, num_experts, use_fp8=False)
+    else:
+        nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+        with pytest.raises(ValueError, match=r"low_latency_dispatch: rank\(s\) \[1\] refused the call"):
+            nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+    torch.cuda.synchronize(dev)
+    nv.destroy()
+
+    nv, _ = _buffers(m, hidden, num_experts, timeout_s=timeout_s)
+    recv_x, _, handle, _, _ = nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+    w = torch.ones(m, 1, device=dev)
+    if bad:
+        with pytest.raises(TypeError, match="x: expected dtype"):
+            nv.low_latency_combine(recv_x.half(), idx, w, handle)
+    else:
+        nv.low_latency_combine(recv_x, idx, w, handle)
+        with pytest.raises(TypeError, match=r"low_latency_combine: rank\(s\) \[1\] refused the call"):
+            nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+    torch.cuda.synchronize(dev)  # no kernel trapped
+    nv.destroy()
+    assert time.monotonic() - start < timeout_s
+
+
 @pytest.mark.parametrize("ranks,backend", _RUNS)
 def test_low_latency_kernels_match_torch_form(ranks: int, backend: str) -> None:
     spawn(_cases, ranks, backend=backend, timeout_s=600)
@@ -186,3 +223,7 @@ def test_low_latency_kernels_match_torch_form(ranks: int, backend: str) -> None:
 
 def test_low_latency_peer_that_never_arrives_raises() -> None:
     spawn(_absent_peer, 2, args=(3.0,), backend="nccl" if GPUS >= 2 else "gloo")
+
+
+def test_low_latency_peer_refusal_raises_on_every_rank() -> None:
+    spawn(_refusing_peer, 2, args=(20.0,), backend="nccl" if GPUS >= 2 else "gloo", timeout_s=120.0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ...event import current_stream_handle
 from ...ops import library
-from ..base import META_FIELDS, REFUSABLE, metadata_error
+from ..base import META_FIELDS, REFUSABLE, REFUSED_CALLS, metadata_error
 from .plan import DEFAULT_ROW_BYTES, DEFAULT_ROWS
 
 
@@ -104,10 +104,14 @@ class NVLinkRuntime:
                                  " (found by notify; this buffer is unusable now: destroy it and make a new one)")
         if code == library.ERR_REFUSED:
             ranks = [i for i in range(self.num_ranks) if a >> i & 1]
-            cls = REFUSABLE[b - 1] if 1 <= b <= len(REFUSABLE) else RuntimeError
-            raise cls(f"dispatch: rank(s) {ranks} refused the call (a {cls.__name__} on rank {ranks[0]}, whose own "
-                      "error names the cause); every rank raises, nothing was sent (found by notify; this buffer is "
-                      "unusable now: destroy it and make a new one)")
+            refusal, call = b & 0xFF, b >> 8
+            cls = REFUSABLE[refusal - 1] if 1 <= refusal <= len(REFUSABLE) else RuntimeError
+            call_name = REFUSED_CALLS[call] if 0 <= call < len(REFUSED_CALLS) else f"call {call}"
+            found = ("nothing was sent (found by notify" if call == 0 else
+                     "the refusing rank sent no rows (found by the low-latency receive")
+            raise cls(f"{call_name}: rank(s) {ranks} refused the call (a {cls.__name__} on rank {ranks[0]}, whose "
+                      f"own error names the cause); every rank raises, {found}; this buffer is unusable now: "
+                      "destroy it and make a new one)")
         if code == library.ERR_CAPACITY:
             raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; "
                              "pass a larger num_nvl_bytes")
