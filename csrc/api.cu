@@ -569,19 +569,20 @@ extern "C" int moe_ep_ll_dispatch_send(void* handle, const moe_ep_ll_dispatch_pa
     return ll_entry(handle, params, stream,
                     [](const Context* ctx, const moe_ep_ll_dispatch_params& p, const LLShape& s, cudaStream_t st) {
                         if (p.num_tokens > 0) {
-                            ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, p, s);
+                            const LLPack pack{p.x, p.num_tokens, p.use_fp8, p.round_scale, p.buffer_set};
+                            ll_pack_kernel<<<unsigned((p.num_tokens + 7) / 8), 256, 0, st>>>(ctx->dev, pack, s);
                             if (int err = check_launch("ll_pack_kernel")) return err;
                         }
-                        ll_dispatch_send_kernel<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s);
-                        return check_launch("ll_dispatch_send_kernel");
+                        ll::dispatch<<<unsigned(s.E), kLLThreads, 0, st>>>(ctx->dev, p, s, 0);
+                        return check_launch("low-latency dispatch (send)");
                     });
 }
 
 extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_params* params, void* stream) {
     return ll_entry(handle, params, stream,
                     [](const Context* ctx, const moe_ep_ll_dispatch_params& p, const LLShape& s, cudaStream_t st) {
-                        ll_dispatch_recv_kernel<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s);
-                        if (int err = check_launch("ll_dispatch_recv_kernel")) return err;
+                        ll::dispatch<<<unsigned(s.L), kLLThreads, 0, st>>>(ctx->dev, p, s, 1);
+                        if (int err = check_launch("low-latency dispatch (receive)")) return err;
                         return ll_advance(ctx, s, p.buffer_set, st);
                     });
 }
@@ -589,8 +590,8 @@ extern "C" int moe_ep_ll_dispatch_recv(void* handle, const moe_ep_ll_dispatch_pa
 extern "C" int moe_ep_ll_combine_send(void* handle, const moe_ep_ll_combine_params* params, void* stream) {
     return ll_entry(handle, params, stream,
                     [](const Context* ctx, const moe_ep_ll_combine_params& p, const LLShape& s, cudaStream_t st) {
-                        ll_combine_send_kernel<<<unsigned(s.L * s.R), kLLThreads, 0, st>>>(ctx->dev, p, s);
-                        return check_launch("ll_combine_send_kernel");
+                        ll::combine<<<unsigned(s.L * s.R), kLLThreads, 0, st>>>(ctx->dev, p, s, 0);
+                        return check_launch("low-latency combine (send)");
                     });
 }
 
@@ -598,9 +599,8 @@ extern "C" int moe_ep_ll_combine_recv(void* handle, const moe_ep_ll_combine_para
     return ll_entry(handle, params, stream,
                     [](const Context* ctx, const moe_ep_ll_combine_params& p, const LLShape& s, cudaStream_t st) {
                         // at least one block: the receive is also a barrier, with or without tokens
-                        ll_combine_recv_kernel<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev,
-                                                                                                              p, s);
-                        if (int err = check_launch("ll_combine_recv_kernel")) return err;
+                        ll::combine<<<unsigned(p.num_tokens > 0 ? p.num_tokens : 1), 256, 0, st>>>(ctx->dev, p, s, 1);
+                        if (int err = check_launch("low-latency combine (receive)")) return err;
                         return ll_advance(ctx, s, p.buffer_set, st);
                     });
 }

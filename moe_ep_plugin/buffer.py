@@ -486,11 +486,7 @@ class Buffer:
         _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self._cuda)
         if topk_weights is not None:
             _check("topk_weights", topk_weights, (torch.float32,), (handle.num_recv_rows, None), self._cuda)
-        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        if len(biases) > 2:
-            raise ValueError(f"bias: at most two tensors, got {len(biases)}")
-        for i, b in enumerate(biases):
-            _check(f"bias[{i}]", b, (x.dtype,), (handle.num_tokens, x.shape[1]), self._cuda)
+        biases = self._check_biases(bias, x, handle.num_tokens)
         config = self._check_config(config, self.get_combine_config)
 
         def run() -> tuple:
@@ -551,24 +547,37 @@ class Buffer:
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None = None,
                         config: Config | None = None, previous_event: EventOverlap | None = None,
-                        async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                        async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None):
         """Reverse of :meth:`dispatch_experts`: expert outputs ``y`` ``[M, H]`` BF16/FP32 in the handle's layout →
         ``(combined_x [N, H] y.dtype, combined_weights [N, K] float32 or None, event)``.
 
         ``combined_x[t]`` sums the rows of token ``t``'s pairs (per rank: top-k columns ascending in fp32, rounded
-        to ``y.dtype``; then over ranks in fp32, rounded once more); padding rows are ignored. With
-        ``expert_weights`` ``[M]`` float32, ``combined_weights[t, k]`` is the value at the row pair ``(t, k)``
-        landed in (0 where ``topk_idx[t, k]`` was -1). Gate weights are applied by the caller before.
+        to ``y.dtype``; then over ranks in fp32 with ``bias``, 0–2 tensors ``[N, H]`` ``y.dtype``, rounded once
+        more); padding rows are ignored. With ``expert_weights`` ``[M]`` float32, ``combined_weights[t, k]`` is the
+        value at the row pair ``(t, k)`` landed in (0 where ``topk_idx[t, k]`` was -1). Gate weights are applied by
+        the caller before.
         """
         layout = self._check_expert_handle(handle).expert_layout
         _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self._cuda)
         if expert_weights is not None:
             _check("expert_weights", expert_weights, (torch.float32,), (layout.num_rows,), self._cuda)
+        biases = self._check_biases(bias, y, handle.num_tokens)
         config = self._check_config(config, self.get_combine_config)
         combined, weights, event = self._on_comm_stream(
-            lambda: self.transport.combine_experts(y.contiguous(), handle, _contiguous(expert_weights), config),
-            previous_event, async_finish, allocate_on_comm_stream, (y, expert_weights, handle))
+            lambda: self.transport.combine_experts(y.contiguous(), handle, _contiguous(expert_weights),
+                                                   tuple(b.contiguous() for b in biases), config),
+            previous_event, async_finish, allocate_on_comm_stream, (y, expert_weights, biases, handle))
         return combined, weights, event
+
+    def _check_biases(self, bias: object, x: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """``bias`` (None, one tensor or up to two) as a tuple of ``[num_tokens, H]`` tensors of ``x.dtype``."""
+        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+        if len(biases) > 2:
+            raise ValueError(f"bias: at most two tensors, got {len(biases)}")
+        for i, b in enumerate(biases):
+            _check(f"bias[{i}]", b, (x.dtype,), (num_tokens, x.shape[1]), self._cuda)
+        return biases
 
     # ---- low-latency mode (DeepEP V1's signatures; semantics in moe_ep_plugin/low_latency.py) ----
     @staticmethod

@@ -75,6 +75,25 @@ def _reference(xs, idxs, ws, t_max: int, num_experts: int, rank: int, world: int
     return rows, expert_rows
 
 
+def _dst_rows(idxs, rank: int, local: int, num_experts: int) -> list[list[int]]:
+    """For each (token, k) of ``rank``: the row its token lands in on the destination rank (rows arrive by source
+    rank, then token), -1 where the id names no expert."""
+    def goes(s: int, t: int, r: int) -> bool:
+        return any(0 <= e < num_experts and e // local == r for e in idxs[s][t].tolist())
+    out = []
+    for t, ids in enumerate(idxs[rank].tolist()):
+        row = []
+        for e in ids:
+            if not 0 <= e < num_experts:
+                row.append(-1)
+                continue
+            r = e // local
+            before = sum(goes(s, u, r) for s in range(rank) for u in range(idxs[s].shape[0]))
+            row.append(before + sum(goes(rank, u, r) for u in range(t)))
+        out.append(row)
+    return out
+
+
 def _rows_of(x, t):
     """Row(s) ``t`` (an index or index tensor) of a tensor or FP8 pair."""
     return (x[0][t], x[1][t]) if isinstance(x, tuple) else x[t]
@@ -138,6 +157,8 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
     assert handle.psum_num_recv_tokens_per_expert.tolist() == torch.tensor(aligned).cumsum(0).tolist()
     assert stats.tolist() == real
     assert (handle.topk_idx is idx) == (not copy) and torch.equal(handle.topk_idx, idx)
+    slots = handle.dst_buffer_slot_idx
+    assert slots.dtype == torch.int32 and slots.tolist() == _dst_rows(idxs, rank, local, num_experts)
 
     # ---- expanded dispatch ----
     e_x, e_idx, e_w, e_handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, topk_idx=idx,
@@ -176,9 +197,9 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
         assert bool((e_x[1][pad] == 0).all())
 
     # ---- cached dispatches == fresh ----
-    cached_x, _, cached_w, cached_handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, handle=handle,
-                                                   **stream)
-    assert cached_handle is handle and cached_w is None
+    cached_x, cached_idx, cached_w, cached_handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in,
+                                                            handle=handle, **stream)
+    assert cached_handle is handle and cached_w is None and torch.equal(cached_idx, recv_idx)
     _equal_rows(cached_x, list(recv_x) if not isinstance(recv_x, tuple) else list(zip(*recv_x, strict=False)))
     ce_x, _, ce_w, _ = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, handle=e_handle, topk_weights=w,
                                do_expand=True, do_zero_padding=True, use_tma_aligned_col_major_sf=True, **stream)
@@ -265,6 +286,29 @@ def test_ep_buffer_matches_reference(world: int) -> None:
     spawn(_suite, world, args=(int(time.time()) % 1000, "torch", None, "ep"), backend="gloo")
 
 
+def _bias_and_inference_mode() -> None:
+    """Two ranks, every token to expert 0 (rank 0) and expert 2 (rank 1), expanded. The reduced combine adds the
+    bias in the fp32 sum over ranks and rounds once: rows 1 (rank 0) and 2^-9 (rank 1) plus a bias of 2^-8 give
+    bf16(1 + 3 * 2^-9) = 1 + 2^-7, where rounding the rows' sum before adding the bias would give 1. Under
+    ``torch.inference_mode()`` (DeepEP's test loop) a handle keeps ``topk_idx`` by reference without a version."""
+    rank = dist.get_rank()
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=4, hidden=HIDDEN, transport="torch")
+    with torch.inference_mode():
+        x = torch.ones(4, HIDDEN, dtype=torch.bfloat16)
+        idx = torch.tensor([[0, 2]] * 4)  # an inference tensor: no version counter
+        e_x, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=4, do_expand=True, do_handle_copy=False)
+        assert handle.topk_idx is idx
+        y = torch.zeros_like(e_x)
+        y[:handle.num_expanded_tokens] = 1.0 if rank == 0 else 2.0 ** -9
+        bias = torch.full((4, HIDDEN), 2.0 ** -8, dtype=torch.bfloat16)
+        combined = buffer.combine(y, handle, bias=bias)[0]
+    assert bool((combined == 1 + 2.0 ** -7).all()), combined[:, 0].tolist()
+
+
+def test_expanded_combine_bias_and_inference_mode() -> None:
+    spawn(_bias_and_inference_mode, 2, backend="gloo")
+
+
 def _errors() -> None:
     world = dist.get_world_size()
     group = dist.group.WORLD
@@ -306,6 +350,13 @@ def _errors() -> None:
         ep.combine(torch.zeros(ep_handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16), ep_handle)
     with pytest.raises(ValueError, match="another buffer"):
         ep.combine(x, handle)
+    single = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=4, hidden=HIDDEN, transport="torch",
+                                   allow_multiple_reduction=False)
+    e_x, _, _, e_handle, _ = single.dispatch(x, do_expand=True, **ok)
+    with pytest.raises(ValueError, match="allow_multiple_reduction"):
+        single.combine(torch.zeros_like(e_x), e_handle)
+    plain = single.dispatch(x, **ok)[3]  # non-expanded rows, reduced by the caller: one reduction, served
+    single.combine(torch.zeros(plain.num_recv_tokens, HIDDEN, dtype=torch.bfloat16), plain)
 
 
 def test_errors_name_the_argument() -> None:

@@ -288,7 +288,7 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     t = _transport(fake, guess=16)
     fake.pull_rows = pull_rows
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=min_bytes))
+    out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=min_bytes))
     recv_y = fake.calls[asks][1][7]
     combined = fake.calls[-1][1][1]
     assert fake.calls == [("moe_ep_pull_rows", (CTX, H * 2, K))] * asks + [
@@ -310,7 +310,7 @@ def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> 
     t = _transport(fake, guess=16)
     fake.pull_rows = NUM_RECV  # exactly the most any rank received fits
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=min_bytes))
+    out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=min_bytes))
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
         ("moe_ep_pull_rows", (CTX, H * 2, K)),
@@ -329,7 +329,7 @@ def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
     fake.pull_rows = 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     with mock.patch.object(permute, "kernels_for", lambda t: False):
-        out, out_weights = t.combine_experts(y, handle, expert_weights, _config(pull_combine_min_bytes=0))
+        out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=0))
     combined = fake.calls[-1][1][1]
     assert fake.calls == [
         ("moe_ep_pull_rows", (CTX, H * 2, K)),
@@ -350,7 +350,7 @@ def test_combine_experts_copy_engine_before_pull(fake: FakeLib, num_sms: int, be
     fake.pull_rows = 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     config = _config(num_sms, pull_combine_min_bytes=0, copy_engine_combine_below_sms=below)
-    out, out_weights = t.combine_experts(y, handle, expert_weights, config)
+    out, out_weights = t.combine_experts(y, handle, expert_weights, (), config)
     recv_y = fake.calls[0][1][7]
     combined = fake.calls[-1][1][1]
     assert fake.calls == [

@@ -123,10 +123,14 @@ def _check_cached(handle: EPHandle, topk_idx: torch.Tensor | None, do_cpu_sync: 
 
 def check_expanded(x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None,
                            biases: tuple[torch.Tensor, ...], allow_multiple_reduction: bool) -> None:
-    """An expanded combine's ``topk_weights`` (``[out rows]`` float32) and biases (``[T, H]`` ``x.dtype``)."""
-    if topk_weights is not None and not allow_multiple_reduction:
-        raise ValueError("topk_weights: an expanded combine reduces weights only with "
-                         "allow_multiple_reduction=True (as DeepEP)")
+    """An expanded combine's ``topk_weights`` (``[out rows]`` float32) and biases (``[T, H]`` ``x.dtype``); refused
+    on a buffer made with ``allow_multiple_reduction=False``: DeepEP then sums a token's rows once, in fp32 over all
+    its experts, where this library sums each rank's rows first (a second rounding)."""
+    if not allow_multiple_reduction:
+        raise ValueError("allow_multiple_reduction: an expanded combine here reduces each rank's rows of a token "
+                         "before the sum over ranks (two roundings), which a buffer made with "
+                         "allow_multiple_reduction=False asks not to do; make the buffer with True, or combine "
+                         "non-expanded rows (reduced over the local experts by the caller)")
     num_tokens = handle.inner.num_tokens
     for i, b in enumerate(biases):
         if not (isinstance(b, torch.Tensor) and b.dtype == x.dtype and b.shape == (num_tokens, x.shape[1])

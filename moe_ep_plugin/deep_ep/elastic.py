@@ -76,7 +76,8 @@ class ElasticBuffer:
             deterministic: accepted: every dispatch and combine of this library is deterministic already.
             allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps, num_gpu_timeout_secs:
                 DeepEP's RDMA/QP settings: validated and recorded, mean nothing here.
-            allow_multiple_reduction: as DeepEP: False refuses ``topk_weights`` in an expanded combine.
+            allow_multiple_reduction: False (DeepEP: one reduction of a token's rows, at its source) refuses an
+                expanded combine, which here reduces each rank's rows first.
             num_cpu_timeout_secs: seconds a rank waits for its peers (the Buffer's ``timeout_s``).
             explicitly_destroy: :meth:`destroy` must be called (it is refused otherwise, as in DeepEP).
         """
@@ -260,7 +261,8 @@ class ElasticBuffer:
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: ``recv_x`` ``[rows, H]`` (a pair for FP8),
-            ``recv_topk_idx`` ``[rows, K]`` int64 local ids / -1 (None expanded or cached), ``recv_topk_weights``
+            ``recv_topk_idx`` ``[rows, K]`` int64 local ids / -1 (None expanded; a cached dispatch returns the fresh
+            one's again), ``recv_topk_weights``
             ``[rows, K]`` float32 (expanded: ``[rows]``; None without weights), the :class:`EPHandle`, and an
             ``EventOverlap`` (waitable; it holds an event only with ``async_with_compute_stream`` on CUDA).
         """
@@ -352,7 +354,9 @@ class ElasticBuffer:
         recv_w = None
         if topk_weights is not None:
             recv_w, event = self._cached_weights(topk_weights, handle, kw, event)
-        return (layout.sf_layout(layout.pad_rows(recv_x, handle._out_rows), sf_col_major), None,
+        # the non-expanded form returns the fresh dispatch's local ids again, as DeepEP does
+        recv_idx = None if handle.do_expand else layout.pad_rows(handle._recv_topk_idx, handle._out_rows).clone()
+        return (layout.sf_layout(layout.pad_rows(recv_x, handle._out_rows), sf_col_major), recv_idx,
                 layout.pad_rows(recv_w, handle._out_rows), handle, event)
 
     def _cached_weights(self, topk_weights: torch.Tensor, handle: EPHandle, kw: dict,
@@ -387,10 +391,10 @@ class ElasticBuffer:
                 dispatch: only the valid prefix is read.
             handle: the dispatch's :class:`EPHandle`.
             topk_weights: float32 ``[rows, K]`` (expanded: ``[rows]``), summed over ranks alongside (what a
-                dispatch's backward needs for its weights' gradient); refused expanded when the buffer was made
-                with ``allow_multiple_reduction=False`` (as DeepEP).
-            bias: one ``[T, H]`` tensor or a pair, ``x.dtype``, added once per token (not expanded: before the
-                final rounding; expanded: after the rows' sum is rounded to ``x.dtype``).
+                dispatch's backward needs for its weights' gradient). An expanded combine is refused on a buffer
+                made with ``allow_multiple_reduction=False`` (see the constructor).
+            bias: one ``[T, H]`` tensor or a pair, ``x.dtype``, added once per token in the fp32 sum over ranks,
+                before the final rounding (expanded: each rank's sum of its rows is rounded to ``x.dtype`` first).
             num_sms: SMs (0: the handle's); num_qps: accepted.
             previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream:
                 as in :meth:`dispatch`.
@@ -422,18 +426,8 @@ class ElasticBuffer:
         rows = handle.num_expanded_tokens
         if topk_weights is not None:
             topk_weights = topk_weights[:rows]
-        combined, weights, event = self.buffer.combine_experts(x[:rows], handle.inner, expert_weights=topk_weights,
-                                                               **kw)
-        if not biases:
-            return combined, weights, event
-
-        def add_bias() -> torch.Tensor:
-            total = combined.float()
-            for b in biases:
-                total = total + b.float()
-            return total.to(combined.dtype)
-        combined, event = run_epilogue(self.buffer, event, add_bias)
-        return combined, weights, event
+        return self.buffer.combine_experts(x[:rows], handle.inner, expert_weights=topk_weights, bias=biases or None,
+                                           **kw)
 
 
 class EPBuffer(ElasticBuffer):

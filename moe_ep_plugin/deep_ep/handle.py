@@ -57,7 +57,7 @@ class EPHandle:
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = None
+        self._dst_slots: torch.Tensor | None = None
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
         self.inner = inner  # moe_ep_plugin's DispatchHandle: what combine and the cached dispatch replay
@@ -67,12 +67,31 @@ class EPHandle:
         self._topk_idx_version = topk_idx_version
 
 
+    @property
+    def dst_buffer_slot_idx(self) -> torch.Tensor:
+        """``[T, K]`` int32: the row each (token, k) pair's token lands in on the pair's destination rank, in the
+        non-expanded receive order (source rank, then token); -1 where ``topk_idx`` names no expert. DeepEP's field
+        with one scale-out rank. Made at the first read, on the current stream, from the dispatch's layout."""
+        if self._dst_slots is None:
+            inner = self.inner
+            idx = self.topk_idx.long()
+            named = (idx >= 0) & (idx < self.num_experts)
+            dest = torch.where(named, idx // inner.num_local_experts, 0)
+            rpm = inner.rank_prefix_matrix.long()
+            # rows from this rank start, on each destination, after those of the ranks before it
+            start = rpm[inner.rank - 1] if inner.rank > 0 else torch.zeros_like(rpm[0])
+            rows = start[dest] + inner.send_pos.long().gather(1, dest)
+            self._dst_slots = torch.where(named, rows, -1).to(torch.int32)
+        return self._dst_slots
+
+
 def make_handle(owner: ElasticBuffer, args: DispatchArgs, sms: int, topk_idx: torch.Tensor, num_recv_tokens: int,
                 num_expanded: int, counts: list[int], psum_rank: torch.Tensor, psum_expert: torch.Tensor,
                 real: torch.Tensor | None, meta: torch.Tensor, inner: DispatchHandle, recv_idx: torch.Tensor | None,
                 out_rows: int) -> EPHandle:
     """The :class:`EPHandle` of a fresh dispatch by ``owner`` with the resolved ``args``; it keeps a clone of
-    ``topk_idx`` with ``args.do_handle_copy``, else the tensor and its version (checked by :func:`check_handle`)."""
+    ``topk_idx`` with ``args.do_handle_copy``, else the tensor and its version (checked by :func:`check_handle`;
+    an inference-mode tensor has no version: DeepEP's test loop runs under ``torch.inference_mode()``)."""
     kept = topk_idx.clone() if args.do_handle_copy else topk_idx
     return EPHandle(do_expand=args.do_expand, num_experts=args.num_experts, expert_alignment=args.alignment,
                     num_max_tokens_per_rank=args.t_max, num_sms=sms, topk_idx=kept, num_recv_tokens=num_recv_tokens,
@@ -80,7 +99,7 @@ def make_handle(owner: ElasticBuffer, args: DispatchArgs, sms: int, topk_idx: to
                     psum_num_recv_tokens_per_scaleup_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                     num_unaligned_recv_tokens_per_expert=real, recv_src_metadata=meta, inner=inner,
                     recv_topk_idx=recv_idx, out_rows=out_rows, owner=owner,
-                    topk_idx_version=None if args.do_handle_copy else topk_idx._version)
+                    topk_idx_version=None if args.do_handle_copy or topk_idx.is_inference() else topk_idx._version)
 
 
 def check_handle(handle: object, owner: ElasticBuffer) -> EPHandle:

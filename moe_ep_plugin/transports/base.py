@@ -276,14 +276,15 @@ class Transport(abc.ABC):
         return ExpertDispatchResult(x, scales, probs, handle)
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reverse of :meth:`dispatch_experts`: ``y`` ``[M, H]`` BF16/FP32 → ``([N, H] y.dtype, [N, K] float32
         or None)``.
 
         Each received row sums its experts' rows (``permute.unpermute``: top-k columns ascending, fp32, rounded
-        once), then :meth:`combine` sums over ranks. ``expert_weights`` ``[M]`` float32 reach column ``k`` of
-        their token through ``recv_slot`` (0 where the column's expert is not local); padding rows are ignored.
+        once), then :meth:`combine` sums over ranks with ``bias``. ``expert_weights`` ``[M]`` float32 reach column
+        ``k`` of their token through ``recv_slot`` (0 where the column's expert is not local); padding rows are
+        ignored.
         """
         layout: ExpertLayout = handle.expert_layout
         recv_y = permute.unpermute(y, layout.recv_slot)
-        return self.combine(recv_y, handle, slot_weights(expert_weights, layout), (), config)
+        return self.combine(recv_y, handle, slot_weights(expert_weights, layout), bias, config)

@@ -167,13 +167,20 @@ class LocalTransport(Transport):
         return combined, None if topk_weights is None else permute.unpermute(topk_weights, slot)
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One ``unpermute`` over every token's slots: a token's sum over its experts is its combined row (the
-        fp32 sum of one copy rounds back to itself), 0 for a token without experts."""
+        fp32 sum of one copy rounds back to itself), 0 for a token without experts; with ``bias``, that row plus
+        the biases in fp32, rounded once more (as the other transports' combine of it)."""
         slot = _state(handle).slot
         if slot is None:
             raise ValueError("handle: it has no expert-major layout (it did not come from dispatch_experts)")
-        return permute.unpermute(y, slot), slot_weights(expert_weights, replace(handle.expert_layout, recv_slot=slot))
+        weights = slot_weights(expert_weights, replace(handle.expert_layout, recv_slot=slot))
+        if not bias:
+            return permute.unpermute(y, slot), weights
+        acc = permute.unpermute(y, slot).float()
+        for b in bias:
+            acc += b
+        return acc.to(y.dtype), weights
 
 
 class LocalLowLatency(TorchLowLatency):

@@ -424,7 +424,7 @@ class NVLinkTransport(Transport):
         return launch.out, launch.out_weights
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base class's ``unpermute`` + :meth:`combine` (same results, bit for bit), except when the combine
         pulls and the unpermute kernel serves: then, after the start barrier (peers are done reading this rank's own
         region), ``unpermute`` writes the ``[N_recv, H]`` received rows straight into that region, where the pull
@@ -438,7 +438,7 @@ class NVLinkTransport(Transport):
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
         # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
         kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need
-        launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, (), config)
+        launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, bias, config)
         params = launch.params
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
         if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
