@@ -187,7 +187,7 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             ("kernel experts dispatch fp8->bf16",
              lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], fp8_out=False), 1), fp8_row),
             ("kernel experts combine bf16",
-             lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, ccfg), bf16_row),
+             lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, (), ccfg), bf16_row),
         ]
     if args.quick:
         ops = [op for op in ops if op[0].startswith("kernel ")]

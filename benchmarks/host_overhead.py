@@ -64,7 +64,7 @@ class StandInTransport(Transport):
         return self._fresh if args.handle is None else self._cached
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._combined if expert_weights is None else self._combined_weights
 
 

@@ -265,7 +265,8 @@ def _buffer_reuse() -> None:
         seen = []
         real_dispatch, real_combine = transport.dispatch_experts, transport.combine_experts
         transport.dispatch_experts = lambda args, align: (seen.append(args.config), real_dispatch(args, align))[1]
-        transport.combine_experts = lambda y, handle, w, cfg: (seen.append(cfg), real_combine(y, handle, w, cfg))[1]
+        transport.combine_experts = lambda y, handle, w, bias, cfg: (seen.append(cfg),
+                                                                     real_combine(y, handle, w, bias, cfg))[1]
         rows, _ = d8.token_dispatch(*d8.dispatch_preprocess(torch.randn(5, 32), routing_map, probs))
         d8.token_combine(rows)
         assert seen == [dispatch_config(8, 1), combine_config(8, 1)] and Buffer.num_sms == default_sms
