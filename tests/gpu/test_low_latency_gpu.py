@@ -196,6 +196,7 @@ def _refusing_peer(timeout_s: float) -> None:
             nv.low_latency_dispatch(torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), m, num_experts, use_fp8=False)
     else:
         nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
+        torch.cuda.synchronize(dev)  # no call waits for the GPU: the record is read by a call after the receive ran
         with pytest.raises(ValueError, match=r"low_latency_dispatch: rank\(s\) \[1\] refused the call"):
             nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
     torch.cuda.synchronize(dev)
@@ -209,6 +210,7 @@ def _refusing_peer(timeout_s: float) -> None:
             nv.low_latency_combine(recv_x.half(), idx, w, handle)
     else:
         nv.low_latency_combine(recv_x, idx, w, handle)
+        torch.cuda.synchronize(dev)
         with pytest.raises(TypeError, match=r"low_latency_combine: rank\(s\) \[1\] refused the call"):
             nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
     torch.cuda.synchronize(dev)  # no kernel trapped
