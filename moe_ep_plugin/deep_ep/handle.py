@@ -66,7 +66,6 @@ class EPHandle:
         self._owner = owner
         self._topk_idx_version = topk_idx_version
 
-
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
         """``[T, K]`` int32: the row each (token, k) pair's token lands in on the pair's destination rank, in the

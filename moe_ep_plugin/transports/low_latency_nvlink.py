@@ -89,7 +89,8 @@ class NVLinkLowLatency:
         buffer's ``layout`` to find the peers' slots; without it, or for a clean (a memset and a barrier), the
         peers' waits time out naming this rank instead. Skipped when this rank already recorded an error (its
         kernels would not run)."""
-        if layout is None or call not in REFUSED_CALLS or self.runtime.error[0] != 0:
+        # REFUSED_CALLS[0], the normal-mode dispatch, is refused through the notify of the normal kernels
+        if layout is None or call not in REFUSED_CALLS[1:] or self.runtime.error[0] != 0:
             return
         m, hidden, num_experts = layout
         word = refusal_code(exc) | REFUSED_CALLS.index(call) << 8
