@@ -15,14 +15,10 @@ intranode 12-22 s, low_latency 11-37 s, each elastic case 20-43 s; 67-112 s in a
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
+from support.deepep_files import run_deepep_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUPPORT = os.path.join(ROOT, "tests", "support")
 SOURCE = os.environ.get("MOE_EP_DEEPEP_SRC", "")
 SCRIPTS = ("legacy/test_intranode.py", "legacy/test_low_latency.py", "elastic/test_ep.py")
 UTILS = ("math", "testing", "gate", "refs")  # what tests/support/deepep_own/deep_ep loads from it
@@ -58,18 +54,4 @@ pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
 
 @pytest.mark.parametrize("script,extra", CASES)
 def test_deepep_test_file_passes_on_cpu(script: str, extra: list[str], tmp_path) -> None:
-    path = os.path.join(SOURCE, "tests", script)
-    env = dict(os.environ, MOE_EP_DEEPEP_CPU="1", MOE_EP_DEEPEP_RENDEZVOUS=str(tmp_path / "rendezvous"),
-               PYTHONPATH=os.pathsep.join([os.path.join(SUPPORT, "deepep_own"), ROOT,
-                                           os.environ.get("PYTHONPATH", "")]))
-    # its own process group: a run past the limit is ended with every rank it spawned
-    proc = subprocess.Popen([sys.executable, path, "--num-processes", str(RANKS), *extra], cwd=os.path.dirname(path),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} {extra}: not done within {TIMEOUT_S} s\n{out[-6000:]}")
-    assert proc.returncode == 0, f"{script} {extra}: exit {proc.returncode}\n{out[-6000:]}"
+    run_deepep_file(SOURCE, script, extra, RANKS, str(tmp_path / "rendezvous"), TIMEOUT_S, MOE_EP_DEEPEP_CPU="1")

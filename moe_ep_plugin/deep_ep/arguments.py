@@ -121,9 +121,8 @@ def _check_cached(handle: EPHandle, topk_idx: torch.Tensor | None, do_cpu_sync: 
         raise ValueError("cumulative_local_expert_recv_stats: not counted again by a cached dispatch")
 
 
-def check_expanded(x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None,
-                           biases: tuple[torch.Tensor, ...], allow_multiple_reduction: bool) -> None:
-    """An expanded combine's ``topk_weights`` (``[out rows]`` float32) and biases (``[T, H]`` ``x.dtype``); refused
+def check_expanded(handle: EPHandle, topk_weights: torch.Tensor | None, allow_multiple_reduction: bool) -> None:
+    """An expanded combine's ``topk_weights`` (``[out rows]`` float32; the biases are the Buffer's to check). Refused
     on a buffer made with ``allow_multiple_reduction=False``: DeepEP then sums a token's rows once, in fp32 over all
     its experts, where this library sums each rank's rows first (a second rounding)."""
     if not allow_multiple_reduction:
@@ -131,11 +130,6 @@ def check_expanded(x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor
                          "before the sum over ranks (two roundings), which a buffer made with "
                          "allow_multiple_reduction=False asks not to do; make the buffer with True, or combine "
                          "non-expanded rows (reduced over the local experts by the caller)")
-    num_tokens = handle.inner.num_tokens
-    for i, b in enumerate(biases):
-        if not (isinstance(b, torch.Tensor) and b.dtype == x.dtype and b.shape == (num_tokens, x.shape[1])
-                and b.device == x.device):
-            raise ValueError(f"bias[{i}]: expected a {x.dtype} tensor [{num_tokens}, {x.shape[1]}] on {x.device}")
     if topk_weights is not None and not (isinstance(topk_weights, torch.Tensor)
                                          and topk_weights.dtype == torch.float32
                                          and topk_weights.shape == (handle._out_rows,)):

@@ -413,21 +413,17 @@ class ElasticBuffer:
         sms = check_num_sms(num_sms) or handle.num_sms
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise TypeError(f"x: expected a [rows, hidden] tensor, got {type(x).__name__}")
-        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        if len(biases) > 2:
-            raise ValueError(f"bias: at most two tensors, got {len(biases)}")
         kw = stream_args(self.buffer, combine_config(sms, self.num_ranks), previous_event, before_epilogue,
                          async_with_compute_stream, allocate_on_comm_stream)
         if x.shape[0] != handle._out_rows:
             raise ValueError(f"x: expected {handle._out_rows} rows (the dispatch's output), got {x.shape[0]}")
         if not handle.do_expand:
             return self.buffer.combine(x, handle.inner, topk_weights=topk_weights, bias=bias, **kw)
-        check_expanded(x, handle, topk_weights, biases, self.allow_multiple_reduction)
+        check_expanded(handle, topk_weights, self.allow_multiple_reduction)
         rows = handle.num_expanded_tokens
         if topk_weights is not None:
             topk_weights = topk_weights[:rows]
-        return self.buffer.combine_experts(x[:rows], handle.inner, expert_weights=topk_weights, bias=biases or None,
-                                           **kw)
+        return self.buffer.combine_experts(x[:rows], handle.inner, expert_weights=topk_weights, bias=bias, **kw)
 
 
 class EPBuffer(ElasticBuffer):

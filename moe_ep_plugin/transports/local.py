@@ -157,13 +157,7 @@ class LocalTransport(Transport):
         # send_pos [N, 1]: each token's received row, -1 when it was not sent: the one copy unpermute sums
         _state(handle)
         slot = handle.send_pos
-        if bias:
-            acc = permute.unpermute(x.float(), slot)
-            for b in bias:
-                acc += b
-            combined = acc.to(x.dtype)
-        else:
-            combined = permute.unpermute(x, slot)
+        combined = _add_bias(permute.unpermute(x.float(), slot), bias, x.dtype) if bias else permute.unpermute(x, slot)
         return combined, None if topk_weights is None else permute.unpermute(topk_weights, slot)
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
@@ -175,13 +169,16 @@ class LocalTransport(Transport):
         if slot is None:
             raise ValueError("handle: it has no expert-major layout (it did not come from dispatch_experts)")
         weights = slot_weights(expert_weights, replace(handle.expert_layout, recv_slot=slot))
-        if not bias:
-            return permute.unpermute(y, slot), weights
-        acc = permute.unpermute(y, slot).float()
-        for b in bias:
-            acc += b
-        return acc.to(y.dtype), weights
+        combined = permute.unpermute(y, slot)
+        return (_add_bias(combined.float(), bias, y.dtype) if bias else combined), weights
 
+
+
+def _add_bias(acc: torch.Tensor, bias: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """fp32 rows ``acc`` plus every tensor of ``bias``, rounded once to ``dtype``."""
+    for b in bias:
+        acc += b
+    return acc.to(dtype)
 
 class LocalLowLatency(TorchLowLatency):
     """Low-latency mode of a one-rank group: the collectives form's layout and results (rows of local expert ``l``

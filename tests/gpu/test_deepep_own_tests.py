@@ -14,15 +14,11 @@ or ``MOE_EP_DEEPEP_SRC``, naming which.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
+from support.deepep_files import run_deepep_file
 from support.gpu_marks import NEEDS_KERNELS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUPPORT = os.path.join(ROOT, "tests", "support")
 SOURCE = os.environ.get("MOE_EP_DEEPEP_SRC", "")
 TIMEOUT_S = 540
 
@@ -42,19 +38,4 @@ pytestmark = [*NEEDS_KERNELS, pytest.mark.skipif(
 @pytest.mark.parametrize("ranks", [2, 4], ids=lambda r: f"{r}ranks")
 @pytest.mark.parametrize("script,extra", CASES)
 def test_deepep_test_file_passes(script: str, extra: list[str], ranks: int, tmp_path) -> None:
-    path = os.path.join(SOURCE, "tests", script)
-    env = dict(os.environ, MOE_EP_DEEPEP_RENDEZVOUS=str(tmp_path / "rendezvous"),
-               PYTHONPATH=os.pathsep.join([os.path.join(SUPPORT, "deepep_own"), ROOT,
-                                           os.environ.get("PYTHONPATH", "")]))
-    # its own process group: a run past the limit is ended with every rank it spawned
-    proc = subprocess.Popen([sys.executable, path, "--num-processes", str(ranks), *extra], cwd=os.path.dirname(path),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} {extra} at {ranks} ranks: not done within {TIMEOUT_S} s\n{out[-6000:]}")
-    print(out[-3000:])
-    assert proc.returncode == 0, f"{script} {extra} at {ranks} ranks: exit {proc.returncode}\n{out[-6000:]}"
+    run_deepep_file(SOURCE, script, extra, ranks, str(tmp_path / "rendezvous"), TIMEOUT_S)
