@@ -182,9 +182,10 @@ def _add_bias(acc: torch.Tensor, bias: tuple[torch.Tensor, ...], dtype: torch.dt
 
 class LocalLowLatency(TorchLowLatency):
     """Low-latency mode of a one-rank group: the collectives form's layout and results (rows of local expert ``l``
-    in source-token order, combine summing ``weight * row`` over k ascending in fp32), made by gathers only, with no
-    exchange and no host read, so that a CUDA graph can capture it (out-of-range expert ids are checked on the host
-    except while a graph is captured; packed UE8M0 scales read the host)."""
+    in source-token order, combine summing ``weight * row`` over k ascending in fp32), writing and reading only the
+    selected rows (as the kernels do), with no exchange and no host read, so that a CUDA graph can capture it
+    (out-of-range expert ids are checked on the host except while a graph is captured; packed UE8M0 scales read
+    the host)."""
 
     name = "local"
 
@@ -206,21 +207,31 @@ class LocalLowLatency(TorchLowLatency):
         present.scatter_(1, torch.where(valid, idx, num_experts), 1)  # a repeated id sends one row
         present = present[:, :num_experts]
         count = present.sum(0)
-        # row_of[t, e]: token t's row in the flat [E * M] blocks, E * M (a zero row) where it names no e
+        # row_of[t, e]: token t's row in the flat [E * M] blocks, E * M (the spare row) where it names no e
         row_of = torch.where(present.bool(), torch.arange(num_experts, device=x.device) * m + present.cumsum(0) - 1,
                              num_experts * m)
         src = torch.full((num_experts * m + 1,), n, dtype=torch.int64, device=x.device)
         src.scatter_(0, row_of.reshape(-1), torch.arange(n, device=x.device).repeat_interleave(num_experts))
-        src = src[:-1]  # [E * M]: the token of each row, n (a zero row) for padding
+        src = src[:-1]  # [E * M]: the token of each row, n for padding
         rows, scales = x, None
         if req.use_fp8:
             rows, scales = fp8.quantize(x, round_scale=req.round_scale)
             scales = fp8.pack_ue8m0(scales) if req.use_ue8m0 else scales
-        recv_x = permute.with_zero_row(rows.view(torch.uint8)).index_select(0, src).view(rows.dtype)
+        # Only the selected rows are written (padding stays unset, as the kernels leave it): row_of[t, idx[t, k]]
+        # for each pair, the spare row E * M where the pair names no expert (a repeated id writes its row twice).
+        pair_row = torch.where(valid, row_of.gather(1, torch.where(valid, idx, 0)), num_experts * m)
+        data = rows.view(torch.uint8)
+        recv = data.new_empty((num_experts * m + 1, data.shape[1]))
         recv_scales = None
-        if scales is not None:  # column-major in the last two dims, as DeepEP returns them
-            dense = permute.with_zero_row(scales).index_select(0, src).view(num_experts, m, -1)
-            recv_scales = dense.transpose(1, 2).contiguous().transpose(1, 2)
+        if scales is not None:  # column-major in the last two dims, as DeepEP returns them; expert E is the spare
+            cols = scales.new_empty((num_experts + 1, scales.shape[1], m))
+            recv_scales = cols.transpose(1, 2)
+        for k in range(idx.shape[1]):
+            recv.index_put_((pair_row[:, k],), data)
+            if recv_scales is not None:
+                recv_scales.index_put_((pair_row[:, k] // m, pair_row[:, k] % m), scales)
+        recv_x = recv[:-1].view(rows.dtype)
+        recv_scales = None if recv_scales is None else recv_scales[:-1]
         src_info = torch.where(src < n, src, -1).to(torch.int32).view(num_experts, m)
         handle = LowLatencyHandle(src_info, count.view(num_experts, 1), m, hidden, num_experts, n, idx.shape[1], 0, 1,
                                   row_of)
@@ -233,11 +244,13 @@ class LocalLowLatency(TorchLowLatency):
         if zero_copy:
             x = self.combine_buffer(handle, buffer_set)
         row_of: torch.Tensor = handle.transport_state  # [N, E]: the dispatch's row of each (token, expert)
-        y = permute.with_zero_row(x.reshape(-1, handle.hidden))
+        y = x.reshape(-1, handle.hidden)
         acc = torch.zeros(handle.num_tokens, handle.hidden, dtype=torch.float32, device=x.device)
         for k in range(topk_idx.shape[1]):
             e = topk_idx[:, k]
+            # a pair naming no expert reads some row (the last at most) and adds nothing
             rows = row_of.gather(1, e.clamp(0, handle.num_experts - 1).unsqueeze(1)).squeeze(1)
+            rows = rows.clamp(max=y.shape[0] - 1)
             acc = torch.where((e >= 0).unsqueeze(1), acc + topk_weights[:, k:k + 1] * y.index_select(0, rows).float(),
                               acc)
         out.copy_(acc)
