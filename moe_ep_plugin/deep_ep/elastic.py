@@ -311,12 +311,12 @@ class ElasticBuffer:
             if stats is not None:
                 stats.add_(per_expert.to(torch.int32))
             aligned = (per_expert + alignment - 1) // alignment * alignment
-            return meta, psum_rank, aligned.cumsum(0).to(torch.int32)
-        (meta, psum_rank, psum_expert), event = run_epilogue(self.buffer, event, epilogue)
+            return meta, psum_rank, aligned.cumsum(0).to(torch.int32), layout.sf_layout(recv_x, args.sf_col_major)
+        (meta, psum_rank, psum_expert, out_x), event = run_epilogue(self.buffer, event, epilogue)
         num_recv = inner.num_recv_tokens if inner.num_recv_tokens is not None else recv_idx.shape[0]
         ep_handle = make_handle(self, args, sms, topk_idx, num_recv, 0, counts, psum_rank, psum_expert, None, meta,
                                 inner, recv_idx, recv_idx.shape[0])
-        return (layout.sf_layout(recv_x, args.sf_col_major), recv_idx, recv_w, ep_handle, event)
+        return out_x, recv_idx, recv_w, ep_handle, event
 
     def _expand_dispatch(self, x: XInput, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
                          stats: torch.Tensor | None, args: DispatchArgs, sms: int, local: int, kw: dict):
@@ -324,6 +324,9 @@ class ElasticBuffer:
         expert_x, expert_sf, probs, tokens_per_expert, inner, event = self.buffer.dispatch_experts(
             x, topk_idx, topk_weights, args.num_experts, expert_alignment=args.alignment, **kw)
         expert_layout = inner.expert_layout
+        rows = expert_layout.num_rows
+        out_rows = rows if args.cpu_sync else layout.expanded_capacity(rows, self.num_ranks, args.t_max,
+                                                                       args.num_topk, local, args.alignment)
 
         def epilogue() -> tuple:
             slots = expert_layout.recv_slot
@@ -333,16 +336,13 @@ class ElasticBuffer:
             meta, psum_rank = layout.source_metadata(inner, self.rank_idx, self.num_scaleout_ranks,
                                                      self.num_scaleup_ranks, slots.shape[0], args.num_topk,
                                                      args.t_max, slots)
-            return meta, psum_rank, (starts + real).to(torch.int32), real.to(torch.int32)
-        (meta, psum_rank, psum_expert, real), event = run_epilogue(self.buffer, event, epilogue)
-        rows = expert_layout.num_rows
-        out_rows = rows if args.cpu_sync else layout.expanded_capacity(rows, self.num_ranks, args.t_max,
-                                                                       args.num_topk, local, args.alignment)
-        recv_x = layout.pad_rows(expert_x if expert_sf is None else (expert_x, expert_sf), out_rows)
+            recv_x = layout.pad_rows(expert_x if expert_sf is None else (expert_x, expert_sf), out_rows)
+            return (meta, psum_rank, (starts + real).to(torch.int32), real.to(torch.int32),
+                    layout.sf_layout(recv_x, args.sf_col_major), layout.pad_rows(probs, out_rows))
+        (meta, psum_rank, psum_expert, real, out_x, out_probs), event = run_epilogue(self.buffer, event, epilogue)
         ep_handle = make_handle(self, args, sms, topk_idx, inner.num_recv_tokens, rows, tokens_per_expert,
                                 psum_rank, psum_expert, real, meta, inner, None, out_rows)
-        return (layout.sf_layout(recv_x, args.sf_col_major), None, layout.pad_rows(probs, out_rows), ep_handle,
-                event)
+        return out_x, None, out_probs, ep_handle, event
 
     def _cached_dispatch(self, x: XInput, topk_weights: torch.Tensor | None, handle: EPHandle, kw: dict,
                          sf_col_major: bool):
@@ -354,10 +354,14 @@ class ElasticBuffer:
         recv_w = None
         if topk_weights is not None:
             recv_w, event = self._cached_weights(topk_weights, handle, kw, event)
-        # the non-expanded form returns the fresh dispatch's local ids again, as DeepEP does
-        recv_idx = None if handle.do_expand else layout.pad_rows(handle._recv_topk_idx, handle._out_rows).clone()
-        return (layout.sf_layout(layout.pad_rows(recv_x, handle._out_rows), sf_col_major), recv_idx,
-                layout.pad_rows(recv_w, handle._out_rows), handle, event)
+
+        def epilogue() -> tuple:
+            # the non-expanded form returns the fresh dispatch's local ids again, as DeepEP does
+            recv_idx = None if handle.do_expand else layout.pad_rows(handle._recv_topk_idx, handle._out_rows).clone()
+            return (layout.sf_layout(layout.pad_rows(recv_x, handle._out_rows), sf_col_major), recv_idx,
+                    layout.pad_rows(recv_w, handle._out_rows))
+        (out_x, recv_idx, out_w), event = run_epilogue(self.buffer, event, epilogue)
+        return out_x, recv_idx, out_w, handle, event
 
     def _cached_weights(self, topk_weights: torch.Tensor, handle: EPHandle, kw: dict,
                         event: EventOverlap) -> tuple[torch.Tensor, EventOverlap]:

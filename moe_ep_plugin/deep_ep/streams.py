@@ -45,15 +45,28 @@ def stream_args(buffer: Buffer, config: Any, previous_event: object, before_epil
 
 def run_epilogue(buffer: Buffer, event: EventOverlap, fn: Callable[[], Any]) -> tuple[Any, EventOverlap]:
     """``fn()`` after the Buffer's call: on the communication stream when the call ran there asynchronously
-    (the returned event then marks ``fn``'s end too), else on the current stream."""
+    (the returned event then marks ``fn``'s end too), else on the current stream. Every step that reads the
+    call's outputs belongs in ``fn``: on the current stream it would run before the call's kernels finish."""
     comm = buffer.get_comm_stream()
     if comm is None or event.event is None:
         return fn(), event
+    current = torch.cuda.current_stream(buffer.device)
     with torch.cuda.stream(comm):
         out = fn()
         done = torch.cuda.Event()
         done.record(comm)
+    _record_stream(out, current)
     return out, EventOverlap(done, event.extra_tensors)
+
+
+def _record_stream(out: Any, stream: torch.cuda.Stream) -> None:
+    """Marks the tensors in ``out`` (nested tuples) as used on ``stream``: they were allocated on the
+    communication stream, and the caller's work on ``stream`` must finish before their memory is reused."""
+    if isinstance(out, torch.Tensor):
+        out.record_stream(stream)
+    elif isinstance(out, (tuple, list)):
+        for part in out:
+            _record_stream(part, stream)
 
 
 __all__ = ["join_events", "run_epilogue", "stream_args"]
