@@ -282,6 +282,10 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
     if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
     if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
+    if (p.topk_idx != nullptr && (p.idx_topk < 1 || p.idx_topk > MOE_EP_MAX_TOPK || p.num_local_experts < 1))
+        return set_error(-1, "combine order: need 1 <= idx_topk <= " + std::to_string(MOE_EP_MAX_TOPK) +
+                                 " and num_local_experts >= 1; got idx_topk=" + std::to_string(p.idx_topk) +
+                                 " num_local_experts=" + std::to_string(p.num_local_experts));
     const int64_t row_bytes = p.hidden * p.elem_bytes;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);

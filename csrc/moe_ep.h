@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 13
+#define MOE_EP_ABI_VERSION 14
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
@@ -109,6 +109,12 @@ typedef struct {
      * launches no second one. topk_weights, when given, is still a separate [num_recv_rows, K] array and is still
      * copied into the region's weights area. */
     int64_t x_in_region;
+    /* The order each token's copies are summed in, after the biases (DeepEP V2's): by the last top-k slot naming an
+     * expert of the copy's rank, ranks named by no slot first (ascending). topk_idx [num_tokens, idx_topk] int64 is
+     * the dispatch's (ids outside [0, num_local_experts * R) name no rank), 1 <= idx_topk <= MOE_EP_MAX_TOPK; NULL
+     * (a dispatch by layout alone): ascending rank order. */
+    const int64_t* topk_idx;
+    int64_t idx_topk, num_local_experts;
 } moe_ep_combine_params;
 
 /* Rows of `row_bytes` a pull combine with num_topk weights per row can hold in one region. */

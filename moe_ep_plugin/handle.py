@@ -48,6 +48,8 @@ class DispatchHandle:
     - ``recv_src_idx`` ``[N_recv]`` int32: index of each received row's token on its source rank.
     - ``num_recv_tokens``: rows actually received (``recv_x`` may be longer with ``num_worst_tokens``);
       ``None`` when a transport keeps it on the GPU only (CUDA-graph mode).
+    - ``topk_idx`` ``[N, K]`` int64: the dispatch's top-k ids (None for a dispatch by layout alone), which set the
+      order combine sums a token's copies in (``ops.layout.summing_order``).
     - ``expert_layout``: the expert-major layout when the handle comes from ``dispatch_experts`` (else None);
       cached ``dispatch_experts`` and ``combine_experts`` replay it.
     - ``transport_state``: private data a transport caches for its own replay (never read by others).
@@ -63,6 +65,7 @@ class DispatchHandle:
     rank: int
     num_ranks: int
     num_recv_rows: int  # rows of recv_x as allocated (== num_recv_tokens unless num_worst_tokens)
+    topk_idx: torch.Tensor | None = field(default=None, repr=False)
     expert_layout: ExpertLayout | None = field(default=None, repr=False)
     transport_state: Any = field(default=None, repr=False)
 

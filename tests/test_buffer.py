@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from support.reference import expected_dispatch, gather_all, routing
+from support.reference import expected_dispatch, gather_all, routing, summing_order
 
 from moe_ep_plugin import Buffer, Config
 from moe_ep_plugin.launch import spawn
@@ -77,18 +77,22 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
     assert torch.equal(wx[:len(rows)], recv_x) and bool((widx[len(rows):] == -1).all())
     assert torch.equal(widx[:len(rows)], recv_idx) and bool((ww[len(rows):] == 0).all())
 
-    # combine: every rank transforms its rows by (rank + 1); expected = Σ over receiving ranks in rank order, fp32
+    # combine: every rank transforms its rows by (rank + 1); expected = fp32 from the bias, plus the copies of the
+    # receiving ranks in summing order
     y = (recv_x.float() * (rank + 1)).to(dtype)
     bias = torch.randn(n, h, generator=gen).to(dtype)
     combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
-    expected = torch.zeros(n, h)
+    expected = bias.float().clone()
     expected_w = torch.zeros(n, k)
+    for t, row in enumerate(idx.tolist()):
+        for r in summing_order(row, local, world):
+            if ref_in_rank[t, r]:
+                expected[t] = expected[t] + (x[t].float() * (r + 1)).to(dtype).float()
     for r in range(world):
         mask = ref_in_rank[:, r]
-        expected[mask] += (x[mask].float() * (r + 1)).to(dtype).float()
         owned = (idx >= 0) & (idx // local == r)
         expected_w[mask] += torch.where(owned, w, torch.zeros_like(w))[mask]
-    expected = (expected + bias.float()).to(dtype)
+    expected = expected.to(dtype)
     assert torch.equal(combined, expected)
     assert torch.equal(combined_w, expected_w)
     # combine of worst-sized rows uses only the valid prefix

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from support.reference import dense_reference, gather_all, routing
+from support.reference import dense_reference, gather_all, routing, summing_order
 
 from moe_ep_plugin import Buffer, autograd
 from moe_ep_plugin.launch import spawn
@@ -95,7 +95,8 @@ def _check_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dtype) -> No
     y = torch.randn(num_rows, h, generator=gen).to(dtype)
     expert_weights = torch.rand(num_rows, generator=gen)
     combined, combined_w, _ = buffer.combine_experts(y, handle, expert_weights)
-    ref_x, ref_w = _expected_combine(rank, n, k, layouts, gather_all((y, expert_weights)), dtype)
+    ref_x, ref_w = _expected_combine(rank, n, k, layouts, gather_all((y, expert_weights)), dtype, idx.tolist(),
+                                     case["experts_per_rank"])
     assert combined.dtype == dtype and torch.equal(combined, ref_x)
     assert torch.equal(combined_w, ref_w)
     combined_only, no_w, _ = buffer.combine_experts(y, handle)
@@ -105,13 +106,14 @@ def _check_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dtype) -> No
         _check_fp8(buffer, x, idx, w, num_experts, a, sources, list(xs), handle)
 
 
-def _expected_combine(rank: int, n: int, k: int, layouts: list, ys_and_weights: list, dtype: torch.dtype):
+def _expected_combine(rank: int, n: int, k: int, layouts: list, ys_and_weights: list, dtype: torch.dtype,
+                      topk: list[list[int]], local: int):
     """Per rank holding token t: its pairs' rows summed over top-k columns ascending (fp32, rounded to ``dtype``);
-    then summed over ranks ascending (fp32, rounded). Weight (t, k): the expert weight at the pair's row."""
+    then over ranks in summing order (fp32 from 0, rounded). Weight (t, k): the expert weight at the pair's row."""
     h = ys_and_weights[0][0].shape[1]
-    out = torch.zeros(n, h)
+    parts: list[dict[int, torch.Tensor]] = [{} for _ in range(n)]  # token -> {rank: its rounded partial}
     out_w = torch.zeros(n, k)
-    for (_, _, sources), (y, weights) in zip(layouts, ys_and_weights, strict=False):
+    for q, ((_, _, sources), (y, weights)) in enumerate(zip(layouts, ys_and_weights, strict=False)):
         slot_of = {s: row for row, s in enumerate(sources) if s is not None and s[0] == rank}
         for t in range(n):
             part, hit = torch.zeros(h), False
@@ -121,7 +123,12 @@ def _expected_combine(rank: int, n: int, k: int, layouts: list, ys_and_weights: 
                     out_w[t, j] = weights[slot_of[rank, t, j]]
                     hit = True
             if hit:
-                out[t] += part.to(dtype).float()
+                parts[t][q] = part.to(dtype).float()
+    out = torch.zeros(n, h)
+    for t in range(n):
+        for q in summing_order(topk[t], local, len(layouts)):
+            if q in parts[t]:
+                out[t] = out[t] + parts[t][q]
     return out.to(dtype), out_w
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from support.reference import dense_reference, expected_dispatch, gather_all, routing
+from support.reference import dense_reference, expected_dispatch, gather_all, routing, summing_order
 from test_autograd import _experts
 from test_buffer import _check_fp8
 
@@ -41,22 +41,26 @@ def _source_ranks(handle, rank: int) -> list[int]:
 
 
 def _expected_combine(ys, srcs, src_ranks, n: int, h: int, dtype, ranks_per_node: int, rank: int,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+                      bias: torch.Tensor | None, topk: list[list[int]], local: int) -> torch.Tensor:
     """The numeric contract, token by token: per node, the rows of the ranks that received the token summed in
-    fp32 in ascending rank order and rounded to ``dtype``; then over nodes ascending in fp32 from 0, plus bias."""
+    fp32 from 0 in summing order (among the node's ranks) and rounded to ``dtype``; then the node partials in
+    summing order (over nodes) in fp32 from the bias (DeepEP V2's hybrid combine)."""
     num_ranks = len(ys)
+    num_nodes, per_node = num_ranks // ranks_per_node, local * ranks_per_node  # per_node: experts per node
     out = torch.zeros(n, h)
     for t in range(n):
-        acc = torch.zeros(h)
-        for m in range(num_ranks // ranks_per_node):
+        acc = bias[t].float().clone() if bias is not None else torch.zeros(h)
+        for m in summing_order(topk[t], per_node, num_nodes):
+            on_node = [e - m * per_node if 0 <= e - m * per_node < per_node else -1 for e in topk[t]]
             partial, hit = torch.zeros(h), False
-            for r in range(m * ranks_per_node, (m + 1) * ranks_per_node):
+            for q in summing_order(on_node, local, ranks_per_node):
+                r = m * ranks_per_node + q
                 for row, (s, j) in enumerate(zip(src_ranks[r], srcs[r], strict=False)):
                     if s == rank and j == t:
                         partial, hit = partial + ys[r][row].float(), True
             if hit:
                 acc = acc + partial.to(dtype).float()
-        out[t] = acc + (bias[t].float() if bias is not None else 0)
+        out[t] = acc
     return out.to(dtype)
 
 
@@ -109,13 +113,14 @@ def _check_case(buffer: Buffer, flat: Buffer, case, seed: int, dtype: torch.dtyp
     assert bool((widx[len(rows):] == -1).all()) and bool((ww[len(rows):] == 0).all())
 
     # combine: rank r scales its rows by (r + 1); the two-level sum of the contract, bit for bit
+    topk = idx.tolist()
     y = (recv_x.float() * (rank + 1)).to(dtype)
     bias = torch.randn(n, h, generator=gen).to(dtype)
     combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
     ys, srcs, src_ranks, rws = zip(*gather_all((y, handle.recv_src_idx.tolist(), _source_ranks(handle, rank),
                                                 recv_w)), strict=False)
-    assert torch.equal(combined, _expected_combine(ys, srcs, src_ranks, n, h, dtype, p, rank, bias))
-    expected_w = _expected_combine(rws, srcs, src_ranks, n, k, torch.float32, p, rank, None)
+    assert torch.equal(combined, _expected_combine(ys, srcs, src_ranks, n, h, dtype, p, rank, bias, topk, local))
+    expected_w = _expected_combine(rws, srcs, src_ranks, n, k, torch.float32, p, rank, None, topk, local)
     assert torch.equal(combined_w, expected_w)
     assert torch.equal(combined_w, torch.where(idx >= 0, w, 0.0))  # each weight comes back from its one expert
     wcombined, _, _ = buffer.combine((wx.float() * (rank + 1)).to(dtype), whandle, bias=bias)

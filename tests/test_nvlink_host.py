@@ -263,12 +263,14 @@ def _combine_handle(lib: FakeLib, t: NVLinkTransport):
 
 
 def _combine(at: At, x: int, out: torch.Tensor, out_weights: torch.Tensor | None,
-             topk_weights: int, num_sms: int = 24, **fields: int) -> dict[str, int]:
-    """The parameters of a combine of the scenario's received rows at ``x``; the mode's fields in ``fields``."""
+             topk_weights: int, handle: DispatchHandle, num_sms: int = 24, **fields: int) -> dict[str, int]:
+    """The parameters of a combine of the scenario's received rows at ``x``; the mode's fields in ``fields``. The
+    summing order comes from the dispatch's own top-k ids (the handle keeps them)."""
     return _params(library.CombineParams, x=x, topk_weights=topk_weights, rank_prefix_matrix=at(0), send_pos=at(2),
                    out=out.data_ptr(), out_weights=0 if out_weights is None else out_weights.data_ptr(),
                    num_tokens=N, hidden=H, elem_bytes=2, num_topk=K if out_weights is not None else 0,
-                   num_recv_rows=NUM_RECV, num_sms=num_sms, **fields)
+                   num_recv_rows=NUM_RECV, num_sms=num_sms, topk_idx=handle.topk_idx.data_ptr(), idx_topk=K,
+                   num_local_experts=L, **fields)
 
 
 def _unpermute_call(y: torch.Tensor, at: At, out: int) -> tuple:
@@ -294,7 +296,7 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     assert fake.calls == [("moe_ep_pull_rows", (CTX, H * 2, K))] * asks + [
         _unpermute_call(y, at, recv_y),
         ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"], **PUSH),
+        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle, **PUSH),
                             STREAM)),
     ]
     assert recv_y not in (0, OWN_REGION)
@@ -316,7 +318,7 @@ def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> 
         ("moe_ep_pull_rows", (CTX, H * 2, K)),
         ("moe_ep_barrier", (CTX, STREAM)),
         _unpermute_call(y, at, OWN_REGION),
-        ("moe_ep_combine", (CTX, _combine(at, OWN_REGION, out, out_weights, combined["topk_weights"],
+        ("moe_ep_combine", (CTX, _combine(at, OWN_REGION, out, out_weights, combined["topk_weights"], handle,
                                           host_counts=combined["host_counts"], pull=1, x_in_region=1), STREAM)),
     ]
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
@@ -334,7 +336,7 @@ def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
     assert fake.calls == [
         ("moe_ep_pull_rows", (CTX, H * 2, K)),
         ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, combined["x"], out, out_weights, combined["topk_weights"],
+        ("moe_ep_combine", (CTX, _combine(at, combined["x"], out, out_weights, combined["topk_weights"], handle,
                                           host_counts=combined["host_counts"], pull=1), STREAM)),
     ]
     assert combined["x"] not in (0, OWN_REGION)
@@ -356,7 +358,7 @@ def test_combine_experts_copy_engine_before_pull(fake: FakeLib, num_sms: int, be
     assert fake.calls == [
         _unpermute_call(y, at, recv_y),
         ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"],
+        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle,
                                           host_counts=combined["host_counts"], copy_engine=1,
                                           copy_piece_rows=TUNING.copy_piece_rows, copy_streams=TUNING.copy_streams,
                                           num_sms=num_sms, num_send_warps=0, num_send_blocks=0), STREAM)),

@@ -736,9 +736,43 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------------------------------------
 // combine: every rank pushes the rows it received back into the origin's region for it (same positions as
 // the dispatch send order; there, `count` rows of row_bytes and then their weights, [count, K] fp32), by sender
-// warps or (copy_engine) all of them by the host-side copy streams, straight from x; the origin sums each token's copies in source-rank order in fp32, then the biases.
+// warps or (copy_engine) all of them by the host-side copy streams, straight from x; the origin sums each token's
+// copies in fp32 from its biases, in summing_order's order (DeepEP V2's).
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
+// A token's copies in the order combine sums them (moe_ep.h, moe_ep_combine_params.topk_idx): ord[i] is the
+// i-th copy (nullptr: none), ord_me[i] whether it is this rank's own. Every lane of the warp gets the same order.
+template <int kRanks>
+__device__ __forceinline__ void summing_order(const moe_ep_combine_params& p, int t, int lane, int me, int R,
+                                              const char* const (&src)[kRanks], const char* (&ord)[kRanks],
+                                              bool (&ord_me)[kRanks]) {
+    int owner = -1;
+    if (p.topk_idx != nullptr && lane < p.idx_topk) {
+        const int64_t e = __ldg(p.topk_idx + int64_t(t) * p.idx_topk + lane);
+        if (e >= 0 && e < p.num_local_experts * R) owner = int(e / p.num_local_experts);
+    }
+    int last[kRanks];  // the last slot naming rank r, -1 for none
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) last[r] = __reduce_max_sync(0xffffffffu, owner == r ? lane : -1);
+#pragma unroll
+    for (int i = 0; i < kRanks; ++i) {
+        ord[i] = nullptr;
+        ord_me[i] = false;
+    }
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+        int pos = 0;
+#pragma unroll
+        for (int q = 0; q < kRanks; ++q) pos += (last[q] < last[r] || (last[q] == last[r] && q < r)) ? 1 : 0;
+#pragma unroll
+        for (int i = 0; i < kRanks; ++i)
+            if (pos == i) {
+                ord[i] = src[r];
+                ord_me[i] = r == me;
+            }
+    }
+}
+
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p) {
     constexpr int kN = Vec<T>::kN;
@@ -845,18 +879,21 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             src[r] = row_base[r] + int64_t(pos) * row_bytes;
         }
         if (!ok) break;
+        const char* ord[kRanks];
+        bool ord_me[kRanks];
+        summing_order<kRanks>(p, t, lane, me, R, src, ord, ord_me);
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
 #pragma unroll 1
         for (int j0 = lane; j0 < n16; j0 += 32 * kUnroll) {
             int4 v[kRanks][kUnroll];
 #pragma unroll
-            for (int r = 0; r < kRanks; ++r)
+            for (int i = 0; i < kRanks; ++i)
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = j0 + 32 * u;
-                    if (src[r] != nullptr && j < n16) {
-                        const int4* a = reinterpret_cast<const int4*>(src[r]) + j;
-                        v[r][u] = r == me ? __ldg(a) : ld_coherent(a);
+                    if (ord[i] != nullptr && j < n16) {
+                        const int4* a = reinterpret_cast<const int4*>(ord[i]) + j;
+                        v[i][u] = ord_me[i] ? __ldg(a) : ld_coherent(a);
                     }
                 }
 #pragma unroll
@@ -866,13 +903,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                 float acc[kN];
 #pragma unroll
                 for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
-#pragma unroll
-                for (int r = 0; r < kRanks; ++r)
-                    if (src[r] != nullptr) Vec<T>::add(acc, v[r][u]);
                 if (bias0 != nullptr)
                     Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias0 + int64_t(t) * row_bytes) + j));
                 if (bias1 != nullptr)
                     Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
+#pragma unroll
+                for (int i = 0; i < kRanks; ++i)
+                    if (ord[i] != nullptr) Vec<T>::add(acc, v[i][u]);
                 out[j] = Vec<T>::pack(acc);
             }
         }

@@ -60,3 +60,22 @@ def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     -1 if not sent."""
     running = is_token_in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
     return torch.where(is_token_in_rank, running, torch.full_like(running, -1))
+
+
+def summing_order(topk_idx: torch.Tensor | None, num_experts: int, num_ranks: int, num_tokens: int,
+                  device: torch.device) -> torch.Tensor:
+    """``[N, R]`` int64: the ranks in the order combine adds a token's copies to its biases (DeepEP V2's): by the last
+    top-k slot of ``topk_idx`` ``[N, K]`` naming one of the rank's experts, ranks named by no slot first in ascending
+    order (ids outside ``[0, num_experts)`` name none). ``topk_idx`` None (a dispatch by layout alone): ascending.
+    The nvlink combine kernel computes the same order per token (csrc/kernels/intranode.cuh ``summing_order``)."""
+    ranks = torch.arange(num_ranks, dtype=torch.int64, device=device)
+    if topk_idx is None:
+        return ranks.expand(num_tokens, num_ranks)
+    k = topk_idx.shape[1]
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    owner = torch.where(valid, topk_idx // (num_experts // num_ranks), num_ranks)
+    last = torch.full((num_tokens, num_ranks + 1), -1, dtype=torch.int64, device=device)
+    slots = torch.arange(k, dtype=torch.int64, device=device).expand(num_tokens, k)
+    last.scatter_reduce_(1, owner, slots, reduce="amax")
+    # distinct keys: ties (ranks named by no slot) fall back to rank order
+    return (last[:, :num_ranks] * num_ranks + ranks).argsort(dim=1)

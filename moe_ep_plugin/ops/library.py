@@ -11,7 +11,7 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 13
+ABI_VERSION = 14
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -57,7 +57,8 @@ class CombineParams(ctypes.Structure):
         (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
                                   "num_send_warps", "num_send_blocks", "copy_engine", "copy_piece_rows",
                                   "copy_streams")] + [
-        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64)]
+        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64), ("topk_idx", _p), ("idx_topk", _i64),
+        ("num_local_experts", _i64)]
 
 
 class LLDispatchParams(ctypes.Structure):

@@ -241,6 +241,21 @@ def _torch_unpermute(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     return acc.to(y.dtype)
 
 
+def unpermute_onto(acc: torch.Tensor, y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
+    """``acc`` ``[N, H]`` fp32 (a combine's biases) plus ``y[recv_slot[r, k]]`` for k ascending, in fp32 → a new
+    ``[N, H]`` fp32 tensor; a slot outside ``[0, M)`` adds nothing (not even +0.0, so a -0.0 stays)."""
+    m = y.shape[0]
+    out = acc.clone()
+    if m == 0:
+        return out
+    padded = with_zero_row(y)
+    s = _dump_invalid(recv_slot, m)
+    for j in range(recv_slot.shape[1]):
+        col = s[:, j]
+        out = torch.where((col < m).unsqueeze(1), out + padded.index_select(0, col).float(), out)
+    return out
+
+
 def with_zero_row(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[n, ...]`` with a row of zeros appended (row ``n``)."""
     return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])

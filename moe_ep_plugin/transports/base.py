@@ -184,6 +184,14 @@ def negative_counts_error(ranks: list[int]) -> ValueError:
                       "get_dispatch_layout's outputs); every rank raises before any row moves")
 
 
+def bias_sum(bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``[N, H]`` fp32: the biases (at least one) summed in order from 0.0, where combine's sum starts."""
+    acc = bias[0].to(torch.float32, copy=True)
+    for b in bias[1:]:
+        acc += b.float()
+    return acc
+
+
 def slot_weights(expert_weights: torch.Tensor | None, layout: ExpertLayout) -> torch.Tensor | None:
     """``expert_weights`` ``[M]`` float32 → ``[N_recv, K]``: each received (row, column) pair's value, 0 where the
     column has no local expert (None stays None)."""
@@ -240,8 +248,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Reverse of dispatch: ``x`` ``[N_recv, H]`` → ``[N, H]`` summed in fp32 over the ranks that got each token,
-        plus each ``bias`` ``[N, H]``, cast to ``x.dtype``; ``topk_weights`` ``[N_recv, K]`` summed the same way."""
+        """Reverse of dispatch: ``x`` ``[N_recv, H]`` → ``[N, H]``: per token, fp32 from its ``bias`` rows
+        (``[N, H]``, in order), plus its copies in ``ops.layout.summing_order`` (DeepEP V2's), cast to ``x.dtype``;
+        ``topk_weights`` ``[N_recv, K]`` summed over the copies in fp32."""
 
     def start_dispatch(self, args: DispatchArgs) -> Callable[[], DispatchResult]:
         """:meth:`dispatch` in two steps: issue it, and a function that completes it and returns its result. Work

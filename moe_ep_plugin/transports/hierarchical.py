@@ -24,10 +24,11 @@ passes through both stages with its own sub-stage handles; the rail exchange of 
 node reduction of chunk i while the partials of chunk i - 1 cross the rails. Every token lies in one chunk, so
 rows, handles and sums are those of C = 1 (the stages one after the other), bit for bit.
 
-Combine (numeric contract): the node group reduces each rail row's copies in fp32 and rounds the per-node
+Combine (numeric contract): the node group reduces each rail row's copies in fp32 from 0 and rounds the per-node
 partial to the rows' dtype (BF16 on the wire, as DeepEP's internode combine does); the rail group sums the
-partials over nodes (ascending) in fp32, adds the biases and rounds once:
-``combined[t] = round(Σ_m round(Σ_{r on node m} x_r[t]) + bias)``. Weights are summed the same way in fp32.
+partials over nodes in fp32 from the biases and rounds once:
+``combined[t] = round(bias + Σ_m round(Σ_{r on node m} x_r[t]))``, both sums in ``summing_order`` (ranks of a node
+by the last top-k slot naming them, nodes likewise): DeepEP V2's hybrid combine. Weights are summed the same way.
 """
 from __future__ import annotations
 
@@ -341,7 +342,7 @@ class HierarchicalTransport(Transport):
                 rank_prefix_matrix=counts.cumsum(0).to(torch.int32).to(self.device), is_token_in_rank=in_rank,
                 send_pos=send_positions(in_rank), recv_src_idx=src[:, 0].index_select(0, to_flat).contiguous(),
                 num_tokens=x.shape[0], num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
-                num_ranks=self.num_ranks, num_recv_rows=max(num_recv, args.num_worst_tokens),
+                num_ranks=self.num_ranks, num_recv_rows=max(num_recv, args.num_worst_tokens), topk_idx=args.topk_idx,
                 transport_state=_HierState(
                     [_Chunk(bounds[i], bounds[i + 1], rails[i].handle, nodes[i].handle) for i in range(num_chunks)],
                     to_flat, to_node))

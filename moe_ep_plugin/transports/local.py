@@ -35,6 +35,7 @@ from .base import (
     DispatchResult,
     ExpertDispatchResult,
     Transport,
+    bias_sum,
     layout_contradiction,
     layout_error,
     negative_counts_error,
@@ -92,7 +93,7 @@ class LocalTransport(Transport):
                              f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves")
         rows = max(num_recv, args.num_worst_tokens)
         src = _received(in_rank[:, 0], num_recv)
-        handle = _handle(in_rank, src, args.num_experts, rows, _LocalState(src))
+        handle = _handle(in_rank, src, args, rows, _LocalState(src))
         recv_x, recv_scales = _rows(args, src, rows)
         recv_topk_idx = recv_topk_weights = None
         if topk is not None:
@@ -146,7 +147,7 @@ class LocalTransport(Transport):
         else:
             in_rank = (slot >= 0).any(1, keepdim=True)
         src = _received(in_rank[:, 0], num_recv)
-        handle = _handle(in_rank, src, args.num_experts, num_recv, _LocalState(src, slot))
+        handle = _handle(in_rank, src, args, num_recv, _LocalState(src, slot))
         recv_slot = slot if num_recv == n else slot.index_select(0, src)
         handle.expert_layout = ExpertLayout(recv_slot, counts, num_rows, alignment)
         return ExpertDispatchResult(rows, scales, probs, handle)
@@ -157,28 +158,22 @@ class LocalTransport(Transport):
         # send_pos [N, 1]: each token's received row, -1 when it was not sent: the one copy unpermute sums
         _state(handle)
         slot = handle.send_pos
-        combined = _add_bias(permute.unpermute(x.float(), slot), bias, x.dtype) if bias else permute.unpermute(x, slot)
+        combined = permute.unpermute_onto(bias_sum(bias), x, slot).to(x.dtype) if bias else permute.unpermute(x, slot)
         return combined, None if topk_weights is None else permute.unpermute(topk_weights, slot)
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
                         bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One ``unpermute`` over every token's slots: a token's sum over its experts is its combined row (the
-        fp32 sum of one copy rounds back to itself), 0 for a token without experts; with ``bias``, that row plus
-        the biases in fp32, rounded once more (as the other transports' combine of it)."""
+        fp32 sum of one copy rounds back to itself), 0 for a token without experts; with ``bias``, the biases plus
+        that row in fp32, rounded once more (as the other transports' combine of it)."""
         slot = _state(handle).slot
         if slot is None:
             raise ValueError("handle: it has no expert-major layout (it did not come from dispatch_experts)")
         weights = slot_weights(expert_weights, replace(handle.expert_layout, recv_slot=slot))
         combined = permute.unpermute(y, slot)
-        return (_add_bias(combined.float(), bias, y.dtype) if bias else combined), weights
+        return ((bias_sum(bias) + combined.float()).to(y.dtype) if bias else combined), weights
 
 
-
-def _add_bias(acc: torch.Tensor, bias: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-    """fp32 rows ``acc`` plus every tensor of ``bias``, rounded once to ``dtype``."""
-    for b in bias:
-        acc += b
-    return acc.to(dtype)
 
 class LocalLowLatency(TorchLowLatency):
     """Low-latency mode of a one-rank group: the collectives form's layout and results (rows of local expert ``l``
@@ -285,9 +280,10 @@ def _received(in_rank: torch.Tensor, num_recv: int) -> torch.Tensor:
     return torch.argsort((~in_rank).to(torch.uint8), stable=True)[:num_recv]
 
 
-def _handle(in_rank: torch.Tensor, src: torch.Tensor, num_experts: int, rows: int, state: _LocalState
+def _handle(in_rank: torch.Tensor, src: torch.Tensor, args: DispatchArgs, rows: int, state: _LocalState
             ) -> DispatchHandle:
-    """The handle of a dispatch that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows`` rows."""
+    """The handle of dispatch ``args`` that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows``
+    rows."""
     num_recv, num_tokens = src.shape[0], in_rank.shape[0]
     recv_src = src.to(torch.int32)
     # every token sent: token t is row t, so the send positions are the received tokens themselves
@@ -295,8 +291,8 @@ def _handle(in_rank: torch.Tensor, src: torch.Tensor, num_experts: int, rows: in
     return DispatchHandle(
         rank_prefix_matrix=torch.full((1, 1), num_recv, dtype=torch.int32, device=in_rank.device),
         is_token_in_rank=in_rank, send_pos=send_pos, recv_src_idx=recv_src, num_tokens=num_tokens,
-        num_recv_tokens=num_recv, num_experts=num_experts, rank=0, num_ranks=1, num_recv_rows=rows,
-        transport_state=state)
+        num_recv_tokens=num_recv, num_experts=args.num_experts, rank=0, num_ranks=1, num_recv_rows=rows,
+        topk_idx=args.topk_idx, transport_state=state)
 
 
 def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArgs

@@ -6,11 +6,11 @@ rank's refusal of its own bad input: ``refuse``), then the rows in one
 ``all_to_all_single`` straight from an ``index_select`` of ``x`` in send order (FP8 rows as bytes), and the
 small per-row metadata (top-k ids, source index, weights, FP8 scales) in a second one. A cached-handle dispatch
 sends the rows (and FP8 scales) only. Combine sends the rows back in one ``all_to_all_single`` and sums each
-token's copies in ascending source-rank order in fp32 (``permute.unpermute``'s gather-sum: no atomics), then
-the biases. Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the
-stream. ``start_dispatch``/``start_combine`` return once the all-to-alls are issued (asynchronous collectives) and
-hand back the function that completes them: the hierarchical transport's chunk pipeline runs its node stage in
-between. Design and timings: docs/torch_transport.md.
+token's copies in fp32 from its biases, in ``summing_order`` (``permute.unpermute``'s gather-sum: no atomics).
+Nothing after the count exchange waits on the host: on NCCL the collectives are ordered on the stream.
+``start_dispatch``/``start_combine`` return once the all-to-alls are issued (asynchronous collectives) and hand back
+the function that completes them: the hierarchical transport's chunk pipeline runs its node stage in between.
+Design and timings: docs/torch_transport.md.
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ import torch.distributed as dist
 from ..config import Config
 from ..handle import DispatchHandle
 from ..ops import fp8, permute
-from ..ops.layout import count_invalid, invalid_ids_error, send_positions
+from ..ops.layout import count_invalid, invalid_ids_error, send_positions, summing_order
 from .base import (
     META_FIELDS,
     DispatchArgs,
     DispatchResult,
     Transport,
+    bias_sum,
     dispatch_meta,
     layout_contradiction,
     layout_error,
@@ -56,9 +57,9 @@ class _TorchState:
     """The replay data of one dispatch layout (S = rows this rank sends, N = its tokens).
 
     ``send_idx`` ``[S]`` int64: local token of each sent row, grouped by destination rank, tokens ascending.
-    ``combine_slot`` ``[N, R]`` int32: row of token ``t``'s copy from rank ``r`` among the rows combine gets back
-    (laid out exactly like the sent rows), -1 where ``t`` was not sent to ``r``; ``permute.unpermute`` sums
-    through it in ascending rank order.
+    ``combine_slot`` ``[N, R]`` int32: row of token ``t``'s copy from the rank at position ``j`` of
+    ``summing_order`` among the rows combine gets back (laid out exactly like the sent rows), -1 where ``t`` was not
+    sent there; ``permute.unpermute`` sums through it column by column.
     """
 
     send_idx: torch.Tensor
@@ -183,6 +184,8 @@ class TorchTransport(Transport):
         offsets = per_rank.clamp_min(0)
         row = send_pos.to(torch.int64) + (offsets.cumsum(0) - offsets)  # [N, R]: place in send order if sent
         combine_slot = torch.where(in_rank, row, -1).to(torch.int32)
+        # columns in the order combine sums the copies: unpermute adds them column by column
+        combine_slot = combine_slot.gather(1, summing_order(topk, num_experts, num_ranks, n, in_rank.device))
         order = torch.empty(n * num_ranks + 1, dtype=torch.int64, device=in_rank.device)
         tokens = torch.arange(n, dtype=torch.int64, device=in_rank.device).unsqueeze(1).expand(n, num_ranks)
         order.scatter_(0, torch.where(in_rank, row, n * num_ranks).reshape(-1), tokens.reshape(-1))  # unsent: last
@@ -209,7 +212,7 @@ class TorchTransport(Transport):
                 rank_prefix_matrix=rank_prefix_matrix, is_token_in_rank=in_rank, send_pos=send_pos,
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=in_rank.device), num_tokens=n,
                 num_recv_tokens=num_recv, num_experts=num_experts, rank=me, num_ranks=num_ranks,
-                num_recv_rows=max(num_recv, args.num_worst_tokens), transport_state=state)
+                num_recv_rows=max(num_recv, args.num_worst_tokens), topk_idx=topk, transport_state=state)
             return handle, expert_counts.to(torch.int32), host_experts[:, local_experts].sum(0).tolist()
         return finish
 
@@ -331,14 +334,11 @@ class TorchTransport(Transport):
             back_w, wait_w = self._start_return_rows(topk_weights[:num_recv], state, "combine weights")
 
         def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
-            # unpermute's gather-sum is exactly combine's: each token's copies in ascending rank order, fp32 from
-            # 0.0, rounded once, no atomics (one pass on CUDA). With biases the sum stays fp32 until they are added.
+            # unpermute's gather-sum is exactly combine's: each token's copies in the slot columns' (summing) order,
+            # fp32 from 0.0, rounded once, no atomics (one pass on CUDA); with biases the sum starts from them.
             wait()
             if bias:
-                acc = permute.unpermute(back.float(), state.combine_slot)
-                for b in bias:
-                    acc += b
-                combined = acc.to(x.dtype)
+                combined = permute.unpermute_onto(bias_sum(bias), back, state.combine_slot).to(x.dtype)
             else:
                 combined = permute.unpermute(back, state.combine_slot)
             combined_weights = None

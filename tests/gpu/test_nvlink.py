@@ -1,7 +1,7 @@
 """The ``nvlink`` kernels against the ``torch`` transport on the same inputs, on every local GPU.
 
 BF16/FP32 rows and FP8 bytes must match bit for bit, metadata exactly, combine bit for bit at two ranks (both
-sum in source-rank order in fp32) and within rounding beyond. Also: ``num_worst_tokens``, cached dispatch,
+sum from the biases in summing order in fp32) and within rounding beyond. Also: ``num_worst_tokens``, cached dispatch,
 the expert-major dispatch/combine against the torch transport's dispatch + permute / unpermute + combine,
 both ways rows travel (copy engine and SM stores, alone and together), CUDA-graph captured dispatch+combine replayed
 on new inputs, and a peer that never arrives. Skips without a GPU or without the built kernel library.
@@ -139,7 +139,7 @@ def _same(name: str, a, b) -> None:
 
 
 def _same_sums(name: str, got: tuple, want: tuple) -> None:
-    """Combined rows and weights: bit for bit at two ranks (both sum in source-rank order in fp32), within
+    """Combined rows and weights: bit for bit at two ranks (both sum in summing order in fp32), within
     rounding beyond."""
     try:
         if dist.get_world_size() <= 2:

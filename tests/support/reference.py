@@ -36,6 +36,16 @@ def expected_dispatch(xs, idxs, weights, num_experts: int, rank: int, num_ranks:
     return rows, out_idx, out_w, src, counts
 
 
+def summing_order(topk_row: list[int], local: int, num_ranks: int) -> list[int]:
+    """The ranks in the order combine adds a token's copies to its biases (DeepEP V2's): by the last top-k slot
+    naming one of their experts (``local`` per rank), ranks named by none first, ascending."""
+    last = [-1] * num_ranks
+    for k, e in enumerate(topk_row):
+        if 0 <= e < local * num_ranks:
+            last[e // local] = k
+    return sorted(range(num_ranks), key=lambda r: (last[r], r))
+
+
 def routing(kind: str, n: int, k: int, num_experts: int, gen: torch.Generator) -> torch.Tensor:
     """``[n, k]`` int64 global expert ids: ``random`` (distinct per token, ~10% -1), ``sparse`` (~50% -1) or
     ``one_expert`` (every token to expert E-1 only)."""

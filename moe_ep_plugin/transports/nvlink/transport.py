@@ -6,13 +6,11 @@ staging region per source rank, sized for the worst case so senders never wait. 
 count (skipped with ``num_worst_tokens``, which makes the dispatch CUDA-graph capturable), then one kernel
 whose sender warps write rows (quantized to FP8 on the way when asked) straight into the destination's
 region while its receiver warps copy published rows into the outputs. Combine is a barrier plus one kernel
-that sends rows back and sums each token's copies in fp32, in source-rank order. Results equal the ``torch``
-transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order. ``dispatch_experts`` folds the
+that sends rows back and sums each token's copies in fp32 from its biases, in ``summing_order``. Results equal
+the ``torch`` transport's: BF16 rows and FP8 bytes bit for bit, sums in the same order. ``dispatch_experts`` folds the
 per-expert counts into notify and ships each row's expert-major destination rows with it (then ``permute``
 expands, on all SMs); ``combine_experts`` is ``unpermute`` + ``combine``, and when that combine pulls,
-``unpermute`` writes straight into the region the combine pulls from. At world size 1, when every token names an
-expert, neither kernel runs: one layout call (no notify) and ``permute`` expand ``x`` itself, and ``unpermute``
-writes the combined output.
+``unpermute`` writes straight into the region the combine pulls from.
 
 Every wait on a peer has a deadline (``timeout_s``, see ``runtime``): the next call on this transport (or the
 host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
@@ -237,7 +235,7 @@ class NVLinkTransport(Transport):
                                 num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
                                 num_ranks=self.num_ranks,
                                 num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
-                                transport_state=NVLinkState(prefix, send_list))
+                                topk_idx=args.topk_idx, transport_state=NVLinkState(prefix, send_list))
         if worst:
             return _without_topk_counts(self.num_ranks, args, self._dispatch_rows(args, handle), prefix, None)
         num_local = args.num_experts // self.num_ranks
@@ -307,7 +305,7 @@ class NVLinkTransport(Transport):
         handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(prefix), is_token_in_rank=in_rank,
                                 send_pos=send_pos, recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
                                 num_experts=num_experts, rank=self.rank, num_ranks=r, num_recv_rows=guess,
-                                transport_state=state)
+                                topk_idx=topk_idx, transport_state=state)
 
         def launch() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
             recv_x, recv_scales = _recv_tensors(args, self.device, guess)
@@ -397,17 +395,19 @@ class NVLinkTransport(Transport):
             row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
         # copy engine and pull: where each peer's rows sit in x (kept alive in the result until the launch)
         counts = state.copy_counts() if copy_engine or pull else None
+        order = _summing_order_source(handle, self.device)
         params = CombineParams(
             topk_weights=_ptr(topk_weights), rank_prefix_matrix=rpm.data_ptr(), send_pos=send_pos.data_ptr(),
             bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
             out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
             elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
             num_send_warps=warps, num_send_blocks=blocks,
-            host_counts=0 if counts is None else counts.address, pull=int(pull))
+            host_counts=0 if counts is None else counts.address, pull=int(pull), topk_idx=_ptr(order),
+            idx_topk=0 if order is None else order.shape[1], num_local_experts=handle.num_local_experts)
         if copy_engine:
             params.copy_engine = 1
             params.copy_piece_rows, params.copy_streams = config.nvlink.copy_piece_rows, config.nvlink.copy_streams
-        return _CombineLaunch(params, out, out_weights, (counts, rpm, send_pos, topk_weights))
+        return _CombineLaunch(params, out, out_weights, (counts, rpm, send_pos, topk_weights, order))
 
     def _launch_combine(self, params: CombineParams, start_barrier: bool = True) -> None:
         """The start barrier (unless the caller launched it) and the combine kernel, on the current stream."""
@@ -425,13 +425,11 @@ class NVLinkTransport(Transport):
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
                         bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The base class's ``unpermute`` + :meth:`combine` (same results, bit for bit), except when the combine
-        pulls and the unpermute kernel serves: then, after the start barrier (peers are done reading this rank's own
-        region), ``unpermute`` writes the ``[N_recv, H]`` received rows straight into that region, where the pull
-        combine's copy would put them, and the combine kernel reads them there (``x_in_region``): no row copies (one
-        pass over the rows and R - 1 copy launches fewer; expert weights, if any, are still copied). A pulling
-        combine without the unpermute kernel copies the rows into the region inside ``moe_ep_combine``, as
-        :meth:`combine` does."""
+        """The base class's ``unpermute`` + :meth:`combine` (same bits), except when the combine pulls and the
+        unpermute kernel serves: after the start barrier (peers are done reading this rank's own region),
+        ``unpermute`` writes the ``[N_recv, H]`` received rows straight into that region, where the combine kernel
+        reads them (``x_in_region``): no row copies, R - 1 copy launches fewer (expert weights are still copied).
+        Without the unpermute kernel a pulling combine copies the rows there inside ``moe_ep_combine``."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         slot = layout.recv_slot
@@ -451,6 +449,15 @@ class NVLinkTransport(Transport):
         params.x = recv_y.data_ptr()
         self._launch_combine(params)
         return launch.out, launch.out_weights
+
+
+def _summing_order_source(handle: DispatchHandle, device: torch.device) -> torch.Tensor | None:
+    """The dispatch's top-k ids ``[N, K]`` int64 on ``device``, from which the combine kernel derives each token's
+    summing order (``ops.layout.summing_order``); None (ascending order) for a dispatch by layout alone."""
+    order = handle.topk_idx
+    if order is None or order.shape[1] == 0:
+        return None
+    return order.to(device=device, dtype=torch.int64).contiguous()
 
 
 def _recv_tensors(args: DispatchArgs, device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
