@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.ops.permute import expert_slots, permute, slot_layout, unpermute
+from moe_ep_plugin.ops.permute import expert_slots, permute, slot_layout, unpermute, unpermute_onto
 
 
 def routing(kind: str, n: int, k: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
@@ -183,3 +183,23 @@ def test_not_differentiable_on_any_path() -> None:
     slot = expert_slots(torch.tensor([[0], [1], [0], [-1]]), [2, 1], 1)
     px, _, _ = permute(x, slot, 3)
     assert not px.requires_grad and not unpermute(px.detach().requires_grad_(), slot).requires_grad
+
+
+def test_unpermute_onto_adds_valid_slots_in_column_order() -> None:
+    """From a start row (a combine's biases), each valid slot's row in column order, fp32 step by step; a slot
+    outside ``[0, M)`` adds nothing, not even +0.0 (a -0.0 start stays -0.0)."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    m, n, k, h = 6, 5, 3, 16
+    y = torch.randn(m, h, generator=gen).bfloat16()
+    slot = torch.randint(-1, m + 1, (n, k), generator=gen, dtype=torch.int32)  # -1 and m: no row
+    slot[0] = -1
+    start = torch.randn(n, h, generator=gen)
+    start[0] = -0.0
+    got = unpermute_onto(start, y, slot)
+    for t in range(n):
+        want = start[t].clone()
+        for j in range(k):
+            if 0 <= int(slot[t, j]) < m:
+                want = want + y[int(slot[t, j])].float()
+        assert torch.equal(got[t].view(torch.int32), want.view(torch.int32))
+    assert bool(torch.signbit(got[0]).all()) and torch.equal(start[0], torch.full((h,), -0.0))

@@ -13,6 +13,7 @@ from support.reference import expected_dispatch, gather_all, summing_order
 from moe_ep_plugin import Buffer
 from moe_ep_plugin.launch import spawn
 from moe_ep_plugin.ops import fp8
+from moe_ep_plugin.ops.layout import summing_order as layout_summing_order
 from moe_ep_plugin.transports import torch_transport
 
 # Rank r's value in the order-sensitive columns: 1 + 2^24 rounds back to 2^24, so the sum over three ranks is 0,
@@ -136,3 +137,18 @@ def _suite(seed: int) -> None:
 
 def test_torch_transport_layout_order_and_collectives() -> None:
     spawn(_suite, 3, args=(int(time.time()) % 1000,), backend="gloo")
+
+
+def test_summing_order_matches_plain_loop() -> None:
+    """``ops.layout.summing_order`` (torch ops, what the transports use) against the plain loop, with -1, repeated
+    and out-of-range ids, tokens naming no rank, and a dispatch by layout alone (ascending)."""
+    gen = torch.Generator().manual_seed(int(time.time()) % 1000)
+    for world, local, k in ((1, 4, 3), (3, 2, 4), (4, 3, 8), (8, 1, 5)):
+        n, num_experts = 17, world * local
+        idx = torch.randint(-1, num_experts + 2, (n, k), generator=gen)
+        idx[0] = -1
+        idx[1] = idx[1, 0]
+        got = layout_summing_order(idx, num_experts, world, n, torch.device("cpu"))
+        assert got.tolist() == [summing_order(row, local, world) for row in idx.tolist()]
+        plain = layout_summing_order(None, num_experts, world, n, torch.device("cpu"))
+        assert plain.tolist() == [list(range(world))] * n
