@@ -226,33 +226,35 @@ def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: 
 
 
 def _torch_unpermute(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Top-k columns in ascending order, each adding its gathered rows (0 where invalid) to an fp32 sum from 0.0.
-    Adding +0.0 for an invalid column equals skipping it: a sum started at +0.0 never becomes -0.0."""
-    m = y.shape[0]
-    acc = torch.zeros(slot.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-    if m:
-        # y converted to fp32 once, with a zero row at m that invalid slots gather: two passes per column
-        # (gather, add) instead of four (gather, convert, mask, add).
-        padded = torch.zeros(m + 1, y.shape[1], dtype=torch.float32, device=y.device)
-        padded[:m] = y
-        s = _dump_invalid(slot, m)
-        for j in range(slot.shape[1]):
-            acc += padded.index_select(0, s[:, j])
-    return acc.to(y.dtype)
+    """Top-k columns in ascending order, each adding its gathered rows to an fp32 sum from 0.0."""
+    return _sum_slots(None, y, slot).to(y.dtype)
 
 
 def unpermute_onto(acc: torch.Tensor, y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
     """``acc`` ``[N, H]`` fp32 (a combine's biases) plus ``y[recv_slot[r, k]]`` for k ascending, in fp32 → a new
     ``[N, H]`` fp32 tensor; a slot outside ``[0, M)`` adds nothing (not even +0.0, so a -0.0 stays)."""
+    return _sum_slots(acc, y, recv_slot)
+
+
+def _sum_slots(start: torch.Tensor | None, y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[N, H]``: ``start`` (0.0 when None) plus the rows of ``y`` that ``slot``'s columns name, in column
+    order; invalid slots add nothing."""
     m = y.shape[0]
-    out = acc.clone()
+    out = (torch.zeros(slot.shape[0], y.shape[1], dtype=torch.float32, device=y.device) if start is None
+           else start.clone())
     if m == 0:
         return out
-    padded = with_zero_row(y)
-    s = _dump_invalid(recv_slot, m)
-    for j in range(recv_slot.shape[1]):
-        col = s[:, j]
-        out = torch.where((col < m).unsqueeze(1), out + padded.index_select(0, col).float(), out)
+    # y converted to fp32 once, with a zero row at m that invalid slots gather: two passes per column
+    # (gather, add) instead of four (gather, convert, mask, add).
+    padded = torch.zeros(m + 1, y.shape[1], dtype=torch.float32, device=y.device)
+    padded[:m] = y
+    s = _dump_invalid(slot, m)
+    for j in range(slot.shape[1]):
+        rows = padded.index_select(0, s[:, j])
+        if start is None:  # from +0.0 a sum never becomes -0.0, so adding the zero row equals skipping it
+            out += rows
+        else:
+            out = torch.where((s[:, j] < m).unsqueeze(1), out + rows, out)
     return out
 
 

@@ -174,7 +174,6 @@ class LocalTransport(Transport):
         return ((bias_sum(bias) + combined.float()).to(y.dtype) if bias else combined), weights
 
 
-
 class LocalLowLatency(TorchLowLatency):
     """Low-latency mode of a one-rank group: the collectives form's layout and results (rows of local expert ``l``
     in source-token order, combine summing ``weight * row`` over k ascending in fp32), writing and reading only the

@@ -184,8 +184,8 @@ class TorchTransport(Transport):
         offsets = per_rank.clamp_min(0)
         row = send_pos.to(torch.int64) + (offsets.cumsum(0) - offsets)  # [N, R]: place in send order if sent
         combine_slot = torch.where(in_rank, row, -1).to(torch.int32)
-        # columns in the order combine sums the copies: unpermute adds them column by column
-        combine_slot = combine_slot.gather(1, summing_order(topk, num_experts, num_ranks, n, in_rank.device))
+        if topk is not None:  # columns in the order combine sums the copies (without top-k: rank order already)
+            combine_slot = combine_slot.gather(1, summing_order(topk, num_experts, num_ranks, n, in_rank.device))
         order = torch.empty(n * num_ranks + 1, dtype=torch.int64, device=in_rank.device)
         tokens = torch.arange(n, dtype=torch.int64, device=in_rank.device).unsqueeze(1).expand(n, num_ranks)
         order.scatter_(0, torch.where(in_rank, row, n * num_ranks).reshape(-1), tokens.reshape(-1))  # unsent: last
