@@ -53,14 +53,11 @@ class BufferSets:
         self._zero_copy: list[LowLatencyHandle | None] = [None, None]
         self._generation = [0, 0]  # bumped by clean(): holders from before see it changed
 
-    def take(self, what: str, zero_copy_of: LowLatencyHandle | None = None) -> int:
-        """The set for a new call ``what``; ``zero_copy_of``: the handle of a zero-copy combine, which consumes
-        the zero-copy buffer handed out for it. Raises RuntimeError if the set holds a live result."""
+    def check(self, what: str, zero_copy_of: LowLatencyHandle | None = None) -> None:
+        """Raise as :meth:`take` would, taking nothing."""
         s = self.next
         if self._zero_copy[s] is not None:
-            if zero_copy_of is not None and self._zero_copy[s] is zero_copy_of:
-                self._zero_copy[s] = None
-            else:
+            if zero_copy_of is None or self._zero_copy[s] is not zero_copy_of:
                 raise RuntimeError(f"{what}: low-latency buffer set {s} holds the zero-copy combine buffer handed out "
                                    "by get_next_low_latency_combine_buffer; run that zero-copy combine first (a "
                                    "third live result would overwrite it)")
@@ -71,6 +68,14 @@ class BufferSets:
             raise RuntimeError(f"{what}: low-latency buffer set {s} still holds the result of {self._live[s]}, whose "
                                "receive hook has not run; at most two low-latency results can be live (run the hook "
                                "first)")
+
+    def take(self, what: str, zero_copy_of: LowLatencyHandle | None = None) -> int:
+        """The set for a new call ``what``; ``zero_copy_of``: the handle of a zero-copy combine, which consumes
+        the zero-copy buffer handed out for it. Raises RuntimeError if the set holds a live result."""
+        self.check(what, zero_copy_of)
+        s = self.next
+        if zero_copy_of is not None:
+            self._zero_copy[s] = None
         self.next = s ^ 1
         return s
 
@@ -117,8 +122,9 @@ class LowLatencyMode:
         self._check = check
         self.sets = BufferSets()
         self._calls = 0
-        # (M, hidden, experts) the buffer's slots and signals are laid out for: set by the first call or by
-        # clean_low_latency_buffer; the kernels place signals by these shapes, so another shape needs a clean
+        # (M, hidden, experts) the buffer's slots and signals are laid out for: set by the first dispatch or by
+        # clean_low_latency_buffer, agreed with the peers (transport.lay_out); the kernels place signals by these
+        # shapes, so another shape needs a clean
         self._layout: tuple[int, int, int] | None = None
 
     # ---- validation ----
@@ -139,9 +145,11 @@ class LowLatencyMode:
                              f"(Buffer.get_low_latency_rdma_size_hint({m}, {hidden}, {self.num_ranks}, {num_experts}))")
 
     def _check_layout(self, name: str, m: int, hidden: int, num_experts: int) -> None:
-        """Fix the buffer's layout at the first call; later calls must keep it (or clean first)."""
+        """A call must keep the layout the buffer has (or clean first); the first dispatch lays it out."""
         if self._layout is None:
-            self._layout = (m, hidden, num_experts)
+            if name == "handle":
+                raise ValueError("handle: this buffer has made no low-latency dispatch (the handle comes from another "
+                                 "buffer)")
         elif self._layout != (m, hidden, num_experts):
             lm, lh, le = self._layout
             raise ValueError(f"{name}: the low-latency buffer is laid out for num_max_dispatch_tokens_per_rank={lm}, "
@@ -175,12 +183,15 @@ class LowLatencyMode:
                  dispatch_wait_recv_cost_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, async_finish: bool, return_recv_hook: bool) -> tuple:
         try:
-            x, topk_idx, m, recv_stats, wait_stats, s = self._check_dispatch(
+            x, topk_idx, m, recv_stats, wait_stats = self._check_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         except REFUSABLE as exc:
-            hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
-            self._refuse("low_latency_dispatch", exc, (num_max_dispatch_tokens_per_rank, hidden, num_experts))
+            self._refuse("low_latency_dispatch", exc)
+        if self._layout is None:  # the first dispatch lays the buffer out, before it takes a set
+            self.transport.lay_out("low_latency_dispatch", m, x.shape[1], num_experts)
+            self._layout = (m, x.shape[1], num_experts)
+        s = self.sets.take("low_latency_dispatch")
         self._calls += 1
         out = self.transport.dispatch(DispatchRequest(x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, s))
 
@@ -198,8 +209,8 @@ class LowLatencyMode:
     def _check_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
                         recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool, async_finish: bool, return_recv_hook: bool) -> tuple:
-        """A dispatch's arguments validated, and the buffer set it takes: ``(x, topk_idx, m, recv_stats,
-        wait_stats, set)``."""
+        """A dispatch's arguments validated, and that the next buffer set is free to take: ``(x, topk_idx, m,
+        recv_stats, wait_stats)``."""
         x = self._check("x", x, (torch.bfloat16,), (None, None)).contiguous()
         n, hidden = x.shape
         self._check_shapes(m, hidden, num_experts)
@@ -222,7 +233,8 @@ class LowLatencyMode:
         recv_stats = self._check_stats("cumulative_local_expert_recv_stats", recv_stats, torch.int32, num_local)
         wait_stats = self._check_stats("dispatch_wait_recv_cost_stats", wait_stats, torch.int64, self.num_ranks)
         self._check_hook_mode(async_finish, return_recv_hook)
-        return x, topk_idx, m, recv_stats, wait_stats, self.sets.take("low_latency_dispatch")
+        self.sets.check("low_latency_dispatch")
+        return x, topk_idx, m, recv_stats, wait_stats
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: object,
                 use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
@@ -283,24 +295,20 @@ class LowLatencyMode:
             self._check_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         except REFUSABLE as exc:
             self._refuse("clean_low_latency_buffer", exc)
+        self.transport.lay_out("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.transport.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.sets.clean()
         self._layout = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def _refuse(self, call: str, exc: Exception, shapes: tuple | None = None) -> NoReturn:
+    def _refuse(self, call: str, exc: Exception) -> NoReturn:
         """Raise ``exc``, this rank's bad input to ``call``, on every rank alike (the peers are in the same call and
-        would otherwise wait for this rank until they time out): the transport takes part in the call without
-        data and tells the peers. The kernels need the buffer's layout for that: the one fixed by the calls so far,
-        else the call's own ``shapes`` ``(M, hidden, num_experts)`` when they are valid; without either, only this
-        rank raises and the peers' kernels time out naming it."""
-        layout = self._layout
-        if layout is None and shapes is not None:
-            try:
-                self._check_shapes(*shapes)
-                layout = shapes
-            except REFUSABLE:
-                layout = None
-        self.transport.refuse(call, exc, layout, self.sets.next)
+        would otherwise wait for this rank until they time out): the transport tells the peers, in the call itself
+        on the buffer's layout, or in the agreement of a call that lays the buffer out (the first dispatch, a
+        clean). A combine on a buffer without a layout has no dispatch behind it on any rank: only this rank
+        raises."""
+        layout = None if call == "clean_low_latency_buffer" else self._layout
+        if layout is not None or call != "low_latency_combine":
+            self.transport.refuse(call, exc, layout, self.sets.next)
         raise exc
 
     def _check_handle(self, handle: object) -> LowLatencyHandle:

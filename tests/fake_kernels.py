@@ -151,10 +151,11 @@ def installed(lib: FakeLib) -> Iterator[FakeLib]:
 
 class FakeRuntime(NVLinkRuntime):
     """The runtime of one rank over ``lib`` (a :class:`FakeLib`) on CPU tensors: what ``NVLinkRuntime.__init__``
-    takes from the process group, the library and the GPU, given instead; every library call goes to ``lib``."""
+    takes from the process group, the library and the GPU, given instead; every library call goes to ``lib``.
+    ``group``: the process group its host exchanges run over (the low-latency form's agreement), if any."""
 
-    def __init__(self, lib: FakeLib, rank: int, num_ranks: int) -> None:
-        self.group, self.rank, self.num_ranks, self.timeout_s = None, rank, num_ranks, 5.0
+    def __init__(self, lib: FakeLib, rank: int, num_ranks: int, group: object = None) -> None:
+        self.group, self.rank, self.num_ranks, self.timeout_s = group, rank, num_ranks, 5.0
         self.device, self.index = torch.device("cpu"), DEVICE_INDEX
         self.lib, self.ctx, self.error = lib, CTX, [0, 0, 0, 0]
         self.region_bytes, self.own_region = 1 << 24, OWN_REGION

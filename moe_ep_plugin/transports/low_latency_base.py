@@ -93,10 +93,16 @@ class LowLatencyTransport(Protocol):
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor: ...
 
+    def lay_out(self, call: str, m: int, hidden: int, num_experts: int) -> None:
+        """``call`` (the buffer's first dispatch, or a clean) lays the buffer out for ``(M, hidden, num_experts)``:
+        agree on it with the peers where the calls themselves carry no shapes (collective, before anything is
+        sent; raises on every rank when ranks disagree or one refused the call)."""
+
     def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
-        """This rank refuses ``call`` (``exc``: its bad input): let the peers, which are in the same call, raise the
-        cause too where the transport can tell them; the caller then raises ``exc``. ``layout``: the buffer's
-        ``(M, hidden, num_experts)`` if known, ``buffer_set``: the set the peers' call takes."""
+        """This rank refuses ``call`` (``exc``: its bad input): let the peers, which are in the same call (or in its
+        :meth:`lay_out` when ``layout`` is None), raise the cause too where the transport can tell them; the caller
+        then raises ``exc``. ``layout``: the buffer's ``(M, hidden, num_experts)``, ``buffer_set``: the set the
+        peers' call takes."""
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None: ...
 

@@ -2,7 +2,9 @@
 
 A second kernel context (its own peer-visible buffer of ``num_rdma_bytes`` plus signal pages, shared by CUDA IPC
 like the normal kernels' one) holds the two buffer sets. A call launches its send half at once; its receive half
-runs then too, or later from the hook. Nothing reads the host, so every call can be captured in a CUDA graph. A
+runs then too, or later from the hook. Nothing reads the host, so every call can be captured in a CUDA graph, except
+the calls that lay the buffer out (the first, and ``clean_low_latency_buffer``): the kernels carry no header, so the
+ranks first agree on the shapes, and on any refusal, over the group's host exchange (``low_latency_torch.agree``). A
 receive that times out inside a kernel leaves its outputs incomplete and the error in the context's record: the
 next low-latency call (or ``clean_low_latency_buffer``) raises ``TimeoutError`` naming the stalled rank.
 """
@@ -17,7 +19,9 @@ from ..ops import fp8, library
 from ..ops.library import ptr as _ptr
 from .base import REFUSED_CALLS, refusal_code
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
+from .low_latency_torch import agree
 from .nvlink.runtime import NVLinkRuntime
+from .torch_transport import TorchTransport
 
 _SIGNAL_BYTES = 16384  # csrc/kernels/low_latency.cuh kLLSignalBytes, per buffer set
 
@@ -48,6 +52,22 @@ class NVLinkLowLatency:
                                     + 2 * _SIGNAL_BYTES + 4096 * dist.get_world_size(group))
         self.runtime = runtime
         self.rank, self.num_ranks, self.device = self.runtime.rank, self.runtime.num_ranks, self.runtime.device
+        # The host exchange of lay_out: device tensors on NCCL, host ones on gloo (ranks sharing a GPU).
+        group = runtime.group
+        self.exchange = TorchTransport(group, self.device if dist.get_backend(group) == "nccl" else torch.device("cpu"),
+                                       runtime.timeout_s)
+
+    def lay_out(self, call: str, m: int, hidden: int, num_experts: int) -> None:
+        """``call`` lays the buffer out for ``(m, hidden, num_experts)``: the kernels place slots and signals by
+        these shapes and carry no header, so the ranks agree on them over the host first; a rank that refused the
+        call joins that agreement (:meth:`refuse`) and every rank raises its cause. Not inside a CUDA-graph
+        capture, where no host exchange can run."""
+        self.runtime.check_error()
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{call}: it lays the low-latency buffer out, which the ranks agree on over the host, "
+                             "and cannot be captured in a CUDA graph; make one low-latency call (or "
+                             "clean_low_latency_buffer) before capturing")
+        agree(self.exchange, call, m, hidden, num_experts)
 
     def dispatch(self, req: DispatchRequest) -> DispatchOutput:
         self.runtime.check_error()
@@ -84,13 +104,18 @@ class NVLinkLowLatency:
                                                        handle.num_experts, buffer_set)
 
     def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
-        """Take part in the peers' ``call`` without data, marked refused (csrc/moe_ep.h ``refusal``), so that every
-        rank's receive half records ``MOE_EP_ERR_REFUSED`` and its next call raises it naming this rank. Needs the
-        buffer's ``layout`` to find the peers' slots; without it, or for a clean (a memset and a barrier), the
-        peers' waits time out naming this rank instead. Skipped when this rank already recorded an error (its
-        kernels would not run)."""
-        # REFUSED_CALLS[0], the normal-mode dispatch, is refused through the notify of the normal kernels
-        if layout is None or call not in REFUSED_CALLS[1:] or self.runtime.error[0] != 0:
+        """This rank refuses ``call`` (``exc``: its bad input). Without ``layout`` the call lays the buffer out: join
+        the peers' agreement (:meth:`lay_out`) with the refusal, and every rank raises it, naming this rank. With
+        it (a dispatch or combine on the buffer's layout) take part in the peers' call without data, marked refused
+        (csrc/moe_ep.h ``refusal``), so that every rank's receive half records ``MOE_EP_ERR_REFUSED`` and its next
+        call raises it naming this rank; no host read, so this works inside a capture too. Skipped when this rank
+        already recorded an error (its kernels would not run), and inside a capture without ``layout``: the caller
+        raises ``exc``."""
+        if self.runtime.error[0] != 0:
+            return
+        if layout is None:
+            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                agree(self.exchange, call, 0, 0, 0, refusal=exc)
             return
         m, hidden, num_experts = layout
         word = refusal_code(exc) | REFUSED_CALLS.index(call) << 8

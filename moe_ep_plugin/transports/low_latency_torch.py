@@ -26,8 +26,8 @@ from .base import refusal_code
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle, elapsed_ns
 from .torch_transport import TorchTransport
 
-_DISPATCH, _COMBINE, _CLEAN = 1, 2, 3
-_CALLS = {_DISPATCH: "low_latency_dispatch", _COMBINE: "low_latency_combine", _CLEAN: "clean_low_latency_buffer"}
+# The calls a header names (its first word: 1 + the index here).
+CALLS = ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer")
 _FIELDS = ("call", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "use_fp8", "round_scale", "use_ue8m0")
 _PRESENT = 4  # bytes of the presence word leading each dispatch slot
 
@@ -52,37 +52,13 @@ class TorchLowLatency:
         self.rank, self.num_ranks, self.device = base.rank, base.num_ranks, base.device
         self._combine_buffers: list[torch.Tensor | None] = [None, None]
 
-    # ---- agreement ----
-    def _agree(self, call: int, m: int, hidden: int, num_experts: int, flags: tuple[bool, bool, bool],
-               topk_idx: torch.Tensor | None, refusal: Exception | None = None) -> None:
-        """All-gather the header; raise the same error on every rank if a rank refused the call (``refusal``: its
-        bad input; the messages follow in a second exchange), ranks differ in the call or its shapes, or any rank
-        passed expert ids outside ``[-1, num_experts)``."""
-        bad = count_invalid(topk_idx, num_experts).to(torch.int64) if topk_idx is not None else \
-            torch.zeros(1, dtype=torch.int64, device=self.device)
-        header = torch.cat([torch.tensor([call, m, hidden, num_experts, *flags, refusal_code(refusal)],
-                                         dtype=torch.int64, device=self.device), bad])
-        _, read = self.base._start_count_exchange(header)
-        table = read().tolist()
-        what = _CALLS[call]
-        codes = [row[len(_FIELDS)] for row in table]
-        self.base._check_refusals(what, codes, refusal)
-        for i, name in enumerate(_FIELDS):
-            values = [row[i] for row in table]
-            if len(set(values)) > 1:
-                if i == 0:
-                    raise ValueError(f"{what}: ranks are in different low-latency calls: "
-                                     f"{[_CALLS.get(v, v) for v in values]} (every rank raises; nothing was sent)")
-                raise ValueError(f"{name}: ranks disagree in {what}: {values} by rank (every rank raises; nothing "
-                                 "was sent)")
-        bad_ranks = [r for r, row in enumerate(table) if row[-1]]
-        if bad_ranks:
-            raise invalid_ids_error(bad_ranks, num_experts)
+    def lay_out(self, call: str, m: int, hidden: int, num_experts: int) -> None:
+        """Nothing to agree on before ``call`` lays the buffer out: every call's header carries its shapes."""
 
     def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
         """This rank refuses ``call`` (``exc``: its bad input): join the call's header exchange so that every rank
         raises the cause, naming this rank (the header needs neither ``layout`` nor ``buffer_set``)."""
-        self._agree(next(c for c, name in _CALLS.items() if name == call), 0, 0, 0, (False, False, False), None, exc)
+        agree(self.base, call, 0, 0, 0, refusal=exc)
 
     def _exchange(self, send: torch.Tensor, what: str) -> Callable[[], tuple[torch.Tensor, int]]:
         """Start the fixed-shape all-to-all of ``send`` ``[R, ...]`` (block ``r`` to rank ``r``); the returned function
@@ -104,7 +80,7 @@ class TorchLowLatency:
         x, idx, m, num_experts = req.x, req.topk_idx, req.num_max_dispatch_tokens_per_rank, req.num_experts
         n, hidden = x.shape
         num_ranks, num_local, dev = self.num_ranks, num_experts // self.num_ranks, x.device
-        self._agree(_DISPATCH, m, hidden, num_experts, (req.use_fp8, req.round_scale, req.use_ue8m0), idx)
+        agree(self.base, CALLS[0], m, hidden, num_experts, (req.use_fp8, req.round_scale, req.use_ue8m0), idx)
 
         if req.use_fp8:
             q, scales = fp8.quantize(x, round_scale=req.round_scale)
@@ -177,7 +153,7 @@ class TorchLowLatency:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int) -> Callable[[], int]:
         m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        self._agree(_COMBINE, m, hidden, num_experts, (False, False, False), topk_idx)
+        agree(self.base, CALLS[1], m, hidden, num_experts, topk_idx=topk_idx)
         if zero_copy:
             x = self.combine_buffer(handle, buffer_set)
         state: _State = handle.transport_state
@@ -201,7 +177,36 @@ class TorchLowLatency:
         return finish
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self._agree(_CLEAN, num_max_dispatch_tokens_per_rank, hidden, num_experts, (False, False, False), None)
+        agree(self.base, CALLS[2], num_max_dispatch_tokens_per_rank, hidden, num_experts)
         for buf in self._combine_buffers:
             if buf is not None:
                 buf.zero_()
+
+
+def agree(exchange: TorchTransport, call: str, m: int, hidden: int, num_experts: int,
+          flags: tuple[bool, bool, bool] = (False, False, False), topk_idx: torch.Tensor | None = None,
+          refusal: Exception | None = None) -> None:
+    """All-gather the header of ``call`` (one of ``CALLS``) over ``exchange``'s group: its shapes, ``flags``
+    (``use_fp8``, ``round_scale``, ``use_ue8m0``), how many ``topk_idx`` entries lie outside ``[-1, num_experts)``
+    and whether this rank refused the call. Raises the same error on every rank if a rank refused (``refusal``: its
+    bad input; the messages follow in a second exchange), ranks differ in the call or its shapes, or any rank passed
+    such ids."""
+    device = exchange.device
+    bad = count_invalid(topk_idx, num_experts).to(torch.int64) if topk_idx is not None else \
+        torch.zeros(1, dtype=torch.int64, device=device)
+    header = torch.cat([torch.tensor([CALLS.index(call) + 1, m, hidden, num_experts, *flags, refusal_code(refusal)],
+                                     dtype=torch.int64, device=device), bad])
+    table = exchange._start_count_exchange(header, f"{call} header exchange")[1]().tolist()
+    exchange._check_refusals(call, [row[len(_FIELDS)] for row in table], refusal)
+    for i, name in enumerate(_FIELDS):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            if i == 0:
+                named = [CALLS[v - 1] if 0 < v <= len(CALLS) else v for v in values]
+                raise ValueError(f"{call}: ranks are in different low-latency calls: {named} (every rank raises; "
+                                 "nothing was sent)")
+            raise ValueError(f"{name}: ranks disagree in {call}: {values} by rank (every rank raises; nothing was "
+                             "sent)")
+    bad_ranks = [r for r, row in enumerate(table) if row[-1]]
+    if bad_ranks:
+        raise invalid_ids_error(bad_ranks, num_experts)

@@ -180,40 +180,55 @@ def _absent_peer(timeout_s: float) -> None:
 
 
 def _refusing_peer(timeout_s: float) -> None:
-    """Rank 1 refuses a call its peer makes: a dispatch of more than M tokens (the first call: the buffer's layout
-    from the call's own shapes), then, on a fresh buffer, a combine of FP16 rows. Rank 1 raises the cause; rank 0's
-    call returns (no host read) and its next call raises the refusal, of the cause's class, naming rank 1 and the
-    call; all well within the timeout, no kernel trapped."""
+    """Rank 1 refuses calls its peer makes. The first dispatch (more than M tokens) and a clean (no experts) lay the
+    buffer out, which the ranks agree on over the host: both ranks raise the cause at that call, naming rank 1,
+    and the buffer stays usable. A later dispatch (FP16 rows) and a combine (FP16 rows) run on the kernels: rank 1
+    raises the cause and takes part without data; rank 0's call returns (no host read) and its next call raises
+    the refusal, of the cause's class, naming rank 1 and the call. All well within the timeout, no kernel trapped.
+    A first call inside a CUDA-graph capture is refused on every rank (the agreement needs the host)."""
     bad = dist.get_rank() == 1
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cuda", 0)
     m, hidden, num_experts = 8, 2048, 2 * dist.get_world_size()
     x = torch.randn(m, hidden, device=dev).bfloat16()
     idx = torch.arange(m, device=dev).view(m, 1) % num_experts
+    w = torch.ones(m, 1, device=dev)
+    refused = r"{}: rank\(s\) \[1\] refused the call"
     start = time.monotonic()
     nv, _ = _buffers(m, hidden, num_experts, timeout_s=timeout_s)
+    with pytest.raises(ValueError, match=refused.format("low_latency_dispatch") + rf" \(rank 1: x: {m + 1} tokens"):
+        nv.low_latency_dispatch(torch.cat([x, x[:1]]) if bad else x, torch.cat([idx, idx[:1]]) if bad else idx, m,
+                                num_experts, use_fp8=False)
+    with pytest.raises(ValueError, match=refused.format("clean_low_latency_buffer") + r" \(rank 1: num_experts"):
+        nv.clean_low_latency_buffer(m, hidden, 0 if bad else num_experts)
+    nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)  # laid out now, and still usable
     if bad:
-        with pytest.raises(ValueError, match=f"x: {m + 1} tokens exceed"):
-            nv.low_latency_dispatch(torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), m, num_experts, use_fp8=False)
+        with pytest.raises(TypeError, match="x: expected dtype"):
+            nv.low_latency_dispatch(x.half(), idx, m, num_experts, use_fp8=False)
     else:
         nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
         torch.cuda.synchronize(dev)  # no call waits for the GPU: the record is read by a call after the receive ran
-        with pytest.raises(ValueError, match=r"low_latency_dispatch: rank\(s\) \[1\] refused the call"):
+        with pytest.raises(TypeError, match=refused.format("low_latency_dispatch")):
             nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
     torch.cuda.synchronize(dev)
     nv.destroy()
 
     nv, _ = _buffers(m, hidden, num_experts, timeout_s=timeout_s)
     recv_x, _, handle, _, _ = nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
-    w = torch.ones(m, 1, device=dev)
     if bad:
         with pytest.raises(TypeError, match="x: expected dtype"):
             nv.low_latency_combine(recv_x.half(), idx, w, handle)
     else:
         nv.low_latency_combine(recv_x, idx, w, handle)
         torch.cuda.synchronize(dev)
-        with pytest.raises(TypeError, match=r"low_latency_combine: rank\(s\) \[1\] refused the call"):
+        with pytest.raises(TypeError, match=refused.format("low_latency_combine")):
             nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
     torch.cuda.synchronize(dev)  # no kernel trapped
+    nv.destroy()
+
+    nv, _ = _buffers(m, hidden, num_experts, timeout_s=timeout_s)
+    with pytest.raises(ValueError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
     nv.destroy()
     assert time.monotonic() - start < timeout_s
 
