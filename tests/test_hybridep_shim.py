@@ -118,6 +118,11 @@ def test_flex_config_refusals() -> None:
             else:
                 with pytest.raises(ValueError, match=f"moe_flex_dispatcher_backend: '{backend}' is not served"):
                     config(backend)
+        # FP16 tokens: refused when the config is built, not at the first dispatch (ep_plugin serves them)
+        for backend in registration.SERVED_FLEX_BACKENDS:
+            with pytest.raises(ValueError, match=f"fp16: True with moe_flex_dispatcher_backend '{backend}': the flex "
+                                                 "backends carry bf16 and fp32 tokens"):
+                config(backend, fp16=True)
         ep_megatron.install(ep_megatron.PluginOptions(transport="torch", fp8_dispatch=True))
         with pytest.raises(ValueError, match="ep_plugin.fp8_dispatch"):
             config("hybridep")
