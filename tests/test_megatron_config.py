@@ -102,6 +102,35 @@ def test_config_validation_after_install() -> None:
         ep_megatron.set_plugin_options(config, {"transport": "torch"})
 
 
+def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> None:
+    """This library's dispatch reads its counts on the host once, so a CUDA-graph region holding it (the whole layer,
+    ``moe``, a full iteration) is refused when the config is built, for ep_plugin and the flex backends alike; the
+    regions before the dispatch (attention, router, preprocess) are accepted, and alltoall's drop-and-pad ``moe``."""
+    ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
+    # megatron-core 0.16 names the regions cuda_graph_scope, 0.19 cuda_graph_modules
+    key = "cuda_graph_modules" if "cuda_graph_modules" in tc.TransformerConfig.__dataclass_fields__ else \
+        "cuda_graph_scope"
+    flex = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
+    pad = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    for kind, who in ((dict(moe_token_dispatcher_type="ep_plugin"), "ep_plugin"), (flex, "'deepep'")):
+        for regions in ("attn", "moe_router", "moe_preprocess", "attn,moe_router"):
+            _moe_config(**kind, cuda_graph_impl="local", **{key: regions})
+        _moe_config(**kind, cuda_graph_impl="transformer_engine", **{key: "attn"})
+        _moe_config(**kind)  # no graphs
+        with pytest.raises(ValueError, match=rf"{key}: the whole layer with cuda_graph_impl 'local' captures the "
+                                             rf"MoE token dispatch, which .*{who} runs with one host read"):
+            _moe_config(**kind, cuda_graph_impl="local", **{key: []})
+    with pytest.raises(ValueError, match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures"):
+        _moe_config(cuda_graph_impl="local", **{key: "moe"}, **pad)
+    _moe_config(moe_token_dispatcher_type="alltoall", cuda_graph_impl="local", **{key: "moe"}, **pad)
+    # a whole iteration: an implementation of its own from 0.19, a region before
+    whole, named = ((dict(cuda_graph_impl="full_iteration"), "cuda_graph_impl: 'full_iteration'")
+                    if key == "cuda_graph_modules" else
+                    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), r"\['full_iteration'\]"))
+    with pytest.raises(ValueError, match=rf"{named}.* captures the MoE token dispatch"):
+        _moe_config(**whole)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"transport": "nccl"}, ValueError, "transport"),
     ({"fp8_dispatch": 1}, TypeError, "fp8_dispatch"),

@@ -112,15 +112,35 @@ def _wrap_post_init(original: Any) -> Any:
     def __post_init__(self) -> None:
         if getattr(self, "moe_token_dispatcher_type", None) == "flex":
             original(self)
-            return _check_flex(self)
+            _check_flex(self)
+            return _check_cuda_graph(self, f"moe_flex_dispatcher_backend {self.moe_flex_dispatcher_backend!r}")
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
         with _dispatcher_type_shown_as(self, "alltoall"):
             original(self)
         options = get_plugin_options(self, _default_options)
         set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
+        _check_cuda_graph(self, "moe_token_dispatcher_type: ep_plugin")
     __post_init__._moe_ep_plugin = True
     return __post_init__
+
+
+def _check_cuda_graph(config: Any, dispatcher: str) -> None:
+    """Refuse a CUDA-graph config whose captured region holds the MoE token dispatch: this library's dispatch reads
+    its counts on the host once, which a capture cannot (drop-and-pad included, where ``alltoall`` needs no read).
+    megatron-core 0.16 names the regions ``cuda_graph_scope``, 0.19 ``cuda_graph_modules``; an empty list is the
+    whole layer."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "none" or not getattr(config, "num_moe_experts", None):
+        return
+    key = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    regions = sorted(getattr(region, "name", str(region)) for region in getattr(config, key) or [])
+    if impl == "full_iteration" or not regions or {"moe", "full_iteration"} & set(regions):
+        what = (f"cuda_graph_impl: {impl!r}" if impl == "full_iteration" else
+                f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}")
+        raise ValueError(f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its "
+                         "counts (not capturable); capture attn, moe_router or moe_preprocess only, or use "
+                         "moe_token_dispatcher_type: alltoall with drop-and-pad for MoE graphs")
 
 
 def _free_input_module() -> Any:
