@@ -146,11 +146,7 @@ class LowLatencyMode:
 
     def _check_layout(self, name: str, m: int, hidden: int, num_experts: int) -> None:
         """A call must keep the layout the buffer has (or clean first); the first dispatch lays it out."""
-        if self._layout is None:
-            if name == "handle":
-                raise ValueError("handle: this buffer has made no low-latency dispatch (the handle comes from another "
-                                 "buffer)")
-        elif self._layout != (m, hidden, num_experts):
+        if self._layout is not None and self._layout != (m, hidden, num_experts):
             lm, lh, le = self._layout
             raise ValueError(f"{name}: the low-latency buffer is laid out for num_max_dispatch_tokens_per_rank={lm}, "
                              f"hidden={lh}, num_experts={le}, this call has {m}, {hidden}, {num_experts}; call "
@@ -262,6 +258,9 @@ class LowLatencyMode:
         """A combine's arguments validated, ``out`` allocated, and the buffer set it takes: ``(x, topk_idx,
         topk_weights, handle, out, wait_stats, set)``."""
         handle = self._check_handle(handle)
+        if self._layout is None:
+            raise ValueError("handle: this buffer has made no low-latency dispatch (the handle comes from another "
+                             "buffer)")
         self._check_layout("handle", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if use_logfmt:
             raise ValueError("use_logfmt: LogFMT-10 combine is not built in this library; combine in BF16 "

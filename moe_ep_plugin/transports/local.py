@@ -183,9 +183,6 @@ class LocalLowLatency(TorchLowLatency):
 
     name = "local"
 
-    def lay_out(self, call: str, m: int, hidden: int, num_experts: int) -> None:
-        """No peer to agree with on a one-rank group."""
-
     def refuse(self, call: str, exc: Exception, layout: tuple[int, int, int] | None, buffer_set: int) -> None:
         """No peer waits on a one-rank group: the caller raises ``exc`` itself."""
 

@@ -63,11 +63,14 @@ class NVLinkLowLatency:
         call joins that agreement (:meth:`refuse`) and every rank raises its cause. Not inside a CUDA-graph
         capture, where no host exchange can run."""
         self.runtime.check_error()
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise ValueError(f"{call}: it lays the low-latency buffer out, which the ranks agree on over the host, "
                              "and cannot be captured in a CUDA graph; make one low-latency call (or "
                              "clean_low_latency_buffer) before capturing")
         agree(self.exchange, call, m, hidden, num_experts)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def dispatch(self, req: DispatchRequest) -> DispatchOutput:
         self.runtime.check_error()
@@ -114,7 +117,7 @@ class NVLinkLowLatency:
         if self.runtime.error[0] != 0:
             return
         if layout is None:
-            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not self._capturing():
                 agree(self.exchange, call, 0, 0, 0, refusal=exc)
             return
         m, hidden, num_experts = layout
