@@ -27,8 +27,9 @@ def _check_inputs(buffer: object, x: object, name: str = "x") -> None:
 # num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout)``: Function.apply does host work per
 # argument (functorch unwrapping, input bookkeeping), so fewer arguments cost less of it. ``configs``:
 # ``(dispatch Config, combine Config)`` for the forward and the backward alike, or None for the Buffer's defaults.
-# ``layout``: the caller's ``(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)`` (a dispatch without
-# top-k) or, for an expert-major dispatch from a routing map, ``(routing_map [N, E] bool, topk)``; else None.
+# ``layout``: for a row-major dispatch the caller's ``(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+# num_worst_tokens)`` (the first three None with top-k); for an expert-major dispatch from a routing map,
+# ``(routing_map [N, E] bool, topk)``, else None.
 Configs = tuple[Config, Config] | None
 _Layout = tuple | None
 _DispatchCall = tuple[Buffer, torch.Tensor | None, int | None, bool, int, bool, Configs, _Layout]
@@ -45,12 +46,12 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor | None, call: _DispatchCall):
         buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout = call
-        per_rank, in_rank, per_expert = layout if layout is not None else (None, None, None)
+        per_rank, in_rank, per_expert, num_worst_tokens = layout
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, config=configs and configs[0], fp8_dispatch=fp8_dispatch,
-            round_scale=round_scale)
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=configs and configs[0],
+            fp8_dispatch=fp8_dispatch, round_scale=round_scale)
         ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
@@ -138,7 +139,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = No
              topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
              fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None,
              num_tokens_per_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
-             num_tokens_per_expert: torch.Tensor | None = None
+             num_tokens_per_expert: torch.Tensor | None = None, num_worst_tokens: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids),
     or without top-k from the three layout tensors (as :meth:`Buffer.dispatch` takes them).
@@ -147,13 +148,12 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = No
     float32 or None, num_recv_tokens_per_expert_list, handle)``. Gradients reach ``x`` and ``topk_weights``. With
     ``fp8_dispatch`` the rows cross the wire in FP8 (``round_scale``: power-of-two scales) and arrive as BF16
     (straight-through gradient). ``configs``: ``(dispatch, combine)`` Configs for this call and its backward (None:
-    the Buffer's defaults).
+    the Buffer's defaults). ``num_worst_tokens`` as for :meth:`Buffer.dispatch` (outputs of exactly that many rows,
+    no host read on the ``nvlink`` transport, an empty per-expert list).
     """
     _check_inputs(buffer, x)
     _check_configs(configs)
-    layout = None
-    if num_tokens_per_rank is not None or is_token_in_rank is not None or num_tokens_per_expert is not None:
-        layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+    layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens)
     return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
                                              round_scale, configs, layout))
 

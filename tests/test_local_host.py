@@ -92,3 +92,43 @@ def test_fresh_expert_dispatch_is_the_kernels_and_one_read(alignment: int, every
         assert launched == _SMALL_OPS, (seed, launched)
     else:  # the tokens without an expert take a mask, its send positions and the received tokens' order (13 today)
         assert sum(launched.values()) <= 13, (seed, launched)
+
+
+def test_worst_sized_dispatch_with_room_for_every_token_reads_nothing() -> None:
+    """A row-major dispatch whose ``num_worst_tokens`` covers every token cannot cut a row off, so it makes no host
+    read (``_read`` is the only one; no ``item``/``tolist`` either): the received tokens first, in token order,
+    then zero rows with id -1; its combine and its cached dispatch agree with the counted dispatch's."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k, e, h = 12, 2, 4, 64
+    topk_idx = torch.randint(e, (n, k), generator=gen)
+    topk_idx[[1, 5, 6]] = -1  # tokens naming no expert: not received
+    x = torch.randn(n, h, generator=gen)
+    weights = torch.rand(n, k, generator=gen)
+    with mock.patch.object(dist, "get_rank", lambda group: 0), \
+            mock.patch.object(dist, "get_world_size", lambda group: 1):
+        transport = LocalTransport(None, torch.device("cpu"), 5.0)
+    in_rank = (topk_idx >= 0).any(1, keepdim=True)
+
+    def args(worst: int, handle=None) -> DispatchArgs:
+        return DispatchArgs(x=x, x_scales=None, topk_idx=None if handle else topk_idx,
+                            topk_weights=None if handle else weights, num_tokens_per_rank=None,
+                            is_token_in_rank=in_rank, num_experts=e, handle=handle, num_worst_tokens=worst,
+                            wire_fp8=False, fp8_out=False, round_scale=False, config=Config())
+    counted = transport.dispatch(args(0))
+    with mock.patch.object(LocalTransport, "_read", side_effect=AssertionError("host read")), \
+            mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError("host read")), \
+            mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host read")):
+        worst = transport.dispatch(args(n + 3))
+        again = transport.dispatch(args(n + 3, worst.handle))
+        combined, combined_w = transport.combine(worst.recv_x * 2, worst.handle, worst.recv_topk_weights, (),
+                                                 Config())
+    m = counted.recv_x.shape[0]
+    assert m == n - 3 and worst.recv_x.shape[0] == n + 3 and worst.handle.num_recv_tokens is None
+    assert torch.equal(worst.recv_x[:m], counted.recv_x) and not worst.recv_x[m:].any()
+    assert torch.equal(worst.recv_topk_idx[:m], counted.recv_topk_idx) and bool((worst.recv_topk_idx[m:] == -1).all())
+    assert torch.equal(worst.recv_topk_weights[:m], counted.recv_topk_weights)
+    assert not worst.recv_topk_weights[m:].any() and worst.host_counts is None
+    assert torch.equal(again.recv_x, worst.recv_x)
+    expected, expected_w = transport.combine(counted.recv_x * 2, counted.handle, counted.recv_topk_weights, (),
+                                             Config())
+    assert torch.equal(combined, expected) and torch.equal(combined_w, expected_w)

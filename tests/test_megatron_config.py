@@ -103,7 +103,8 @@ def test_config_validation_after_install() -> None:
 
 
 def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> None:
-    """This library's dispatch reads its counts on the host once, so a CUDA-graph region holding it (the whole layer,
+    """This library's dispatch reads its counts on the host once, except ep_plugin's drop-and-pad on the nvlink
+    transport (local in a group of one rank); so a CUDA-graph region holding another dispatch (the whole layer,
     ``moe``, a full iteration) is refused when the config is built, for ep_plugin and the flex backends alike; the
     regions before the dispatch (attention, router, preprocess) are accepted, and alltoall's drop-and-pad ``moe``."""
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
@@ -120,9 +121,18 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
         with pytest.raises(ValueError, match=rf"{key}: the whole layer with cuda_graph_impl 'local' captures the "
                                              rf"MoE token dispatch, which .*{who} runs with one host read"):
             _moe_config(**kind, cuda_graph_impl="local", **{key: []})
-    with pytest.raises(ValueError, match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures"):
-        _moe_config(cuda_graph_impl="local", **{key: "moe"}, **pad)
+    with pytest.raises(ValueError, match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures .* or use "
+                                         "moe_pad_expert_input_to_capacity \\(drop-and-pad\\) with "
+                                         "ep_plugin.transport: nvlink"):
+        _moe_config(cuda_graph_impl="local", **{key: "moe"}, **pad, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="or use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink"):
+        _moe_config(**flex, cuda_graph_impl="local", **{key: []})
     _moe_config(moe_token_dispatcher_type="alltoall", cuda_graph_impl="local", **{key: "moe"}, **pad)
+    ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
+    for regions, ep in (("moe", 2), ([], 2), ("moe", 1)):  # drop-and-pad on nvlink reads nothing on the host
+        _moe_config(cuda_graph_impl="local", **{key: regions}, **pad, expert_model_parallel_size=ep)
+    with pytest.raises(ValueError, match="captures the MoE token dispatch"):  # dropless reads its counts
+        _moe_config(cuda_graph_impl="local", **{key: []}, expert_model_parallel_size=2)
     # a whole iteration: an implementation of its own from 0.19, a region before
     whole, named = ((dict(cuda_graph_impl="full_iteration"), "cuda_graph_impl: 'full_iteration'")
                     if key == "cuda_graph_modules" else

@@ -204,14 +204,15 @@ def _errors() -> None:
         h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96, dtype=torch.float16), rmap, rmap.float())
         with pytest.raises(TypeError, match="hidden_states: float16 needs ep_plugin.transport 'torch'"):
             dispatcher.token_dispatch(h, p)
-        # drop-and-pad: a map without exactly the capacity (here 1 token) per expert
+        # drop-and-pad: a capacity (ceil(2 x 3 / 8 x 4) = 3) beyond the 2 tokens a rank holds
         pad_config = TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS,
                                        moe_router_topk=TOPK, use_cpu_initialization=True,
-                                       moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+                                       moe_expert_capacity_factor=4.0, moe_pad_expert_input_to_capacity=True)
         dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), pad_config, pgc,
                                              options=PluginOptions(transport="torch"))
         h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96), rmap, rmap.float())
-        with pytest.raises(ValueError, match="routing_map: drop-and-pad needs every expert"):
+        with pytest.raises(ValueError, match="moe_expert_capacity_factor: a capacity of 3 tokens per expert needs 1 "
+                                             "to 2 tokens"):
             dispatcher.token_dispatch(h, p)
         idx, w = routing_map_to_topk(rmap & torch.tensor([True, False]).unsqueeze(1), rmap.float(), TOPK)
         assert sorted(idx[0].tolist()) == [0, 1, 2] and idx[1].tolist() == [-1] * TOPK

@@ -21,9 +21,9 @@ sync: the per-expert counts come back from the Buffer's dispatch as a host list.
 
 Expert TP (TP > 1): the group is Megatron's TP x EP group and ``[T, E]`` becomes ``[T, EP * TP * L]`` (each expert's
 column repeated for the TP ranks of its EP rank), so K and E scale by TP; the combine sums the TP partial outputs.
-Drop-and-pad: the router's map already holds ``capacity`` tokens per expert (padding tokens with prob 0); every
-marked pair travels (K = the expert count), giving ``capacity * TP * EP`` rows per local expert. FP16 (``torch``
-transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 and casts once.
+Drop-and-pad: ``drop_and_pad.py`` instead: each expert's ``capacity`` tokens as ``alltoall`` takes them, every pair a
+row of its own, ``capacity * TP * EP`` rows per local expert, no host read (CUDA-graph capturable on ``nvlink``).
+FP16 (``torch`` transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 and casts once.
 
 Megatron's 1F1B EP-overlap schedule (``overlap_moe_expert_parallel_comm``) calls these methods from separate nodes
 whose inputs are detached: tokens and probs reach the autograd functions only through the arguments, and what this
@@ -42,6 +42,7 @@ from megatron.core.utils import get_pg_rank
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
+from . import drop_and_pad
 from .options import (
     FP16_DTYPES,
     PluginOptions,
@@ -102,7 +103,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def _clear_state(self) -> None:
         self._routing_map: torch.Tensor | None = None
-        self._capacity_rows: int | None = None  # drop-and-pad: every local expert's row count
+        self._capacity: int | None = None  # drop-and-pad: every expert's tokens on each rank
+        self._pad: drop_and_pad.PadLayout | None = None  # drop-and-pad: this dispatch's pairs
         self._fp16 = False  # the tokens of this dispatch are fp16 (dispatched and combined as fp32)
         self._tokens_per_expert: list[int] | None = None
         self._handle = None
@@ -125,9 +127,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         if self.options.fp8_dispatch and hidden.shape[1] % 128:
             raise ValueError(f"fp8_dispatch needs hidden % 128 == 0, got hidden {hidden.shape[1]}")
         if self.drop_and_pad:  # the capacity of Megatron's router and alltoall, from this rank's token count
-            capacity = get_capacity(num_tokens=hidden.shape[0] * self.topk, num_experts=self.num_experts,
-                                    capacity_factor=self.config.moe_expert_capacity_factor)
-            self._capacity_rows = capacity * self.tp_size * self.ep_size
+            self._capacity = get_capacity(num_tokens=hidden.shape[0] * self.topk, num_experts=self.num_experts,
+                                          capacity_factor=self.config.moe_expert_capacity_factor)
         if self.tp_size > 1:
             routing_map, probs = self._replicate_over_tp(routing_map), self._replicate_over_tp(probs)
         self._routing_map = routing_map  # the rest of the routing map's checks: token_dispatch, before any transfer
@@ -156,18 +157,17 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                 raise TypeError(f"hidden_states: float16 needs ep_plugin.transport 'torch' (transport "
                                 f"{self.options.transport!r} takes {FP16_DTYPES})")
             hidden_states = hidden_states.float()
-        self._buffer = self._get_buffer(hidden_states.shape[1] * max(hidden_states.element_size(), 2),
-                                        hidden_states.device)
+        hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         num_experts = self.num_experts * self.tp_size
-        # Drop-and-pad maps hold the padding tokens too (up to every expert per token): top-k is the expert count.
-        topk = num_experts if self.drop_and_pad else self.topk * self.tp_size
-        expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-            self._buffer, hidden_states, self._routing_map, probs, topk, num_experts,
-            fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
-            round_scale=self.options.round_scale, configs=self._configs)
-        if self.drop_and_pad and any(n != self._capacity_rows for n in tokens_per_expert):
-            raise ValueError(f"routing_map: drop-and-pad needs every expert to hold exactly its capacity on each "
-                             f"rank ({self._capacity_rows} rows per local expert), got {list(tokens_per_expert)}")
+        if self.drop_and_pad:
+            expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(hidden_states, probs,
+                                                                                       hidden_bytes)
+        else:
+            self._buffer = self._get_buffer(hidden_bytes, hidden_states.device)
+            expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
+                self._buffer, hidden_states, self._routing_map, probs, self.topk * self.tp_size, num_experts,
+                fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
+                round_scale=self.options.round_scale, configs=self._configs)
         if self._fp16:
             expert_x = expert_x.half()
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
@@ -176,18 +176,31 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(expert_x)
         return expert_x, expert_probs
 
-    def _get_buffer(self, hidden_bytes: int, device: torch.device | None = None) -> Buffer:
+    def _dispatch_padded(self, hidden_states: torch.Tensor, probs: torch.Tensor, hidden_bytes: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[int], Any]:
+        """Drop-and-pad's dispatch (``drop_and_pad.dispatch``): every local expert gets its fixed rows."""
+        layout = drop_and_pad.pad_layout(self._routing_map, self._capacity, self.ep_size * self.tp_size,
+                                         self.alignment)
+        self._buffer = self._get_buffer(hidden_bytes, hidden_states.device, layout.num_pairs)
+        expert_x, expert_probs, handle = drop_and_pad.dispatch(
+            self._buffer, hidden_states, probs, layout, fp8_dispatch=self.options.fp8_dispatch,
+            round_scale=self.options.round_scale, configs=self._configs)
+        self._pad = layout
+        return expert_x, expert_probs, [layout.block] * layout.num_local, handle
+
+    def _get_buffer(self, hidden_bytes: int, device: torch.device | None = None, rows: int = 0) -> Buffer:
         """The shared Buffer of the EP group on the tokens' ``device`` (None: the group's default, see ``Buffer``;
-        a gloo group's ranks sharing one GPU pass it) for rows of ``hidden_bytes`` at this dispatcher's SM count (its
-        ``num_sms``, else ``Buffer.num_sms``), which also sets ``self._configs``, the per-call Configs of that SM
-        count (None: the Buffer's defaults). Nothing global changes."""
+        a gloo group's ranks sharing one GPU pass it) for rows of ``hidden_bytes`` (``rows`` of them from every rank
+        at once, see ``get_buffer``) at this dispatcher's SM count (its ``num_sms``, else ``Buffer.num_sms``), which
+        also sets ``self._configs``, the per-call Configs of that SM count (None: the Buffer's defaults). Nothing
+        global changes."""
         options = self.options
         num_sms = Buffer.num_sms if options.num_sms is None else options.num_sms
-        key = (hidden_bytes, num_sms, options, device)
+        key = (hidden_bytes, num_sms, options, device, rows)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
             buffer = get_buffer(self.group, hidden_bytes, options.transport, options.timeout_s, num_sms,
-                                options.ranks_per_node, device)
+                                options.ranks_per_node, device, rows)
             self._shared_buffer, self._shared_buffer_key = buffer, key
             self._configs = sm_configs(options.num_sms, buffer.group_size)
         return buffer
@@ -218,15 +231,17 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()
-        if self._fp16:  # summed in fp32, cast to fp16 once
-            out = ep_autograd.combine_experts(self._buffer, hidden_states.float(), self._handle,
-                                              configs=self._configs).half()
+        y = hidden_states.float() if self._fp16 else hidden_states  # fp16: summed in fp32, cast to fp16 once
+        if self._pad is not None:
+            out = drop_and_pad.combine(self._buffer, y, self._handle, self._pad, configs=self._configs)
         else:
-            out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle, configs=self._configs)
+            out = ep_autograd.combine_experts(self._buffer, y, self._handle, configs=self._configs)
+        if self._fp16:
+            out = out.half()
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()
-        self._handle = None
+        self._handle = self._pad = None
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor):

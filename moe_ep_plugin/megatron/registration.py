@@ -120,27 +120,33 @@ def _wrap_post_init(original: Any) -> Any:
             original(self)
         options = get_plugin_options(self, _default_options)
         set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
-        _check_cuda_graph(self, "moe_token_dispatcher_type: ep_plugin")
+        _check_cuda_graph(self, "moe_token_dispatcher_type: ep_plugin", options)
     __post_init__._moe_ep_plugin = True
     return __post_init__
 
 
-def _check_cuda_graph(config: Any, dispatcher: str) -> None:
-    """Refuse a CUDA-graph config whose captured region holds the MoE token dispatch: this library's dispatch reads
-    its counts on the host once, which a capture cannot (drop-and-pad included, where ``alltoall`` needs no read).
-    megatron-core 0.16 names the regions ``cuda_graph_scope``, 0.19 ``cuda_graph_modules``; an empty list is the
-    whole layer."""
+def _check_cuda_graph(config: Any, dispatcher: str, options: PluginOptions | None = None) -> None:
+    """Refuse a CUDA-graph config whose captured region holds the MoE token dispatch unless the dispatch reads
+    nothing on the host: ``ep_plugin``'s drop-and-pad (``options`` given) on the ``nvlink`` transport (``local`` in
+    a group of one rank). Every other dispatch of this library reads its counts on the host once, which a capture
+    cannot. megatron-core 0.16 names the regions ``cuda_graph_scope``, 0.19 ``cuda_graph_modules``;
+    an empty list is the whole layer."""
     impl = getattr(config, "cuda_graph_impl", "none")
     if impl == "none" or not getattr(config, "num_moe_experts", None):
         return
     key = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
     regions = sorted(getattr(region, "name", str(region)) for region in getattr(config, key) or [])
-    if impl == "full_iteration" or not regions or {"moe", "full_iteration"} & set(regions):
-        what = (f"cuda_graph_impl: {impl!r}" if impl == "full_iteration" else
-                f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}")
-        raise ValueError(f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its "
-                         "counts (not capturable); capture attn, moe_router or moe_preprocess only, or use "
-                         "moe_token_dispatcher_type: alltoall with drop-and-pad for MoE graphs")
+    if not (impl == "full_iteration" or not regions or {"moe", "full_iteration"} & set(regions)):
+        return
+    if options is not None and config.moe_pad_expert_input_to_capacity and options.transport == "nvlink":
+        return
+    what = (f"cuda_graph_impl: {impl!r}" if impl == "full_iteration" else
+            f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}")
+    fix = ("use moe_pad_expert_input_to_capacity (drop-and-pad) with ep_plugin.transport: nvlink, which reads "
+           "nothing on the host" if options is not None else
+           "use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink transport")
+    raise ValueError(f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its "
+                     f"counts (not capturable); capture attn, moe_router or moe_preprocess only, or {fix}")
 
 
 def _free_input_module() -> Any:

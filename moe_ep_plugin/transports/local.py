@@ -7,7 +7,9 @@ quantized and, unless ``fp8_out``, dequantized on the way as the senders do); co
 copy in fp32 from 0.0 (``permute.unpermute``, which also adds nothing for a token that was not sent) plus the
 biases. An expert-major dispatch lays out ``x`` itself (``permute.slot_layout`` and ``permute.permute``:
 kernels on CUDA, torch ops on CPU) and its combine is one ``unpermute``. One host read per fresh dispatch: the
-received row count, the out-of-range ids and the counts (on CUDA all three written by the slot kernel).
+received row count, the out-of-range ids and the counts (on CUDA all three written by the slot kernel); none for a
+row-major dispatch whose ``num_worst_tokens`` has room for every token (nothing can be cut off), which a CUDA graph
+can then capture.
 
 Low-latency mode at one rank is :class:`LocalLowLatency`: the collectives form's layout and results made by gathers,
 with no exchange and no host read (a CUDA graph can capture it).
@@ -50,10 +52,12 @@ from .low_latency_torch import TorchLowLatency
 class _LocalState:
     """Kept in ``DispatchHandle.transport_state``: ``src`` ``[N_recv]`` int64, the token of each received row;
     for an expert-major handle ``slot`` ``[N, K]`` int32, the expert-major rows of every token's top-k columns
-    (-1 where none; a token that was not received has none)."""
+    (-1 where none; a token that was not received has none). After a ``num_worst_tokens`` dispatch that read
+    nothing, ``src`` is ``[N]`` (the received tokens first) and ``received`` ``[N]`` bool marks its real rows."""
 
     src: torch.Tensor
     slot: torch.Tensor | None = None
+    received: torch.Tensor | None = None
 
 
 class LocalTransport(Transport):
@@ -77,7 +81,8 @@ class LocalTransport(Transport):
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         if args.handle is not None:
             handle = args.handle
-            recv_x, recv_scales = _rows(args, _state(handle).src, handle.num_recv_rows)
+            state = _state(handle)
+            recv_x, recv_scales = _rows(args, state.src, handle.num_recv_rows, state.received)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
         in_rank = args.is_token_in_rank.contiguous()
         topk = args.topk_idx
@@ -85,20 +90,33 @@ class LocalTransport(Transport):
             per_expert = _expert_counts(topk, args.num_experts)
         else:
             per_expert = args.num_tokens_per_expert.to(torch.int64)
-        invalid = count_invalid(topk, args.num_experts).to(torch.int64) if topk is not None else per_expert.new_zeros(1)
-        num_recv, counts = self._read(torch.cat([in_rank[:, 0].sum(dtype=torch.int64).reshape(1), invalid, per_expert]),
-                                      args)
-        if 0 < args.num_worst_tokens < num_recv:
-            raise ValueError(f"num_worst_tokens: smaller than the rows a rank receives (rank 0: {num_recv} rows, "
-                             f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves")
-        rows = max(num_recv, args.num_worst_tokens)
-        src = _received(in_rank[:, 0], num_recv)
-        handle = _handle(in_rank, src, args, rows, _LocalState(src))
-        recv_x, recv_scales = _rows(args, src, rows)
+        n = in_rank.shape[0]
+        received = None
+        if args.num_worst_tokens >= max(n, 1) and not args.layout_given:
+            # Room for every token, so nothing is read (a CUDA graph can capture it): the received tokens sort first
+            # and the rows after them are padding; out-of-range ids are not reported in this mode (as on nvlink).
+            counts = None
+            rows = args.num_worst_tokens
+            received = torch.arange(n, device=in_rank.device) < in_rank[:, 0].sum()
+            src = torch.argsort((~in_rank[:, 0]).to(torch.uint8), stable=True)
+        else:
+            invalid = (count_invalid(topk, args.num_experts).to(torch.int64) if topk is not None
+                       else per_expert.new_zeros(1))
+            num_recv, counts = self._read(torch.cat([in_rank[:, 0].sum(dtype=torch.int64).reshape(1), invalid,
+                                                     per_expert]), args)
+            if 0 < args.num_worst_tokens < num_recv:
+                raise ValueError(f"num_worst_tokens: smaller than the rows a rank receives (rank 0: {num_recv} rows, "
+                                 f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves")
+            rows = max(num_recv, args.num_worst_tokens)
+            src = _received(in_rank[:, 0], num_recv)
+        handle = _handle(in_rank, src, args, rows, _LocalState(src, received=received))
+        recv_x, recv_scales = _rows(args, src, rows, received)
         recv_topk_idx = recv_topk_weights = None
         if topk is not None:
             local = topk.index_select(0, src)
             valid = (local >= 0) & (local < args.num_experts)
+            if received is not None:
+                valid &= received.unsqueeze(1)
             recv_topk_idx = padded(torch.where(valid, local, -1), rows, -1)
             if args.topk_weights is not None:
                 weights = args.topk_weights.index_select(0, src)
@@ -282,8 +300,15 @@ def _received(in_rank: torch.Tensor, num_recv: int) -> torch.Tensor:
 def _handle(in_rank: torch.Tensor, src: torch.Tensor, args: DispatchArgs, rows: int, state: _LocalState
             ) -> DispatchHandle:
     """The handle of dispatch ``args`` that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows``
-    rows."""
-    num_recv, num_tokens = src.shape[0], in_rank.shape[0]
+    rows (after a dispatch that read nothing: ``state.received`` marks them, and the count stays on the device)."""
+    num_tokens = in_rank.shape[0]
+    if state.received is not None:
+        return DispatchHandle(
+            rank_prefix_matrix=in_rank.sum(dtype=torch.int32).reshape(1, 1), is_token_in_rank=in_rank,
+            send_pos=send_positions(in_rank), recv_src_idx=torch.where(state.received, src, -1).to(torch.int32),
+            num_tokens=num_tokens, num_recv_tokens=None, num_experts=args.num_experts, rank=0, num_ranks=1,
+            num_recv_rows=rows, topk_idx=args.topk_idx, transport_state=state)
+    num_recv = src.shape[0]
     recv_src = src.to(torch.int32)
     # every token sent: token t is row t, so the send positions are the received tokens themselves
     send_pos = recv_src.view(num_tokens, 1) if num_recv == num_tokens else send_positions(in_rank)
@@ -306,10 +331,17 @@ def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArg
     return fp8.dequantize(q, scales, x.dtype), None
 
 
-def _rows(args: DispatchArgs, src: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(recv_x [rows, H], recv_scales [rows, H/128] or None)``: the rows of tokens ``src``, zero rows after."""
+def _rows(args: DispatchArgs, src: torch.Tensor, rows: int, received: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(recv_x [rows, H], recv_scales [rows, H/128] or None)``: the rows of tokens ``src``, zero rows after (and
+    where ``received`` ``[len(src)]`` bool is False)."""
     x = args.x.index_select(0, src) if args.x.dtype != fp8.FP8_DTYPE else \
         args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
     scales = None if args.x_scales is None else args.x_scales.index_select(0, src)
     x, scales = _sent_rows(x, scales, args)
+    if received is not None:
+        keep = received.unsqueeze(1)
+        x = torch.where(keep, x.view(torch.uint8), 0).view(x.dtype) if x.dtype == fp8.FP8_DTYPE else \
+            torch.where(keep, x, 0)
+        scales = None if scales is None else torch.where(keep, scales, 0)
     return padded(x, rows, 0), None if scales is None else padded(scales, rows, 0)

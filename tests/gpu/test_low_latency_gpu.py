@@ -161,8 +161,11 @@ def _graph_replay(nv: Buffer, ref: Buffer, m: int, hidden: int, num_experts: int
 
 
 def _absent_peer(timeout_s: float) -> None:
+    """Both ranks lay the buffer out (a clean: the host agreement of M, hidden and experts); then rank 1 misses a
+    dispatch, which runs on the kernels alone: rank 0's receive times out naming rank 1."""
     side = dist.new_group(backend="gloo")  # where the absent rank waits until the others timed out
     nv, _ = _buffers(8, 2048, 2 * dist.get_world_size(), timeout_s=timeout_s)
+    nv.clean_low_latency_buffer(8, 2048, 2 * dist.get_world_size())
     if dist.get_rank() == 1:
         dist.barrier(group=side)  # never joins
         return

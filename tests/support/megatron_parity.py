@@ -86,7 +86,7 @@ def check_case(tp: int, ep: int, mode: str, dtype: torch.dtype, recompute: bool,
     rows, probs, ref_rows, ref_probs = got.pop("rows"), got.pop("probs"), ref.pop("rows"), ref.pop("probs")
     if mode == "pad":  # the same rows (dropped tokens, padding tokens with prob 0) in every expert's block
         capacity = -(-tokens * TOPK * 3 // (4 * EXPERTS))  # get_capacity: ceil(T * K / E * 0.75)
-        assert layers["ep_plugin"].token_dispatcher._capacity_rows == capacity * tp * ep
+        assert layers["ep_plugin"].token_dispatcher._capacity == capacity  # tokens_per_expert: capacity x TP x EP
         # alltoall orders an expert's sources TP-major (EP all-to-all, then TP gather), the plugin by TP x EP
         # group rank (EP-major)
         ref_rows = ref_rows.view(-1, tp, ep, capacity, HIDDEN).transpose(1, 2).reshape(rows.shape)

@@ -13,6 +13,7 @@ from ...ops.library import MAX_TOPK
 DEFAULT_ROWS = 8192
 DEFAULT_ROW_BYTES = 8192 * 2 + 64 * 4 + 2 * MAX_TOPK * 4 + 16
 MAX_REGION_ROWS = 65536
+STAGING_HEADROOM = 8 << 20
 
 
 def dispatch_slot_bytes(hidden: int, elem_bytes: int, fp8_rows: bool, num_topk: int) -> int:
@@ -20,6 +21,13 @@ def dispatch_slot_bytes(hidden: int, elem_bytes: int, fp8_rows: bool, num_topk: 
     payload = hidden if fp8_rows else hidden * elem_bytes
     scales = hidden // 128 if fp8_rows else 0
     return round_up(payload + 4 * scales + 8 * num_topk + 4, 16)
+
+
+def staging_bytes(num_ranks: int, rows: int, slot_bytes: int) -> int:
+    """Peer-buffer bytes (``num_nvl_bytes``) whose staging gives each of ``num_ranks`` source ranks a region of
+    ``rows`` slots of ``slot_bytes``: the header, counts and flags before the staging (csrc/common.cuh
+    ``kStagingOffset``) take less than ``STAGING_HEADROOM``, and each region is rounded to 4096 bytes."""
+    return STAGING_HEADROOM + num_ranks * round_up(rows * slot_bytes + 4096, 4096)
 
 
 def combine_row_bytes(hidden: int, elem_bytes: int, num_topk: int) -> int:
