@@ -139,8 +139,8 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
     recv_x, recv_idx, recv_w, handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, topk_idx=idx,
                                                topk_weights=w, cumulative_local_expert_recv_stats=stats, **common)
     num_recv = len(rows)
-    assert int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == num_recv == handle.num_recv_tokens
     capacity = num_recv if cpu_sync else world * t_max
+    assert int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == num_recv and handle.num_recv_tokens == capacity
     assert recv_idx.shape[0] == capacity and recv_w.shape == (capacity, topk)
     meta = handle.recv_src_metadata
     order = torch.sort(meta[:num_recv, 0]).indices

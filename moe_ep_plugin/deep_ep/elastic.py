@@ -9,8 +9,9 @@ by local expert) is :meth:`moe_ep_plugin.Buffer.dispatch_experts`, and combine i
   the same order), so ``deterministic=True`` costs nothing and changes nothing.
 - ``do_cpu_sync=False`` gives capacity-sized outputs (``num_ranks * num_max_tokens_per_rank`` rows; expanded:
   that times ``min(num_topk, num_local_experts)`` plus ``num_local_experts * (expert_alignment - 1)``) whose valid
-  prefix is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` (expanded: ``handle.num_expanded_tokens``). The
-  non-expanded form reads no count on the host; the expanded one still does (its layout is sized from them).
+  prefix is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` (expanded: ``handle.num_expanded_tokens``;
+  ``handle.num_recv_tokens`` is then the capacity). The non-expanded form reads no count on the host; the expanded
+  one still does (its layout is sized from them).
 - Queue pairs, service levels, hybrid/direct RDMA modes, NVLink connection checks and Engram/PP/AGRS regions are
   DeepEP's NCCL-GIN machinery: the arguments are validated and recorded, and mean nothing here.
 """
@@ -313,7 +314,8 @@ class ElasticBuffer:
             aligned = (per_expert + alignment - 1) // alignment * alignment
             return meta, psum_rank, aligned.cumsum(0).to(torch.int32), layout.sf_layout(recv_x, args.sf_col_major)
         (meta, psum_rank, psum_expert, out_x), event = run_epilogue(self.buffer, event, epilogue)
-        num_recv = inner.num_recv_tokens if inner.num_recv_tokens is not None else recv_idx.shape[0]
+        # without a CPU sync the count stays on the device (some transports know it, nvlink and local do not)
+        num_recv = inner.num_recv_tokens if args.cpu_sync else recv_idx.shape[0]
         ep_handle = make_handle(self, args, sms, topk_idx, num_recv, 0, counts, psum_rank, psum_expert, None, meta,
                                 inner, recv_idx, recv_idx.shape[0])
         return out_x, recv_idx, recv_w, ep_handle, event
