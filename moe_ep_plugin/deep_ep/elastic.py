@@ -9,9 +9,9 @@ by local expert) is :meth:`moe_ep_plugin.Buffer.dispatch_experts`, and combine i
   the same order), so ``deterministic=True`` costs nothing and changes nothing.
 - ``do_cpu_sync=False`` gives capacity-sized outputs (``num_ranks * num_max_tokens_per_rank`` rows; expanded:
   that times ``min(num_topk, num_local_experts)`` plus ``num_local_experts * (expert_alignment - 1)``) whose valid
-  prefix is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` (expanded: ``handle.num_expanded_tokens``;
-  ``handle.num_recv_tokens`` is then the capacity). The non-expanded form reads no count on the host; the expanded
-  one still does (its layout is sized from them).
+  prefix is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` (expanded: ``handle.num_expanded_tokens``). The
+  non-expanded form reads no count on the host (its ``handle.num_recv_tokens`` is the capacity); the expanded one
+  still does (its layout is sized from them).
 - Queue pairs, service levels, hybrid/direct RDMA modes, NVLink connection checks and Engram/PP/AGRS regions are
   DeepEP's NCCL-GIN machinery: the arguments are validated and recorded, and mean nothing here.
 """

@@ -20,8 +20,8 @@ class EPHandle:
 
     - ``do_expand``, ``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``num_sms``: the dispatch's.
     - ``topk_idx`` ``[T, K]``: the dispatch's top-k (a clone with ``do_handle_copy``, else the caller's tensor).
-    - ``num_recv_tokens``: received tokens (one per (token, rank)); without a CPU sync the rows of the
-      capacity-sized outputs, on every transport (the count is not read on the host: the valid prefix is
+    - ``num_recv_tokens``: received tokens (one per (token, rank)); without a CPU sync and not expanded, the rows
+      of the capacity-sized outputs, on every transport (the count is not read on the host: the valid prefix is
       ``psum_num_recv_tokens_per_scaleup_rank[-1]``); ``num_expanded_tokens``: rows of the expanded layout,
       alignment padding included (0 when not expanded).
     - ``num_recv_tokens_per_expert_list``: per local expert, received (token, expert) pairs rounded up to
