@@ -158,14 +158,14 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                                 f"{self.options.transport!r} takes {FP16_DTYPES})")
             hidden_states = hidden_states.float()
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
-        num_experts = self.num_experts * self.tp_size
         if self.drop_and_pad:
             expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(hidden_states, probs,
                                                                                        hidden_bytes)
         else:
             self._buffer = self._get_buffer(hidden_bytes, hidden_states.device)
             expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-                self._buffer, hidden_states, self._routing_map, probs, self.topk * self.tp_size, num_experts,
+                self._buffer, hidden_states, self._routing_map, probs, self.topk * self.tp_size,
+                self.num_experts * self.tp_size,
                 fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
                 round_scale=self.options.round_scale, configs=self._configs)
         if self._fp16:

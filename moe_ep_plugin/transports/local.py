@@ -302,21 +302,19 @@ def _handle(in_rank: torch.Tensor, src: torch.Tensor, args: DispatchArgs, rows: 
     """The handle of dispatch ``args`` that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows``
     rows (after a dispatch that read nothing: ``state.received`` marks them, and the count stays on the device)."""
     num_tokens = in_rank.shape[0]
-    if state.received is not None:
-        return DispatchHandle(
-            rank_prefix_matrix=in_rank.sum(dtype=torch.int32).reshape(1, 1), is_token_in_rank=in_rank,
-            send_pos=send_positions(in_rank), recv_src_idx=torch.where(state.received, src, -1).to(torch.int32),
-            num_tokens=num_tokens, num_recv_tokens=None, num_experts=args.num_experts, rank=0, num_ranks=1,
-            num_recv_rows=rows, topk_idx=args.topk_idx, transport_state=state)
-    num_recv = src.shape[0]
-    recv_src = src.to(torch.int32)
+    if state.received is not None:  # the count stays on the device
+        num_recv, prefix = None, in_rank.sum(dtype=torch.int32).reshape(1, 1)
+        recv_src = torch.where(state.received, src, -1).to(torch.int32)
+    else:
+        num_recv = src.shape[0]
+        prefix = torch.full((1, 1), num_recv, dtype=torch.int32, device=in_rank.device)
+        recv_src = src.to(torch.int32)
     # every token sent: token t is row t, so the send positions are the received tokens themselves
     send_pos = recv_src.view(num_tokens, 1) if num_recv == num_tokens else send_positions(in_rank)
     return DispatchHandle(
-        rank_prefix_matrix=torch.full((1, 1), num_recv, dtype=torch.int32, device=in_rank.device),
-        is_token_in_rank=in_rank, send_pos=send_pos, recv_src_idx=recv_src, num_tokens=num_tokens,
-        num_recv_tokens=num_recv, num_experts=args.num_experts, rank=0, num_ranks=1, num_recv_rows=rows,
-        topk_idx=args.topk_idx, transport_state=state)
+        rank_prefix_matrix=prefix, is_token_in_rank=in_rank, send_pos=send_pos, recv_src_idx=recv_src,
+        num_tokens=num_tokens, num_recv_tokens=num_recv, num_experts=args.num_experts, rank=0, num_ranks=1,
+        num_recv_rows=rows, topk_idx=args.topk_idx, transport_state=state)
 
 
 def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArgs
