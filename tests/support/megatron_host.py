@@ -1,7 +1,7 @@
 """Megatron-Core's CUDA-only calls made runnable on CPU gloo ranks (tests only): the CUDA streams of its
 ``alltoall`` dispatcher and recompute, its uneven TP collectives, and the streams, events, NVTX ranges and
-``record_stream`` of its 1F1B EP-overlap schedule. Each double replaces only that dependency; with CUDA nothing
-changes."""
+``record_stream`` of its 1F1B EP-overlap schedule; and its TP collectives of CUDA tensors for gloo ranks sharing
+one GPU. Each double replaces only that dependency."""
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +44,56 @@ def _reduce_scatter(output, input_list, group=None, async_op=False) -> None:
     dist.all_reduce(full, group=group)
     start = sum(t.shape[0] for t in input_list[:dist.get_rank(group)])
     output.copy_(full[start:start + output.shape[0]])
+
+
+def _gather_into_tensor(output, input, group=None, async_op=False) -> None:
+    """``all_gather_into_tensor`` as gloo's list ``all_gather`` (equal slices of ``output``)."""
+    dist.all_gather(list(output.chunk(dist.get_world_size(group))), input.contiguous(), group=group)
+
+
+def _reduce_scatter_tensor(output, input, group=None, async_op=False) -> None:
+    """``reduce_scatter_tensor`` as an all-reduce of ``input`` keeping this rank's equal slice."""
+    full = input.clone()
+    dist.all_reduce(full, group=group)
+    output.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+
+
+def _through_host(collective):
+    """``collective(output, input, group=)`` of CUDA tensors (one tensor or a list each) on host copies, the result
+    copied back: gloo ranks sharing one GPU, where gloo takes few collectives of CUDA tensors."""
+    def listed(t):
+        return t if isinstance(t, (list, tuple)) else [t]
+
+    def run(output, input, group=None, async_op=False):
+        if not listed(output)[0].is_cuda:
+            return collective(output, input, group=group, async_op=async_op)
+        if async_op:
+            raise ValueError("the host-copy collectives of the tests are synchronous")
+        host_out = [t.cpu() for t in output] if isinstance(output, (list, tuple)) else output.cpu()
+        host_in = [t.cpu() for t in input] if isinstance(input, (list, tuple)) else input.cpu()
+        collective(host_out, host_in, group=group)
+        for dst, src in zip(listed(output), listed(host_out), strict=True):
+            dst.copy_(src)
+    return run
+
+
+@contextlib.contextmanager
+def tp_collectives_through_host() -> Iterator[None]:
+    """Ranks sharing one GPU over gloo with tensor parallelism: Megatron's TP gathers (uneven ones included) and
+    reduce-scatters of CUDA tensors run on host copies with gloo's collectives."""
+    from megatron.core.tensor_parallel import mappings
+    saved = [(dist, "all_gather"), (dist, "reduce_scatter"), (mappings, "dist_all_gather_func"),
+             (mappings, "dist_reduce_scatter_func")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    dist.all_gather = _through_host(_uneven_all_gather(dist.all_gather))
+    dist.reduce_scatter = _through_host(_reduce_scatter)
+    mappings.dist_all_gather_func = _through_host(_gather_into_tensor)
+    mappings.dist_reduce_scatter_func = _through_host(_reduce_scatter_tensor)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager
