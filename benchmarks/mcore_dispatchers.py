@@ -5,7 +5,9 @@ The timed region is the same for every kind:
 identity experts, the six dispatcher methods end to end (preprocess, dispatch, permute, and back),
 forward and forward+backward, median of 30 CUDA-event-timed runs after a barrier; every rank times and the
 slowest rank's median is reported. Before timing, each kind's output is checked against ``x * sum(probs)``
-(``x`` rounded through FP8 first for FP8-dispatch kinds).
+(``x`` rounded through FP8 first for FP8-dispatch kinds). With ``--pad-capacity`` the routing goes through
+Megatron's router token dropping first, as its router does for drop-and-pad (each expert keeps exactly its
+capacity of pairs, dropped and padding pairs with probability 0), so the same check holds.
 
 Kinds: ``alltoall``, ``flex`` (Megatron's flex dispatcher with whatever ``deep_ep`` provides), ``flex_plugin``
 (the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8]`` with
@@ -31,6 +33,8 @@ p.add_argument("--topk", type=int, default=8)
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--num-sms", type=int, default=24, help="SMs for the communication kernels (plugin and DeepEP)")
 p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
+p.add_argument("--pad-capacity", type=float, default=0.0, metavar="FACTOR",
+               help="drop-and-pad (moe_pad_expert_input_to_capacity) at this moe_expert_capacity_factor; 0: dropless")
 p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
 p.add_argument("--trace", action="store_true",
                help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
@@ -69,6 +73,9 @@ def cfg(kind):
               expert_model_parallel_size=world, moe_router_dtype="fp32", bf16=True, params_dtype=torch.bfloat16,
               moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
               moe_token_dispatcher_type=kind.split(":")[0].replace("flex_plugin", "flex"))
+    if a.pad_capacity:
+        kw.update(moe_expert_capacity_factor=a.pad_capacity, moe_pad_expert_input_to_capacity=True,
+                  moe_token_drop_policy="probs")
     if kw["moe_token_dispatcher_type"] == "flex":
         kw["moe_flex_dispatcher_backend"] = "deepep"
         sms_field = "moe_flex_dispatcher_num_sms" if hasattr(TransformerConfig, "moe_flex_dispatcher_num_sms") \
@@ -250,6 +257,9 @@ for tokens in (int(t) for t in a.tokens.split(",")):
                                                              group_topk=4, scaling_factor=2.5,
                                                              score_function="sigmoid", expert_bias=bias)
     x0 = torch.randn(tokens, 1, a.hidden, device=dev, dtype=torch.bfloat16)
+    if a.pad_capacity:
+        probs, rmap = moe_utils.apply_router_token_dropping(probs, rmap, a.topk, a.pad_capacity, "probs",
+                                                            pad_to_capacity=True)
     for kind in a.kinds.split(","):
         try:
             disp, wire_fp8 = make_dispatcher(kind)
@@ -286,8 +296,9 @@ if rank == 0:
     header = ("kind", "tokens", "fwd us", "fwd+bwd us", "correct", f"/ {a.kinds.split(',')[0]}")
     rows = ratios(rows)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    pad = f", drop-and-pad at capacity factor {a.pad_capacity}" if a.pad_capacity else ""
     print(f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "
-          f"top-{a.topk} of {a.experts}, identity experts, median of {a.iters} (slowest rank)")
+          f"top-{a.topk} of {a.experts}{pad}, identity experts, median of {a.iters} (slowest rank)")
     for r in [header] + rows:
         print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
 dist.barrier()
