@@ -206,6 +206,8 @@ def _edit(section: str, **values) -> dict:
     (_edit("train", seq_length=128), ValueError, "max_sequence_length"),
     (_edit("data", eval_fraction=1.0), ValueError, "eval_fraction"),
     (_edit("model", activation_func="silu"), ValueError, "not expressible"),
+    (_edit("model", cuda_graph_impl="local"), ValueError, "model.cuda_graph_impl: 'local' is not served"),
+    (_edit("model", enable_cuda_graph=True), ValueError, "model.enable_cuda_graph: not served"),
 ])
 def test_yaml_errors_name_the_key(raw, error, match) -> None:
     with pytest.raises(error, match=match):

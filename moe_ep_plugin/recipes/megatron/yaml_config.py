@@ -142,6 +142,18 @@ def _check_experts(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"model.moe_router_group_topk: {group_topk} is not in 1..model.moe_router_num_groups={groups}")
 
 
+def _check_no_cuda_graphs(kwargs: dict[str, Any]) -> None:
+    """The launcher's loop runs the model eagerly: it never calls Megatron's ``create_cudagraphs`` nor seeds a
+    graph-safe RNG tracker, so Megatron's CUDA-graph settings would be built but never captured."""
+    impl = kwargs.get("cuda_graph_impl", "none")
+    if impl != "none":
+        raise ValueError(f"model.cuda_graph_impl: {impl!r} is not served by moe-ep-pretrain, whose training loop "
+                         f"runs eagerly; use 'none' (Megatron's own training loop drives its CUDA graphs)")
+    for key in ("enable_cuda_graph", "external_cuda_graph"):
+        if kwargs.get(key):
+            raise ValueError(f"model.{key}: not served by moe-ep-pretrain, whose training loop runs eagerly")
+
+
 def _config_class(model: dict[str, Any]) -> type:
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     return MLATransformerConfig if model.get("multi_latent_attention") else TransformerConfig
@@ -192,6 +204,7 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
         raise ValueError("parallel.pipeline_model_parallel_size: the launcher runs one pipeline stage; use 1")
     _check_shape(kwargs)
     _check_experts(kwargs)
+    _check_no_cuda_graphs(kwargs)
 
     dispatcher = model.get("moe_token_dispatcher_type", "allgather")
     # Every flex backend goes through install(): it serves deepep, hybridep (ncclep, deepepv2 where Megatron has them)
