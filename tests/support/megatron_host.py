@@ -58,6 +58,19 @@ def _reduce_scatter_tensor(output, input, group=None, async_op=False) -> None:
     output.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
 
 
+@contextlib.contextmanager
+def _patched(*replacements: tuple[object, str, object]) -> Iterator[None]:
+    """Set each ``(owner, name, value)`` for the block, restoring the originals after it."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def _through_host(collective):
     """``collective(output, input, group=)`` of CUDA tensors (one tensor or a list each) on host copies, the result
     copied back: gloo ranks sharing one GPU, where gloo takes few collectives of CUDA tensors."""
@@ -69,9 +82,10 @@ def _through_host(collective):
             return collective(output, input, group=group, async_op=async_op)
         if async_op:
             raise ValueError("the host-copy collectives of the tests are synchronous")
-        host_out = [t.cpu() for t in output] if isinstance(output, (list, tuple)) else output.cpu()
-        host_in = [t.cpu() for t in input] if isinstance(input, (list, tuple)) else input.cpu()
-        collective(host_out, host_in, group=group)
+        def host(t):
+            return [x.cpu() for x in t] if isinstance(t, (list, tuple)) else t.cpu()
+        host_out = host(output)
+        collective(host_out, host(input), group=group)
         for dst, src in zip(listed(output), listed(host_out), strict=True):
             dst.copy_(src)
     return run
@@ -82,18 +96,11 @@ def tp_collectives_through_host() -> Iterator[None]:
     """Ranks sharing one GPU over gloo with tensor parallelism: Megatron's TP gathers (uneven ones included) and
     reduce-scatters of CUDA tensors run on host copies with gloo's collectives."""
     from megatron.core.tensor_parallel import mappings
-    saved = [(dist, "all_gather"), (dist, "reduce_scatter"), (mappings, "dist_all_gather_func"),
-             (mappings, "dist_reduce_scatter_func")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
-    dist.all_gather = _through_host(_uneven_all_gather(dist.all_gather))
-    dist.reduce_scatter = _through_host(_reduce_scatter)
-    mappings.dist_all_gather_func = _through_host(_gather_into_tensor)
-    mappings.dist_reduce_scatter_func = _through_host(_reduce_scatter_tensor)
-    try:
+    with _patched((dist, "all_gather", _through_host(_uneven_all_gather(dist.all_gather))),
+                  (dist, "reduce_scatter", _through_host(_reduce_scatter)),
+                  (mappings, "dist_all_gather_func", _through_host(_gather_into_tensor)),
+                  (mappings, "dist_reduce_scatter_func", _through_host(_reduce_scatter_tensor))):
         yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
 
 
 @contextlib.contextmanager
@@ -109,28 +116,19 @@ def cuda_streams_are_host() -> Iterator[None]:
         MoEAlltoAllTokenDispatcher,
     )
     stream = HostStream()
-    saved = [(torch.cuda, "current_stream"), (torch.cuda, "stream"), (mrandom, "_get_cuda_rng_state"),
-             (mrandom, "_set_cuda_rng_state"), (token_dispatcher, "maybe_move_tensor_to_cpu"),
-             (dist, "all_gather"), (dist, "reduce_scatter")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
     to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
 
     def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
         # what the CUDA path returns (split sizes as numpy arrays, which all_to_all_single takes) for host tensors
         return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else to_cpu(tensor, as_numpy, record_stream)
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    dist.all_gather, dist.reduce_scatter = _uneven_all_gather(dist.all_gather), _reduce_scatter
-    torch.cuda.current_stream = lambda *args: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
-    try:
+    with _patched((token_dispatcher, "maybe_move_tensor_to_cpu", to_host),
+                  (dist, "all_gather", _uneven_all_gather(dist.all_gather)), (dist, "reduce_scatter", _reduce_scatter),
+                  (torch.cuda, "current_stream", lambda *args: stream),
+                  (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
+                  (mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: None),
+                  (mrandom, "_set_cuda_rng_state", lambda *args, **kwargs: None),
+                  (MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", stream)):
         yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
 
 
 
@@ -156,17 +154,13 @@ def overlap_schedule_is_host() -> Iterator[HostStream]:
         yield torch.cuda.Stream()
         return
     nvtx = torch.cuda.nvtx
-    saved = [(nvtx, "range_push", nvtx.range_push), (nvtx, "range_pop", nvtx.range_pop)]
-    nvtx.range_push = lambda *args, **kwargs: None
-    nvtx.range_pop = lambda *args, **kwargs: None
     torch.Tensor.record_stream = lambda self, stream: None  # shadows torch._C.TensorBase's until deleted
     try:
-        with cuda_streams_are_host():
+        with _patched((nvtx, "range_push", lambda *args, **kwargs: None),
+                      (nvtx, "range_pop", lambda *args, **kwargs: None)), cuda_streams_are_host():
             yield HostStream()
     finally:
         del torch.Tensor.record_stream
-        for owner, name, value in saved:
-            setattr(owner, name, value)
 
 
 def flex_backends_on_host(backends: tuple[str, ...]) -> tuple[str, ...]:
