@@ -7,7 +7,9 @@ forward and forward+backward, median of 30 CUDA-event-timed runs after a barrier
 slowest rank's median is reported. Before timing, each kind's output is checked against ``x * sum(probs)``
 (``x`` rounded through FP8 first for FP8-dispatch kinds). With ``--pad-capacity`` the routing goes through
 Megatron's router token dropping first, as its router does for drop-and-pad (each expert keeps exactly its
-capacity of pairs, dropped and padding pairs with probability 0), so the same check holds.
+capacity of pairs, dropped and padding pairs with probability 0), so the same check holds; ``--cuda-graph`` then
+also times the forward captured in one CUDA graph and replayed (drop-and-pad exists for that: no method reads
+the host, so the eager launch overhead of small batches is gone).
 
 Kinds: ``alltoall``, ``flex`` (Megatron's flex dispatcher with whatever ``deep_ep`` provides), ``flex_plugin``
 (the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8]`` with
@@ -35,6 +37,8 @@ p.add_argument("--num-sms", type=int, default=24, help="SMs for the communicatio
 p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
 p.add_argument("--pad-capacity", type=float, default=0.0, metavar="FACTOR",
                help="drop-and-pad (moe_pad_expert_input_to_capacity) at this moe_expert_capacity_factor; 0: dropless")
+p.add_argument("--cuda-graph", action="store_true",
+               help="with --pad-capacity on a GPU: also time the forward captured in a CUDA graph, replayed")
 p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
 p.add_argument("--trace", action="store_true",
                help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
@@ -43,6 +47,8 @@ p.add_argument("--profile-host", type=int, default=0, metavar="STEPS",
                help="also print (rank 0) a cProfile of STEPS forwards: the Python functions the host spends its "
                     "time in, by own time and by cumulative time")
 a = p.parse_args()
+if a.cuda_graph and not a.pad_capacity:
+    p.error("--cuda-graph: needs --pad-capacity (only drop-and-pad dispatches without reading the host)")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 use_cuda = torch.cuda.is_available()
 if use_cuda:
@@ -235,16 +241,32 @@ def bench(fn, iters):
     return float(slowest)
 
 
+def graph_us(fn, iters):
+    """Median microseconds of one replay of ``fn`` captured in a CUDA graph (slowest rank); warmed up on a side
+    stream first, as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, iters)
+
+
 def ratios(rows):
-    """Each row plus its forward and forward+backward times over the first kind's at its token count (empty where
-    a time is missing)."""
-    times = {(kind, tokens): (fwd, fb) for kind, tokens, fwd, fb, _ in rows if fwd != "-"}
+    """Each row plus its times (forward, forward+backward, and the graph replay's with ``--cuda-graph``) over the
+    first kind's at its token count (empty where a row is missing)."""
+    times = {(r[0], r[1]): r[2:-1] for r in rows if r[2] != "-"}
     first = a.kinds.split(",")[0]
 
     def over(key, base):
         if key not in times or base not in times:
             return ""
-        return "/".join(f"{float(t) / float(b):.2f}" for t, b in zip(times[key], times[base], strict=False))
+        return "/".join(f"{float(t) / float(b):.2f}" if t != "-" and b != "-" else "-"
+                        for t, b in zip(times[key], times[base], strict=False))
     return [r + (over((r[0], r[1]), (first, r[1])),) for r in rows]
 
 
@@ -272,7 +294,8 @@ for tokens in (int(t) for t in a.tokens.split(",")):
             fwd = bench(lambda: step(disp, xf, rmap, probs, False), a.iters)
             xg = x0.clone().requires_grad_(True)
             fb = bench(lambda: step(disp, xg, rmap, probs, True), a.iters)
-            rows.append((kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", str(bool(ok_all.item()))))
+            graph = [f"{graph_us(lambda: step(disp, xf, rmap, probs, False), a.iters):.1f}"] if a.cuda_graph else []
+            rows.append((kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", *graph, str(bool(ok_all.item()))))
             if a.breakdown and use_cuda:
                 parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
                 if rank == 0:
@@ -284,16 +307,18 @@ for tokens in (int(t) for t in a.tokens.split(",")):
                 profile_host(disp, xf, rmap, probs, a.profile_host, f"mcore-{kind} tokens={tokens}")
             if rank == 0:
                 print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
-                      f"fwd_bwd_us={fb:.1f} correct={bool(ok_all.item())}", flush=True)
+                      f"fwd_bwd_us={fb:.1f}{' graph_fwd_us=' + graph[0] if graph else ''} "
+                      f"correct={bool(ok_all.item())}", flush=True)
         except Exception as ex:
-            rows.append((kind, tokens, "-", "-", f"FAILED {type(ex).__name__}: {str(ex)[:80]}"))
+            rows.append((kind, tokens, "-", "-", *["-"] * a.cuda_graph, f"FAILED {type(ex).__name__}: {str(ex)[:80]}"))
             if rank == 0:
                 import traceback
                 traceback.print_exc()
                 print(f"RESULT mcore-{kind} tokens={tokens} FAILED {type(ex).__name__}: {ex}", flush=True)
         dist.barrier()
 if rank == 0:
-    header = ("kind", "tokens", "fwd us", "fwd+bwd us", "correct", f"/ {a.kinds.split(',')[0]}")
+    header = ("kind", "tokens", "fwd us", "fwd+bwd us", *["graph fwd us"] * a.cuda_graph, "correct",
+              f"/ {a.kinds.split(',')[0]}")
     rows = ratios(rows)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     pad = f", drop-and-pad at capacity factor {a.pad_capacity}" if a.pad_capacity else ""

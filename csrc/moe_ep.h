@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 14
+#define MOE_EP_ABI_VERSION 15
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
@@ -215,6 +215,14 @@ int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights
  * out [num_recv_rows, hidden]; hidden * element bytes and the pointers 16-byte aligned. */
 int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t hidden,
                      int64_t num_rows, int64_t dtype, void* out, void* stream);
+
+/* Segment sum: out[s] = sum of y[rows[j]] over j in [offsets[s], offsets[s + 1]) in that order (rows outside
+ * [0, num_y_rows) add nothing), accumulated in fp32 from 0.0f and rounded once to the element type. Unlike
+ * unpermute, a segment may hold any number of rows. offsets [num_segments + 1] int64 non-decreasing, from 0, and
+ * rows [offsets[num_segments]] int64; y [num_y_rows, hidden], out [num_segments, hidden]; hidden * element bytes
+ * and the pointers 16-byte aligned. */
+int moe_ep_sum_segments(const void* y, const int64_t* rows, const int64_t* offsets, int64_t num_segments,
+                        int64_t hidden, int64_t num_y_rows, int64_t dtype, void* out, void* stream);
 
 /* Low-latency mode (low_latency.cu), DeepEP V1's decode kernels on CUDA-IPC peer memory. A context made for it
  * holds, after moe_ep_staging_offset() bytes, two alternating buffer sets (moe_ep_ll_set_bytes each): per set a

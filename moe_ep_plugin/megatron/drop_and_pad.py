@@ -26,6 +26,7 @@ import torch
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..handle import DispatchHandle
+from ..ops import permute
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, probs: torch.Tensor, layout: PadLa
         0); ``handle`` for :func:`combine`. Gradients reach ``x`` and ``probs``.
     """
     rows = _Pairs.apply(x, layout.tokens)
-    idx = layout.tokens.view(layout.num_experts, layout.capacity).t()
-    row_probs = probs.gather(0, idx).t().reshape(-1).float()
+    row_probs = probs.t().gather(1, layout.tokens.view(layout.num_experts, layout.capacity)).reshape(-1).float()
     # each row's expert, [E * C, 1] (an expand: repeat_interleave would read its output size on the host)
     experts = torch.arange(layout.num_experts, device=x.device).unsqueeze(1).expand(-1, layout.capacity)
     experts = experts.reshape(-1, 1)
@@ -120,16 +120,9 @@ def _received_order(y: torch.Tensor, layout: PadLayout) -> torch.Tensor:
     return blocks.reshape(layout.num_local, g, c, y.shape[1]).transpose(0, 1).reshape(-1, y.shape[1])
 
 
-def _sum_rows(rows: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[P, H]`` rows → ``[num_tokens, H]`` ``rows.dtype``: row ``p`` added to token ``tokens[p]`` in fp32, rounded
-    once. ``index_put_`` with accumulation sorts by token and adds each token's rows in their order (no atomics), so
-    the sum is deterministic."""
-    total = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
-    return total.index_put_((tokens,), rows.float(), accumulate=True).to(rows.dtype)
-
-
 class _Pairs(torch.autograd.Function):
-    """``x`` ``[T, H]`` → its rows ``tokens`` ``[P]``; the gradient sums each token's rows (:func:`_sum_rows`)."""
+    """``x`` ``[T, H]`` → its rows ``tokens`` ``[P]``; the gradient sums each token's rows in fp32, in pair order
+    (``permute.sum_by_index``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -140,16 +133,17 @@ class _Pairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: torch.Tensor):
         (tokens,) = ctx.saved_tensors
-        return _sum_rows(grad_rows, tokens, ctx.num_tokens), None
+        return permute.sum_by_index(grad_rows, tokens, ctx.num_tokens), None
 
 
 class _TokenSum(torch.autograd.Function):
-    """Pair rows ``[P, H]`` → ``[T, H]`` (:func:`_sum_rows`); the gradient gathers each row's token."""
+    """Pair rows ``[P, H]`` → ``[T, H]``, each token's rows summed in fp32 in pair order (``permute.sum_by_index``);
+    the gradient gathers each row's token."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
         ctx.save_for_backward(tokens)
-        return _sum_rows(rows, tokens, num_tokens)
+        return permute.sum_by_index(rows, tokens, num_tokens)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -11,7 +11,7 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 14
+ABI_VERSION = 15
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -137,6 +137,7 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _p]
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
+    lib.moe_ep_sum_segments.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_ll_set_bytes.restype = _i64
     lib.moe_ep_ll_set_bytes.argtypes = [_i64, _i64, _i64]
     lib.moe_ep_ll_combine_buffer.restype = _p
@@ -145,6 +146,7 @@ def load() -> ctypes.CDLL:
                  "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
                  "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start",
                  "moe_ep_read_wait", "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute",
+                 "moe_ep_sum_segments",
                  "moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send",
                  "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
         getattr(lib, name).restype = ctypes.c_int

@@ -333,13 +333,16 @@ def _rows(args: DispatchArgs, src: torch.Tensor, rows: int, received: torch.Tens
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(recv_x [rows, H], recv_scales [rows, H/128] or None)``: the rows of tokens ``src``, zero rows after (and
     where ``received`` ``[len(src)]`` bool is False)."""
+    if received is not None:
+        # src orders all N tokens: each token's output row is its place in src while received, else none (-1),
+        # so one permute stores every received row once and zeroes the rest (no copy of the gathered rows)
+        place = torch.where(received, torch.arange(src.shape[0], device=src.device), -1).to(torch.int32)
+        slot = torch.empty_like(place).index_copy_(0, src, place).unsqueeze(1)
+        x, scales = _sent_rows(args.x, args.x_scales, args)
+        x, _, scales = permute.permute(x, slot, rows, None, scales)
+        return x, scales
     x = args.x.index_select(0, src) if args.x.dtype != fp8.FP8_DTYPE else \
         args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
     scales = None if args.x_scales is None else args.x_scales.index_select(0, src)
     x, scales = _sent_rows(x, scales, args)
-    if received is not None:
-        keep = received.unsqueeze(1)
-        x = torch.where(keep, x.view(torch.uint8), 0).view(x.dtype) if x.dtype == fp8.FP8_DTYPE else \
-            torch.where(keep, x, 0)
-        scales = None if scales is None else torch.where(keep, scales, 0)
     return padded(x, rows, 0), None if scales is None else padded(scales, rows, 0)
