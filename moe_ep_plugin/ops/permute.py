@@ -101,7 +101,8 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     weights = None if recv_weights is None else recv_weights.contiguous()
     scales = None if recv_scales is None else recv_scales.contiguous()
     row_bytes = x.shape[1] * x.element_size()
-    if not (kernels_for(x) and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
+    # no rows (n = 0): only padding to write, and empty inputs may have null data pointers the kernel refuses
+    if not (kernels_for(x) and n and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
             and x.data_ptr() % 16 == 0):
         with torch.no_grad():  # like the kernels, the torch path records no graph: autograd.py owns the gradients
             return _torch_permute(x, slot, num_rows, weights, scales)
@@ -202,7 +203,8 @@ def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch
     rows = rows.contiguous()
     key = torch.where((index >= 0) & (index < num_out), index, num_out)  # num_out: the dump segment, never summed
     row_bytes = rows.shape[1] * rows.element_size()
-    if not (kernels_for(rows) and row_bytes and row_bytes % 16 == 0 and rows.data_ptr() % 16 == 0):
+    # no rows: every output row is 0 (and an empty tensor may have a null data pointer, which the kernel refuses)
+    if not (kernels_for(rows) and rows.shape[0] and row_bytes and row_bytes % 16 == 0 and rows.data_ptr() % 16 == 0):
         with torch.no_grad():
             return _torch_sum_by_index(rows, key, num_out)
     out = torch.empty(num_out, rows.shape[1], dtype=rows.dtype, device=rows.device)
