@@ -16,6 +16,7 @@ from fake_kernels import FakeLib, installed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_ep_plugin.config import Config, round_up
+from moe_ep_plugin.ops import permute
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.local import LocalTransport
 
@@ -132,3 +133,44 @@ def test_worst_sized_dispatch_with_room_for_every_token_reads_nothing() -> None:
     expected, expected_w = transport.combine(counted.recv_x * 2, counted.handle, counted.recv_topk_weights, (),
                                              Config())
     assert torch.equal(combined, expected) and torch.equal(combined_w, expected_w)
+
+
+@pytest.mark.parametrize("n", [0, 6])
+def test_read_free_dispatch_stores_rows_in_one_permute_and_none_without_rows(n: int) -> None:
+    """The read-free dispatch (``num_worst_tokens`` with room for every token) stores every received row with one
+    permute kernel; a rank without tokens launches none (an empty input's null pointer, which the kernel refuses)
+    and gets zero rows and zero FP8 scales."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    e, h, worst = 4, 128, 8
+    x = torch.randn(n, h, generator=gen).to(torch.float8_e4m3fn)
+    scales = torch.rand(n, h // 128, generator=gen)
+    topk_idx = torch.randint(e, (n, 2), generator=gen)
+    with mock.patch.object(dist, "get_rank", lambda group: 0), \
+            mock.patch.object(dist, "get_world_size", lambda group: 1):
+        transport = LocalTransport(None, torch.device("cpu"), 5.0)
+    args = DispatchArgs(x=x, x_scales=scales, topk_idx=topk_idx, topk_weights=None, num_tokens_per_rank=None,
+                        is_token_in_rank=torch.ones(n, 1, dtype=torch.bool), num_experts=e, handle=None,
+                        num_worst_tokens=worst, wire_fp8=False, fp8_out=False, round_scale=False, config=Config())
+    lib = FakeLib(1)
+    with installed(lib):
+        result = transport.dispatch(args)
+    permutes = [call for name, call in lib.calls if name == "moe_ep_permute"]
+    assert len(permutes) == (1 if n else 0), lib.calls
+    assert result.recv_x.shape == (worst, h) and result.recv_scales.shape == (worst, 1)
+    if n:
+        assert permutes[0][4] == n and permutes[0][8] == worst  # every token's row, into the worst-case rows
+    else:
+        assert not result.recv_x.view(torch.uint8).any() and not result.recv_scales.any()
+
+
+@pytest.mark.parametrize("p", [0, 9])
+def test_sum_by_index_is_one_kernel_and_none_without_rows(p: int) -> None:
+    """``permute.sum_by_index``: one segment-sum launch over the rows, none (zeros) when there are no rows."""
+    rows = torch.randn(p, 64).bfloat16()
+    lib = FakeLib(1)
+    with installed(lib):
+        out = permute.sum_by_index(rows, torch.zeros(p, dtype=torch.int64), 3)
+    names = [name for name, _ in lib.calls]
+    assert names == (["moe_ep_sum_segments"] if p else []) and out.shape == (3, 64)
+    if not p:
+        assert not out.any()
