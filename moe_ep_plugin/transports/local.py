@@ -336,7 +336,7 @@ def _rows(args: DispatchArgs, src: torch.Tensor, rows: int, received: torch.Tens
     if received is not None:
         # src orders all N tokens: each token's output row is its place in src while received, else none (-1),
         # so one permute stores every received row once and zeroes the rest (no copy of the gathered rows)
-        place = torch.where(received, torch.arange(src.shape[0], device=src.device), -1).to(torch.int32)
+        place = torch.where(received, torch.arange(src.shape[0], dtype=torch.int32, device=src.device), -1)
         slot = torch.empty_like(place).index_copy_(0, src, place).unsqueeze(1)
         x, scales = _sent_rows(args.x, args.x_scales, args)
         x, _, scales = permute.permute(x, slot, rows, None, scales)
