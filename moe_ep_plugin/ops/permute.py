@@ -100,10 +100,8 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
     slot = recv_slot.contiguous()
     weights = None if recv_weights is None else recv_weights.contiguous()
     scales = None if recv_scales is None else recv_scales.contiguous()
-    row_bytes = x.shape[1] * x.element_size()
     # no rows (n = 0): only padding to write, and empty inputs may have null data pointers the kernel refuses
-    if not (kernels_for(x) and n and 1 <= k <= _MAX_KERNEL_TOPK and row_bytes and row_bytes % 16 == 0
-            and x.data_ptr() % 16 == 0):
+    if not (n and 1 <= k <= _MAX_KERNEL_TOPK and _kernel_rows(x)):
         with torch.no_grad():  # like the kernels, the torch path records no graph: autograd.py owns the gradients
             return _torch_permute(x, slot, num_rows, weights, scales)
     return permute_valid(x, slot, n, num_rows, weights, scales)
@@ -141,10 +139,7 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
 def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Validate :func:`unpermute`'s arguments → ``(y, recv_slot)`` contiguous, and whether the kernel takes them
     (else only the torch path can)."""
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise ValueError(f"y: expected a 2-D [rows, hidden] tensor, got {_describe(y)}")
-    if y.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"y: expected BF16 or FP32, got {y.dtype}")
+    _check_float_rows("y", y)
     _check_slots(recv_slot, None)
     if recv_slot.device != y.device:
         raise ValueError(f"recv_slot: expected a tensor on {y.device}, got {recv_slot.device}")
@@ -155,9 +150,7 @@ def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Te
 
 def unpermute_kernel_takes(y: torch.Tensor, slot: torch.Tensor) -> bool:
     """Whether the unpermute kernel takes valid arguments (as :func:`unpermute_inputs` returns them)."""
-    row_bytes = y.shape[1] * y.element_size()
-    return (kernels_for(y) and 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and row_bytes > 0 and row_bytes % 16 == 0
-            and y.data_ptr() % 16 == 0)
+    return 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and _kernel_rows(y)
 
 
 def unpermute_valid(y: torch.Tensor, slot: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -189,10 +182,7 @@ def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch
     (0 where no row names ``t``; indices outside ``[0, num_out)`` add nothing). Unlike :func:`unpermute`, an output
     row may gather any number of rows. No host sync.
     """
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
-        raise ValueError(f"rows: expected a 2-D [rows, hidden] tensor, got {_describe(rows)}")
-    if rows.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"rows: expected BF16 or FP32, got {rows.dtype}")
+    _check_float_rows("rows", rows)
     if not isinstance(index, torch.Tensor) or tuple(index.shape) != (rows.shape[0],):
         raise ValueError(f"index: expected shape [{rows.shape[0]}], got {_describe(index)}")
     if index.dtype != torch.int64:
@@ -202,9 +192,8 @@ def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch
     positive_int(num_out, "num_out", 0, _INT32_MAX)
     rows = rows.contiguous()
     key = torch.where((index >= 0) & (index < num_out), index, num_out)  # num_out: the dump segment, never summed
-    row_bytes = rows.shape[1] * rows.element_size()
     # no rows: every output row is 0 (and an empty tensor may have a null data pointer, which the kernel refuses)
-    if not (kernels_for(rows) and rows.shape[0] and row_bytes and row_bytes % 16 == 0 and rows.data_ptr() % 16 == 0):
+    if not (rows.shape[0] and _kernel_rows(rows)):
         with torch.no_grad():
             return _torch_sum_by_index(rows, key, num_out)
     out = torch.empty(num_out, rows.shape[1], dtype=rows.dtype, device=rows.device)
@@ -345,6 +334,21 @@ def _launch(t: torch.Tensor, function: str, *args: int) -> None:
             code = call(*args, current_stream_handle(index))
     if code:
         library.check(code, function)
+
+
+def _kernel_rows(t: torch.Tensor) -> bool:
+    """Whether the kernels take the rows of 2-D ``t``: a CUDA tensor with the library loaded, rows a positive
+    multiple of 16 bytes, the data 16-byte aligned."""
+    row_bytes = t.shape[1] * t.element_size()
+    return kernels_for(t) and row_bytes > 0 and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _check_float_rows(name: str, t: object) -> None:
+    """``t`` is a 2-D BF16/FP32 tensor (expert outputs or rows to sum), else the error names ``name``."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [rows, hidden] tensor, got {_describe(t)}")
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name}: expected BF16 or FP32, got {t.dtype}")
 
 
 def _describe(t: object) -> str:
