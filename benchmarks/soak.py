@@ -10,6 +10,8 @@ fresh and cached), the stream mode (sync, async, previous_event, both, allocate_
 (BF16, FP32, FP8 tuple, FP8 in the send path, with FP8 out), hidden size, top-k 1-8, experts per rank, tokens per
 rank (0 included) and routing (random with -1 entries, sparse, all tokens to one expert); ``tests/support/rounds.py``
 runs and checks it. With ``--device cuda:N`` the ranks share that GPU over a gloo group (``Buffer(device=...)``).
+``--api elastic`` soaks the ``ElasticBuffer`` instead (``tests/support/elastic_rounds.py``): fresh and cached
+dispatches, expanded and not, with weights, in DeepEP's stream modes, some with the current stream busy.
 Prints rounds, mismatches (each with the seed that replays it: ``--seed S --rounds 1``) and seconds.
 """
 from __future__ import annotations
@@ -23,29 +25,47 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
-from support import rounds  # noqa: E402
+from support import elastic_rounds, rounds  # noqa: E402
 
 from moe_ep_plugin import Buffer  # noqa: E402
+from moe_ep_plugin.deep_ep import ElasticBuffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 
+# the most tokens a rank dispatches in an ElasticBuffer round
+ELASTIC_MAX_TOKENS = 256
 
-def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float, max_seconds: float,
-          out: str) -> None:
+
+def _round(api: str, buffer, seed: int, world: int, state: rounds.State, rank: int):
+    """``(round, its check)`` of ``seed`` for the Buffer's API or the ``ElasticBuffer``'s."""
+    if api == "elastic":
+        rnd = elastic_rounds.draw(seed, ELASTIC_MAX_TOKENS)
+        return rnd, lambda: elastic_rounds.run(buffer, rnd, rank, world)
+    rnd = rounds.draw(seed, world)
+    return rnd, lambda: rounds.run(buffer, rnd, state, rank, world)
+
+
+def _soak(api: str, transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float,
+          max_seconds: float, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    buffer = Buffer(transport=transport, timeout_s=timeout_s, device=device)
+    if api == "elastic":
+        buffer = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=ELASTIC_MAX_TOKENS, hidden=1024,
+                               num_cpu_timeout_secs=int(timeout_s), transport=transport, device=device)
+    else:
+        buffer = Buffer(transport=transport, timeout_s=timeout_s, device=device)
     state = rounds.State()
     failures: list[str] = []
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=num_rounds, desc=f"soak {transport} x{world}", unit="round", file=sys.stderr, mininterval=10)
+        bar = tqdm(total=num_rounds, desc=f"soak {api} {transport} x{world}", unit="round", file=sys.stderr,
+                   mininterval=10)
     start = time.monotonic()
     done = 0
     for i in range(num_rounds):
         # every rank stops at the same round: rank 0's clock decides, carried by the verdict exchange below
-        rnd = rounds.draw(seed + i, world)
+        rnd, check = _round(api, buffer, seed + i, world, state, rank)
         try:
-            errors = rounds.run(buffer, rnd, state, rank, world)
+            errors = check()
         except Exception as exc:  # a raise is a failure of the round, as a mismatch is
             errors = [f"raised {type(exc).__name__}: {exc}"]
             state = rounds.State()
@@ -66,9 +86,10 @@ def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeou
     if bar is not None:
         bar.close()
     if rank == 0:
-        lines = ["| transport | ranks | device | rounds | mismatches | seconds | first seed |",
-                 "|---|---:|---|---:|---:|---:|---:|",
-                 f"| {transport} | {world} | {device or 'cpu'} | {done} | {len(failures)} | {seconds:.1f} | {seed} |"]
+        lines = ["| api | transport | ranks | device | rounds | mismatches | seconds | first seed |",
+                 "|---|---|---:|---|---:|---:|---:|---:|",
+                 f"| {api} | {transport} | {world} | {device or 'cpu'} | {done} | {len(failures)} | {seconds:.1f} "
+                 f"| {seed} |"]
         lines += [f"MISMATCH {f}" for f in failures[:50]]
         print("\n".join(lines), flush=True)
         with open(out, "w") as f:
@@ -77,6 +98,9 @@ def _soak(transport: str, device: str | None, seed: int, num_rounds: int, timeou
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--api", choices=("buffer", "elastic"), default="buffer",
+                   help="buffer: the V1 Buffer's entry points; elastic: ElasticBuffer fresh and cached dispatches "
+                        "with weights in DeepEP's stream modes")
     p.add_argument("--transport", choices=("torch", "nvlink"), default="torch")
     p.add_argument("--device", default=None, help="cuda:N: ranks share that GPU (gloo group); default: CPU")
     p.add_argument("--ranks", type=int, default=2)
@@ -88,8 +112,8 @@ def main() -> None:
     args = p.parse_args()
     seed = args.seed if args.seed is not None else int(time.time()) % 100000 * 100000
     out = f"/tmp/moe_ep_soak_{os.getpid()}"
-    spawn(_soak, args.ranks, args=(args.transport, args.device, seed, args.rounds, args.timeout_s, args.max_seconds,
-                             out),
+    spawn(_soak, args.ranks, args=(args.api, args.transport, args.device, seed, args.rounds, args.timeout_s,
+                                   args.max_seconds, out),
           backend="gloo", timeout_s=max(600.0, args.timeout_s * 2))
     with open(out) as f:
         mismatches = int(f.read())

@@ -39,7 +39,7 @@ from .arguments import (
 from .handle import EPHandle, check_handle, make_handle
 from .layout import XInput
 from .sizing import BUFFER_ALIGNMENT, DEFAULT_NVLINK_GBS, buffer_size_hint, theoretical_num_sms
-from .streams import run_epilogue, stream_args
+from .streams import run_epilogue, run_prologue, stream_args
 from .utils import DeferredEpilogue, EventHandle
 
 Bias = torch.Tensor | tuple[torch.Tensor, ...] | None
@@ -373,7 +373,7 @@ class ElasticBuffer:
                 and topk_weights.shape == (num_tokens, num_topk)):
             raise ValueError(f"topk_weights: expected a float32 tensor [{num_tokens}, {num_topk}] (the handle's "
                              f"top-k shape)")
-        packed = layout.pack_weights(topk_weights)
+        packed = run_prologue(self.buffer, kw, lambda: layout.pack_weights(topk_weights), (topk_weights,))
         if handle.do_expand:
             rows, _, _, _, _, weights_event = self.buffer.dispatch_experts(packed, handle=handle.inner, **kw)
         else:

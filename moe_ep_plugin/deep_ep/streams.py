@@ -43,6 +43,22 @@ def stream_args(buffer: Buffer, config: Any, previous_event: object, before_epil
                 async_finish=check_bool("async_with_compute_stream", async_), allocate_on_comm_stream=on_comm)
 
 
+def run_prologue(buffer: Buffer, kw: dict, fn: Callable[[], Any], reads: tuple[torch.Tensor, ...]) -> Any:
+    """``fn()``, an input conversion of the caller's tensors ``reads`` for a Buffer call taking ``kw``, ordered as
+    the Buffer orders its own: after ``kw``'s ``previous_event``, on the communication stream the call then runs
+    on. Made on the current stream instead, it would run after that event was taken, and the call could read
+    its output before it is written. Without an event the call waits for the current stream's work anyway."""
+    comm, event = buffer.get_comm_stream(), kw["previous_event"]
+    if comm is None or event is None or event.event is None:
+        return fn()
+    comm.wait_event(event.event)
+    with torch.cuda.stream(comm):
+        out = fn()
+    for t in reads:
+        t.record_stream(comm)  # read there: the caller may free them once the call returns
+    return out
+
+
 def run_epilogue(buffer: Buffer, event: EventOverlap, fn: Callable[[], Any]) -> tuple[Any, EventOverlap]:
     """``fn()`` after the Buffer's call: on the communication stream when the call ran there asynchronously
     (the returned event then marks ``fn``'s end too), else on the current stream. Every step that reads the
@@ -69,4 +85,4 @@ def _record_stream(out: Any, stream: torch.cuda.Stream) -> None:
             _record_stream(part, stream)
 
 
-__all__ = ["join_events", "run_epilogue", "stream_args"]
+__all__ = ["join_events", "run_epilogue", "run_prologue", "stream_args"]
