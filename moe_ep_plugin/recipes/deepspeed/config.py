@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...config import positive_int
 from ...deep_ep.install import real_deep_ep_origin
 from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 from ...ops import fp8
@@ -132,21 +133,16 @@ _OWNED_DS_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "t
                   "expert_parallel": "dispatcher: autoep and the autoep section"}
 
 
-def _positive(key: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{key}: must be >= 1, got {value}")
-
-
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Cross-key checks; ``world_size`` (when known) must be a multiple of ``moe.ep_size``."""
     if cfg.dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher: expected one of {DISPATCHERS}, got {cfg.dispatcher!r}")
     for key in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "seq_len"):
-        _positive(f"model.{key}", getattr(cfg.model, key))
+        positive_int(getattr(cfg.model, key), f"model.{key}")
     for key in ("num_experts", "ep_size", "k"):
-        _positive(f"moe.{key}", getattr(cfg.moe, key))
+        positive_int(getattr(cfg.moe, key), f"moe.{key}")
     for key in ("steps", "micro_batch_size", "log_interval", "nprocs"):
-        _positive(f"train.{key}", getattr(cfg.train, key))
+        positive_int(getattr(cfg.train, key), f"train.{key}")
     m = cfg.moe
     if m.fp8_dispatch and cfg.model.hidden_size % fp8.BLOCK:
         raise ValueError(f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, "
@@ -199,7 +195,7 @@ def _validate_autoep(cfg: RunConfig) -> None:
     if a.comm_backend not in AUTOEP_BACKENDS:
         raise ValueError(f"autoep.comm_backend: expected one of {AUTOEP_BACKENDS} (deepep: served by moe_ep_plugin, "
                          f"comm: AutoEP's all-to-all), got {a.comm_backend!r}")
-    _positive("autoep.num_attention_heads", a.num_attention_heads)
+    positive_int(a.num_attention_heads, "autoep.num_attention_heads")
     if cfg.model.hidden_size % a.num_attention_heads:
         raise ValueError(f"autoep.num_attention_heads: {a.num_attention_heads} does not divide model.hidden_size="
                          f"{cfg.model.hidden_size}")
