@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+# SMs of every call: few, so that soaks and test runs side by side stay within the SMs of a GPU their ranks share
+# (a rank whose blocks get no SM never arrives), and each SM's loop runs over many rows
+NUM_SMS = 8
 MODES = tuple((prev, async_, on_comm) for prev in (0, 1) for async_ in (0, 1) for on_comm in (0, 1))
 
 
@@ -71,7 +74,7 @@ def _call(buf, rnd: Round, **kw) -> tuple:
     previous = buf.capture() if prev else None
     if rnd.busy and buf.buffer.device.type == "cuda":
         torch.cuda._sleep(2_000_000)  # the current stream busy while the call is issued
-    out = buf.dispatch(previous_event=previous, async_with_compute_stream=bool(async_),
+    out = buf.dispatch(num_sms=NUM_SMS, previous_event=previous, async_with_compute_stream=bool(async_),
                        allocate_on_comm_stream=bool(on_comm), **kw)
     if async_:
         out[-1].current_stream_wait()
@@ -91,7 +94,7 @@ def run(buf, rnd: Round, rank: int, world: int) -> list[str]:
         errors.append("cached rows differ from a fresh dispatch's")
     if not torch.equal(cached_w, fresh_w):
         errors.append("cached weights differ from a fresh dispatch's")
-    combined, _, event = buf.combine(fresh_x, fresh_handle)
+    combined, _, event = buf.combine(fresh_x, fresh_handle, num_sms=NUM_SMS)
     event.current_stream_wait()
     local = experts // world
     valid = idx >= 0
