@@ -10,11 +10,6 @@ MAX_COPY_STREAMS = 4  # csrc/moe_ep.h MOE_EP_MAX_COPY_STREAMS (tests/test_kernel
 WARPS_PER_BLOCK = 16  # csrc/kernels/intranode.cuh kThreads / 32
 
 
-def check_num_sms(value: object, name: str) -> int:
-    """The one rule for an SM count, wherever it is given: a positive even int (two SMs per channel, as DeepEP)."""
-    if positive_int(value, name) % 2:
-        raise ValueError(f"{name}: expected a positive even int, got {value!r}")
-    return value
 # Seconds any wait on another rank may take before raising (the Buffer, the process group, every front door).
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -33,6 +28,13 @@ def positive_int(value: object, name: str, minimum: int = 1, maximum: int | None
     if value < minimum or (maximum is not None and value > maximum):
         what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{name}: expected {what}{'' if maximum is None else f' <= {maximum}'}, got {value!r}")
+    return value
+
+
+def check_num_sms(value: object, name: str) -> int:
+    """The one rule for an SM count, wherever it is given: a positive even int (two SMs per channel, as DeepEP)."""
+    if positive_int(value, name) % 2:
+        raise ValueError(f"{name}: expected a positive even int, got {value!r}")
     return value
 
 
@@ -71,19 +73,15 @@ class NVLinkTuning:
     def __post_init__(self) -> None:
         for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
                      "pull_dispatch_send_warps"):
-            _check_int(f"NVLinkTuning.{name}", getattr(self, name), 1, WARPS_PER_BLOCK - 1)
-        _check_int("NVLinkTuning.combine_send_warps", self.combine_send_warps, 1, WARPS_PER_BLOCK - 1)
+            positive_int(getattr(self, name), f"NVLinkTuning.{name}", 1, WARPS_PER_BLOCK - 1)
+        positive_int(self.combine_send_warps, "NVLinkTuning.combine_send_warps", 1, WARPS_PER_BLOCK - 1)
         for name in ("combine_send_blocks", "pull_combine_min_bytes", "copy_engine_combine_below_sms"):
-            _check_int(f"NVLinkTuning.{name}", getattr(self, name), 0, None)
-        _check_int("NVLinkTuning.copy_piece_rows", self.copy_piece_rows, 1, None)
-        _check_int("NVLinkTuning.copy_streams", self.copy_streams, 1, MAX_COPY_STREAMS)
+            positive_int(getattr(self, name), f"NVLinkTuning.{name}", 0)
+        positive_int(self.copy_piece_rows, "NVLinkTuning.copy_piece_rows", 1)
+        positive_int(self.copy_streams, "NVLinkTuning.copy_streams", 1, MAX_COPY_STREAMS)
         for name in ("dispatch_pull", "quantizing_dispatch_pull", "combine_pull"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"NVLinkTuning.{name}: expected a bool, got {getattr(self, name)!r}")
-
-
-def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    positive_int(value, name, low, high)
 
 
 @dataclass(frozen=True)
@@ -113,10 +111,10 @@ class Config:
 
     def __post_init__(self) -> None:
         check_num_sms(self.num_sms, "Config.num_sms")
-        _check_int("Config.hierarchical_chunks", self.hierarchical_chunks, 1, None)
+        positive_int(self.hierarchical_chunks, "Config.hierarchical_chunks", 1)
         for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
-            _check_int(f"Config.{name}", getattr(self, name), 1, None)
+            positive_int(getattr(self, name), f"Config.{name}", 1)
         if not isinstance(self.nvlink, NVLinkTuning):
             raise TypeError(f"Config.nvlink: expected an NVLinkTuning, got {type(self.nvlink).__name__}")
         if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:

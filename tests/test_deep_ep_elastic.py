@@ -327,6 +327,7 @@ def _errors() -> None:
         (lambda: buffer.dispatch(x, do_zero_padding=True, **ok), "do_zero_padding"),
         (lambda: buffer.dispatch(x, topk_idx=idx), "num_experts"),
         (lambda: buffer.dispatch(x, num_max_tokens_per_rank=0, **ok), "num_max_tokens_per_rank"),
+        (lambda: buffer.dispatch(x, num_sms=3, **ok), "num_sms: expected a positive even int"),
         (lambda: buffer.combine(torch.zeros(handle.num_recv_tokens + 1, HIDDEN, dtype=torch.bfloat16), handle), "x"),
         (lambda: buffer.combine(x, "handle"), "handle"),
         (lambda: buffer.destroy(), "explicitly_destroy"),

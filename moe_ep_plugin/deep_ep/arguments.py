@@ -7,21 +7,19 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .. import config
+from ..config import positive_int, round_up
 from .handle import EPHandle, check_handle
 
 if TYPE_CHECKING:
     from .elastic import ElasticBuffer
 
-
-def align(x: int, a: int) -> int:
-    """``x`` rounded up to a multiple of ``a``."""
-    return (x + a - 1) // a * a
+align = round_up  # the name layout.py and sizing.py import: config's one rounding rule
 
 
 def check_int(name: str, value: object, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    return value
+    """config.positive_int with DeepEP's argument order (name first), as elastic.py and sizing.py call it."""
+    return positive_int(value, name, low)
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -31,8 +29,8 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_num_sms(num_sms: object) -> int:
-    """``num_sms`` rounded up to even (the kernels run send/receive block pairs); 0 means "choose"."""
-    return align(check_int("num_sms", num_sms, 0), 2)
+    """config.check_num_sms (a positive even int), with DeepEP V2's 0 for "choose" (get_theoretical_num_sms)."""
+    return 0 if positive_int(num_sms, "num_sms", 0) == 0 else config.check_num_sms(num_sms, "num_sms")
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -65,7 +63,7 @@ def dispatch_args(buf: ElasticBuffer, x: object, topk_idx: torch.Tensor | None, 
                   num_qps: int, handle: EPHandle | None, do_handle_copy: bool, do_cpu_sync: bool | None,
                   do_expand: bool, do_zero_padding: bool, use_tma_aligned_col_major_sf: bool) -> DispatchArgs:
     """The checked arguments of ``buf.dispatch`` (``ElasticBuffer.dispatch`` documents each)."""
-    check_int("num_qps", num_qps, 0)
+    positive_int(num_qps, "num_qps", 0)
     do_expand = check_bool("do_expand", do_expand)
     if check_bool("do_zero_padding", do_zero_padding) and not do_expand:
         raise ValueError("do_zero_padding: only meaningful with do_expand=True")
@@ -86,9 +84,9 @@ def dispatch_args(buf: ElasticBuffer, x: object, topk_idx: torch.Tensor | None, 
     if num_experts is None:
         raise ValueError("num_experts: required without a cached handle")
     cpu_sync = True if do_cpu_sync is None else check_bool("do_cpu_sync", do_cpu_sync)
-    alignment = check_int("expert_alignment", 1 if expert_alignment is None else expert_alignment, 1)
+    alignment = positive_int(1 if expert_alignment is None else expert_alignment, "expert_alignment", 1)
     t_max = buf.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-    if check_int("num_max_tokens_per_rank", t_max, 0) == 0:
+    if positive_int(t_max, "num_max_tokens_per_rank", 0) == 0:
         raise ValueError("num_max_tokens_per_rank: give it to the constructor or the call (the most tokens "
                          "any rank dispatches, the same on every rank)")
     if num_tokens > t_max:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import positive_int
 from ..event import current_stream_handle
 from . import library
 
@@ -50,8 +51,7 @@ def check_routing_map(routing_map: object, probs: object, topk: object) -> None:
     if not isinstance(probs, torch.Tensor) or probs.shape != routing_map.shape:
         raise ValueError(f"probs: expected shape {tuple(routing_map.shape)}, got "
                          f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= routing_map.shape[1]:
-        raise ValueError(f"topk must be in [1, {routing_map.shape[1]}], got {topk}")
+    positive_int(topk, "topk", 1, routing_map.shape[1])
 
 
 def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int

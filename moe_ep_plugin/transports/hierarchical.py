@@ -43,7 +43,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, positive_int
 from ..handle import DispatchHandle
 from ..ops import fp8
 from ..ops.layout import count_invalid, invalid_ids_error, send_positions
@@ -67,10 +67,12 @@ def node_ids(group: dist.ProcessGroup, ranks_per_node: int | None, device: torch
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     source, value, error = (0, ranks_per_node, None) if ranks_per_node is not None else \
         (1, local_world, None) if local_world is not None else (2, 0, None)
-    if source == 0 and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        error = f"ranks_per_node: expected a positive int, got {value!r}"
-    elif source == 0 and num_ranks % value:
-        error = f"ranks_per_node: {value} does not divide the {num_ranks} EP ranks"
+    if source == 0:
+        try:  # the error travels to every rank in the exchange below, so it is kept, not raised here
+            if num_ranks % positive_int(value, "ranks_per_node"):
+                error = f"ranks_per_node: {value} does not divide the {num_ranks} EP ranks"
+        except (TypeError, ValueError) as exc:
+            error = str(exc)
     elif source == 1:
         value = int(value) if value.isdigit() and int(value) > 0 else value
         if not isinstance(value, int):
