@@ -41,6 +41,8 @@ setup(
         "test": ["pytest>=7", "pytest-timeout"],
         "megatron": ["megatron-core>=0.16", "triton", "einops"],
         "deepspeed": ["deepspeed>=0.16"],
+        # DeepSpeed AutoEP's model test and example: the DeepSpeed tested and the transformers range it runs with
+        "autoep": _load("_moe_ep_autoep_versions", "deepspeed", "autoep_versions.py").autoep_requirements(),
         "plots": ["matplotlib"],
     },
     entry_points={

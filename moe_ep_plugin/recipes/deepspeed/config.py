@@ -24,6 +24,7 @@ import torch
 
 from ...config import positive_int
 from ...deep_ep.install import real_deep_ep_origin
+from ...deepspeed.autoep_versions import autoep_requirements, check_autoep_versions
 from ...deepspeed.options import DeepSpeedOptions, check_moe_args
 from ...ops import fp8
 from ..common import checkpoint, schedule
@@ -217,7 +218,11 @@ def _validate_autoep(cfg: RunConfig) -> None:
                              f"which does not shadow the real deep_ep importable at {origin}")
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("dispatcher: 'autoep' needs transformers (AutoEP replaces Hugging Face MoE blocks; the "
-                         "example builds a tiny Mixtral): pip install transformers")
+                         f"example builds a tiny Mixtral): pip install '{autoep_requirements()[1]}'")
+    try:
+        check_autoep_versions()
+    except RuntimeError as exc:
+        raise ValueError(f"dispatcher: 'autoep': {exc}") from exc
 
 
 def compare_configs(cfg: RunConfig, world_size: int | None = None) -> dict[str, RunConfig]:
