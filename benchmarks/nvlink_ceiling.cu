@@ -3,6 +3,8 @@
 // engines (cudaMemcpyPeerAsync issued on the source or the target GPU), with a given number of SMs. These bound
 // what dispatch/combine can reach (both directions are busy in an EP2 all-to-all). Prints a table.
 //   nvcc -O3 -arch=sm_90 benchmarks/nvlink_ceiling.cu -o nvlink_ceiling && ./nvlink_ceiling [MB per direction, default 57]
+// Built with -DNVLINK_CEILING_LIBRARY -shared it is the copy yardstick of benchmarks/sm_sweep.py instead (no main):
+// nvlink_copy (the copy kernel on `sms` SMs) and nvlink_copy_engine (cudaMemcpyAsync), both on a given stream.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -37,6 +39,18 @@ __global__ void __launch_bounds__(512, 1) copy_kernel(int4* __restrict__ dst, co
     }
 }
 
+#ifdef NVLINK_CEILING_LIBRARY
+// `bytes` (a multiple of 16) from src to dst on `stream`: the copy kernel with `sms` blocks, or the copy engines.
+extern "C" int nvlink_copy(void* dst, const void* src, size_t bytes, int sms, void* stream) {
+    copy_kernel<<<sms, 512, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<int4*>(dst),
+                                                                    static_cast<const int4*>(src), bytes / 16);
+    return int(cudaGetLastError());
+}
+
+extern "C" int nvlink_copy_engine(void* dst, const void* src, size_t bytes, void* stream) {
+    return int(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+}
+#else
 enum Way { kPush, kPull, kCopyEngine, kCopyEnginePull };
 static const char* kWayName[] = {"SM push (stores)", "SM pull (loads)", "CE, source GPU", "CE, target GPU"};
 
@@ -110,3 +124,4 @@ int main(int argc, char** argv) {
     }
     return 0;
 }
+#endif  // NVLINK_CEILING_LIBRARY

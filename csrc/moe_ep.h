@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 15
+#define MOE_EP_ABI_VERSION 16
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
@@ -134,6 +134,9 @@ int64_t moe_ep_region_bytes(void* ctx);         /* staging bytes reserved for ea
 int64_t moe_ep_staging_offset(void);            /* buffer bytes before the staging regions (header, counts, flags) */
 /* This rank's own region of its buffer (4096-byte aligned): where a pull combine's rows sit (x_in_region). */
 void* moe_ep_own_region(void* ctx);
+/* This rank's region of peer `peer`'s buffer, as this rank has it mapped (CUDA IPC): where its rows land there.
+ * The SM sweep's copy kernel writes through it, the mapping the kernels use. NULL for an unopened peer. */
+void* moe_ep_peer_region(void* ctx, int peer);
 
 /* Host read of up to MOE_EP_READ_BYTES of device memory, started after the work enqueued on `stream` so far and
  * copied on a side stream, so the caller can enqueue more before it waits; moe_ep_read_wait blocks until the

@@ -224,6 +224,12 @@ void* moe_ep_own_region(void* handle) {
     return ctx->dev.bufs[ctx->dev.rank] + kStagingOffset + int64_t(ctx->dev.rank) * ctx->dev.region_bytes;
 }
 
+void* moe_ep_peer_region(void* handle, int peer) {
+    const Context* ctx = static_cast<const Context*>(handle);
+    if (peer < 0 || peer >= ctx->dev.num_ranks || ctx->dev.bufs[peer] == nullptr) return nullptr;
+    return ctx->dev.bufs[peer] + kStagingOffset + int64_t(ctx->dev.rank) * ctx->dev.region_bytes;
+}
+
 int moe_ep_read_start(void* handle, const void* src, int64_t bytes, void* stream) {
     Context* ctx = static_cast<Context*>(handle);
     if (bytes < 0 || bytes > MOE_EP_READ_BYTES)

@@ -11,7 +11,7 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 15
+ABI_VERSION = 16
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -121,6 +121,8 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_staging_offset.argtypes = []
     lib.moe_ep_own_region.restype = _p
     lib.moe_ep_own_region.argtypes = [_p]
+    lib.moe_ep_peer_region.restype = _p
+    lib.moe_ep_peer_region.argtypes = [_p, ctypes.c_int]
     lib.moe_ep_read_start.argtypes = [_p, _p, _i64, _p]
     lib.moe_ep_read_wait.argtypes = [_p]
     lib.moe_ep_read_buffer.restype = ctypes.POINTER(ctypes.c_int32)

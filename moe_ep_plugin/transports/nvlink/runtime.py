@@ -54,6 +54,14 @@ class NVLinkRuntime:
         self.read_buffer = self.lib.moe_ep_read_buffer(ctx)  # pinned int32 host memory of the host reads
         self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
+    def peer_region(self, peer: int) -> int:
+        """Device address of this rank's region in peer ``peer``'s buffer, through this rank's CUDA-IPC mapping of
+        it (``region_bytes`` long): benchmarks/sm_sweep.py's copy kernel writes there."""
+        address = self.lib.moe_ep_peer_region(self.ctx, peer)
+        if not address:
+            raise ValueError(f"peer: {peer!r} is no rank of this group (0..{self.num_ranks - 1})")
+        return int(address)
+
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
         """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""

@@ -84,6 +84,11 @@ class NVLinkTransport(Transport):
         """Raise if a kernel on this rank recorded a failure (sticky; after a timeout the CUDA context is lost)."""
         self._rt.check_error()
 
+    def peer_region(self, peer: int) -> tuple[int, int]:
+        """``(device address, bytes)`` of this rank's staging region in ``peer``'s buffer, through the CUDA-IPC
+        mapping the kernels write through (benchmarks/sm_sweep.py copies there for its yardstick)."""
+        return self._rt.peer_region(peer), self._rt.region_bytes
+
     def _num_sms(self, config: Config) -> int:
         return min(config.num_sms, self._rt.device_sms)
 
