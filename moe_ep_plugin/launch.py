@@ -3,6 +3,9 @@
 Used by every front door (``moe-ep-train``, ``moe-ep-pretrain``, the DeepSpeed example) and by the multi-process
 tests: one mechanism for all. When a spawned rank fails, the others get ``grace_s`` seconds to finish or fail on
 their own, then SIGTERM, then SIGKILL (which also ends a stopped process), so a hung rank never hangs the job.
+A failed rank prints nothing itself: it reports its exception to the launcher, and :func:`run_ranks` prints the
+first failure's traceback (none for a :class:`OneLineError`) and one line per failed rank; a rank whose collective
+failed only because a peer had failed before is named as that.
 SIGTERM, SIGINT or SIGHUP to the launcher (``kill``, ``timeout``, Slurm's ``scancel``, ``docker stop``, Ctrl-C) is
 forwarded to every rank; what is still running ``grace_s`` seconds later is killed, and the launcher raises
 :class:`LaunchInterrupted` (:func:`run_ranks`: one line, exit code 128 + the signal's number).
@@ -61,21 +64,44 @@ def init_process_group(backend: str | None = None, timeout_s: float = DEFAULT_TI
     return rank, world
 
 
+class OneLineError(Exception):
+    """An error whose message says all a user needs (a full disk, say): a rank failing with it gets its one line from
+    the launcher, no traceback. Mixed into the error's own class, e.g. ``class E(OneLineError, OSError)``."""
+
+
+# What a rank reports of its failure: a plain error, a OneLineError, or a collective that failed for want of a peer
+PLAIN, ONE_LINE, LOST_PEER = "plain", "one_line", "lost_peer"
+
+
 @dataclass
 class RankFailure:
-    """Why one spawned rank did not finish: ``reason`` is one line, ``details`` its traceback (may be empty)."""
+    """Why one spawned rank did not finish: ``reason`` is one line, ``details`` its traceback (may be empty),
+    ``kind`` one of PLAIN, ONE_LINE, LOST_PEER, ``at`` when it failed (``time.time()``)."""
 
     rank: int
     reason: str
     details: str = ""
+    kind: str = PLAIN
+    at: float = 0.0
+
+    def line(self, first: RankFailure) -> str:
+        """This failure's line, ``first`` the job's first: a rank whose collective lost a peer after ``first`` failed
+        is named as that (its own message, in ``details``, would blame a timeout it never waited for)."""
+        if self is first or self.kind != LOST_PEER:
+            return f"rank {self.rank} {self.reason}"
+        error = self.reason.removeprefix("failed: ").split(":")[0]
+        return (f"rank {self.rank} failed {max(0.0, self.at - first.at):.2f} s after rank {first.rank} did: its "
+                f"collective lost the failed rank ({error})")
 
 
 class LaunchError(RuntimeError):
-    """Some spawned ranks failed; ``failures`` lists them, the first to fail first."""
+    """Some spawned ranks failed; ``failures`` lists them, the first to fail first. ``summary``: one line per failed
+    rank; ``first_traceback``: the first failure's traceback ('' for a :class:`OneLineError` or none known)."""
 
     def __init__(self, nprocs: int, failures: list[RankFailure]) -> None:
         self.failures = failures
-        self.summary = "\n".join(f"rank {f.rank} {f.reason}" for f in failures)
+        self.summary = "\n".join(f.line(failures[0]) for f in failures)
+        self.first_traceback = failures[0].details if failures[0].kind != ONE_LINE else ""
         details = "".join(f"--- rank {f.rank} ---\n{f.details}" for f in failures if f.details)
         super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}"
                          + (f"\n{details}" if details else ""))
@@ -139,18 +165,36 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
         store.wait([f"joined/{r}" for r in range(world)])
         fn(*args)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the launcher says it once
-        report.send(("interrupted by SIGINT", ""))
+        report.send(("interrupted by SIGINT", "", PLAIN, time.time()))
         _leave(128 + signal.SIGINT)
-    except BaseException as exc:  # tell the parent why, then fail this process (which prints the traceback)
-        report.send((f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc()))
-        raise
+    except BaseException as exc:  # tell the parent why (it prints the traceback), then fail this process
+        report.send((f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc(), _kind(exc),
+                     time.time()))
+        failed = True
+    else:
+        failed = False
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     # The rank's work is done. Leave without the interpreter's teardown: gloo's background threads can still be
     # joinable after a collective that timed out on a peer, and their C++ destructors then abort the process
     # ("terminate called without an active exception"), turning a finished rank into a SIGABRT.
-    _leave(0)
+    _leave(1 if failed else 0)
+
+
+# gloo's words for a connection a peer closed, or a wait that ended
+_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
+
+
+def _kind(exc: BaseException) -> str:
+    """What a rank's failure was (see :class:`RankFailure`): a collective that lost a peer shows as a timeout, a
+    torch.distributed error or a RuntimeError in gloo's words."""
+    if isinstance(exc, OneLineError):
+        return ONE_LINE
+    if isinstance(exc, (TimeoutError, dist.DistError)) or (
+            isinstance(exc, RuntimeError) and any(words in str(exc) for words in _LOST_PEER_WORDS)):
+        return LOST_PEER
+    return PLAIN
 
 
 def _interrupt_once(signum: int, frame: Any) -> None:
@@ -203,7 +247,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
     pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
     procs = [ctx.Process(target=_entry, args=(r, nprocs, store.port, backend or default_backend(), timeout_s, fn,
                                               args, pipes[r][1]), daemon=False) for r in range(nprocs)]
-    reports: dict[int, tuple[str, str]] = {}
+    reports: dict[int, tuple[str, str, str, float]] = {}
     failures: list[RankFailure] = []
     interrupted: LaunchInterrupted | None = None
     previous = _set_handlers(_raise_signalled)
@@ -230,7 +274,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         raise LaunchError(nprocs, failures)
 
 
-def _run(procs: list, pipes: list, reports: dict[int, tuple[str, str]], failures: list[RankFailure],
+def _run(procs: list, pipes: list, reports: dict[int, tuple[str, str, str, float]], failures: list[RankFailure],
          grace_s: float) -> None:
     """Start the ranks and wait until all have ended, or until ``grace_s`` after the first failure (then end the
     rest)."""
@@ -276,7 +320,7 @@ def _forward(procs: list, signum: int, grace_s: float) -> list[int]:
     return killed
 
 
-def _collect(pipes: list, reports: dict[int, tuple[str, str]]) -> None:
+def _collect(pipes: list, reports: dict[int, tuple[str, str, str, float]]) -> None:
     for r, (reader, _) in enumerate(pipes):
         if r not in reports and not reader.closed and reader.poll():
             try:
@@ -285,20 +329,18 @@ def _collect(pipes: list, reports: dict[int, tuple[str, str]]) -> None:
                 reader.close()
 
 
-def _note_failures(procs: list, reports: dict[int, tuple[str, str]], failures: list[RankFailure]) -> None:
-    """Append, in the order seen, the ranks that exited non-zero without a report and those that reported an
-    exception. Seen together, the exits come first: a rank that dies without a word (a crash, ``os._exit``) resets
-    its peers' connections, whose errors then arrive as reports of their own."""
+def _note_failures(procs: list, reports: dict[int, tuple[str, str, str, float]], failures: list[RankFailure]) -> None:
+    """Append the ranks that exited non-zero without a report and those that reported an exception. Seen together,
+    the exits come first: a rank that dies without a word (a crash, ``os._exit``) resets its peers' connections,
+    whose errors then arrive as reports of their own; reports seen together come in the order the ranks failed."""
     known = {f.rank for f in failures}
     for r, p in enumerate(procs):
         if r not in known and r not in reports and p.exitcode is not None and p.exitcode != 0:
-            failures.append(RankFailure(r, _exit_reason(p.exitcode)))
+            failures.append(RankFailure(r, _exit_reason(p.exitcode), at=time.time()))
             known.add(r)
-    for r in reports:
-        if r not in known:
-            reason, details = reports[r]
-            failures.append(RankFailure(r, f"failed: {reason}", details))
-            known.add(r)
+    for r in sorted((r for r in reports if r not in known), key=lambda r: reports[r][3]):
+        reason, details, kind, at = reports[r]
+        failures.append(RankFailure(r, f"failed: {reason}", details, kind, at))
 
 
 def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankFailure]:
@@ -310,7 +352,8 @@ def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankF
             stopped = _state(p.pid) == "T"
             if r not in known:
                 why = "was stopped (SIGSTOP)" if stopped else "was still running"
-                ended.append(RankFailure(r, f"{why} {grace_s:g} s after rank {first} failed; ended by the launcher"))
+                ended.append(RankFailure(r, f"{why} {grace_s:g} s after rank {first} failed; ended by the launcher",
+                                         at=time.time()))
             p.terminate()
             if stopped:
                 os.kill(p.pid, signal.SIGCONT)
@@ -337,13 +380,14 @@ def launch(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = No
 
 def run_ranks(prog: str, fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
               timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> int:
-    """:func:`launch` for a command line: 0 when every rank finished, else 1 with one line per failed rank on
-    stderr (each rank's own traceback is already above it), or 128 + the signal's number with one line when the
-    launcher was interrupted (:class:`LaunchInterrupted`)."""
+    """:func:`launch` for a command line: 0 when every rank finished, else 1 with the first failed rank's traceback
+    (none for a :class:`OneLineError`) and one line per failed rank on stderr, or 128 + the signal's number with one
+    line when the launcher was interrupted (:class:`LaunchInterrupted`)."""
     try:
         launch(fn, nprocs, args, backend, timeout_s, grace_s)
     except LaunchError as exc:
-        print("\n".join(f"{prog}: {line}" for line in exc.summary.splitlines()), file=sys.stderr, flush=True)
+        lines = "\n".join(f"{prog}: {line}" for line in exc.summary.splitlines())
+        print(f"{exc.first_traceback}{lines}", file=sys.stderr, flush=True)
         return 1
     except LaunchInterrupted as exc:
         print(f"{prog}: {exc.summary}", file=sys.stderr, flush=True)
