@@ -80,10 +80,10 @@ def main() -> None:
             x, scales = fp8.quantize(x)
         weights = torch.rand(n, k, device="cuda", generator=gen)
         y = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
-        slot = P.expert_slots(idx, tokens_per_expert, alignment)
+        slot = P.expert_slots(idx, num_local, alignment)[0]
         row_bytes = h * x.element_size() + (0 if scales is None else scales.shape[1] * 4) + 4
         rows = [
-            ("expert_slots", lambda: (P.expert_slots(idx, tokens_per_expert, alignment),),
+            ("expert_slots", lambda: (P.expert_slots(idx, num_local, alignment)[0],),
              lambda: (P._torch_expert_slots(idx, num_local, alignment)[0],), n * k * 12),
             ("permute", lambda: P.permute(x, slot, m, weights, scales),
              lambda: P._torch_permute(x, slot, m, weights, scales), (n + m) * row_bytes),

@@ -1,9 +1,9 @@
-"""The host side of the low-latency kernel transport on CPU over the recording fake library (tests/fake_kernels.py),
-two gloo ranks each with its own fake: which library calls each low-latency call makes and when (the send half at
-the call, the receive half at the hook), that the parameter structs carry the caller's tensors, shapes, options and
-the alternating buffer sets, and that the calls laying the buffer out (the first dispatch, a clean) agree on it
-over the group, so that a rank refusing one, or ranks disagreeing on its shapes, raise the same error on every
-rank at that call."""
+"""The host side of the low-latency kernel transport on CPU over the recording fake library
+(tests/support/fake_kernels.py), two gloo ranks each with its own fake: which library calls each low-latency call
+makes and when (the send half at the call, the receive half at the hook), that the parameter structs carry the
+caller's tensors, shapes, options and the alternating buffer sets, and that the calls laying the buffer out (the
+first dispatch, a clean) agree on it over the group, so that a rank refusing one, or ranks disagreeing on its
+shapes, raise the same error on every rank at that call."""
 from __future__ import annotations
 
 import time
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from fake_kernels import CTX, STREAM, FakeLib, FakeRuntime, installed
+from support.fake_kernels import CTX, STREAM, FakeLib, FakeRuntime, installed
 
 from moe_ep_plugin.buffer import _check
 from moe_ep_plugin.launch import spawn

@@ -1,11 +1,12 @@
-"""NVLinkTransport's host logic on CPU, over a stand-in kernel library: exactly which C functions each dispatch and
-combine calls, in which order, with which sizes and flags (the ones ``plan`` decides, tested on their own at the
-end), and that every address a call is handed is one an earlier call wrote or a returned tensor covers.
+"""NVLinkTransport's host logic on CPU, over a stand-in kernel library: the host reads each dispatch and combine
+makes, the inputs each kernel is handed (sizes, flags: the ones ``plan`` decides, tested on their own at the end),
+the orderings correctness needs (a count read before the launch sized by it, a barrier before the own region is
+written), and that every address a kernel is handed is one an earlier call wrote or a returned tensor covers.
 
 The transport's Python side only runs on GPUs, so nothing else in CI executes it. Here it runs on CPU tensors (their
-addresses serve the bookkeeping as well as device ones) over a fake library (``tests/fake_kernels.py``) that
+addresses serve the bookkeeping as well as device ones) over a fake library (``tests/support/fake_kernels.py``) that
 records every call and answers the one host read of a dispatch with counts the test chooses; ``permute``'s kernels go
-through the same fake. What the kernels compute is tests/gpu's business: this pins what the host hands them.
+through the same fake. What the kernels compute is tests/gpu's business.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
-from fake_kernels import CTX, OWN_REGION, STREAM, FakeLib, installed, nvlink_transport
+from support.fake_kernels import CTX, STREAM, FakeLib, installed, nvlink_transport
 
 from moe_ep_plugin.config import Config, NVLinkTuning
 from moe_ep_plugin.handle import DispatchHandle
@@ -54,6 +55,16 @@ NUM_ROWS = 20
 INFO = [NUM_RECV, 0, NUM_ROWS] + TOKENS_PER_EXPERT  # what the read brings of info (the exact counts stay behind)
 # expert-major row of each received (row, column): every row 0..19 once but 3 and 18 (padding), -1 = not local
 RECV_SLOT = [[0, 8], [1, -1], [2, 9], [-1, 10], [4, 11], [5, 12], [6, -1], [13, 14], [15, 16]]
+
+
+def _calls(lib: FakeLib, name: str) -> list[tuple]:
+    """The arguments of every recorded call of C function ``name``, in call order."""
+    return [args for called, args in lib.calls if called == name]
+
+
+def _first(lib: FakeLib, name: str) -> int:
+    """Where the first call of ``name`` sits among the recorded calls."""
+    return next(i for i, (called, _) in enumerate(lib.calls) if called == name)
 
 
 def _params(struct: type, **fields: int) -> dict[str, int]:
@@ -150,19 +161,22 @@ def test_fresh_dispatch_experts(fake: FakeLib) -> None:
     handle = result.handle
     in_rank = handle.is_token_in_rank
     assert (tuple(in_rank.shape), in_rank.dtype) == ((N, R), torch.bool)
-    dispatched = fake.calls[2][1][1]
+    [(_, dispatched, _)] = _calls(fake, "moe_ep_dispatch")
     recv_x, probs = dispatched["recv_x"], dispatched["expert_probs"]
-    covered = fake.calls[4][1][12]
-    assert fake.calls == [
-        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights), STREAM)),
-        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
-        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=recv_x, recv_src_idx=at(5),
-                                                   recv_slot=at(6), expert_probs=probs, num_recv_rows=16,
-                                                   speculative_rows=1), STREAM)),
-        ("moe_ep_read_wait", (CTX,)),
-        _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), covered),
-    ]
+    [permuted] = _calls(fake, "moe_ep_permute")
+    covered = permuted[12]
+    assert _calls(fake, "moe_ep_notify_experts") == [
+        (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3), in_rank.data_ptr(), at(4), at(1),
+         at(0, R * R), _meta(weights), STREAM)]
+    # one host read: the rank prefix matrix and info together
+    assert _calls(fake, "moe_ep_read_start") == [(CTX, at(0), 4 * (R * R + 3 + L), STREAM)]
+    assert _calls(fake, "moe_ep_read_wait") == [(CTX,)]
+    # the dispatch runs into the guessed 16 rows before the read; the permute takes the rows the read counted
+    assert dispatched == _expert_dispatch(x, topk_idx, weights, at, recv_x=recv_x, recv_src_idx=at(5),
+                                          recv_slot=at(6), expert_probs=probs, num_recv_rows=16, speculative_rows=1)
+    assert _first(fake, "moe_ep_dispatch") < _first(fake, "moe_ep_read_wait") < _first(fake, "moe_ep_permute")
+    assert permuted == _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), covered)[1]
+    assert "moe_ep_barrier" not in {name for name, _ in fake.calls}  # nobody exceeded the guess
     assert 0 not in (recv_x, probs, covered)
     assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
     assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (probs, (NUM_ROWS,),
@@ -196,27 +210,23 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     result, x, topk_idx, weights, at = _fresh(fake, t, prefix, info)
     num_recv, num_rows = info[0], info[2]
     handle, layout = result.handle, result.handle.expert_layout
-    first, second = fake.calls[2][1][1], fake.calls[5][1][1]
-    covered = fake.calls[6][1][12]
-    assert fake.calls == [
-        ("moe_ep_notify_experts", (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3),
-                                   handle.is_token_in_rank.data_ptr(), at(4), at(1), at(0, R * R), _meta(weights),
-                                   STREAM)),
-        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 3 + L), STREAM)),
-        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=first["recv_x"],
-                                                   recv_src_idx=at(5), recv_slot=at(6),
-                                                   expert_probs=first["expert_probs"], num_recv_rows=8,
-                                                   speculative_rows=1), STREAM)),
-        ("moe_ep_read_wait", (CTX,)),
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_dispatch", (CTX, _expert_dispatch(x, topk_idx, weights, at, recv_x=second["recv_x"],
-                                                   recv_src_idx=handle.recv_src_idx.data_ptr(),
-                                                   recv_slot=layout.recv_slot.data_ptr(),
-                                                   expert_probs=result.probs.data_ptr(), num_recv_rows=num_recv),
-                             STREAM)),
-        _permute_call(second["recv_x"], layout.recv_slot.data_ptr(), num_recv, num_rows, result.x.data_ptr(),
-                      covered),
-    ]
+    [(_, first, _), (_, second, _)] = _calls(fake, "moe_ep_dispatch")
+    [permuted] = _calls(fake, "moe_ep_permute")
+    assert len(_calls(fake, "moe_ep_read_wait")) == 1  # still one host read
+    assert first == _expert_dispatch(x, topk_idx, weights, at, recv_x=first["recv_x"], recv_src_idx=at(5),
+                                     recv_slot=at(6), expert_probs=first["expert_probs"], num_recv_rows=8,
+                                     speculative_rows=1)
+    # again after a barrier (every rank's first kernel is done with the buffers), into exactly the rows received
+    assert second == _expert_dispatch(x, topk_idx, weights, at, recv_x=second["recv_x"],
+                                      recv_src_idx=handle.recv_src_idx.data_ptr(),
+                                      recv_slot=layout.recv_slot.data_ptr(), expert_probs=result.probs.data_ptr(),
+                                      num_recv_rows=num_recv)
+    assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)]
+    names = [name for name, _ in fake.calls]
+    assert names.index("moe_ep_read_wait") < names.index("moe_ep_barrier") < len(names) - 1 - names[::-1].index(
+        "moe_ep_dispatch") < names.index("moe_ep_permute")
+    assert permuted == _permute_call(second["recv_x"], layout.recv_slot.data_ptr(), num_recv, num_rows,
+                                     result.x.data_ptr(), permuted[12])[1]
     assert t._recv_guess == most
     assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
     assert (tuple(result.x.shape), tuple(result.probs.shape)) == ((num_rows, H), (num_rows,))
@@ -237,14 +247,15 @@ def test_cached_dispatch_experts(fake: FakeLib) -> None:
     fake.calls.clear()
     x2 = torch.randn(N, H).to(torch.bfloat16)
     result = t.dispatch_experts(_args(x2, None, None, handle=handle, num_experts=handle.num_experts), ALIGNMENT)
-    recv_x = fake.calls[1][1][1]["recv_x"]
-    covered = fake.calls[2][1][12]
-    assert fake.calls == [
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_dispatch", (CTX, _expert_dispatch(x2, topk_idx, None, at, recv_x=recv_x, recv_src_idx=at(5),
-                                                   recv_slot=at(6), num_recv_rows=NUM_RECV), STREAM)),
-        _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), covered),
-    ]
+    [(_, dispatched, _)] = _calls(fake, "moe_ep_dispatch")
+    recv_x = dispatched["recv_x"]
+    [permuted] = _calls(fake, "moe_ep_permute")
+    names = {name for name, _ in fake.calls}
+    assert "moe_ep_read_start" not in names and "moe_ep_notify_experts" not in names  # no host read, no notify
+    assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)] and _first(fake, "moe_ep_barrier") == 0
+    assert dispatched == _expert_dispatch(x2, topk_idx, None, at, recv_x=recv_x, recv_src_idx=at(5),
+                                          recv_slot=at(6), num_recv_rows=NUM_RECV)
+    assert permuted == _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), permuted[12])[1]
     assert result.handle is handle and result.probs is None and tuple(result.x.shape) == (NUM_ROWS, H)
     assert t._recv_guess == 16
 
@@ -291,15 +302,15 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     fake.pull_rows = pull_rows
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=min_bytes))
-    recv_y = fake.calls[asks][1][7]
-    combined = fake.calls[-1][1][1]
-    assert fake.calls == [("moe_ep_pull_rows", (CTX, H * 2, K))] * asks + [
-        _unpermute_call(y, at, recv_y),
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle, **PUSH),
-                            STREAM)),
-    ]
-    assert recv_y not in (0, OWN_REGION)
+    [unpermuted] = _calls(fake, "moe_ep_unpermute")
+    recv_y = unpermuted[7]
+    [(_, combined, _)] = _calls(fake, "moe_ep_combine")
+    assert len(_calls(fake, "moe_ep_pull_rows")) == asks  # the region's capacity asked only where a pull could fit
+    assert unpermuted == _unpermute_call(y, at, recv_y)[1]
+    assert combined == _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle, **PUSH)
+    assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)] and _first(fake, "moe_ep_barrier") < _first(
+        fake, "moe_ep_combine")
+    assert recv_y not in (0, t._rt.own_region)
     assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
     assert (tuple(out.shape), out.dtype, tuple(out_weights.shape), out_weights.dtype) == (
         (N, H), torch.bfloat16, (N, K), torch.float32)
@@ -313,33 +324,33 @@ def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> 
     fake.pull_rows = NUM_RECV  # exactly the most any rank received fits
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=min_bytes))
-    combined = fake.calls[-1][1][1]
-    assert fake.calls == [
-        ("moe_ep_pull_rows", (CTX, H * 2, K)),
-        ("moe_ep_barrier", (CTX, STREAM)),
-        _unpermute_call(y, at, OWN_REGION),
-        ("moe_ep_combine", (CTX, _combine(at, OWN_REGION, out, out_weights, combined["topk_weights"], handle,
-                                          host_counts=combined["host_counts"], pull=1, x_in_region=1), STREAM)),
-    ]
+    region = t._rt.own_region
+    [(_, combined, _)] = _calls(fake, "moe_ep_combine")
+    assert _calls(fake, "moe_ep_unpermute") == [_unpermute_call(y, at, region)[1]]
+    assert combined == _combine(at, region, out, out_weights, combined["topk_weights"], handle,
+                                host_counts=combined["host_counts"], pull=1, x_in_region=1)
+    # one barrier, the host's, before the own region is written: peers may still read it until then
+    assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)]
+    assert _first(fake, "moe_ep_barrier") < _first(fake, "moe_ep_unpermute") < _first(fake, "moe_ep_combine")
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
 
 def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
-    """A pull combine whose rows the unpermute kernel cannot take: torch unpermutes into a tensor and the combine
-    copies it into the region itself (pull, not ``x_in_region``, and the host's start barrier)."""
+    """A pull combine whose rows the unpermute kernel cannot take: after the host's start barrier torch unpermutes
+    straight into the own region (its rows there are the unpermuted rows), which the combine reads in place."""
     t = _transport(fake, guess=16)
     fake.pull_rows = 1000
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     with mock.patch.object(permute, "kernels_for", lambda t: False):
         out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=0))
-    combined = fake.calls[-1][1][1]
-    assert fake.calls == [
-        ("moe_ep_pull_rows", (CTX, H * 2, K)),
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, combined["x"], out, out_weights, combined["topk_weights"], handle,
-                                          host_counts=combined["host_counts"], pull=1), STREAM)),
-    ]
-    assert combined["x"] not in (0, OWN_REGION)
+    [(_, combined, _)] = _calls(fake, "moe_ep_combine")
+    assert _calls(fake, "moe_ep_unpermute") == []
+    assert combined == _combine(at, t._rt.own_region, out, out_weights, combined["topk_weights"], handle,
+                                host_counts=combined["host_counts"], pull=1, x_in_region=1)
+    assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)]
+    slot = torch.tensor(RECV_SLOT)
+    expected = torch.stack([sum((y[s].float() for s in row if s >= 0), torch.zeros(H)) for row in slot]).bfloat16()
+    assert torch.equal(t._rt.own_rows(NUM_RECV, H, torch.bfloat16), expected)
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
 
@@ -353,17 +364,16 @@ def test_combine_experts_copy_engine_before_pull(fake: FakeLib, num_sms: int, be
     handle, at, y, expert_weights, weights = _combine_handle(fake, t)
     config = _config(num_sms, pull_combine_min_bytes=0, copy_engine_combine_below_sms=below)
     out, out_weights = t.combine_experts(y, handle, expert_weights, (), config)
-    recv_y = fake.calls[0][1][7]
-    combined = fake.calls[-1][1][1]
-    assert fake.calls == [
-        _unpermute_call(y, at, recv_y),
-        ("moe_ep_barrier", (CTX, STREAM)),
-        ("moe_ep_combine", (CTX, _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle,
-                                          host_counts=combined["host_counts"], copy_engine=1,
-                                          copy_piece_rows=TUNING.copy_piece_rows, copy_streams=TUNING.copy_streams,
-                                          num_sms=num_sms, num_send_warps=0, num_send_blocks=0), STREAM)),
-    ]
-    assert recv_y not in (0, OWN_REGION)
+    [unpermuted] = _calls(fake, "moe_ep_unpermute")
+    recv_y = unpermuted[7]
+    [(_, combined, _)] = _calls(fake, "moe_ep_combine")
+    assert _calls(fake, "moe_ep_pull_rows") == []
+    assert unpermuted == _unpermute_call(y, at, recv_y)[1]
+    assert combined == _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle,
+                                host_counts=combined["host_counts"], copy_engine=1,
+                                copy_piece_rows=TUNING.copy_piece_rows, copy_streams=TUNING.copy_streams,
+                                num_sms=num_sms, num_send_warps=0, num_send_blocks=0)
+    assert recv_y not in (0, t._rt.own_region)
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
 
@@ -398,7 +408,9 @@ def test_a_refusing_rank_joins_the_notify_with_its_code(fake: FakeLib) -> None:
     t = _transport(fake, guess=16)
     fake.read_values = [0] * (R * R + 2)
     t.refuse("dispatch", TypeError("x: expected dtype in [...], got torch.float16"))
-    assert [name for name, _ in fake.calls] == ["moe_ep_notify_dispatch", "moe_ep_read_start", "moe_ep_read_wait"]
+    # it joins the notify and waits for it with one host read; it launches nothing else
+    assert {name for name, _ in fake.calls} == {"moe_ep_notify_dispatch", "moe_ep_read_start", "moe_ep_read_wait"}
+    assert len(_calls(fake, "moe_ep_read_wait")) == 1
     # (ctx, counts, invalid, in_rank, tokens, list stride, prefix, send_pos, send_list, info, meta, per-expert, E, ...)
     notify = fake.calls[0][1]
     assert notify[3:6] == (0, 0, 1) and notify[11:13] == (0, 0)
@@ -445,15 +457,16 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
             num_send_warps=TUNING.pull_dispatch_send_warps, send_pos=at(1), alignment=1,
             speculative_rows=speculative, pull=1), STREAM))
 
-    first = fake.calls[2][1][1]
-    last = fake.calls[5][1][1] if again else first
-    assert fake.calls == [
-        ("moe_ep_notify_dispatch", (CTX, per_rank.data_ptr(), notified[2], in_rank.data_ptr(), N, N, at(0), at(1),
-                                    at(2), at(0, R * R), _meta(weights), 0, E, STREAM)),
-        ("moe_ep_read_start", (CTX, at(0), 4 * (R * R + 2), STREAM)),
-        dispatched(first, guess, 1),
-        ("moe_ep_read_wait", (CTX,)),
-    ] + [("moe_ep_barrier", (CTX, STREAM)), dispatched(last, num_recv, 0)] * again
+    launched = [("moe_ep_dispatch", call) for call in _calls(fake, "moe_ep_dispatch")]
+    first, last = launched[0][1][1], launched[-1][1][1]
+    assert _calls(fake, "moe_ep_notify_dispatch") == [
+        (CTX, per_rank.data_ptr(), notified[2], in_rank.data_ptr(), N, N, at(0), at(1), at(2), at(0, R * R),
+         _meta(weights), 0, E, STREAM)]
+    # one host read (prefix matrix and info), waited for after the speculative launch into the guessed rows
+    assert _calls(fake, "moe_ep_read_start") == [(CTX, at(0), 4 * (R * R + 2), STREAM)]
+    assert len(_calls(fake, "moe_ep_read_wait")) == 1
+    assert launched == [dispatched(first, guess, 1)] + [dispatched(last, num_recv, 0)] * again
+    assert len(_calls(fake, "moe_ep_barrier")) == again  # the second launch waits for every rank's first
     assert 0 not in (notified[2], *(last[name] for name in ("recv_x", "recv_topk_idx", "recv_topk_weights",
                                                             "recv_src_idx", "recv_expert_count")))
     for tensor, name, shape in ((result.recv_x, "recv_x", (num_recv, H)),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.ops.permute import expert_slots, permute, slot_layout, sum_by_index, unpermute, unpermute_onto
+from moe_ep_plugin.ops.permute import expert_slots, permute, sum_by_index, unpermute, unpermute_onto
 
 
 def routing(kind: str, n: int, k: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
@@ -44,7 +44,7 @@ def reference_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[
 
 
 def reference_words(idx: torch.Tensor, num_local: int, alignment: int) -> list[int]:
-    """``slot_layout``'s words by loops: rows naming a local expert, ids outside ``[-1, L)``, aligned counts."""
+    """``expert_slots``'s words by loops: rows naming a local expert, ids outside ``[-1, L)``, aligned counts."""
     rows = sum(any(0 <= e < num_local for e in row) for row in idx.tolist())
     invalid = sum(not -1 <= e < num_local for row in idx.tolist() for e in row)
     return [rows, invalid] + reference_slots(idx, num_local, alignment)[1]
@@ -100,8 +100,9 @@ def test_layout_matches_loops(n: int, k: int, num_local: int, alignment: int, ki
     w = torch.rand(n, k, generator=gen)
     s = torch.rand(n, num_scales, generator=gen)
 
-    slot = expert_slots(idx, counts, alignment)
+    slot, words = expert_slots(idx, num_local, alignment)
     assert slot.dtype == torch.int32 and torch.equal(slot, ref_slot), f"seed {seed}"
+    assert words.tolist()[2:] == counts, f"seed {seed}"
 
     px, probs, scales = permute(x, slot, num_rows, w, s)
     ref_x, ref_w, ref_s = reference_permute(bits(x), slot, num_rows, w, s)
@@ -113,25 +114,27 @@ def test_layout_matches_loops(n: int, k: int, num_local: int, alignment: int, ki
     y = torch.randn(num_rows, hidden, generator=gen).to(out_dtype)
     back = unpermute(y, slot)
     assert back.dtype == out_dtype and torch.equal(bits(back), bits(reference_unpermute(y, slot))), f"seed {seed}"
+    out = torch.full((n, hidden), 7.0, dtype=out_dtype)
+    assert unpermute(y, slot, out=out) is out and torch.equal(bits(out), bits(back)), f"seed {seed}"
 
 
 @pytest.mark.parametrize("kind", ["random", "foreign", "one_expert", "none"])
-def test_slot_layout_words_match_loops(kind: str) -> None:
+def test_expert_slots_words_match_loops(kind: str) -> None:
     """The words a one-rank dispatch reads, with ids below -1 and past the local experts among the routing."""
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     n, k, num_local, alignment = int(torch.randint(0, 40, (), generator=gen)), 5, 6, 4
     idx = routing(kind, n, k, num_local, gen)
     idx[torch.rand(n, k, generator=gen) < 0.05] = -7
-    slot, words = slot_layout(idx, num_local, alignment)
+    slot, words = expert_slots(idx, num_local, alignment)
     assert words.dtype == torch.int64 and words.tolist() == reference_words(idx, num_local, alignment), f"seed {seed}"
     assert torch.equal(slot, reference_slots(idx, num_local, alignment)[0]), f"seed {seed}"
 
 
 def test_out_of_range_ids_and_slots_are_ignored() -> None:
     idx = torch.tensor([[0, 5], [-3, 1], [2, 0]])  # 5 is past the 3 local experts, -3 is no expert
-    slot = expert_slots(idx, [2, 1, 1], 1)
-    assert slot.tolist() == [[0, -1], [-1, 2], [3, 1]]
+    slot, words = expert_slots(idx, 3, 1)
+    assert slot.tolist() == [[0, -1], [-1, 2], [3, 1]] and words.tolist() == [3, 2, 2, 1, 1]
     x = torch.arange(12.0).view(3, 4)
     bad = torch.tensor([[0, 7], [-2, 2], [1, 3]], dtype=torch.int32)  # 7 and 3 >= num_rows: dropped like -2
     px, probs, _ = permute(x, bad, 3, torch.arange(6.0).view(3, 2))
@@ -166,22 +169,20 @@ def test_sum_by_index_matches_a_loop(p: int, num_out: int, dtype: torch.dtype) -
 def test_arguments_are_validated() -> None:
     idx = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(TypeError, match="recv_topk_idx"):
-        expert_slots(idx.int(), [3], 1)
+        expert_slots(idx.int(), 1, 1)
     with pytest.raises(ValueError, match="recv_topk_idx"):
-        expert_slots(idx[0], [3], 1)
+        expert_slots(idx[0], 1, 1)
     with pytest.raises(ValueError, match="alignment"):
-        expert_slots(idx, [3], 0)
-    with pytest.raises(ValueError, match="tokens_per_expert"):
-        expert_slots(idx, [], 1)
-    with pytest.raises(ValueError, match="multiples of alignment"):
-        expert_slots(idx, [6], 4)
-    with pytest.raises(ValueError, match=r"implies \[6, 0\]"):
-        expert_slots(idx, [3, 3], 1)
+        expert_slots(idx, 1, 0)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        expert_slots(idx, 0, 1)
+    with pytest.raises(TypeError, match="num_local_experts"):
+        expert_slots(idx, [3], 1)
     x, slot = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="recv_x"):
         permute(x[0], slot, 1)
     with pytest.raises(ValueError, match="recv_slot"):
-        permute(x, slot[:2], 1)
+        permute(x, torch.zeros(4, 2, dtype=torch.int32), 1)  # more slot rows than rows
     with pytest.raises(TypeError, match="recv_slot"):
         permute(x, slot.long(), 1)
     with pytest.raises(ValueError, match="num_rows"):
@@ -198,6 +199,8 @@ def test_arguments_are_validated() -> None:
         unpermute(x.to(fp8.FP8_DTYPE), slot)
     with pytest.raises(ValueError, match="recv_slot"):
         unpermute(x, slot[:, :0])
+    with pytest.raises(ValueError, match="out"):
+        unpermute(x, slot, out=torch.zeros(3, 4, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="rows"):
         sum_by_index(x.double(), torch.zeros(3, dtype=torch.int64), 1)
     with pytest.raises(ValueError, match="index"):
@@ -210,7 +213,7 @@ def test_arguments_are_validated() -> None:
 
 def test_not_differentiable_on_any_path() -> None:
     x = torch.randn(4, 16, requires_grad=True)
-    slot = expert_slots(torch.tensor([[0], [1], [0], [-1]]), [2, 1], 1)
+    slot, _ = expert_slots(torch.tensor([[0], [1], [0], [-1]]), 2, 1)
     px, _, _ = permute(x, slot, 3)
     assert not px.requires_grad and not unpermute(px.detach().requires_grad_(), slot).requires_grad
 
@@ -233,3 +236,13 @@ def test_unpermute_onto_adds_valid_slots_in_column_order() -> None:
                 want = want + y[int(slot[t, j])].float()
         assert torch.equal(got[t].view(torch.int32), want.view(torch.int32))
     assert bool(torch.signbit(got[0]).all()) and torch.equal(start[0], torch.full((h,), -0.0))
+
+
+def test_permute_reads_the_first_n_rows_of_a_larger_buffer() -> None:
+    """A receive buffer holding more rows than ``recv_slot`` names (a transport's guess): rows from N on are not
+    read, on the rows and on their scales."""
+    x, s = torch.arange(20.0).view(5, 4), torch.arange(10.0).view(5, 2)
+    slot = torch.tensor([[1], [0]], dtype=torch.int32)
+    px, probs, ps = permute(x, slot, 3, None, s)
+    assert px.tolist() == [x[1].tolist(), x[0].tolist(), [0.0] * 4] and probs is None
+    assert ps.tolist() == [s[1].tolist(), s[0].tolist(), [0.0] * 2]

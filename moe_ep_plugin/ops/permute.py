@@ -28,46 +28,26 @@ DTYPE_CODES = {torch.float32: library.PERMUTE_FP32, torch.bfloat16: library.PERM
 _INT32_MAX = 2**31 - 1
 
 
-def expert_slots(recv_topk_idx: torch.Tensor, tokens_per_expert: list[int], alignment: int) -> torch.Tensor:
+def expert_slots(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``recv_topk_idx`` ``[N, K]`` int64 local expert ids (-1 = none; ids outside ``[0, L)`` count as none),
-    ``tokens_per_expert`` the aligned counts dispatch returned (``L`` of them), ``alignment`` ≥ 1 →
-    ``recv_slot`` ``[N, K]`` int32.
-
-    The layout is computed from ``recv_topk_idx`` on its device, so the counts must be the ones it implies: checked
-    on CPU (free there), trusted on CUDA (checking would wait for the device).
+    ``num_local_experts`` L, ``alignment`` >= 1 → ``(recv_slot [N, K] int32, words [2 + L] int64)`` on its device,
+    with no host sync. ``words``: the rows naming a local expert, the ids outside ``[-1, L)``, then the pairs of each
+    local expert rounded up to ``alignment`` (``tokens_per_expert``; a dispatch reads all of them in one host read).
     """
     if not isinstance(recv_topk_idx, torch.Tensor) or recv_topk_idx.dim() != 2 or recv_topk_idx.shape[1] < 1:
         raise ValueError(f"recv_topk_idx: expected an [N, K] tensor with K >= 1, got {_describe(recv_topk_idx)}")
     if recv_topk_idx.dtype != torch.int64:
         raise TypeError(f"recv_topk_idx: expected int64, got {recv_topk_idx.dtype}")
+    num_local = positive_int(num_local_experts, "num_local_experts")
     positive_int(alignment, "alignment", 1, _INT32_MAX)
-    if (not isinstance(tokens_per_expert, (list, tuple)) or not tokens_per_expert
-            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in tokens_per_expert)):
-        raise ValueError(f"tokens_per_expert: expected a non-empty list of counts >= 0, got {tokens_per_expert!r}")
-    if any(c % alignment for c in tokens_per_expert):
-        raise ValueError(f"tokens_per_expert: counts must be multiples of alignment={alignment}, "
-                         f"got {tokens_per_expert}")
     n, k = recv_topk_idx.shape
-    if n * k > _INT32_MAX or sum(tokens_per_expert) > _INT32_MAX:
-        raise ValueError(f"recv_topk_idx: {n} x {k} entries into {sum(tokens_per_expert)} rows exceed int32 slots")
+    if n * k + num_local * (alignment - 1) > _INT32_MAX:  # the most rows the layout can have
+        raise ValueError(f"recv_topk_idx: {n} x {k} entries over {num_local} experts aligned to {alignment} exceed "
+                         "int32 slots")
     idx = recv_topk_idx.contiguous()
-    slot, words = slot_layout(idx, len(tokens_per_expert), alignment)
-    aligned = words[2:]
-    if idx.device.type == "cpu" and aligned.tolist() != list(tokens_per_expert):
-        raise ValueError(f"tokens_per_expert: recv_topk_idx implies {aligned.tolist()} (pairs per local expert rounded "
-                         f"up to alignment={alignment}), got {list(tokens_per_expert)}")
-    return slot
-
-
-def slot_layout(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The expert-major layout of contiguous ``idx`` ``[N, K]`` int64 local expert ids (ids outside ``[0, L)``
-    count as none) on its device, with no host sync → ``(recv_slot [N, K] int32, words [2 + L] int64)``: ``words``
-    holds the rows naming a local expert, the ids outside ``[-1, L)``, then the pairs of each local expert rounded
-    up to ``alignment`` (a one-rank dispatch reads them all at once). Both from the kernels on CUDA, else torch ops.
-    """
     if not (kernels_for(idx) and num_local <= _MAX_KERNEL_LOCAL_EXPERTS):
         return _torch_expert_slots(idx, num_local, alignment)
-    n, k = idx.shape
     slot = torch.empty(n, k, dtype=torch.int32, device=idx.device)
     if not n:
         return slot, torch.zeros(2 + num_local, dtype=torch.int64, device=idx.device)
@@ -82,38 +62,29 @@ def slot_layout(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torc
 def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: torch.Tensor | None = None,
             recv_scales: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``recv_x`` ``[N, H]`` (any dtype; FP8 moves as bytes), ``recv_slot`` ``[N, K]`` int32, ``num_rows`` M,
-    ``recv_weights`` ``[N, K]`` float32, ``recv_scales`` ``[N, S]`` float32 → ``(x [M, H] recv_x.dtype,
+    """``recv_x`` ``[>= N, H]`` (any dtype; FP8 moves as bytes), ``recv_slot`` ``[N, K]`` int32, ``num_rows`` M,
+    ``recv_weights`` ``[N, K]`` float32, ``recv_scales`` ``[>= N, S]`` float32 → ``(x [M, H] recv_x.dtype,
     probs [M] float32 or None, scales [M, S] float32 or None)``.
 
     Row ``recv_slot[r, k]`` of the outputs gets row ``r`` (and weight ``[r, k]``); rows no slot names (padding)
-    are zero. Slots outside ``[0, M)`` are ignored.
+    are zero. Slots outside ``[0, M)`` are ignored. Rows of ``recv_x``/``recv_scales`` from ``N`` on are not read (a
+    transport's receive buffers may hold more rows than it received).
     """
     if not isinstance(recv_x, torch.Tensor) or recv_x.dim() != 2:
         raise ValueError(f"recv_x: expected a 2-D [rows, hidden] tensor, got {_describe(recv_x)}")
     _check_slots(recv_slot, recv_x)
     positive_int(num_rows, "num_rows", 0, _INT32_MAX)
     n, k = recv_slot.shape
-    _check_float32("recv_weights", recv_weights, recv_x, (n, k))
-    _check_float32("recv_scales", recv_scales, recv_x, None)
-    x = recv_x.contiguous()
+    _check_float32("recv_weights", recv_weights, recv_x, n, (n, k))
+    _check_float32("recv_scales", recv_scales, recv_x, n, None)
+    x = recv_x if recv_x.is_contiguous() else recv_x[:n].contiguous()
     slot = recv_slot.contiguous()
     weights = None if recv_weights is None else recv_weights.contiguous()
-    scales = None if recv_scales is None else recv_scales.contiguous()
+    scales = recv_scales if recv_scales is None or recv_scales.is_contiguous() else recv_scales[:n].contiguous()
     # no rows (n = 0): only padding to write, and empty inputs may have null data pointers the kernel refuses
     if not (n and 1 <= k <= _MAX_KERNEL_TOPK and _kernel_rows(x)):
         with torch.no_grad():  # like the kernels, the torch path records no graph: autograd.py owns the gradients
-            return _torch_permute(x, slot, num_rows, weights, scales)
-    return permute_valid(x, slot, n, num_rows, weights, scales)
-
-
-def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, weights: torch.Tensor | None = None,
-                  scales: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The kernel of :func:`permute` on its first ``n`` rows, for inputs already known valid: CUDA tensors of one
-    device with the kernel library loaded, ``x`` ``[>= n, H]`` with rows of a multiple of 16 bytes, ``slot``
-    ``[n, K]`` int32 (1 <= K <= 32), ``weights`` ``[n, K]`` / ``scales`` ``[>= n, S]`` float32, all contiguous.
-    The nvlink transport calls it on buffers it made itself, skipping the checks and the slicing (host time)."""
+            return _torch_permute(x[:n], slot, num_rows, weights, None if scales is None else scales[:n])
     out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
     out_scales = None if scales is None else torch.empty(num_rows, scales.shape[1], dtype=torch.float32,
@@ -121,58 +92,46 @@ def permute_valid(x: torch.Tensor, slot: torch.Tensor, n: int, num_rows: int, we
     if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
         return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
-    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, slot.shape[1],
+    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k,
             x.shape[1] * x.element_size(), 0 if scales is None else scales.shape[1], num_rows, out_x.data_ptr(),
             _ptr(out_probs), _ptr(out_scales), covered.data_ptr())
     return out_x, out_probs, out_scales
 
 
-def unpermute(y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
-    """``y`` ``[M, H]`` BF16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``.
+def unpermute(y: torch.Tensor, recv_slot: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y`` ``[M, H]`` BF16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``, written
+    into ``out`` when given (contiguous ``[N, H]`` ``y.dtype`` on ``y``'s device; e.g. the nvlink transport's own
+    peer region, where its combine reads the rows).
 
     ``out[r]`` = sum over k ascending of ``y[recv_slot[r, k]]`` (slots in ``[0, M)`` only), accumulated in fp32
     from 0.0 and rounded once (rows without slots are 0): the order the nvlink combine kernel uses too.
     """
-    return unpermute_valid(*unpermute_inputs(y, recv_slot))
-
-
-def unpermute_inputs(y: torch.Tensor, recv_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Validate :func:`unpermute`'s arguments → ``(y, recv_slot)`` contiguous, and whether the kernel takes them
-    (else only the torch path can)."""
     _check_float_rows("y", y)
     _check_slots(recv_slot, None)
     if recv_slot.device != y.device:
         raise ValueError(f"recv_slot: expected a tensor on {y.device}, got {recv_slot.device}")
+    shape = (recv_slot.shape[0], y.shape[1])
+    if out is not None and not (isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == y.dtype
+                                and out.device == y.device and out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous {list(shape)} {y.dtype} tensor on {y.device}, got "
+                         f"{_describe(out)}")
     y = y.contiguous()
     slot = recv_slot.contiguous()
-    return y, slot, unpermute_kernel_takes(y, slot)
-
-
-def unpermute_kernel_takes(y: torch.Tensor, slot: torch.Tensor) -> bool:
-    """Whether the unpermute kernel takes valid arguments (as :func:`unpermute_inputs` returns them)."""
-    return 1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and _kernel_rows(y)
-
-
-def unpermute_valid(y: torch.Tensor, slot: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """:func:`unpermute` of arguments already known valid (as :func:`unpermute_inputs` returns them, ``kernel``
-    its verdict): the nvlink transport calls it on the Buffer's validated rows and its own ``recv_slot``,
-    skipping the checks (host time)."""
-    if not kernel:
+    if not (1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and _kernel_rows(y)):
         with torch.no_grad():
-            return _torch_unpermute(y, slot)
-    out = torch.empty(slot.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-    unpermute_into(y, slot, out.data_ptr())
+            result = _torch_unpermute(y, slot)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty(shape, dtype=y.dtype, device=y.device)
+    _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), slot.shape[0], slot.shape[1], y.shape[1],
+            y.shape[0], DTYPE_CODES[y.dtype], out.data_ptr())
     return out
 
 
-def unpermute_into(y: torch.Tensor, slot: torch.Tensor, out: int) -> None:
-    """:func:`unpermute`'s kernel writing its ``[N, H]`` ``y.dtype`` rows at device address ``out`` (16-byte
-    aligned, room for N rows; e.g. the nvlink pull combine's own region, which no tensor covers). ``y`` and
-    ``slot`` as :func:`unpermute_inputs` returned them when it found the kernel takes them."""
-    if out % 16:
-        raise ValueError(f"out: the unpermute kernel needs a 16-byte aligned address, got {out:#x}")
-    _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), slot.shape[0], slot.shape[1], y.shape[1],
-            y.shape[0], DTYPE_CODES[y.dtype], out)
+def unpermute_onto(acc: torch.Tensor, y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
+    """``acc`` ``[N, H]`` fp32 (a combine's biases) plus ``y[recv_slot[r, k]]`` for k ascending, in fp32 → a new
+    ``[N, H]`` fp32 tensor; a slot outside ``[0, M)`` adds nothing (not even +0.0, so a -0.0 stays). Torch ops."""
+    return _sum_slots(acc, y, recv_slot)
 
 
 def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -213,7 +172,7 @@ def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch
 # --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---
 
 def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(recv_slot [N, K] int32, words [2 + L] int64)`` as :func:`slot_layout` returns them: a stable sort by expert
+    """``(recv_slot [N, K] int32, words [2 + L] int64)`` as :func:`expert_slots` returns them: a stable sort by expert
     puts the pairs in layout order; each pair's row is its expert's base plus its rank among that expert's pairs."""
     flat = idx.reshape(-1)
     local = (flat >= 0) & (flat < num_local)
@@ -244,13 +203,13 @@ def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: 
     src = torch.full((num_rows + 1,), n, dtype=torch.int64, device=x.device)
     src = src.index_copy_(0, dest, torch.arange(n, device=x.device).repeat_interleave(k))[:num_rows]
     # Rows move as bytes: FP8 (and any other dtype) then needs no index kernels of its own.
-    out_x = with_zero_row(x.view(torch.uint8)).index_select(0, src).view(x.dtype)
+    out_x = _with_zero_row(x.view(torch.uint8)).index_select(0, src).view(x.dtype)
     out_probs = out_scales = None
     if weights is not None:
         out_probs = torch.zeros(num_rows + 1, dtype=torch.float32, device=x.device)
         out_probs = out_probs.index_copy_(0, dest, weights.reshape(-1))[:num_rows]
     if scales is not None:
-        out_scales = with_zero_row(scales).index_select(0, src)
+        out_scales = _with_zero_row(scales).index_select(0, src)
     return out_x, out_probs, out_scales
 
 
@@ -265,12 +224,6 @@ def _torch_sum_by_index(rows: torch.Tensor, key: torch.Tensor, num_out: int) -> 
     CUDA), in fp32 here."""
     total = torch.zeros(num_out + 1, rows.shape[1], dtype=torch.float32, device=rows.device)
     return total.index_put_((key,), rows.float(), accumulate=True)[:num_out].to(rows.dtype)
-
-
-def unpermute_onto(acc: torch.Tensor, y: torch.Tensor, recv_slot: torch.Tensor) -> torch.Tensor:
-    """``acc`` ``[N, H]`` fp32 (a combine's biases) plus ``y[recv_slot[r, k]]`` for k ascending, in fp32 → a new
-    ``[N, H]`` fp32 tensor; a slot outside ``[0, M)`` adds nothing (not even +0.0, so a -0.0 stays)."""
-    return _sum_slots(acc, y, recv_slot)
 
 
 def _sum_slots(start: torch.Tensor | None, y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -295,7 +248,7 @@ def _sum_slots(start: torch.Tensor | None, y: torch.Tensor, slot: torch.Tensor) 
     return out
 
 
-def with_zero_row(t: torch.Tensor) -> torch.Tensor:
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[n, ...]`` with a row of zeros appended (row ``n``)."""
     return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
 
@@ -356,9 +309,10 @@ def _describe(t: object) -> str:
 
 
 def _check_slots(recv_slot: torch.Tensor, recv_x: torch.Tensor | None) -> None:
-    rows = "N" if recv_x is None else recv_x.shape[0]
+    """``recv_slot`` is ``[N, K]`` int32 with K >= 1 (N at most ``recv_x``'s rows, on its device, when given)."""
+    rows = "N" if recv_x is None else f"<= {recv_x.shape[0]}"
     if (not isinstance(recv_slot, torch.Tensor) or recv_slot.dim() != 2 or recv_slot.shape[1] < 1
-            or (recv_x is not None and recv_slot.shape[0] != recv_x.shape[0])):
+            or (recv_x is not None and recv_slot.shape[0] > recv_x.shape[0])):
         raise ValueError(f"recv_slot: expected [{rows}, K] with K >= 1, got {_describe(recv_slot)}")
     if recv_slot.dtype != torch.int32:
         raise TypeError(f"recv_slot: expected int32 (from expert_slots), got {recv_slot.dtype}")
@@ -366,14 +320,14 @@ def _check_slots(recv_slot: torch.Tensor, recv_x: torch.Tensor | None) -> None:
         raise ValueError(f"recv_slot: expected a tensor on {recv_x.device}, got {recv_slot.device}")
 
 
-def _check_float32(name: str, t: torch.Tensor | None, recv_x: torch.Tensor,
+def _check_float32(name: str, t: torch.Tensor | None, recv_x: torch.Tensor, rows: int,
                    shape: tuple[int, int] | None) -> None:
-    """``t`` is None or a float32 ``[N, ...]`` tensor (exactly ``shape`` when given) on ``recv_x``'s device."""
+    """``t`` is None or a float32 tensor on ``recv_x``'s device: exactly ``shape`` when given, else ``[>= rows, S]``."""
     if t is None:
         return
-    if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != recv_x.shape[0]
+    if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < rows
             or (shape is not None and tuple(t.shape) != shape)):
-        expected = list(shape) if shape is not None else [recv_x.shape[0], "S"]
+        expected = list(shape) if shape is not None else [f">= {rows}", "S"]
         raise ValueError(f"{name}: expected shape {expected}, got {_describe(t)}")
     if t.dtype != torch.float32:
         raise TypeError(f"{name}: expected float32, got {t.dtype}")

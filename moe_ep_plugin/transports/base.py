@@ -277,7 +277,7 @@ class Transport(abc.ABC):
         handle = result.handle
         if args.handle is None:
             tokens_per_expert = align_counts(result.counts_list(), alignment)
-            recv_slot = permute.expert_slots(result.recv_topk_idx, tokens_per_expert, alignment)
+            recv_slot, _ = permute.expert_slots(result.recv_topk_idx, len(tokens_per_expert), alignment)
             handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, sum(tokens_per_expert), alignment)
         layout = handle.expert_layout
         x, probs, scales = permute.permute(result.recv_x, layout.recv_slot, layout.num_rows,

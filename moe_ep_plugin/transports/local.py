@@ -5,7 +5,7 @@ nothing crosses, so no communication kernel runs and no peer buffer is reserved.
 transports' at one rank bit for bit: a dispatch receives the tokens that name an expert, in token order (FP8 rows
 quantized and, unless ``fp8_out``, dequantized on the way as the senders do); combine sums each token's one
 copy in fp32 from 0.0 (``permute.unpermute``, which also adds nothing for a token that was not sent) plus the
-biases. An expert-major dispatch lays out ``x`` itself (``permute.slot_layout`` and ``permute.permute``:
+biases. An expert-major dispatch lays out ``x`` itself (``permute.expert_slots`` and ``permute.permute``:
 kernels on CUDA, torch ops on CPU) and its combine is one ``unpermute``. One host read per fresh dispatch: the
 received row count, the out-of-range ids and the counts (on CUDA all three written by the slot kernel); none for a
 row-major dispatch whose ``num_worst_tokens`` has room for every token (nothing can be cut off), which a CUDA graph
@@ -156,7 +156,7 @@ class LocalTransport(Transport):
         topk, n = args.topk_idx, x.shape[0]
         # The read waits for the slot kernels alone: the permute, launched after it, would hold it back by its
         # whole write of the expert rows.
-        slot, words = permute.slot_layout(topk, args.num_experts, alignment)
+        slot, words = permute.expert_slots(topk, args.num_experts, alignment)
         num_recv, counts = self._read(words, args)
         num_rows = sum(counts)
         rows, probs, scales = permute.permute(x, slot, num_rows, args.topk_weights, x_scales)

@@ -20,18 +20,10 @@ from ..ops.library import ptr as _ptr
 from .base import REFUSED_CALLS, refusal_code
 from .low_latency_base import DispatchOutput, DispatchRequest, LowLatencyHandle
 from .low_latency_torch import agree
-from .nvlink.runtime import NVLinkRuntime
+from .nvlink.runtime import DeviceArray, NVLinkRuntime
 from .torch_transport import TorchTransport
 
 _SIGNAL_BYTES = 16384  # csrc/kernels/low_latency.cuh kLLSignalBytes, per buffer set
-
-
-class _DeviceArray:
-    """A raw device allocation seen by ``torch.as_tensor`` (``__cuda_array_interface__``); keeps ``owner`` alive."""
-
-    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, owner: object) -> None:
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr, "version": 3}
-        self.owner = owner
 
 
 class NVLinkLowLatency:
@@ -136,7 +128,7 @@ class NVLinkLowLatency:
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor:
         shape = (handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         # int16 reinterpreted as BF16: the array interface has no BF16 type string
-        raw = _DeviceArray(self._combine_buffer_ptr(handle, buffer_set), shape, "<i2", self)
+        raw = DeviceArray(self._combine_buffer_ptr(handle, buffer_set), shape, "<i2", self)
         return torch.as_tensor(raw, device=self.device).view(torch.bfloat16)
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

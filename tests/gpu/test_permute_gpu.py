@@ -94,14 +94,14 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     x = _with_offset(x_cpu.cuda(), offset)
 
     _poison(n * k * 4)
-    slot = P.expert_slots(idx, counts, alignment)
+    slot = P.expert_slots(idx, num_local, alignment)[0]
     _same("recv_slot vs torch", slot, P._torch_expert_slots(idx, num_local, alignment)[0], seed)
-    slot_cpu = P.expert_slots(idx_cpu, counts, alignment)
+    slot_cpu = P.expert_slots(idx_cpu, num_local, alignment)[0]
     _same("recv_slot vs cpu", slot, slot_cpu, seed)
     bad = idx.clone()
     bad[torch.rand(n, k, device="cuda") < 0.05] = -7  # ids below -1: counted in the words, never placed
-    words = P.slot_layout(bad, num_local, alignment)[1]
-    _same("words vs cpu", words, P.slot_layout(bad.cpu(), num_local, alignment)[1], seed)
+    words = P.expert_slots(bad, num_local, alignment)[1]
+    _same("words vs cpu", words, P.expert_slots(bad.cpu(), num_local, alignment)[1], seed)
 
     _poison(num_rows * hidden * x.element_size())
     got = P.permute(x, slot, num_rows, w, s)
@@ -116,6 +116,9 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     back = P.unpermute(y, slot)
     _same("unpermute vs torch", back, P._torch_unpermute(y, slot), seed)
     _same("unpermute vs cpu", back, P.unpermute(y_cpu, slot_cpu), seed)
+    _poison(n * hidden * y.element_size())
+    out = torch.empty_like(back)
+    _same("unpermute into out vs torch", P.unpermute(y, slot, out=out), back, seed)
     torch.cuda.synchronize()
 
 
@@ -130,11 +133,11 @@ def test_kernels_on_a_side_stream_and_second_device() -> None:
     with torch.cuda.stream(stream):
         idx_dev = idx_cpu.to(device)
         x_dev = x.to(device)
-        slot = P.expert_slots(idx_dev, counts, 1)
+        slot = P.expert_slots(idx_dev, 16, 1)[0]
         px = P.permute(x_dev, slot, sum(counts))[0]
         back = P.unpermute(px, slot)
     stream.synchronize()
-    slot_cpu = P.expert_slots(idx_cpu, counts, 1)
+    slot_cpu = P.expert_slots(idx_cpu, 16, 1)[0]
     assert torch.equal(slot.cpu(), slot_cpu)
     assert torch.equal(back.cpu(), P.unpermute(P.permute(x, slot_cpu, sum(counts))[0], slot_cpu))
 

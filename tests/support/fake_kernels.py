@@ -24,7 +24,6 @@ from moe_ep_plugin.transports.nvlink.runtime import NVLinkRuntime
 CTX = 0xC7C000  # the library context, as moe_ep_create would return it
 STREAM = 0x5EED00  # the current stream's handle, as the stream query returns it
 DEVICE_INDEX = 3
-OWN_REGION = 0x7F1230000000  # moe_ep_own_region: 4096-byte aligned, like the real one
 SENTINEL = -77  # the read buffer past what a read brought: a read too long would carry it into the counts
 READ_INTS = library.READ_BYTES // 4
 
@@ -154,11 +153,16 @@ class FakeRuntime(NVLinkRuntime):
     takes from the process group, the library and the GPU, given instead; every library call goes to ``lib``.
     ``group``: the process group its host exchanges run over (the low-latency form's agreement), if any."""
 
+    def own_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.own_memory[:rows * hidden * dtype.itemsize].view(dtype).view(rows, hidden)
+
     def __init__(self, lib: FakeLib, rank: int, num_ranks: int, group: object = None) -> None:
         self.group, self.rank, self.num_ranks, self.timeout_s = group, rank, num_ranks, 5.0
         self.device, self.index = torch.device("cpu"), DEVICE_INDEX
         self.lib, self.ctx, self.error = lib, CTX, [0, 0, 0, 0]
-        self.region_bytes, self.own_region = 1 << 24, OWN_REGION
+        # the own region: host memory here, so that what unpermute writes there can be read back
+        self.own_memory = torch.zeros(1 << 16, dtype=torch.uint8)
+        self.region_bytes, self.own_region = 1 << 24, self.own_memory.data_ptr()
         self.read_buffer, self.device_sms = lib.read_buffer, 132
         lib.num_ranks = num_ranks
 

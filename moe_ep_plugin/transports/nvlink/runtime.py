@@ -23,9 +23,19 @@ from ..base import META_FIELDS, REFUSABLE, REFUSED_CALLS, metadata_error
 from .plan import DEFAULT_ROW_BYTES, DEFAULT_ROWS
 
 
+class DeviceArray:
+    """A raw device allocation seen by ``torch.as_tensor`` (``__cuda_array_interface__``); keeps ``owner`` alive."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, owner: object) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr, "version": 3}
+        self.owner = owner
+
+
 class NVLinkRuntime:
     """The library context of one rank of ``group`` on ``device``: a peer buffer of at least ``num_nvl_bytes``
     (the default staging when smaller), opened by every peer. Collective to create and to :meth:`destroy`."""
+
+    _own_rows_key: tuple[int, int, torch.dtype] | None = None  # the shape of the view :meth:`own_rows` keeps
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int) -> None:
         self.rank, self.num_ranks, self.timeout_s = dist.get_rank(group), dist.get_world_size(group), timeout_s
@@ -61,6 +71,17 @@ class NVLinkRuntime:
         if not address:
             raise ValueError(f"peer: {peer!r} is no rank of this group (0..{self.num_ranks - 1})")
         return int(address)
+
+    def own_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, hidden]`` ``dtype`` over this rank's own region, where a pull combine reads its rows (the caller
+        checked they fit). The last view is kept: a training step asks for the same shape every layer."""
+        key = (rows, hidden, dtype)
+        if self._own_rows_key != key:
+            # bytes, then reinterpreted: the array interface has no BF16 type string
+            raw = DeviceArray(self.own_region, (rows * hidden * dtype.itemsize,), "|u1", None)
+            self._own_rows = torch.as_tensor(raw, device=self.device).view(dtype).view(rows, hidden)
+            self._own_rows_key = key
+        return self._own_rows
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:

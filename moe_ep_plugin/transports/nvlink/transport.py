@@ -330,8 +330,7 @@ class NVLinkTransport(Transport):
         recv_x, recv_scales, probs = launched
         handle.recv_src_idx = recv_src_idx[:num_recv]
         handle.expert_layout = ExpertLayout(recv_slot[:num_recv], tokens_per_expert, num_rows, alignment)
-        x, _, scales = permute.permute_valid(recv_x, handle.expert_layout.recv_slot, num_recv, num_rows, None,
-                                             recv_scales)
+        x, _, scales = permute.permute(recv_x, handle.expert_layout.recv_slot, num_rows, None, recv_scales)
         return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
 
     def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
@@ -364,8 +363,7 @@ class NVLinkTransport(Transport):
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
         self._launch_expert_dispatch(args, handle, rows, scales, handle.recv_src_idx, layout.recv_slot, probs,
                                      layout.alignment, weights)
-        x, _, scales = permute.permute_valid(rows, layout.recv_slot, handle.num_recv_rows, layout.num_rows, None,
-                                             scales)
+        x, _, scales = permute.permute(rows, layout.recv_slot, layout.num_rows, None, scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
@@ -430,27 +428,24 @@ class NVLinkTransport(Transport):
 
     def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
                         bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The base class's ``unpermute`` + :meth:`combine` (same bits), except when the combine pulls and the
-        unpermute kernel serves: after the start barrier (peers are done reading this rank's own region),
-        ``unpermute`` writes the ``[N_recv, H]`` received rows straight into that region, where the combine kernel
-        reads them (``x_in_region``): no row copies, R - 1 copy launches fewer (expert weights are still copied).
-        Without the unpermute kernel a pulling combine copies the rows there inside ``moe_ep_combine``."""
+        """The base class's ``unpermute`` + :meth:`combine` (same bits), except when the combine pulls: after the
+        start barrier (peers are done reading this rank's own region), ``unpermute`` writes the ``[N_recv, H]``
+        received rows straight into that region, where the combine kernel reads them (``x_in_region``): no row
+        copies, R - 1 copy launches fewer (expert weights are still copied)."""
         self.check_error()
         layout: ExpertLayout = handle.expert_layout
         slot = layout.recv_slot
         weights = slot_weights(expert_weights, layout)  # [N_recv, K] float32, alive until the launch
-        # y: [M, H] BF16/FP32 and contiguous, validated by Buffer.combine_experts; slot: this transport's own
-        kernel = permute.unpermute_kernel_takes(y, slot)  # what unpermute's loads need
         launch = self._combine_launch(y.shape[1], y.dtype, handle, weights, bias, config)
         params = launch.params
         # num_recv_rows fit the region below its weights area: _pull_combine checked the most any rank receives
-        if params.pull and kernel and slot.shape[0] == handle.num_recv_rows:
+        if params.pull and slot.shape[0] == handle.num_recv_rows:
             self._rt.barrier()
-            permute.unpermute_into(y, slot, self._rt.own_region)
+            permute.unpermute(y, slot, out=self._rt.own_rows(slot.shape[0], y.shape[1], y.dtype))
             params.x, params.x_in_region = self._rt.own_region, 1
             self._launch_combine(params, start_barrier=False)
             return launch.out, launch.out_weights
-        recv_y = permute.unpermute_valid(y, slot, kernel)
+        recv_y = permute.unpermute(y, slot)
         params.x = recv_y.data_ptr()
         self._launch_combine(params)
         return launch.out, launch.out_weights
