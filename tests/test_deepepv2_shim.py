@@ -3,7 +3,8 @@
 against a plain loop: the dispatched rows, local ids, probabilities and per-expert counts, the unweighted combine
 of weighted expert rows, gradients of tokens and probabilities (Megatron's ``DeepepV2Dispatch``/``Combine``
 autograd), with uneven token counts over ranks and ranks without tokens; the shared buffer kept when the token
-count changes and re-made for wider rows; FP8 dispatch from the plugin options; misuse errors."""
+count changes and re-made for wider rows; FP8 dispatch from the plugin options; FP16 tokens (carried as fp32 on the
+``torch`` transport, refused naming ``x`` on a kernel transport); misuse errors."""
 from __future__ import annotations
 
 import time
@@ -29,44 +30,61 @@ def _manager_round(shim, x, idx, probs, num_experts: int):
         buffer, x, idx, probs, num_experts, num_max_tokens_per_rank=x.shape[0], expert_alignment=1, num_sms=0)
     first = dist.get_rank() * (num_experts // dist.get_world_size())
     scale = ((recv_idx + first + 1) * (recv_idx >= 0)).to(recv_probs.dtype)
-    rows = recv_x * (scale * recv_probs).sum(1, keepdim=True)
+    rows = (recv_x * (scale * recv_probs).sum(1, keepdim=True)).to(x.dtype)  # the experts' output in x's dtype
     combined, _ = shim.deepepv2_combine(buffer, rows, handle, num_sms=0)
     return buffer, (recv_x, recv_idx, recv_probs, tokens_per_expert), combined
 
 
-def _round(shim, seed: int, tokens: tuple[int, ...], kind: str, fp8: bool) -> None:
-    """One round with ``tokens[rank % len(tokens)]`` tokens on each rank (Megatron passes each rank's own count as
-    ``num_max_tokens_per_rank``, 0 included)."""
+def _round(shim, seed: int, tokens: tuple[int, ...], kind: str, fp8: bool,
+           dtype: torch.dtype = torch.float32) -> None:
+    """One round with ``tokens[rank % len(tokens)]`` tokens of ``dtype`` on each rank (Megatron passes each rank's
+    own count as ``num_max_tokens_per_rank``, 0 included)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n = tokens[rank % len(tokens)]
     num_experts = LOCAL * world
     gen = torch.Generator().manual_seed(seed * 13 + rank)
-    x = torch.randn(n, HIDDEN, generator=gen).requires_grad_(True)
+    x = torch.randn(n, HIDDEN, generator=gen).to(dtype).requires_grad_(True)
     idx = routing(kind, n, TOPK, num_experts, gen)
     probs = torch.rand(n, TOPK, generator=gen).requires_grad_(True)
     xs, idxs, ws = zip(*gather_all((x.detach(), idx, probs.detach())), strict=True)
     _, (recv_x, recv_idx, recv_probs, counts), combined = _manager_round(shim, x, idx, probs, num_experts)
     rows, want_idx, want_w, _, want_counts = expected_dispatch(xs, idxs, ws, num_experts, rank, world)
-    want_x = torch.stack(rows) if rows else torch.zeros(0, HIDDEN)
+    want_x = torch.stack(rows) if rows else torch.zeros(0, HIDDEN, dtype=dtype)
     # FP8 on the wire: the rows are exactly the quantizer's round trip of the sent rows
     assert torch.equal(recv_x.detach(), recv_ref_x(want_x) if fp8 else want_x)
     assert recv_idx.tolist() == want_idx and counts.tolist() == want_counts and counts.dtype == torch.int64
     assert torch.equal(recv_probs.detach() * (recv_idx >= 0), torch.tensor(want_w).reshape(-1, TOPK))
-    # reference: every (token, expert) pair's row x[t] (e + 1) w[t, k], summed per token; -1 adds nothing
+    # reference: on each rank the token's row times sum((e + 1) w[t, k]) over that rank's experts (in x's dtype, as
+    # the experts return it), summed over ranks in fp32 and rounded once; -1 adds nothing
     x_ref = (recv_ref_x(x.detach()) if fp8 else x.detach()).requires_grad_(True)
     p_ref = probs.detach().clone().requires_grad_(True)
-    expected = 0 * x_ref + 0 * p_ref.sum()  # both have a gradient, also on a rank without tokens
+    expected = 0 * x_ref.float() + 0 * p_ref.sum()  # both have a gradient, also on a rank without tokens
     for t in range(n):
-        for k in range(TOPK):
-            if idx[t, k] >= 0:
-                expected[t] = expected[t] + x_ref[t] * (idx[t, k] + 1) * p_ref[t, k]
-    # float32 throughout: only the order of the sums over experts and ranks differs from the loop
-    torch.testing.assert_close(combined, expected, rtol=1e-5, atol=1e-5)
-    g = torch.randn(n, HIDDEN, generator=gen)
+        for r in range(world):
+            cols = [k for k in range(TOPK) if idx[t, k] >= 0 and idx[t, k] // LOCAL == r]
+            if cols:
+                weight = sum((idx[t, k] + 1) * p_ref[t, k] for k in cols)
+                expected[t] = expected[t] + (x_ref[t] * weight).to(dtype).float()
+    expected = expected.to(dtype)
+    assert combined.dtype == dtype
+    if dtype == torch.float16:  # fp32 holds every fp16 sum of a few ranks exactly: one rounding, as the loop's
+        assert torch.equal(combined, expected)
+    else:  # float32: only the order of the sums over experts and ranks differs from the loop
+        torch.testing.assert_close(combined, expected, rtol=1e-5, atol=1e-5)
+    g = torch.randn(n, HIDDEN, generator=gen).to(dtype)
     (combined * g).sum().backward()
     (expected * g).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)  # FP8: the gradient passes straight
-    torch.testing.assert_close(probs.grad, p_ref.grad, rtol=1e-5, atol=1e-4)
+    assert x.grad.dtype == dtype
+    _close(x.grad, x_ref.grad, dtype)  # FP8: the gradient passes straight
+    _close(probs.grad, p_ref.grad, dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Gradients: float32 within 1e-5 relative to the largest value; float16 within four units in its last place
+    (the backward rounds to fp16 where the forward did, in another order)."""
+    scale = max(float(expected.abs().max()), 1.0) if expected.numel() else 1.0
+    step = 1e-5 if dtype == torch.float32 else 4 * 2.0 ** -11
+    torch.testing.assert_close(actual, expected, rtol=0, atol=step * scale)
 
 
 def recv_ref_x(x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +111,7 @@ def _suite(seed: int) -> None:
         deepep_shim.configure(PluginOptions(transport="torch", fp8_dispatch=True))
         _round(shim, seed + 9, (5, 0), "random", fp8=True)
         deepep_shim.configure(PluginOptions(transport="torch"))
+        _round(shim, seed + 10, (6, 0, 3), "random", fp8=False, dtype=torch.float16)  # FP16 carried as fp32
         buffer = shim.get_elastic_buffer(dist.group.WORLD, 4, HIDDEN, TOPK)
         x, idx = torch.zeros(4, HIDDEN), torch.zeros(4, TOPK, dtype=torch.int64)
         with pytest.raises(TypeError, match="token_probs"):
@@ -101,6 +120,10 @@ def _suite(seed: int) -> None:
             shim.deepepv2_dispatch(object(), x, idx, torch.zeros(4, TOPK), LOCAL, 4)
         with pytest.raises(TypeError, match="handle"):
             shim.deepepv2_combine(buffer, x, object())
+        deepep_shim.configure(PluginOptions(transport="nvlink"))
+        with pytest.raises(TypeError, match="x: float16 needs ep_plugin.transport 'torch'"):
+            shim.deepepv2_dispatch(buffer, x.half(), idx, torch.zeros(4, TOPK), LOCAL * dist.get_world_size(), 4)
+        deepep_shim.configure(PluginOptions(transport="torch"))
         with pytest.raises(TypeError, match="group"):
             shim.get_elastic_buffer(object(), 4, HIDDEN, TOPK)
     finally:

@@ -118,14 +118,20 @@ def test_flex_config_refusals() -> None:
             else:
                 with pytest.raises(ValueError, match=f"moe_flex_dispatcher_backend: '{backend}' is not served"):
                     config(backend)
-        # FP16 tokens: refused when the config is built, not at the first dispatch (ep_plugin serves them)
+        # FP16 tokens: served on the torch transport (carried as fp32); a kernel transport or FP8 dispatch is
+        # refused when the config is built, not at the first dispatch
         for backend in registration.SERVED_FLEX_BACKENDS:
-            with pytest.raises(ValueError, match=f"fp16: True with moe_flex_dispatcher_backend '{backend}': the flex "
-                                                 "backends carry bf16 and fp32 tokens"):
+            config(backend, fp16=True)
+        ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
+        for backend in registration.SERVED_FLEX_BACKENDS:
+            with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'; transport 'nvlink' "
+                                                 "carries bf16 and fp32"):
                 config(backend, fp16=True)
         ep_megatron.install(ep_megatron.PluginOptions(transport="torch", fp8_dispatch=True))
         with pytest.raises(ValueError, match="ep_plugin.fp8_dispatch"):
             config("hybridep")
         config("hybridep", hidden=128)
+        with pytest.raises(ValueError, match="fp16: True with ep_plugin.fp8_dispatch"):
+            config("deepep", hidden=128, fp16=True)
     finally:
         ep_megatron.uninstall()

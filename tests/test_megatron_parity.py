@@ -1,8 +1,7 @@
 """``ep_plugin`` beside Megatron-Core's own ``alltoall`` dispatcher on CPU gloo ranks (the model, cases and comparison:
 ``support/megatron_parity.py``): the same ``MoELayer`` (same weights, same tokens) built twice must give the same
 output and the same gradient of the input and of every parameter. So must Megatron's ``flex`` dispatcher with the
-``deepep`` and ``hybridep`` backends on this library, in the BF16 cases Megatron's flex takes
-(:func:`_flex_backends`).
+``deepep`` and ``hybridep`` backends on this library, in BF16 and FP16 (:func:`_flex_backends`).
 
 Layouts TP x EP 1x8, 8x1, 4x2, 2x2, 1x1 with expert tensor parallelism equal to TP (Megatron's default) and
 sequence parallelism; per layout: dropless, capacity dropping and drop-and-pad, in BF16 and FP16, half of them under
@@ -30,11 +29,11 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 
 def _flex_backends(tp: int, ep: int, mode: str, dtype: torch.dtype) -> tuple[str, ...]:
     """The flex backends a case runs with: Megatron's flex needs TP x EP > 1 and refuses drop-and-pad with
-    ``deepep``; the shims carry bf16/fp32 (FP16 is ep_plugin's, docs/megatron.md). ``install()`` refuses
+    ``deepep``; BF16 and FP16 (on the ``torch`` transport, carried as FP32). ``install()`` refuses
     drop-and-pad with ``hybridep`` at expert TP > 1: Megatron's ``_HybridEPManager`` (0.16.1 and 0.19.2) sizes its
     capacity from TP x E experts while the router pads to the capacity of E (docs/compat.md). Without CUDA,
     megatron-core >= 0.19 runs ``deepep`` only (:func:`support.megatron_host.flex_backends_on_host`)."""
-    if tp * ep == 1 or dtype != torch.bfloat16:
+    if tp * ep == 1:
         return ()
     return tuple(b for b in flex_backends_on_host(FLEX_BACKENDS) if mode != "pad" or (b == "hybridep" and tp == 1))
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
-from .options import PluginOptions
+from .options import PluginOptions, as_token_dtype, carried
 
 _options = PluginOptions()
 
@@ -39,9 +39,10 @@ def _hidden_bytes(x: torch.Tensor) -> int:
 def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: torch.Tensor, num_experts: int,
                    group: dist.ProcessGroup, async_finish: bool = False, allocate_on_comm_stream: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """``x`` ``[T, H]``, ``token_indices`` ``[T, K]`` int64 global expert ids (-1 = none), ``token_probs``
-    ``[T, K]`` float32 → ``(recv_x [R, H], recv_indices [R, K] local ids / -1, recv_probs [R, K] float32,
-    tokens_per_expert [L] int64 on CPU, handle)``. Differentiable in ``x`` and ``token_probs``.
+    """``x`` ``[T, H]`` BF16/FP32 (FP16 on the ``torch`` transport, carried as FP32), ``token_indices`` ``[T, K]``
+    int64 global expert ids (-1 = none), ``token_probs`` ``[T, K]`` float32 → ``(recv_x [R, H] x.dtype, recv_indices
+    [R, K] local ids / -1, recv_probs [R, K] float32, tokens_per_expert [L] int64 on CPU, handle)``. Differentiable in
+    ``x`` and ``token_probs``.
 
     The work runs on the current stream, so ``async_finish``/``allocate_on_comm_stream`` need no event: the
     results are ready for the next kernel on that stream.
@@ -50,21 +51,24 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
         raise ValueError(f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
     if token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP), got {token_probs.dtype}")
-    buffer = get_buffer(group, _hidden_bytes(x), _options.transport, _options.timeout_s, device=x.device)
+    rows = carried(x, _options, "x")
+    buffer = get_buffer(group, _hidden_bytes(rows), _options.transport, _options.timeout_s, device=x.device)
     recv_x, recv_idx, recv_probs, counts, handle = ep_autograd.dispatch(
-        buffer, x.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch,
+        buffer, rows.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch,
         round_scale=_options.round_scale)
     counts = torch.tensor(list(counts), dtype=torch.long, device="cpu")
-    return recv_x, recv_idx, recv_probs, counts, (group, buffer, handle)
+    return as_token_dtype(recv_x, x.dtype), recv_idx, recv_probs, counts, (group, buffer, handle)
 
 
 def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: Any, async_finish: bool = False,
                   allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` ``[R, H]`` → ``(combined [T, H], None)``: each token's rows summed over the ranks it went to."""
+    """``x`` ``[R, H]`` → ``(combined [T, H] x.dtype, None)``: each token's rows summed over the ranks it went to
+    (in fp32)."""
     handle_group, buffer, dispatch_handle = handle
     if handle_group is not group:
         raise ValueError("group: differs from the group of the dispatch that made this handle")
-    return ep_autograd.combine(buffer, x.contiguous(), dispatch_handle), None
+    combined = ep_autograd.combine(buffer, carried(x, _options, "x").contiguous(), dispatch_handle)
+    return as_token_dtype(combined, x.dtype), None
 
 
 def set_deepep_num_sms(num_sms: int | None) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..deep_ep import ElasticBuffer, EPHandle
 from ..ops import fp8
 from . import deepep_shim
+from .options import as_token_dtype, carried
 
 _elastic_buffer: ElasticBuffer | None = None
 
@@ -122,7 +123,7 @@ def deepepv2_dispatch(buffer: ElasticBuffer, x: torch.Tensor, token_indices: tor
 
     Arguments:
         buffer: the :func:`get_elastic_buffer` buffer.
-        x: ``[T, H]`` BF16 (FP32 accepted) tokens.
+        x: ``[T, H]`` BF16 (FP32 accepted; FP16 on the ``torch`` transport, carried as FP32) tokens.
         token_indices: ``[T, K]`` int64 global expert ids, -1 = none.
         token_probs: ``[T, K]`` float32 routing probabilities.
         num_experts: experts over the group.
@@ -140,8 +141,10 @@ def deepepv2_dispatch(buffer: ElasticBuffer, x: torch.Tensor, token_indices: tor
         raise ValueError(f"x: expected [tokens, hidden], got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(token_probs, torch.Tensor) or token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP V2), got {getattr(token_probs, 'dtype', None)}")
-    return _Dispatch.apply(_check_buffer(buffer), x.contiguous(), token_indices, token_probs, num_experts,
-                           num_max_tokens_per_rank or 1, expert_alignment, num_sms)
+    recv_x, *rest = _Dispatch.apply(_check_buffer(buffer), carried(x, deepep_shim.current_options(), "x").contiguous(),
+                                    token_indices, token_probs, num_experts, num_max_tokens_per_rank or 1,
+                                    expert_alignment, num_sms)
+    return (as_token_dtype(recv_x, x.dtype), *rest)
 
 
 def deepepv2_combine(buffer: ElasticBuffer, x: torch.Tensor, handle: EPHandle, num_sms: int = 0,
@@ -158,4 +161,7 @@ def deepepv2_combine(buffer: ElasticBuffer, x: torch.Tensor, handle: EPHandle, n
     """
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle: expected the handle of deepepv2_dispatch, got {type(handle).__name__}")
-    return _Combine.apply(_check_buffer(buffer), x.contiguous(), handle, num_sms)
+    combined, combined_probs = _Combine.apply(_check_buffer(buffer),
+                                              carried(x, deepep_shim.current_options(), "x").contiguous(), handle,
+                                              num_sms)
+    return as_token_dtype(combined, x.dtype), combined_probs

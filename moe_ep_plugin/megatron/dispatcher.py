@@ -43,13 +43,7 @@ from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
 from . import drop_and_pad
-from .options import (
-    FP16_DTYPES,
-    PluginOptions,
-    check_fp16,
-    fp16_served,
-    get_plugin_options,
-)
+from .options import PluginOptions, as_token_dtype, carried, check_fp16, get_plugin_options
 
 
 class EPPluginTokenDispatcher(MoETokenDispatcher):
@@ -105,7 +99,6 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self._routing_map: torch.Tensor | None = None
         self._capacity: int | None = None  # drop-and-pad: every expert's tokens on each rank
         self._pad: drop_and_pad.PadLayout | None = None  # drop-and-pad: this dispatch's pairs
-        self._fp16 = False  # the tokens of this dispatch are fp16 (dispatched and combined as fp32)
         self._tokens_per_expert: list[int] | None = None
         self._handle = None
         self._buffer = None
@@ -151,12 +144,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         (prob 0) to the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
         if self._routing_map is None or self._routing_map.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
-        self._fp16 = hidden_states.dtype == torch.float16
-        if self._fp16:  # fp32 holds every fp16 value: the rows arrive unchanged
-            if not fp16_served(self.options):
-                raise TypeError(f"hidden_states: float16 needs ep_plugin.transport 'torch' (transport "
-                                f"{self.options.transport!r} takes {FP16_DTYPES})")
-            hidden_states = hidden_states.float()
+        dtype = hidden_states.dtype  # fp16 travels as fp32 (carried) and comes back as fp16
+        hidden_states = carried(hidden_states, self.options, "hidden_states")
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         if self.drop_and_pad:
             expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(hidden_states, probs,
@@ -168,8 +157,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
                 self.num_experts * self.tp_size,
                 fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
                 round_scale=self.options.round_scale, configs=self._configs)
-        if self._fp16:
-            expert_x = expert_x.half()
+        expert_x = as_token_dtype(expert_x, dtype)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._routing_map = None
         if self.shared_experts is not None:
@@ -231,13 +219,12 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()
-        y = hidden_states.float() if self._fp16 else hidden_states  # fp16: summed in fp32, cast to fp16 once
+        y = carried(hidden_states, self.options, "hidden_states")  # fp16: summed in fp32, cast to fp16 once
         if self._pad is not None:
             out = drop_and_pad.combine(self._buffer, y, self._handle, self._pad, configs=self._configs)
         else:
             out = ep_autograd.combine_experts(self._buffer, y, self._handle, configs=self._configs)
-        if self._fp16:
-            out = out.half()
+        out = as_token_dtype(out, hidden_states.dtype)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

@@ -29,6 +29,7 @@ from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
 from ..config import combine_config, dispatch_config
 from . import deepep_shim
+from .options import as_token_dtype, carried
 
 HYBRIDEP_TOKEN_ALIGNMENT = 64  # HybridEP's public-API chunk, re-exported for Megatron's pad-uneven-inputs path
 
@@ -68,8 +69,9 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
                        num_blocks_unpermute: int | None = None, fused: bool = False,
                        num_permuted_tokens: int | None = None, pad_multiple: int | None = None,
                        num_sms_preprocessing_api: int | None = None):
-    """Dispatch ``x`` ``[T, H]`` routed by ``routing_map`` ``[T, E]`` bool with ``probs`` ``[T, E]`` float32 (dense,
-    0 where not routed) straight into the expert-major layout.
+    """Dispatch ``x`` ``[T, H]`` (BF16/FP32; FP16 on the ``torch`` transport, carried as FP32) routed by
+    ``routing_map`` ``[T, E]`` bool with ``probs`` ``[T, E]`` float32 (dense, 0 where not routed) straight into the
+    expert-major layout.
 
     Arguments:
         x, routing_map, probs, group: as above; ``E`` = ``num_local_experts`` times the group size.
@@ -99,13 +101,15 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
     options = deepep_shim.current_options()
-    buffer = get_buffer(group, x.size(1) * max(x.element_size(), 2), options.transport, options.timeout_s,
+    rows_in = carried(x, options, "x")
+    buffer = get_buffer(group, x.size(1) * max(rows_in.element_size(), 2), options.transport, options.timeout_s,
                         ranks_per_node=options.ranks_per_node, device=x.device)
     topk = _topk_width(routing_map, group)
     configs = _configs(num_sms_dispatch_api, num_sms_combine_api, num_ranks)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-        buffer, x, routing_map, probs, topk, num_experts, fp8_dispatch=options.fp8_dispatch,
+        buffer, rows_in, routing_map, probs, topk, num_experts, fp8_dispatch=options.fp8_dispatch,
         expert_alignment=pad_multiple or 1, round_scale=options.round_scale, configs=configs)
+    expert_x = as_token_dtype(expert_x, x.dtype)
     rows = sum(tokens_per_expert)
     overflow = torch.zeros(1, dtype=torch.int32, device=x.device)
     if num_permuted_tokens is None:
@@ -123,10 +127,10 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
 
 def hybrid_ep_combine(x: torch.Tensor, handle: Any, num_permuted_tokens: Any | None = None,
                       pad_multiple: int | None = None, fused: bool = False) -> torch.Tensor:
-    """Sum the expert rows ``x`` (the dispatch's layout: ``[P or M, H]``) back to their tokens → ``[T, H]``
-    (unweighted; rows dropped by the budget contribute nothing). ``num_permuted_tokens``/``pad_multiple``/
-    ``fused`` are taken from the handle (accepted for Megatron's call). Differentiable (backward: the cached
-    dispatch of the gradient)."""
+    """Sum the expert rows ``x`` (the dispatch's layout: ``[P or M, H]``) back to their tokens → ``[T, H]`` x.dtype
+    (summed in fp32; unweighted; rows dropped by the budget contribute nothing). ``num_permuted_tokens``/
+    ``pad_multiple``/``fused`` are taken from the handle (accepted for Megatron's call). Differentiable (backward:
+    the cached dispatch of the gradient)."""
     if not (isinstance(handle, tuple) and len(handle) == 6):
         raise TypeError(f"handle: expected the handle returned by hybrid_ep_dispatch, got {type(handle).__name__}")
     buffer, dispatch_handle, rows, budget, configs, _ = handle
@@ -134,4 +138,6 @@ def hybrid_ep_combine(x: torch.Tensor, handle: Any, num_permuted_tokens: Any | N
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != expected:
         raise ValueError(f"x: expected [{expected}, hidden] (the dispatch's rows), got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
-    return ep_autograd.combine_experts(buffer, fit_rows(x, rows), dispatch_handle, configs=configs)
+    combined = ep_autograd.combine_experts(buffer, fit_rows(carried(x, deepep_shim.current_options(), "x"), rows),
+                                           dispatch_handle, configs=configs)
+    return as_token_dtype(combined, x.dtype)

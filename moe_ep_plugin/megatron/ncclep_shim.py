@@ -31,6 +31,7 @@ from ..buffer_cache import get_buffer
 from ..config import combine_config, dispatch_config
 from . import deepep_shim
 from .hybridep_shim import fit_rows
+from .options import as_token_dtype, carried
 
 
 @dataclass
@@ -159,8 +160,8 @@ def new_nccl_ep_buffer(top_k: int, max_tokens_per_rank: int, recv_capacity_per_r
 
 def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      recv_tokens: torch.Tensor | None = None, recv_topk_weights: torch.Tensor | None = None):
-    """Dispatch ``tokens`` ``[T, H]`` to the experts ``topk_idx`` ``[T, K]`` (global ids, int64/int32) names, with
-    ``topk_weights`` ``[T, K]`` float32.
+    """Dispatch ``tokens`` ``[T, H]`` (BF16/FP32; FP16 on the ``torch`` transport, carried as FP32) to the experts
+    ``topk_idx`` ``[T, K]`` (global ids, int64/int32) names, with ``topk_weights`` ``[T, K]`` float32.
 
     Returns ``(recv_tokens [C, H], tokens_per_expert [L] int32 (device, aligned), dispatched_probs [C] float32)``,
     C = ``recv_capacity_per_rank``; rows past the layout are zero. Differentiable in ``tokens`` and
@@ -183,8 +184,10 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
                          f"{tuple(topk_idx.shape)}")
     options = deepep_shim.current_options()
     rows, probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
-        state.buffer, tokens, topk_idx, topk_weights, state.num_experts, fp8_dispatch=options.fp8_dispatch,
-        expert_alignment=max(buffer.alignment, 1), round_scale=options.round_scale, configs=state.configs)
+        state.buffer, carried(tokens, options, "tokens"), topk_idx, topk_weights, state.num_experts,
+        fp8_dispatch=options.fp8_dispatch, expert_alignment=max(buffer.alignment, 1),
+        round_scale=options.round_scale, configs=state.configs)
+    rows = as_token_dtype(rows, tokens.dtype)
     num_rows, capacity = sum(tokens_per_expert), buffer.recv_capacity_per_rank
     # Every rank learns every rank's row count: an overflow raises on all of them (NCCL EP would trap).
     counts = [torch.zeros(1, dtype=torch.int64, device=tokens.device) for _ in range(dist.get_world_size(state.group))]
@@ -226,6 +229,7 @@ def nccl_ep_combine(buffer: NcclEpBuffer, expert_out: torch.Tensor, num_local_to
     rows = buffer.max_tokens_per_rank if num_local_tokens is None else num_local_tokens
     if rows < num_tokens:
         raise ValueError(f"num_local_tokens: {rows} is fewer than the {num_tokens} tokens dispatched")
-    combined = ep_autograd.combine_experts(state.buffer, fit_rows(expert_out, buffer.rows), buffer.handle,
+    carried_out = carried(expert_out, deepep_shim.current_options(), "expert_out")
+    combined = ep_autograd.combine_experts(state.buffer, fit_rows(carried_out, buffer.rows), buffer.handle,
                                            configs=state.configs)
-    return fit_rows(combined, rows)
+    return fit_rows(as_token_dtype(combined, expert_out.dtype), rows)

@@ -17,7 +17,7 @@ from ..plugin_options import PluginOptions
 PLUGIN_DISPATCHER_TYPE = "ep_plugin"
 CONFIG_ATTR = "moe_ep_plugin"
 __all__ = ["PLUGIN_DISPATCHER_TYPE", "CONFIG_ATTR", "PluginOptions", "set_plugin_options", "get_plugin_options",
-           "check_fp16", "fp16_served"]
+           "check_fp16", "fp16_served", "carried", "as_token_dtype"]
 FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
 
 
@@ -25,6 +25,25 @@ def fp16_served(options: PluginOptions) -> bool:
     """Whether FP16 tokens can be dispatched with ``options``: the ``torch`` transport carries them as fp32 (exact)
     and sums the combine in fp32; the kernel transports carry bf16/fp32 only (``auto`` without CUDA is ``torch``)."""
     return options.transport == "torch" or (options.transport == "auto" and not torch.cuda.is_available())
+
+
+def carried(x: torch.Tensor, options: PluginOptions, name: str) -> torch.Tensor:
+    """``x`` as the Buffer carries it: fp16 rows as fp32 (which holds every fp16 value, so the rows arrive unchanged
+    and a combine sums them in fp32) where :func:`fp16_served`, else a TypeError naming ``name``; other dtypes as
+    they are. Every front door of Megatron's (``ep_plugin`` and the ``flex`` shims) passes its tokens through here
+    and casts its results back with :func:`as_token_dtype`."""
+    if x.dtype != torch.float16:
+        return x
+    if not fp16_served(options):
+        raise TypeError(f"{name}: float16 needs ep_plugin.transport 'torch' (transport {options.transport!r} "
+                        f"carries {FP16_DTYPES})")
+    return x.float()
+
+
+def as_token_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A result ``y`` of rows :func:`carried` made fp32, cast back to the tokens' ``dtype`` once (after any fp32
+    sum)."""
+    return y.to(dtype) if dtype == torch.float16 else y
 
 
 def check_fp16(config: Any, options: PluginOptions) -> None:

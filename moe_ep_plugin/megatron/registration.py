@@ -37,7 +37,7 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
 from . import deepep_shim, deepepv2_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
-from .options import FP16_DTYPES, PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
+from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, check_fp16, get_plugin_options, set_plugin_options
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
@@ -177,19 +177,13 @@ def _wrap_should_free_input(original: Any) -> Any:
 
 
 def _check_flex(config: Any) -> None:
-    """A ``flex`` config asks for a backend this library serves, in a dtype its shims carry, with plugin options it
-    can honour (FP8 dispatch needs the hidden size to be a multiple of 128): else a ValueError naming the key, at
-    config time."""
+    """A ``flex`` config asks for a backend this library serves, in a dtype its shims carry (fp16 on the ``torch``
+    transport), with plugin options it can honour (FP8 dispatch needs the hidden size to be a multiple of 128): else
+    a ValueError naming the key, at config time."""
     backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
     if backend not in SERVED_FLEX_BACKENDS:
         raise ValueError(f"moe_flex_dispatcher_backend: {backend!r} is not served by moe_ep_plugin on megatron-core "
                          f"{getattr(megatron.core, '__version__', '?')} (served: {', '.join(SERVED_FLEX_BACKENDS)})")
-    if getattr(config, "fp16", False):
-        # The shims hand Megatron's tokens to the Buffer as they come, which takes bf16 and fp32 rows (as DeepEP and
-        # HybridEP take bf16); ep_plugin on the torch transport serves fp16.
-        raise ValueError(f"fp16: True with moe_flex_dispatcher_backend {backend!r}: the flex backends carry "
-                         f"{FP16_DTYPES} tokens (use bf16: True, or moe_token_dispatcher_type: ep_plugin with "
-                         "ep_plugin.transport: torch, which serves fp16)")
     expert_tp = getattr(config, "expert_tensor_parallel_size", None) or 1
     if backend == "hybridep" and getattr(config, "moe_pad_expert_input_to_capacity", False) and expert_tp > 1:
         # Megatron's _HybridEPManager sizes the capacity from its TP x E experts while the router pads every expert
@@ -198,6 +192,7 @@ def _check_flex(config: Any) -> None:
                          f"expert_tensor_parallel_size 1, got {expert_tp} (Megatron's hybridep capacity counts TP "
                          f"x experts); use moe_token_dispatcher_type: ep_plugin or alltoall")
     options = get_plugin_options(config, _default_options)
+    check_fp16(config, options)  # the shims carry fp16 tokens as fp32 on the torch transport, as ep_plugin does
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:
         raise ValueError(f"ep_plugin.fp8_dispatch: FP8 dispatch on the flex + {backend} path needs the dispatched "
