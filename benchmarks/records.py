@@ -83,4 +83,4 @@ def record(args: argparse.Namespace, benchmark: str, configuration: dict, plugin
         "kind": kind,
     }
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
