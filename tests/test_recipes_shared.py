@@ -1,6 +1,7 @@
 """The code all three recipes share: the learning-rate schedule, progress lines and checkpoints."""
 from __future__ import annotations
 
+import errno
 import math
 import os
 
@@ -103,9 +104,10 @@ def _disk_full(root: str) -> None:
 
     torch.save, real = full, torch.save
     try:
-        with pytest.raises(OSError, match=r"^\[Errno 5\] checkpoint step 5: no space left on device writing "
-                                          r".*step_0000005/rank_00000.pt$"):
+        with pytest.raises(checkpoint.CheckpointWriteError, match=r"^checkpoint step 5: no space left on device "
+                                                                  r"writing .*step_0000005/rank_00000.pt$") as info:
             checkpoint.save(root, 5, {}, state={"w": torch.ones(2)})
+        assert info.value.errno == errno.ENOSPC and isinstance(info.value, launch.OneLineError)
     finally:
         torch.save = real
     directory = checkpoint.step_dir(root, 5)

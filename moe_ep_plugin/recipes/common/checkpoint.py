@@ -4,6 +4,9 @@ Every rank writes its part (its own file ``rank_RRRRR.pt``, or whatever a writer
 engine), then rank 0 writes ``meta.json`` (step, EP size, the recipe's config) and the ``COMPLETE`` marker, and
 prunes old checkpoints. A directory without the marker (a run killed while saving) is never resumed from. The
 trainer (``resume: auto``), the Megatron-Core launcher and the DeepSpeed example all save and find checkpoints here.
+Before any rank starts, :func:`pick_resume` checks every file of the checkpoint to resume (and, when asked, falls
+back to the newest complete one before it that passes); a write that fails (a full disk) leaves no file that looks
+whole and raises one line naming the file.
 """
 from __future__ import annotations
 
@@ -12,14 +15,28 @@ import json
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ... import launch
+
 COMPLETE = "COMPLETE"
 META = "meta.json"
+
+
+class DamagedCheckpoint(ValueError):
+    """A file of a checkpoint is missing or unreadable; the message names it (one line, starting with the key)."""
+
+
+class CheckpointWriteError(launch.OneLineError, OSError):
+    """A checkpoint file could not be written (a full disk: ``errno.ENOSPC``); its message is the whole story."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def step_dir(root: str, step: int) -> str:
@@ -66,16 +83,65 @@ def newest(root: str) -> str | None:
 def read_meta(directory: str, key: str) -> dict[str, Any]:
     """``meta.json`` of a complete checkpoint; ``key`` names the setting that chose it in the error."""
     if not os.path.isfile(os.path.join(directory, COMPLETE)):
-        raise ValueError(f"{key}: {directory} is not a complete checkpoint (no {COMPLETE} marker)")
+        raise DamagedCheckpoint(f"{key}: {directory} is not a complete checkpoint (no {COMPLETE} marker)")
     path = os.path.join(directory, META)
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(_unreadable(key, directory, path, exc)) from exc
+        raise DamagedCheckpoint(_unreadable(key, directory, path, exc)) from exc
     if not isinstance(meta, dict) or not {"step", "world_size", "config"} <= meta.keys():
-        raise ValueError(_unreadable(key, directory, path, ValueError("not a checkpoint's meta.json")))
+        raise DamagedCheckpoint(_unreadable(key, directory, path, ValueError("not a checkpoint's meta.json")))
     return meta
+
+
+def verify(directory: str, key: str) -> dict[str, Any]:
+    """Check every file of the checkpoint ``directory`` without loading it: the marker, ``meta.json``, and each
+    rank's file present and whole (``torch.save`` writes a zip archive: its directory must read and every entry match
+    its CRC). Returns the meta; raises :class:`DamagedCheckpoint` naming the first bad file."""
+    meta = read_meta(directory, key)
+    for rank in range(meta["world_size"]):
+        path = rank_file(directory, rank)
+        if not os.path.isfile(path):
+            raise DamagedCheckpoint(f"{key}: checkpoint {os.path.basename(directory)}: {path} is missing (the file "
+                                    f"of rank {rank}); remove {directory} to resume from the checkpoint before it")
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise DamagedCheckpoint(_unreadable(key, directory, path, exc)) from exc
+        if bad is not None:
+            raise DamagedCheckpoint(_unreadable(key, directory, path, ValueError(f"entry {bad} fails its CRC")))
+    return meta
+
+
+def pick_resume(directory: str | None, key: str, fallback_key: str, fallback: bool) -> tuple[str | None, str | None]:
+    """The checkpoint to resume, checked by :func:`verify` before any rank starts: ``directory`` (None: none), or,
+    with ``fallback`` (the setting ``fallback_key``) when it is damaged, the newest complete checkpoint before it
+    that passes. Returns ``(directory, note)``; the note says what the fallback did (None without one). Raises
+    :class:`DamagedCheckpoint` naming the file when nothing passes."""
+    if directory is None:
+        return None, None
+    try:
+        verify(directory, key)
+        return directory, None
+    except DamagedCheckpoint as exc:
+        if not fallback:
+            raise DamagedCheckpoint(f"{exc} ({fallback_key}: true resumes from the newest complete checkpoint "
+                                    "before it that passes instead)") from exc
+        skipped = [str(exc)]
+    name = os.path.basename(os.path.normpath(directory))
+    for older in reversed(complete_checkpoints(os.path.dirname(os.path.normpath(directory)))):
+        if os.path.basename(older) >= name:
+            continue
+        try:
+            verify(older, key)
+        except DamagedCheckpoint as exc:
+            skipped.append(str(exc))
+            continue
+        return older, f"{fallback_key}: resuming from {older}, the newest complete checkpoint that passes the check; " \
+                      f"skipped: {' | '.join(skipped)}"
+    raise DamagedCheckpoint(f"{skipped[0]}; {fallback_key}: no complete checkpoint before it passes the check")
 
 
 def _unreadable(key: str, directory: str, path: str, exc: BaseException) -> str:
@@ -121,16 +187,19 @@ def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, COMPLETE)
+    if rank == 0 and os.path.exists(marker):  # a damaged checkpoint of this step, resumed past: rewritten unmarked
+        os.remove(marker)
+    dist.barrier(group)
     if state is not None:
-        _write_state(state, rank_file(directory, rank), step)
+        _write_atomic(rank_file(directory, rank), step, lambda tmp: torch.save(state, tmp))
     if write is not None:
         write(directory)
     dist.barrier(group)
     if rank == 0:
-        with open(os.path.join(directory, META), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "world_size": world, "config": config}, f, indent=1)
-        with open(os.path.join(directory, COMPLETE), "w", encoding="ascii") as f:
-            f.write(f"{world}\n")
+        text = json.dumps({"step": step, "world_size": world, "config": config}, indent=1)
+        _write_atomic(os.path.join(directory, META), step, lambda tmp: _write_text(tmp, text))
+        _write_atomic(marker, step, lambda tmp: _write_text(tmp, f"{world}\n"))
         if keep:
             for old in complete_checkpoints(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -138,20 +207,26 @@ def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup 
     return directory
 
 
-def _write_state(state: dict[str, Any], path: str, step: int) -> None:
-    """``state`` to ``path`` through a temporary file renamed at the end, so a failed write leaves no file that
-    looks whole; on failure the temporary file is removed and the error names the step and the file."""
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _write_atomic(path: str, step: int, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` then rename ``tmp`` to ``path``, so a failed write leaves no file that looks whole; on failure
+    the temporary file is removed and :class:`CheckpointWriteError` names the step and the file (torch.save meets a
+    full disk as a RuntimeError "unexpected pos", without an errno)."""
     tmp = path + ".tmp"
     try:
-        torch.save(state, tmp)
+        write(tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
         full = getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in str(exc)
         why = "no space left on device" if full else f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-        raise OSError(getattr(exc, "errno", None) or errno.EIO, f"checkpoint step {step}: {why} writing {path}") \
-            from exc
+        code = errno.ENOSPC if full else getattr(exc, "errno", None) or errno.EIO
+        raise CheckpointWriteError(code, f"checkpoint step {step}: {why} writing {path}") from exc
 
 
 def load_rank_state(directory: str, key: str, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
@@ -161,8 +236,8 @@ def load_rank_state(directory: str, key: str, group: dist.ProcessGroup | None = 
     read_meta(directory, key)
     path = rank_file(directory, rank)
     if not os.path.isfile(path):
-        raise ValueError(f"{key}: {directory} has no file for rank {rank}")
+        raise DamagedCheckpoint(f"{key}: {directory} has no file for rank {rank}")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # torch.load raises many kinds (UnpicklingError, EOFError, RuntimeError) for a bad file
-        raise ValueError(_unreadable(key, directory, path, exc)) from exc
+        raise DamagedCheckpoint(_unreadable(key, directory, path, exc)) from exc

@@ -47,17 +47,19 @@ class TokenWindows:
     gets sequences ``r*B .. (r+1)*B-1`` of the step's global batch of ``world*B``.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, eval_fraction: float, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, eval_fraction: float, seed: int,
+                 seq_key: str = "model.seq_len") -> None:
+        """``seq_key`` names the recipe's sequence-length setting in errors."""
         n_eval = int(len(tokens) * eval_fraction)
         self.train = tokens[:len(tokens) - n_eval]
         self.eval = tokens[len(tokens) - n_eval:]
         self.seq_len, self.seed = seq_len, seed
         if len(self.train) <= seq_len + 1:
-            raise ValueError(f"model.seq_len: {seq_len} tokens per sequence need a corpus longer than "
+            raise ValueError(f"{seq_key}: {seq_len} tokens per sequence need a corpus longer than "
                              f"{len(self.train)} training tokens")
         if n_eval and len(self.eval) <= seq_len + 1:
             raise ValueError(f"data.eval_fraction: the eval split holds {len(self.eval)} tokens, fewer than "
-                             f"model.seq_len + 2 = {seq_len + 2}")
+                             f"{seq_key} + 2 = {seq_len + 2}")
 
     @property
     def has_eval(self) -> bool:

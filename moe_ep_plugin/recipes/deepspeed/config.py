@@ -33,6 +33,7 @@ from ..common.yaml_sections import apply_overrides, build_section, check_section
 DISPATCHERS = ("plugin", "deepspeed", "autoep")
 AUTOEP_BACKENDS = ("deepep", "comm")
 DTYPES = ("auto", "float32", "bfloat16")
+NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")  # deepspeed.moe.layer.MoE's (it asserts in the ranks)
 
 
 @dataclass
@@ -145,6 +146,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     for key in ("steps", "micro_batch_size", "log_interval", "nprocs"):
         positive_int(getattr(cfg.train, key), f"train.{key}")
     m = cfg.moe
+    _validate_moe_values(m)
     if m.fp8_dispatch and cfg.model.hidden_size % fp8.BLOCK:
         raise ValueError(f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, "
                          f"got {cfg.model.hidden_size}")
@@ -188,6 +190,19 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if cfg.train.checkpoint_dir:
         checkpoint.check_writable(cfg.train.checkpoint_dir, "train.checkpoint_dir")
     return cfg
+
+
+def _validate_moe_values(m: MoEConfig) -> None:
+    """DeepSpeed's MoE arguments it checks only in the ranks (noisy_gate_policy) or not at all (a negative
+    capacity factor trains)."""
+    if m.noisy_gate_policy not in NOISY_GATE_POLICIES:
+        raise ValueError(f"moe.noisy_gate_policy: expected one of {NOISY_GATE_POLICIES}, got {m.noisy_gate_policy!r}")
+    for key in ("capacity_factor", "eval_capacity_factor"):
+        if not getattr(m, key) > 0:
+            raise ValueError(f"moe.{key}: must be > 0, got {getattr(m, key)}")
+    for key in ("min_capacity", "aux_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ValueError(f"moe.{key}: must be >= 0, got {getattr(m, key)}")
 
 
 def _validate_autoep(cfg: RunConfig) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ... import launch
 from ...config import DEFAULT_TIMEOUT_S
 from ..common import checkpoint, progress, schedule
+from ..common.data import TokenWindows, load_tokens
 from ..common.yaml_sections import config_error, read_yaml
 
 
@@ -116,13 +117,23 @@ def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer
                                                     "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
 
 
-def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore the newest complete checkpoint under ``directory``; returns its step (0 when there is none)."""
-    found = checkpoint.newest(directory)
-    if found is None:
-        return 0
-    checkpoint.check_matches(checkpoint.read_meta(found, "train.load_dir"), found, {}, (), dist.get_world_size(),
-                             "train.load_dir")
+def resume_checkpoint(train: Any, world: int, world_key: str) -> str | None:
+    """Before any rank starts: the newest complete checkpoint under ``train.load_dir`` (else ``train.save_dir``),
+    every file of it checked, saved by ``world`` ranks (``train.resume_fallback``: the newest good one before a
+    damaged one, printed); None when there is none. Raises ``ValueError`` naming the key and the file."""
+    root = train.load_dir or train.save_dir
+    key = "train.load_dir" if train.load_dir else "train.save_dir"
+    found, note = checkpoint.pick_resume(checkpoint.newest(root) if root else None, key, "train.resume_fallback",
+                                         train.resume_fallback)
+    if note is not None:
+        print(f"moe-ep-pretrain: {note}", flush=True)
+    if found is not None:
+        checkpoint.check_matches(checkpoint.read_meta(found, key), found, {}, (), world, world_key)
+    return found
+
+
+def load_checkpoint(found: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore the checkpoint ``found`` (checked by :func:`resume_checkpoint`); returns its step."""
     state = checkpoint.load_rank_state(found, "train.load_dir")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -149,12 +160,11 @@ def _lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return per_token.float().mean()
 
 
-def _run(path: str, overrides: dict[str, Any]) -> None:
+def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from ...megatron.host import seed_model_parallel_rng
-    from ..common.data import TokenWindows, load_tokens
     from .model import build_gpt_model
     from .yaml_config import load_pretrain_config
 
@@ -173,8 +183,7 @@ def _run(path: str, overrides: dict[str, Any]) -> None:
     optimizer = _optimizer(model, train)
     data = TokenWindows(load_tokens(cfg.data.path, cfg.gpt.vocab_size), train.seq_length, cfg.data.eval_fraction,
                         cfg.data.seed)
-    start = load_checkpoint(train.load_dir or train.save_dir, model, optimizer) if (
-        train.load_dir or train.save_dir) else 0
+    start = load_checkpoint(resume, model, optimizer) if resume is not None else 0
     is_logger = dist.get_rank() == 0
     num_params = sum(p.numel() for p in model.parameters())
     if is_logger:
@@ -281,10 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_world(cfg, nprocs, world_key)
         if cfg.train.save_dir:
             checkpoint.check_writable(cfg.train.save_dir, "--save-dir" if args.save_dir else "train.save_dir")
+        TokenWindows(load_tokens(cfg.data.path, cfg.gpt.vocab_size), cfg.train.seq_length, cfg.data.eval_fraction,
+                     cfg.data.seed, "train.seq_length")
+        resume = resume_checkpoint(cfg.train, nprocs, world_key)
     except (TypeError, ValueError) as exc:
         return config_error("moe-ep-pretrain", exc)
     timeout_s = cfg.plugin.timeout_s if cfg.plugin is not None else DEFAULT_TIMEOUT_S
-    return launch.run_ranks("moe-ep-pretrain", _run, nprocs, (os.path.abspath(args.config), overrides),
+    return launch.run_ranks("moe-ep-pretrain", _run, nprocs, (os.path.abspath(args.config), overrides, resume),
                             timeout_s=timeout_s)
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class TrainOptions:
     save_dir: str | None = None
     save_interval: int = 0
     load_dir: str | None = None
+    resume_fallback: bool = False  # a damaged newest checkpoint: resume from the newest good one before it (printed)
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,9 @@ class OutputConfig:
     keep_checkpoints: int = _doc("Keep only the newest this-many checkpoints (0 keeps all).", 2)
     resume: str = _doc("'auto' (newest checkpoint in dir/checkpoints if any), 'never', or a checkpoint directory.",
                        "auto")
+    resume_fallback: bool = _doc("When a file of the checkpoint to resume is missing or damaged (checked before any "
+                                 "rank starts), resume from the newest complete checkpoint before it that passes, "
+                                 "and say so; false: refuse, naming the file.", False)
     tensorboard: bool = _doc("Also write TensorBoard scalars (needs the tensorboard package).", False)
     plots: bool = _doc("Write loss.png and expert_load.png at the end (needs matplotlib: pip install "
                        "'moe_ep_plugin[plots]').", True)

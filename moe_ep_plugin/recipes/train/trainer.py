@@ -48,8 +48,9 @@ def resolve_backend(cfg: TrainerConfig) -> str:
 
 def preflight(cfg: TrainerConfig) -> str:
     """Checks that need this machine or files, not the values alone, done before any rank starts: a GPU for
-    ``cuda``/``nccl``/``nvlink``, a corpus long enough for ``model.seq_len``, a checkpoint to resume that fits
-    this config. Returns the backend; raises ``ValueError`` naming the key."""
+    ``cuda``/``nccl``/``nvlink``, a corpus long enough for ``model.seq_len``, a checkpoint to resume whose every
+    file is whole and that fits this config (pinned in ``output.resume``, so the ranks resume exactly the one
+    checked; a fallback is printed). Returns the backend; raises ``ValueError`` naming the key."""
     p = cfg.parallel
     device = resolve_device(cfg)
     if p.backend == "nccl" and device.type != "cuda":
@@ -60,9 +61,11 @@ def preflight(cfg: TrainerConfig) -> str:
     TokenWindows(load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len, cfg.data.eval_fraction,
                  cfg.train.seed)
     if "WORLD_SIZE" in os.environ:  # under torchrun
-        resume_dir(cfg, int(os.environ["WORLD_SIZE"]), "WORLD_SIZE")
+        directory = resume_dir(cfg, int(os.environ["WORLD_SIZE"]), "WORLD_SIZE", check_files=True)
     else:
-        resume_dir(cfg, p.nprocs, "parallel.nprocs")
+        directory = resume_dir(cfg, p.nprocs, "parallel.nprocs", check_files=True)
+    if directory is not None:
+        cfg.output.resume = directory
     return resolve_backend(cfg)
 
 
@@ -86,11 +89,18 @@ def checkpoint_root(cfg: TrainerConfig) -> str:
 MUST_MATCH = ("model", "moe", "train.seed", "train.micro_batch_size", "data.path", "data.eval_fraction")
 
 
-def resume_dir(cfg: TrainerConfig, world: int, world_key: str) -> str | None:
-    """The checkpoint ``output.resume`` asks for (None: start fresh), checked against this config and EP size."""
+def resume_dir(cfg: TrainerConfig, world: int, world_key: str, check_files: bool = False) -> str | None:
+    """The checkpoint ``output.resume`` asks for (None: start fresh), checked against this config and EP size;
+    ``check_files``: every file of it checked first (``output.resume_fallback``: the newest good one before a
+    damaged one, printed)."""
     if cfg.output.resume == "never":
         return None
     directory = checkpoint.newest(checkpoint_root(cfg)) if cfg.output.resume == "auto" else cfg.output.resume
+    if check_files:
+        directory, note = checkpoint.pick_resume(directory, "output.resume", "output.resume_fallback",
+                                                 cfg.output.resume_fallback)
+        if note is not None:
+            print(f"moe-ep-train: {note}", flush=True)
     if directory is not None:
         checkpoint.check_matches(checkpoint.read_meta(directory, "output.resume"), directory, cfg.to_dict(),
                                  MUST_MATCH, world, world_key)
