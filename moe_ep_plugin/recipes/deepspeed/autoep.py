@@ -18,6 +18,18 @@ from ...deep_ep.install import install_deep_ep
 from .config import RunConfig
 
 PRESET = "mixtral"
+# --compare's verdict: the most the per-step losses of ``deepep`` (this library) and AutoEP's ``comm`` may differ.
+# The two sum a token's expert outputs in different orders, in BF16: measured at most 9e-4 over 4 BF16 ZeRO-1 steps
+# at losses near 5.2 (seeds 1-3, 2 CPU ranks); the bound leaves 3x room.
+LOSS_TOLERANCE = 3e-3
+
+
+def verdict(comm: list[float], deepep: list[float]) -> tuple[bool, str]:
+    """Whether ``deepep``'s per-step losses are within :data:`LOSS_TOLERANCE` of ``comm``'s, and the PASS/FAIL line."""
+    diff = max(abs(a - b) for a, b in zip(comm, deepep, strict=True))
+    ok = diff <= LOSS_TOLERANCE
+    return ok, (f"{'PASS' if ok else 'FAIL'}: autoep deepep (this library) vs comm: largest per-step loss difference "
+                f"{diff:.2e} over {len(comm)} steps, tolerance {LOSS_TOLERANCE:g} (different BF16 summation orders)")
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:

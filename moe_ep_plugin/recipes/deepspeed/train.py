@@ -248,6 +248,12 @@ def compare(cfg: RunConfig) -> dict[str, TrainResult]:
     results = {name: train(run_cfg) for name, run_cfg in runs.items()}
     if dist.get_rank() == 0:
         print(format_table(cfg, results), flush=True)
+    if cfg.dispatcher == "autoep":  # the losses are all-rank means: every rank reaches the same verdict
+        ok, line = autoep.verdict(results["autoep comm"].losses, results["autoep deepep"].losses)
+        if dist.get_rank() == 0:
+            print(line, flush=True)
+        if not ok:
+            raise RuntimeError(line)
     return results
 
 
