@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import records
 import torch
 import torch.distributed as dist
 from standard_shape import add_shape_arguments
@@ -114,6 +115,13 @@ def _print_table(args: argparse.Namespace, rows: list[tuple[str, float, float]])
           f"{'vs chunks=' + rows[0][0]:>12}")
     for label, d, c in rows:
         print(f"{label:>8} | {d:>11.2f} | {c:>10.2f} | {d + c:>8.2f} | {base / (d + c):>11.2f}x")
+    for label, d, c in rows[1:]:  # stock: the first chunk count (one exchange by default)
+        chunks, _, serial = label.partition(" ")
+        records.record(args, "hierarchical_overlap", {"nodes x ranks": f"{nodes}x{args.ranks_per_node}",
+                                                      "chunks": int(chunks),
+                                                      "mode": "serial control" if serial else "chunked"},
+                       round((d + c) / 1e3, 2), round(base / 1e3, 2), "s",
+                       device="cpu" if args.device == "cpu" else None)
 
 
 def main() -> None:
@@ -126,6 +134,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--serial", action="store_true", help="add the chunked-but-serial control rows")
+    records.add_argument(parser)
     add_shape_arguments(parser, tokens=1024, hidden=2048, experts=64, topk=8)
     args = parser.parse_args()
     if args.ranks % args.ranks_per_node or args.ranks == args.ranks_per_node:

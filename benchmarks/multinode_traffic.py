@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+import records
 import torch
 
 from moe_ep_plugin.gating import group_limited_topk
@@ -60,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--plot", default="benchmarks/multinode_traffic.png")
+    records.add_argument(parser)
     args = parser.parse_args()
     mb = ROW_BYTES / 1e6
     print(f"{args.tokens} tokens/rank, hidden {HIDDEN} BF16 ({ROW_BYTES} B/row with metadata), {EXPERTS} experts "
@@ -83,6 +85,9 @@ def main() -> None:
                   f"{fnvl:.1f} | {hnet:.1f} | {hnvl:.1f} | {saved:.0%} | {flat_ms:.2f} | {serial_ms:.2f} | "
                   f"{overlap_ms:.2f} |")
             results.append((label, ep, flat_ms, serial_ms, overlap_ms))
+            # the transport as built runs its two stages one after the other: the serial figure is its prediction
+            records.record(args, "multinode_traffic", {"ep": ep, "nodes": ep // GPUS_PER_NODE, "routing": label},
+                           round(serial_ms, 2), round(flat_ms, 2), "ms", kind="predicted", device="cpu")
     if args.plot:
         _plot(results, args.plot)
         print(f"plot: {args.plot}")
