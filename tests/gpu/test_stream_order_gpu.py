@@ -72,7 +72,8 @@ def _cached_weights_case() -> None:
         torch.cuda.synchronize()
         previous = buf.capture() if prev else None
         torch.cuda._sleep(_BUSY_CYCLES)  # the current stream busy: work queued on it after the event runs late
-        _, _, got, _, event = buf.dispatch(x, handle=handle, topk_weights=new_w, previous_event=previous,
+        _, _, got, _, event = buf.dispatch(x, handle=handle, topk_weights=new_w, do_expand=do_expand,
+                                           previous_event=previous,
                                            async_with_compute_stream=bool(async_),
                                            allocate_on_comm_stream=bool(on_comm))
         if async_:
