@@ -1,4 +1,5 @@
-"""DeepEP V2's ``ElasticBuffer`` and DeepEP 2.5's ``EPBuffer`` on ``moe_ep_plugin.Buffer`` (``EPHandle``: handle.py).
+"""DeepEP V2's ``ElasticBuffer`` on ``moe_ep_plugin.Buffer`` (``EPHandle``: handle.py; DeepEP 2.5/2.6's ``EPBuffer``:
+ep_buffer.py).
 
 Every transport of the Buffer serves them (``torch`` on gloo or NCCL, ``nvlink``, ``hierarchical``): the
 non-expanded dispatch is :meth:`moe_ep_plugin.Buffer.dispatch`, the expanded one (``do_expand=True``, rows grouped
@@ -17,8 +18,6 @@ by local expert) is :meth:`moe_ep_plugin.Buffer.dispatch_experts`, and combine i
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -36,11 +35,12 @@ from .arguments import (
     dispatch_args,
     group_size,
 )
+from .combine_dtype import check_out_dtype, widened
 from .handle import EPHandle, check_handle, make_handle
 from .layout import XInput
 from .sizing import BUFFER_ALIGNMENT, DEFAULT_NVLINK_GBS, buffer_size_hint, theoretical_num_sms
 from .streams import run_epilogue, run_prologue, stream_args
-from .utils import DeferredEpilogue, EventHandle
+from .utils import EventHandle
 
 Bias = torch.Tensor | tuple[torch.Tensor, ...] | None
 
@@ -116,9 +116,10 @@ class ElasticBuffer:
             num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, max(hidden, 1), num_topk,
                                                   use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
         self.num_bytes = num_bytes
-        self.buffer = Buffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=self.explicitly_destroy,
-                             transport=transport, timeout_s=float(num_cpu_timeout_secs), device=device,
-                             ranks_per_node=ranks_per_node)
+        # what the Buffer is made with besides its size (EPBuffer.resize makes it again)
+        self._buffer_kw = dict(explicitly_destroy=self.explicitly_destroy, transport=transport,
+                               timeout_s=float(num_cpu_timeout_secs), device=device, ranks_per_node=ranks_per_node)
+        self.buffer = Buffer(group, num_nvl_bytes=num_bytes, **self._buffer_kw)
         self.group = group
         self.rank_idx = self.buffer.rank
         self.num_ranks = num_ranks
@@ -413,16 +414,19 @@ class ElasticBuffer:
 
     def _combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None, bias: Bias,
                  num_sms: int, num_qps: int, previous_event: object, before_epilogue: object,
-                 async_with_compute_stream: bool, allocate_on_comm_stream: bool):
+                 async_with_compute_stream: bool, allocate_on_comm_stream: bool, out_dtype: torch.dtype | None = None):
         handle = check_handle(handle, self)
         check_int("num_qps", num_qps, 0)
         sms = check_num_sms(num_sms) or handle.num_sms
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise TypeError(f"x: expected a [rows, hidden] tensor, got {type(x).__name__}")
+        widen = check_out_dtype(out_dtype, x)
         kw = stream_args(self.buffer, combine_config(sms, self.num_ranks), previous_event, before_epilogue,
                          async_with_compute_stream, allocate_on_comm_stream)
         if x.shape[0] != handle._out_rows:
             raise ValueError(f"x: expected {handle._out_rows} rows (the dispatch's output), got {x.shape[0]}")
+        if widen:
+            x, bias = widened(self.buffer, kw, x, bias)
         if not handle.do_expand:
             return self.buffer.combine(x, handle.inner, topk_weights=topk_weights, bias=bias, **kw)
         check_expanded(handle, topk_weights, self.allow_multiple_reduction)
@@ -432,65 +436,4 @@ class ElasticBuffer:
         return self.buffer.combine_experts(x[:rows], handle.inner, expert_weights=topk_weights, bias=bias, **kw)
 
 
-class EPBuffer(ElasticBuffer):
-    """DeepEP 2.5's ``EPBuffer``: ``ElasticBuffer`` with 2.5's signatures.
-
-    - No ``num_cpu_bytes``; ``lb_allocation_plan_or_num_bytes`` (the load-balancing region) must be 0:
-      ``lb_prefetch_weights``/``lb_reduce_grads`` are not served.
-    - ``dispatch`` keeps ``topk_idx`` by reference (``do_handle_copy`` must be False) and a later use of the
-      handle raises when it was modified; no ``previous_event_before_epilogue``.
-    - ``defer_epilogue=True`` (dispatch and combine) returns only a ``DeferredEpilogue`` event whose
-      ``current_stream_wait()`` returns the results (dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
-      handle)``; combine: ``(combined_x, combined_topk_weights)``).
-    """
-
-    _reference_topk_idx = True
-
-    def __init__(self, group: dist.ProcessGroup, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0,
-                 hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
-                 lb_allocation_plan_or_num_bytes: Any = 0, deterministic: bool = False,
-                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
-                 prefer_overlap_with_compute: bool = True, sl_idx: int | None = None, num_allocated_qps: int = 0,
-                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
-                 *, transport: str = "auto", device: torch.device | str | None = None,
-                 ranks_per_node: int | None = None) -> None:
-        """Arguments as :class:`ElasticBuffer` (``lb_allocation_plan_or_num_bytes`` must be 0 or None)."""
-        if lb_allocation_plan_or_num_bytes not in (0, None):
-            raise ValueError("lb_allocation_plan_or_num_bytes: DeepEP 2.5's expert load-balancing region "
-                             "(lb_prefetch_weights/lb_reduce_grads) is not served by moe_ep_plugin; pass 0")
-        self._setup(group, num_bytes, 0, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, deterministic,
-                    allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx,
-                    num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy, transport,
-                    device, ranks_per_node)
-
-    def dispatch(self, x: XInput, topk_idx: torch.Tensor | None = None,  # type: ignore[override]
-                 topk_weights: torch.Tensor | None = None,
-                 cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
-                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None,
-                 num_sms: int = 0, num_qps: int = 0, previous_event: object | None = None,
-                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-                 handle: EPHandle | None = None, do_handle_copy: bool = False, do_cpu_sync: bool | None = None,
-                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
-                 defer_epilogue: bool = False):
-        """:meth:`ElasticBuffer.dispatch` in DeepEP 2.5's form (``defer_epilogue``: class docstring)."""
-        result = self._dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-                                num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event, None,
-                                async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy,
-                                do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
-        if check_bool("defer_epilogue", defer_epilogue):
-            return DeferredEpilogue(result[-1], result[:-1])
-        return result
-
-    def combine(self, x: torch.Tensor, handle: EPHandle,  # type: ignore[override]
-                topk_weights: torch.Tensor | None = None, bias: Bias = None, num_sms: int = 0, num_qps: int = 0,
-                previous_event: object | None = None, async_with_compute_stream: bool = False,
-                allocate_on_comm_stream: bool = False, defer_epilogue: bool = False):
-        """:meth:`ElasticBuffer.combine` in DeepEP 2.5's form (``defer_epilogue``: class docstring)."""
-        result = self._combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event, None,
-                               async_with_compute_stream, allocate_on_comm_stream)
-        if check_bool("defer_epilogue", defer_epilogue):
-            return DeferredEpilogue(result[-1], result[:-1])
-        return result
-
-
-__all__ = ["BUFFER_ALIGNMENT", "DEFAULT_NVLINK_GBS", "EPBuffer", "EPHandle", "ElasticBuffer"]
+__all__ = ["BUFFER_ALIGNMENT", "DEFAULT_NVLINK_GBS", "EPHandle", "ElasticBuffer"]
