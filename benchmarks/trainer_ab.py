@@ -35,6 +35,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import records
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="first steps of each leg left out of the timing")
     p.add_argument("--out", default="runs/trainer_ab", help="output folder")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip loss_curves.png")
+    records.add_argument(p)  # after the config and overrides: --record takes the next word as its path
     return p
 
 
@@ -157,8 +159,9 @@ def write_plot(path: str, legs: list[tuple[str, Rows]]) -> str | None:
 
 
 def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, warmup: int, plot: bool,
-             command: str) -> None:
-    """Per-rank entry point: train every leg in turn on the default group; rank 0 reports into ``out_dir``."""
+             command: str, record: argparse.Namespace) -> None:
+    """Per-rank entry point: train every leg in turn on the default group; rank 0 reports into ``out_dir`` (and,
+    with ``record.record``, the grouped variant against the loop into benchmarks/results.jsonl)."""
     lead = dist.get_rank() == 0
     share_cpu_cores(legs[0][1])
     logger: logging.Logger | None = None
@@ -195,6 +198,10 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
     table = summarize(results, warmup)
     for line in format_table(table):
         logger.info(line)
+    speed = {row["variant"]: row["tokens_per_s"] for row in table}
+    if {"grouped", "loop"} <= speed.keys():
+        records.record(record, "trainer_ab", {"config": record.config, "ranks": dist.get_world_size()},
+                       round(speed["grouped"]), round(speed["loop"]), "tokens/s")
     write_steps(os.path.join(out_dir, "steps.csv"), results)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump({"command": command, "warmup": warmup, "legs": [v for v, _ in results], "variants": table}, f,
@@ -221,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return config_error(PROG, exc)
     cfg = legs[0][1]
     command = " ".join(["benchmarks/trainer_ab.py", *(argv if argv is not None else sys.argv[1:])])
-    return launch.run_ranks(PROG, run_legs, cfg.parallel.nprocs, (legs, args.out, args.warmup, args.plot, command),
+    record = argparse.Namespace(record=args.record, config=paths[0] if paths else DEFAULT_CONFIG)
+    return launch.run_ranks(PROG, run_legs, cfg.parallel.nprocs,
+                            (legs, args.out, args.warmup, args.plot, command, record),
                             backend=backend, timeout_s=cfg.parallel.timeout_s)
 
 
