@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import records
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -192,21 +193,21 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
     return measured
 
 
+def median_s(cfg: RunConfig, run: Measured) -> float:
+    """``run``'s median seconds per step after the warm-up steps."""
+    return statistics.median(run.step_times_s[cfg.train.warmup_steps:] or run.step_times_s)
+
+
 def format_table(cfg: RunConfig, runs: list[Measured]) -> str:
     """ms/step, steps/s, speed-up over the first run (stock), losses and their agreement with it."""
-    warmup, dtype = cfg.train.warmup_steps, cfg.train.torch_dtype()
-    rtol = LOSS_RTOL[dtype]
+    rtol = LOSS_RTOL[cfg.train.torch_dtype()]
     base = runs[0]
-
-    def median_s(run: Measured) -> float:
-        return statistics.median(run.step_times_s[warmup:] or run.step_times_s)
-
     lines = [f"{'variant':<18}{'transport':<20}{'ms/step':>9}{'steps/s':>9}{'vs stock':>10}{'first loss':>12}"
              f"{'last loss':>11}{'max rel loss diff':>19}  losses equal (rtol {rtol:g})"]
     for run in runs:
         diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, base.losses, strict=True))
-        t = median_s(run)
-        lines.append(f"{run.name:<18}{run.transport:<20}{1e3 * t:>9.2f}{1 / t:>9.2f}{median_s(base) / t:>9.2f}x"
+        t = median_s(cfg, run)
+        lines.append(f"{run.name:<18}{run.transport:<20}{1e3 * t:>9.2f}{1 / t:>9.2f}{median_s(cfg, base) / t:>9.2f}x"
                      f"{run.losses[0]:>12.4f}{run.losses[-1]:>11.4f}{diff:>19.2e}  {'yes' if diff <= rtol else 'NO'}")
     return "\n".join(lines)
 
@@ -225,7 +226,7 @@ def header(cfg: RunConfig) -> str:
 
 
 def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: list[str], out_dir: str,
-               profile: bool) -> None:
+               profile: bool, record: argparse.Namespace) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -255,6 +256,10 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: li
                     emit(run.profile)
         if rank0:
             emit(format_table(cfg, runs))
+            for run in runs[1:]:  # every plugin variant against the stock layer (runs[0])
+                records.record(record, "deepspeed_compare",
+                               {"ep": cfg.moe.ep_size, "variant": run.name.removeprefix("plugin ")},
+                               round(1e3 * median_s(cfg, run), 1), round(1e3 * median_s(cfg, runs[0]), 1), "ms/step")
     finally:
         destroy_buffers()
         if log is not None:
@@ -273,6 +278,7 @@ def cli(argv: list[str] | None = None) -> int:
                         help="where compare.log and the traces go (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML), after "
                                                      f"{' '.join(EP1)}")
+    records.add_argument(parser)
     args = parser.parse_args(argv)
     overrides = EP1 + tuple(args.overrides)
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else None
@@ -287,7 +293,8 @@ def cli(argv: list[str] | None = None) -> int:
         return config_error(PROG, exc)
     os.makedirs(args.out, exist_ok=True)
     nprocs = world if world is not None else cfg.train.nprocs
-    return launch.run_ranks(PROG, _rank_main, nprocs, (args.config, overrides, expert_computes, args.out, args.profile),
+    return launch.run_ranks(PROG, _rank_main, nprocs, (args.config, overrides, expert_computes, args.out, args.profile,
+                                                       argparse.Namespace(record=args.record)),
                             timeout_s=cfg.moe.timeout_s)
 
 

@@ -81,7 +81,7 @@ README_ROWS = (
                                                           "BF16 dispatch", "BF16 combine")}),
     ("mcore_dispatchers", {"kind": ("ep_plugin:nvlink", "ep_plugin (local)"), "tokens": 4096}),
     ("mcore_drop_and_pad", {"tokens": 4096}),
-    ("deepspeed_compare", {"variant": "grouped (default)"}),
+    ("deepspeed_compare", {"variant": "grouped"}),
     ("trainer_ab", {}),
 )
 

@@ -51,6 +51,7 @@ def test_host_syncs_are_counted_by_their_line(monkeypatch):
                                                                                    "deepspeed_compare.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up while being made
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its sibling modules, as when run as a script
     spec.loader.exec_module(bench)
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)  # a CPU build of torch has no CUDA
