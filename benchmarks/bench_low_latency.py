@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import records  # noqa: E402
 from standard_shape import add_shape_arguments  # noqa: E402
 
 from moe_ep_plugin import Buffer, launch  # noqa: E402
@@ -137,6 +138,10 @@ def run(args: argparse.Namespace) -> None:
                   + "".join(f"{halves[h]:>7.1f} " for h in ("d.send", "d.recv", "c.send", "c.recv"))
                   + f"{stock_us:>8.1f} {logical:>13.1f} {physical:>14.1f} "
                   f"{f'{num_experts}+{local}/{local * world}+{n}':>14}")
+            # one rank has the local transport whatever was asked; its stock is the normal-mode path
+            path = "local" if world == 1 else "kernels" if args.transport == "nvlink" else args.transport
+            config = {"ep": world, "path": path, "tokens": n} | ({"dispatch": "BF16"} if not use_fp8 else {})
+            records.record(args, "bench_low_latency", config, round(times["both"], 1), round(stock_us, 1), "µs")
 
 
 def main() -> None:
@@ -148,6 +153,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--transport", default="nvlink", help="nvlink (kernels) or torch (collective form)")
     parser.add_argument("--nprocs", type=int, default=1, help="ranks to spawn when not under torchrun")
+    records.add_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_low_latency.py needs a CUDA GPU")
