@@ -8,7 +8,8 @@ After :func:`install`:
   and the name ``MoEFlexTokenDispatcher`` bound to the plugin dispatcher, restoring both before returning.
   ``TransformerConfig.__post_init__`` validates an ``ep_plugin`` config the way it validates ``alltoall``
   (the built-in dispatcher whose features — shared-expert overlap, capacity dropping — the plugin has), then
-  checks the plugin's own options.
+  checks the plugin's own options; ``batch_invariant_mode`` is accepted for dropless routing
+  (:func:`_check_batch_invariant`).
 - ``moe_token_dispatcher_type: flex`` + ``moe_flex_dispatcher_backend: deepep``, ``hybridep``, ``ncclep`` or
   ``deepepv2`` runs on this library's Buffer: ``fused_dispatch``/``fused_combine``/``set_deepep_num_sms``
   (``deepep_shim``) and ``hybrid_ep_dispatch``/``hybrid_ep_combine`` (``hybridep_shim``), on megatron-core >= 0.19
@@ -121,8 +122,24 @@ def _wrap_post_init(original: Any) -> Any:
         options = get_plugin_options(self, _default_options)
         set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
         _check_cuda_graph(self, "moe_token_dispatcher_type: ep_plugin", options)
+        _check_batch_invariant(self)
     __post_init__._moe_ep_plugin = True
     return __post_init__
+
+
+def _check_batch_invariant(config: Any) -> None:
+    """``batch_invariant_mode`` with ``ep_plugin``: a token's output must not depend on the other tokens of its
+    batch. The plugin's dispatch copies rows and its combine sums each token's rows in one fixed order (its top-k
+    order on each rank, then its destination ranks in an order of its own top-k row), whatever the batch holds, so
+    it is accepted (Megatron-LM main's check, which wants ``alltoall``, sees ``ep_plugin`` validated as
+    ``alltoall``). Token dropping decides by the whole batch which tokens lose experts: refused, as main refuses
+    padding for ``alltoall``."""
+    if not getattr(config, "batch_invariant_mode", False):
+        return
+    for key in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"):
+        if getattr(config, key, None) not in (None, False):
+            raise ValueError(f"{key}: batch_invariant_mode with moe_token_dispatcher_type: ep_plugin serves dropless "
+                             f"routing only (which tokens a capacity drops depends on the whole batch); unset {key}")
 
 
 def _check_cuda_graph(config: Any, dispatcher: str, options: PluginOptions | None = None) -> None:
