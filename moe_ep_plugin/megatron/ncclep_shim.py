@@ -1,21 +1,28 @@
-"""Megatron-Core's ``ncclep`` flex backend on this library (megatron-core 0.19.2's ``fused_a2a`` contract, which
-wraps TransformerEngine's NCCL EP ``transformer_engine.pytorch.ep``): neither TransformerEngine's EP build nor
-NCCL EP is needed.
+"""Megatron-Core's ``ncclep`` flex backend on this library (the ``fused_a2a`` contract of megatron-core 0.19.2 and of
+Megatron-LM main, which wrap TransformerEngine's NCCL EP ``transformer_engine.pytorch.ep``): neither
+TransformerEngine's EP build nor NCCL EP is needed.
 
 ``_NCCLEPManager`` reads ``ensure_nccl_ep_bootstrapped``, ``new_nccl_ep_buffer``, ``nccl_ep_dispatch``,
-``nccl_ep_combine`` and ``alloc_ep_symm_buffer`` from ``token_dispatcher`` at run time, and
-``parallel_state.destroy_model_parallel`` imports ``fused_a2a.nccl_ep_finalize``; :func:`moe_ep_plugin.megatron.install`
-binds all six where the installed megatron-core has them. The receive side is TE's: rows packed expert-major into
-``[recv_capacity_per_rank, H]`` (each expert's block aligned to ``alignment``), one float32 probability per row,
+``nccl_ep_combine``, ``alloc_ep_symm_buffer`` and (main) ``is_nccl_ep_bootstrapped`` from ``token_dispatcher`` at run
+time, and ``destroy_model_parallel`` and main's ``nccl_ep_release_context`` call ``nccl_ep_finalize``;
+:func:`moe_ep_plugin.megatron.install` binds each where the installed Megatron has it. The receive side is TE's:
+rows packed expert-major (each expert's block aligned to ``alignment``), one float32 probability per row,
 ``tokens_per_expert`` an int32 device tensor; combine is unweighted and returns tokens in their original order.
 
-A rank receiving more rows than ``recv_capacity_per_rank`` is an error on every rank naming the ranks and the
-capacity (NCCL EP traps), unless the bootstrap asked for ``drop_on_overflow=True`` (Megatron-LM main's argument):
-then rows past the capacity are dropped, counted in :func:`dropped_rows`. ``num_topk``/``drop_on_overflow`` are
-accepted so that both the 0.19.2 and the newer call work. FP8 dispatch comes from the plugin options
-(``PluginOptions.fp8_dispatch``: FP8 on the wire, BF16 rows out), on every GPU. Symmetric-memory buffers are plain
-tensors here (this library's transports bring their own peer memory); zero-copy receive buffers are filled with the
-rows, and the returned tensor holds the same values.
+Two modes, chosen by the bootstrap's ``recv_capacity_per_rank``:
+
+- static (an int): ``[recv_capacity_per_rank, H]`` rows. A rank receiving more is an error on every rank naming the
+  ranks and the capacity (0.19.2: NCCL EP traps), unless the bootstrap drops on overflow: then rows past the
+  capacity are dropped and counted (:func:`dropped_rows`). Megatron-LM main's call (it passes ``num_topk``) drops
+  on overflow, as main's ``fused_a2a`` asks TE to; ``drop_on_overflow`` given explicitly wins. Either way each
+  buffer's ``total_recv_tokens`` (int64 ``[1]`` on the device) holds the rows the step needed before any drop,
+  which main's manager accumulates into ``over_budget``/``required_recv`` and replays with a grown capacity.
+- eager (None, Megatron-LM main): each dispatch returns exactly the rows it received, ``[recv_rows, H]``.
+
+FP8 dispatch comes from the plugin options (``PluginOptions.fp8_dispatch``: FP8 on the wire, BF16 rows out), on
+every GPU; main's MXFP8 recipes are refused naming them. Symmetric-memory buffers are plain tensors here (this
+library's transports bring their own peer memory); zero-copy receive buffers are filled with the rows, and the
+returned tensor holds the same values.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch.distributed as dist
 from .. import autograd as ep_autograd
 from ..buffer import Buffer
 from ..buffer_cache import get_buffer
-from ..config import combine_config, dispatch_config
+from ..config import combine_config, dispatch_config, positive_int
 from . import deepep_shim
 from .hybridep_shim import fit_rows
 from .options import as_token_dtype, carried
@@ -39,7 +46,7 @@ class _Bootstrap:
     group: dist.ProcessGroup
     num_experts: int
     max_tokens_per_rank: int
-    recv_capacity_per_rank: int
+    recv_capacity_per_rank: int | None  # None: eager mode
     hidden_dim: int
     configs: tuple | None
     drop_on_overflow: bool
@@ -57,37 +64,34 @@ class NcclEpBuffer:
 
     top_k: int
     max_tokens_per_rank: int
-    recv_capacity_per_rank: int
+    recv_capacity_per_rank: int | None  # None: eager mode
     hidden_dim: int
     num_local_experts: int
     alignment: int
     handle: Any = None
     rows: int = 0  # rows of the expert-major layout the dispatch made (before the capacity cut)
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
+    total_recv_tokens: torch.Tensor | None = None  # int64 [1] on the device: ``rows``, what TE's EpBuffer reports
 
 
 def ensure_nccl_ep_bootstrapped(ep_group: dist.ProcessGroup, num_experts: int, max_tokens_per_rank: int,
                                 recv_capacity_per_rank: int | None = None, hidden_dim: int = 0, num_sms: int = 0,
                                 zero_copy: bool = False, num_topk: int | None = None,
-                                drop_on_overflow: bool = False) -> None:
-    """Set up the process-wide state once (collective on ``ep_group``: the shared Buffer); later calls are no-ops.
+                                drop_on_overflow: bool | None = None) -> None:
+    """Set up the process-wide state once (collective on ``ep_group``: the shared Buffer); later calls are no-ops
+    until :func:`nccl_ep_finalize`. Takes 0.19.2's call (positional up to ``zero_copy``) and main's (keywords, with
+    ``num_topk``).
 
     Arguments:
         ep_group: the expert-parallel group (Megatron's TP x EP group).
         num_experts: experts over the group (a multiple of its size).
         max_tokens_per_rank: the most tokens a rank dispatches.
-        recv_capacity_per_rank: rows each rank's receive buffer holds (None: the most a rank can receive,
-            ``group size * max_tokens_per_rank * num_topk``, which needs ``num_topk``).
+        recv_capacity_per_rank: rows each rank's receive buffer holds (static mode); None: eager mode.
         hidden_dim: the hidden size.
         num_sms: SMs of the kernels (0: the plugin options' ``num_sms``, else the Buffer's default).
-        zero_copy: accepted (receive buffers from :func:`alloc_ep_symm_buffer` are filled in place).
-        num_topk: experts per token (only needed without ``recv_capacity_per_rank``).
-        drop_on_overflow: drop rows past the capacity (counted) instead of raising.
+        zero_copy: accepted (receive buffers from :func:`alloc_ep_symm_buffer` are filled in place; static mode).
+        num_topk: experts per token (main passes it; validated).
+        drop_on_overflow: drop rows past the capacity (counted) instead of raising; None: as the caller's Megatron
+            does (main, which passes ``num_topk``: drop in static mode; 0.19.2: raise).
     """
     global _state
     if _state is not None:
@@ -95,26 +99,36 @@ def ensure_nccl_ep_bootstrapped(ep_group: dist.ProcessGroup, num_experts: int, m
     if not isinstance(ep_group, dist.ProcessGroup):
         raise TypeError(f"ep_group: expected a torch.distributed.ProcessGroup, got {type(ep_group).__name__}")
     group_size = dist.get_world_size(ep_group)
-    if _positive("num_experts", num_experts) % group_size:
+    if positive_int(num_experts, "num_experts") % group_size:
         raise ValueError(f"num_experts: {num_experts} is not a multiple of the {group_size} ranks of ep_group")
-    _positive("max_tokens_per_rank", max_tokens_per_rank)
-    _positive("hidden_dim", hidden_dim)
-    if recv_capacity_per_rank is None:
-        recv_capacity_per_rank = group_size * max_tokens_per_rank * _positive("num_topk", num_topk)
-    _positive("recv_capacity_per_rank", recv_capacity_per_rank)
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0:
-        raise ValueError(f"num_sms: expected an int >= 0 (0: the default), got {num_sms!r}")
+    positive_int(max_tokens_per_rank, "max_tokens_per_rank")
+    positive_int(hidden_dim, "hidden_dim")
+    if num_topk is not None:
+        positive_int(num_topk, "num_topk")
+    if recv_capacity_per_rank is not None:
+        positive_int(recv_capacity_per_rank, "recv_capacity_per_rank")
+    positive_int(num_sms, "num_sms", 0)
+    if drop_on_overflow is None:
+        drop_on_overflow = num_topk is not None and recv_capacity_per_rank is not None
+    elif not isinstance(drop_on_overflow, bool):
+        raise TypeError(f"drop_on_overflow: expected a bool or None, got {drop_on_overflow!r}")
     options = deepep_shim.current_options()
     sms = num_sms or options.num_sms
     configs = None if not sms else (dispatch_config(sms, group_size), combine_config(sms, group_size))
     buffer = get_buffer(ep_group, hidden_dim * 2, options.transport, options.timeout_s,
                         ranks_per_node=options.ranks_per_node)
     _state = _Bootstrap(ep_group, num_experts, max_tokens_per_rank, recv_capacity_per_rank, hidden_dim, configs,
-                        bool(drop_on_overflow), buffer)
+                        drop_on_overflow, buffer)
+
+
+def is_nccl_ep_bootstrapped() -> bool:
+    """Whether the process-wide state is set up (Megatron-LM main asks before re-bootstrapping)."""
+    return _state is not None
 
 
 def nccl_ep_finalize() -> None:
-    """Forget the bootstrap (idempotent; the shared Buffer stays with ``buffer_cache``)."""
+    """Forget the bootstrap (idempotent; the shared Buffer stays with ``buffer_cache``). Main's
+    ``nccl_ep_release_context`` calls it: the next bootstrap may pick another capacity or mode."""
     global _state
     _state = None
 
@@ -139,10 +153,18 @@ def alloc_ep_symm_buffer(shape: Any, dtype: torch.dtype, ep_group: dist.ProcessG
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def new_nccl_ep_buffer(top_k: int, max_tokens_per_rank: int, recv_capacity_per_rank: int, hidden_dim: int,
-                       num_local_experts: int, alignment: int = 0) -> NcclEpBuffer:
+def new_nccl_ep_buffer(top_k: int, max_tokens_per_rank: int, recv_capacity_per_rank: int | None, hidden_dim: int,
+                       num_local_experts: int, alignment: int = 0, dispatch_fwd_quant_recipe: Any = None,
+                       combine_bwd_quant_recipe: Any = None) -> NcclEpBuffer:
     """The state of one dispatch/combine pair (TE makes a fresh ``EpBuffer`` per dispatch); the shapes must be the
-    bootstrap's. ``alignment`` (0 or 1: none) pads each expert's block of rows to a multiple of it."""
+    bootstrap's (``recv_capacity_per_rank`` None in eager mode). ``alignment`` (0 or 1: none) pads each expert's
+    block of rows to a multiple of it. Main's quantization recipes (MXFP8 on the wire) are refused naming them: FP8
+    dispatch comes from the plugin options here."""
+    for name, recipe in (("dispatch_fwd_quant_recipe", dispatch_fwd_quant_recipe),
+                         ("combine_bwd_quant_recipe", combine_bwd_quant_recipe)):
+        if recipe is not None:
+            raise ValueError(f"{name}: TransformerEngine's quantized NCCL EP payloads (moe_dispatch_fwd_dtype / "
+                             f"moe_combine_bwd_dtype 'mxfp8') are not served; use ep_plugin.fp8_dispatch")
     state = _bootstrapped()
     for name, value, bootstrap in (("max_tokens_per_rank", max_tokens_per_rank, state.max_tokens_per_rank),
                                    ("recv_capacity_per_rank", recv_capacity_per_rank, state.recv_capacity_per_rank),
@@ -154,7 +176,7 @@ def new_nccl_ep_buffer(top_k: int, max_tokens_per_rank: int, recv_capacity_per_r
                          f"{state.num_experts} experts")
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 0:
         raise ValueError(f"alignment: expected an int >= 0, got {alignment!r}")
-    return NcclEpBuffer(_positive("top_k", top_k), max_tokens_per_rank, recv_capacity_per_rank, hidden_dim,
+    return NcclEpBuffer(positive_int(top_k, "top_k"), max_tokens_per_rank, recv_capacity_per_rank, hidden_dim,
                         num_local_experts, alignment)
 
 
@@ -164,8 +186,9 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
     ``topk_idx`` ``[T, K]`` (global ids, int64/int32) names, with ``topk_weights`` ``[T, K]`` float32.
 
     Returns ``(recv_tokens [C, H], tokens_per_expert [L] int32 (device, aligned), dispatched_probs [C] float32)``,
-    C = ``recv_capacity_per_rank``; rows past the layout are zero. Differentiable in ``tokens`` and
-    ``topk_weights``. ``recv_tokens``/``recv_topk_weights`` (``[C, H]`` / ``[C]``), when given, are filled too.
+    C = ``recv_capacity_per_rank`` (eager mode: the rows received); rows past the layout are zero. Differentiable in
+    ``tokens`` and ``topk_weights``. ``recv_tokens``/``recv_topk_weights`` (``[C, H]`` / ``[C]``), when given, are
+    filled too. ``buffer.total_recv_tokens`` gets the rows received before any drop (module docstring).
     """
     state = _bootstrapped()
     if not isinstance(buffer, NcclEpBuffer):
@@ -189,16 +212,13 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
         round_scale=options.round_scale, configs=state.configs)
     rows = as_token_dtype(rows, tokens.dtype)
     num_rows, capacity = sum(tokens_per_expert), buffer.recv_capacity_per_rank
-    # Every rank learns every rank's row count: an overflow raises on all of them (NCCL EP would trap).
-    counts = [torch.zeros(1, dtype=torch.int64, device=tokens.device) for _ in range(dist.get_world_size(state.group))]
-    dist.all_gather(counts, torch.tensor([num_rows], dtype=torch.int64, device=tokens.device), group=state.group)
-    over = [(r, int(c)) for r, c in enumerate(counts) if int(c) > capacity]
-    if over and not state.drop_on_overflow:
-        raise ValueError(f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received "
-                         f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds "
-                         f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)")
+    if capacity is None:  # eager mode: exactly the rows received
+        capacity = num_rows
+    elif not state.drop_on_overflow:
+        _raise_on_overflow(state.group, num_rows, capacity, tokens.device)
     state.dropped_rows += max(0, num_rows - capacity)
     buffer.handle, buffer.rows = handle, num_rows
+    buffer.total_recv_tokens = torch.tensor([num_rows], dtype=torch.int64, device=tokens.device)
     ends = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu").cumsum(0)
     starts = ends - torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
     kept = (ends.clamp(max=capacity) - starts.clamp(max=capacity)).to(torch.int32).to(tokens.device)
@@ -212,16 +232,28 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
     return out, kept, out_probs
 
 
+def _raise_on_overflow(group: dist.ProcessGroup, num_rows: int, capacity: int, device: torch.device) -> None:
+    """Every rank learns every rank's row count: an overflow raises on all of them (NCCL EP would trap)."""
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, torch.tensor([num_rows], dtype=torch.int64, device=device), group=group)
+    over = [(r, int(c)) for r, c in enumerate(counts) if int(c) > capacity]
+    if over:
+        raise ValueError(f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received "
+                         f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds "
+                         f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)")
+
+
 def nccl_ep_combine(buffer: NcclEpBuffer, expert_out: torch.Tensor, num_local_tokens: int | None = None,
                     grad_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum the (already weighted) expert rows ``expert_out`` ``[C, H]`` back to their tokens, unweighted:
+    """Sum the (already weighted) expert rows ``expert_out`` ``[C, H]`` (C as the dispatch returned) back to their
+    tokens, unweighted:
     ``[num_local_tokens, H]`` in the original token order (None: ``max_tokens_per_rank`` rows, the ones past the
     dispatched tokens zero). Rows past the layout (or dropped at the capacity) are ignored. ``grad_out`` (TE's
     zero-copy backward buffer) is accepted; the backward allocates its own. Differentiable."""
     state = _bootstrapped()
     if not isinstance(buffer, NcclEpBuffer) or buffer.handle is None:
         raise ValueError("buffer: expected the buffer of a dispatch (nccl_ep_dispatch) not yet combined")
-    capacity = buffer.recv_capacity_per_rank
+    capacity = buffer.rows if buffer.recv_capacity_per_rank is None else buffer.recv_capacity_per_rank
     if not isinstance(expert_out, torch.Tensor) or expert_out.shape != (capacity, buffer.hidden_dim):
         raise ValueError(f"expert_out: expected [{capacity}, {buffer.hidden_dim}], got "
                          f"{getattr(expert_out, 'shape', None)}")

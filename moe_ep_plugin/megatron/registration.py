@@ -43,7 +43,7 @@ from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, check_fp16, get_plug
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
 _NCCLEP_NAMES = ("ensure_nccl_ep_bootstrapped", "new_nccl_ep_buffer", "nccl_ep_dispatch", "nccl_ep_combine",
-                 "alloc_ep_symm_buffer", "nccl_ep_finalize")
+                 "alloc_ep_symm_buffer", "nccl_ep_finalize", "is_nccl_ep_bootstrapped")  # the last: main only
 _DEEPEPV2_NAMES = ("get_elastic_buffer", "deepepv2_dispatch", "deepepv2_combine")
 _HAVE_NCCLEP = hasattr(fused_a2a, "nccl_ep_dispatch")  # megatron-core >= 0.19
 # Megatron-LM dev: the names exist (None without DeepEP V2) wherever the deepepv2 backend does
