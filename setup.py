@@ -1,4 +1,5 @@
 """Build script: pure-Python install everywhere; the CUDA kernel library is compiled when nvcc exists."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,7 +33,7 @@ setup(
     name="moe_ep_plugin",
     version="0.1.0",
     description="Expert-parallel dispatch/combine for MoE training "
-                "(DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
+    "(DeepEP-compatible Buffer, Megatron-Core and DeepSpeed plugins)",
     packages=find_packages(include=["moe_ep_plugin", "moe_ep_plugin.*"]),
     package_data={"moe_ep_plugin": ["lib/*.so", "data/*"]},
     python_requires=">=3.10",

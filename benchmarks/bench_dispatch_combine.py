@@ -11,6 +11,7 @@ slowest rank's median is reported.
 Bandwidth: *logical* = all rows a rank receives (its own included, DeepEP's way); *physical* = rows that
 cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] [--json out.json]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +93,16 @@ def _shape_rows(buffer: Buffer, inputs: list, num_experts: int) -> tuple[int, in
     return total, total - own, total - own, x.shape[0]
 
 
-def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list, check: Buffer | None,
-               tuning: NVLinkTuning | None = None) -> None:
+def _bench_one(
+    buffer: Buffer,
+    n: int,
+    args,
+    seed: int,
+    tag: str,
+    results: list,
+    check: Buffer | None,
+    tuning: NVLinkTuning | None = None,
+) -> None:
     """Every op on ``buffer``, timed with the default Configs at ``Buffer.num_sms`` carrying ``tuning``."""
     device = buffer.device
     tuning = NVLinkTuning() if tuning is None else tuning
@@ -113,8 +122,16 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
     def disp(i: int, **kw):
         x, idx, w = inputs[i % 4]
         per_rank, _, per_expert, in_rank, _ = layouts[i % 4]
-        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=dcfg, **kw)
+        return buffer.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+            topk_weights=w,
+            config=dcfg,
+            **kw,
+        )
 
     def edisp(i: int, **kw):
         x, idx, w = inputs[i % 4]
@@ -127,8 +144,11 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             x, idx, w = inputs[0]
             want = check.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
             ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3], strict=True)) and got[3] == want[3]
-            y = got[0] if not isinstance(got[0], tuple) else \
-                torch.randn(got[4].num_recv_rows, h, device=device).to(torch.bfloat16)
+            y = (
+                got[0]
+                if not isinstance(got[0], tuple)
+                else torch.randn(got[4].num_recv_rows, h, device=device).to(torch.bfloat16)
+            )
             ok &= _same(buffer.combine(y, got[4])[0], check.combine(y, want[4])[0])
             got, want = edisp(0, **kw), check.dispatch_experts(x, topk_idx=idx, topk_weights=w, num_experts=e, **kw)
             ok &= all(_same(a, b) for a, b in zip(got[:3], want[:3], strict=True) if a is not None)
@@ -151,14 +171,16 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         ("dispatch fp8", lambda i: disp(i, fp8_dispatch=True, fp8_out=True), fp8_row),
         ("dispatch fp8->bf16", lambda i: disp(i, fp8_dispatch=True), fp8_row),
         ("dispatch bf16", lambda i: disp(i), bf16_row),
-        ("dispatch bf16 cached", lambda i: buffer.dispatch(inputs[i % 4][0], handle=handles[i % 4], config=dcfg),
-         bf16_row),
+        (
+            "dispatch bf16 cached",
+            lambda i: buffer.dispatch(inputs[i % 4][0], handle=handles[i % 4], config=dcfg),
+            bf16_row,
+        ),
         ("dispatch fp8 worst", lambda i: disp(i, fp8_dispatch=True, fp8_out=True, num_worst_tokens=worst), fp8_row),
         ("combine bf16", lambda i: buffer.combine(ys[i % 4], handles[i % 4], config=ccfg), bf16_row),
         ("experts dispatch bf16", lambda i: edisp(i), bf16_row),
         ("experts dispatch fp8->bf16", lambda i: edisp(i, fp8_dispatch=True), fp8_row),
-        ("experts combine bf16", lambda i: buffer.combine_experts(eys[i % 4], ehandles[i % 4], config=ccfg),
-         bf16_row),
+        ("experts combine bf16", lambda i: buffer.combine_experts(eys[i % 4], ehandles[i % 4], config=ccfg), bf16_row),
     ]
     if buffer.transport_name == "nvlink":
         # The kernels alone: straight to the transport, no Buffer validation, streams or host syncs.
@@ -168,10 +190,21 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
 
         def cached_args(i: int, wire_fp8: bool, handle, fp8_out: bool = True, fp8_in: bool = False) -> DispatchArgs:
             x, scales = quantized[i % 4] if fp8_in else (inputs[i % 4][0], None)
-            return DispatchArgs(x=x, x_scales=scales, topk_idx=None, topk_weights=None,
-                                num_tokens_per_rank=None, is_token_in_rank=None, num_experts=e, handle=handle,
-                                num_worst_tokens=0, wire_fp8=wire_fp8, fp8_out=fp8_out, round_scale=False,
-                                config=dcfg)
+            return DispatchArgs(
+                x=x,
+                x_scales=scales,
+                topk_idx=None,
+                topk_weights=None,
+                num_tokens_per_rank=None,
+                is_token_in_rank=None,
+                num_experts=e,
+                handle=handle,
+                num_worst_tokens=0,
+                wire_fp8=wire_fp8,
+                fp8_out=fp8_out,
+                round_scale=False,
+                config=dcfg,
+            )
 
         def kernel_dispatch(i: int, wire_fp8: bool, fp8_in: bool = False):
             return transport.dispatch(cached_args(i, wire_fp8, handles[i % 4], fp8_in=fp8_in))
@@ -182,12 +215,21 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
             ("kernel dispatch fp8 input", lambda i: kernel_dispatch(i, False, fp8_in=True), fp8_row),
             ("kernel dispatch bf16", lambda i: kernel_dispatch(i, False), bf16_row),
             ("kernel combine bf16", lambda i: transport.combine(ys[i % 4], handles[i % 4], None, (), ccfg), bf16_row),
-            ("kernel experts dispatch bf16",
-             lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1), bf16_row),
-            ("kernel experts dispatch fp8->bf16",
-             lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], fp8_out=False), 1), fp8_row),
-            ("kernel experts combine bf16",
-             lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, (), ccfg), bf16_row),
+            (
+                "kernel experts dispatch bf16",
+                lambda i: transport.dispatch_experts(cached_args(i, False, ehandles[i % 4]), 1),
+                bf16_row,
+            ),
+            (
+                "kernel experts dispatch fp8->bf16",
+                lambda i: transport.dispatch_experts(cached_args(i, True, ehandles[i % 4], fp8_out=False), 1),
+                fp8_row,
+            ),
+            (
+                "kernel experts combine bf16",
+                lambda i: transport.combine_experts(eys[i % 4], ehandles[i % 4], None, (), ccfg),
+                bf16_row,
+            ),
         ]
     if args.quick:
         ops = [op for op in ops if op[0].startswith("kernel ")]
@@ -195,10 +237,18 @@ def _bench_one(buffer: Buffer, n: int, args, seed: int, tag: str, results: list,
         ops += [(f"graph {name}", fn, row_bytes) for name, fn, row_bytes in ops if name.startswith("kernel ")]
     for name, fn, row_bytes in ops:
         us = _graph_us(fn, args.iters) if name.startswith("graph ") else _median_us(fn, args.iters, args.warmup)
-        results.append(dict(tag=tag, tokens=n, op=name, us=us,
-                            logical_gbs=total * row_bytes / us / 1e3 if row_bytes else None,
-                            physical_gbs=remote * row_bytes / us / 1e3 if row_bytes else None,
-                            rows=total, remote_rows=remote))
+        results.append(
+            dict(
+                tag=tag,
+                tokens=n,
+                op=name,
+                us=us,
+                logical_gbs=total * row_bytes / us / 1e3 if row_bytes else None,
+                physical_gbs=remote * row_bytes / us / 1e3 if row_bytes else None,
+                rows=total,
+                remote_rows=remote,
+            )
+        )
 
 
 def _worker(args) -> None:
@@ -214,8 +264,16 @@ def _worker(args) -> None:
         Buffer.set_num_sms(sms)
         sub = argparse.Namespace(**{**vars(args), "quick": True})
         what = ", ".join(f"{name}={value}" for name, value in settings.items())
-        _bench_one(nvlink, args.tokens, sub, 7, f"nvlink {sms} SMs{', ' + what if what else ''}", results, None,
-                   NVLinkTuning(**settings))
+        _bench_one(
+            nvlink,
+            args.tokens,
+            sub,
+            7,
+            f"nvlink {sms} SMs{', ' + what if what else ''}",
+            results,
+            None,
+            NVLinkTuning(**settings),
+        )
     Buffer.set_num_sms(args.sms)
     sub = argparse.Namespace(**{**vars(args), "quick": True})
     for n in args.sweep:
@@ -271,10 +329,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",") if v], default=[1024, 2048, 8192])
-    p.add_argument("--variants", type=_variants,
-                   default="24:dispatch_pull=0:combine_pull=0 24:quantizing_dispatch_send_warps=12 12 16",
-                   help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
-                        "NVLinkTuning fields (e.g. 24:copy_engine_combine_below_sms=32:dispatch_send_warps=8)")
+    p.add_argument(
+        "--variants",
+        type=_variants,
+        default="24:dispatch_pull=0:combine_pull=0 24:quantizing_dispatch_send_warps=12 12 16",
+        help="space-separated SMs[:attr=value...]: kernel timings on the standard shape with these "
+        "NVLinkTuning fields (e.g. 24:copy_engine_combine_below_sms=32:dispatch_send_warps=8)",
+    )
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
     args = p.parse_args()

@@ -7,6 +7,7 @@ of ``--iters``. Bytes: permute = received rows read once + M expert-major rows w
 unpermute = M rows read + received rows written; expert_slots = ids read + slots written. Before timing, the
 kernel results are compared with the torch path bit for bit. Usage: ``python benchmarks/bench_permute.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,10 @@ def _received(tokens: int, ranks: int, experts: int, topk: int, gen: torch.Gener
 
 
 def _same(a, b) -> bool:
-    return all((u is None and v is None) or torch.equal(u.view(torch.uint8), v.view(torch.uint8))
-               for u, v in zip(a, b, strict=True))
+    return all(
+        (u is None and v is None) or torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+        for u, v in zip(a, b, strict=True)
+    )
 
 
 def main() -> None:
@@ -59,16 +62,23 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_permute.py times the CUDA kernels: it needs a CUDA GPU")
     if P._kernels() is None:
-        raise SystemExit("bench_permute.py: the kernel library lacks the permute kernels: "
-                         "python -m moe_ep_plugin._build")
+        raise SystemExit(
+            "bench_permute.py: the kernel library lacks the permute kernels: python -m moe_ep_plugin._build"
+        )
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = args.hidden
     # (label, tokens per rank, EP ranks, alignment, FP8 rows)
-    configs = [("EP1", args.tokens, 1, 1, False), ("EP2", args.tokens, 2, 1, False),
-               ("EP2 align128", args.tokens, 2, 128, False), ("EP2 fp8", args.tokens, 2, 1, True),
-               ("EP8", args.tokens, 8, 1, False), ("EP2 128 tok", 128, 2, 1, False)]
-    print(f"{'config':<14} {'N':>6} {'M':>6} {'op':<13} {'kernel us':>10} {'GB/s':>8} {'torch us':>10} "
-          f"{'same bits':>9}")
+    configs = [
+        ("EP1", args.tokens, 1, 1, False),
+        ("EP2", args.tokens, 2, 1, False),
+        ("EP2 align128", args.tokens, 2, 128, False),
+        ("EP2 fp8", args.tokens, 2, 1, True),
+        ("EP8", args.tokens, 8, 1, False),
+        ("EP2 128 tok", 128, 2, 1, False),
+    ]
+    print(
+        f"{'config':<14} {'N':>6} {'M':>6} {'op':<13} {'kernel us':>10} {'GB/s':>8} {'torch us':>10} {'same bits':>9}"
+    )
     for label, tokens, ranks, alignment, use_fp8 in configs:
         idx = _received(tokens, ranks, args.experts, args.topk, gen)
         num_local = args.experts // ranks
@@ -85,21 +95,37 @@ def main() -> None:
         slot = P.expert_slots(idx, num_local, alignment)[0]
         row_bytes = h * x.element_size() + (0 if scales is None else scales.shape[1] * 4) + 4
         rows = [
-            ("expert_slots", lambda: (P.expert_slots(idx, num_local, alignment)[0],),
-             lambda: (P._torch_expert_slots(idx, num_local, alignment)[0],), n * k * 12),
-            ("permute", lambda: P.permute(x, slot, m, weights, scales),
-             lambda: P._torch_permute(x, slot, m, weights, scales), (n + m) * row_bytes),
+            (
+                "expert_slots",
+                lambda: (P.expert_slots(idx, num_local, alignment)[0],),
+                lambda: (P._torch_expert_slots(idx, num_local, alignment)[0],),
+                n * k * 12,
+            ),
+            (
+                "permute",
+                lambda: P.permute(x, slot, m, weights, scales),
+                lambda: P._torch_permute(x, slot, m, weights, scales),
+                (n + m) * row_bytes,
+            ),
             ("unpermute", lambda: (P.unpermute(y, slot),), lambda: (P._torch_unpermute(y, slot),), (n + m) * h * 2),
         ]
         for op, kernel, reference, num_bytes in rows:
             same = _same(kernel(), reference())
             us = _median_us(kernel, args.iters, args.warmup)
             torch_us = _median_us(reference, args.iters, args.warmup)
-            print(f"{label:<14} {n:>6} {m:>6} {op:<13} {us:>10.1f} {num_bytes / us / 1e3:>8.0f} {torch_us:>10.1f} "
-                  f"{'yes' if same else 'NO':>9}")
+            print(
+                f"{label:<14} {n:>6} {m:>6} {op:<13} {us:>10.1f} {num_bytes / us / 1e3:>8.0f} {torch_us:>10.1f} "
+                f"{'yes' if same else 'NO':>9}"
+            )
             if same:  # a case whose bits differ is a failure, not a figure
-                records.record(args, "bench_permute", {"case": label, "received rows": n, "expert rows": m, "op": op},
-                               round(us, 1), round(torch_us, 1), "µs")
+                records.record(
+                    args,
+                    "bench_permute",
+                    {"case": label, "received rows": n, "expert rows": m, "op": op},
+                    round(us, 1),
+                    round(torch_us, 1),
+                    "µs",
+                )
 
 
 if __name__ == "__main__":

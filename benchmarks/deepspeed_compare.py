@@ -20,6 +20,7 @@ self device and host time, the host time of each part of the MoE layers' forward
 all_to_all, experts, combine; one ``record_function`` range each) and, on CUDA, the host syncs of one more step
 by the line of Python that made them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,24 +65,27 @@ class Measured:
     transport: str
     losses: list[float]
     step_times_s: list[float]
-    profile: str = ""   # rank 0's profiler report
+    profile: str = ""  # rank 0's profiler report
 
 
 def variants(cfg: RunConfig, expert_computes: list[str]) -> dict[str, RunConfig]:
     """Stock DeepSpeed, then the plugin with each ``expert_compute``; everything else as configured."""
     runs = {"deepspeed": dataclasses.replace(cfg, dispatcher="deepspeed", moe=cfg.moe.stock())}
     for impl in expert_computes:
-        runs[f"plugin {impl}"] = dataclasses.replace(cfg, dispatcher="plugin",
-                                                     moe=dataclasses.replace(cfg.moe, expert_compute=impl))
+        runs[f"plugin {impl}"] = dataclasses.replace(
+            cfg, dispatcher="plugin", moe=dataclasses.replace(cfg.moe, expert_compute=impl)
+        )
     return runs
 
 
 def _ranged(name: str, fn: Callable) -> Callable:
     """``fn`` inside a profiler range ``name``."""
+
     @functools.wraps(fn)
     def ranged(*args, **kwargs):
         with torch.profiler.record_function(name):
             return fn(*args, **kwargs)
+
     return ranged
 
 
@@ -93,11 +97,20 @@ def _part_targets() -> list[tuple[str, object, str]]:
 
     import moe_ep_plugin.autograd as ep_autograd
     from moe_ep_plugin.deepspeed import layer as plugin_layer
+
     names = ("layer", "gate", "gate", "dispatch", "dispatch", "all_to_all", "experts", "experts", "combine", "combine")
-    targets = ((DeepSpeedMoE, "forward"), (sharded_moe.TopKGate, "forward"), (plugin_layer, "route"),
-               (sharded_moe, "_sparse_encode"), (ep_autograd, "dispatch_experts"), (sharded_moe._AllToAll, "apply"),
-               (ds_experts.Experts, "forward"), (plugin_layer.PluginMOELayer, "run_experts"),
-               (sharded_moe, "_sparse_decode"), (ep_autograd, "combine_experts"))
+    targets = (
+        (DeepSpeedMoE, "forward"),
+        (sharded_moe.TopKGate, "forward"),
+        (plugin_layer, "route"),
+        (sharded_moe, "_sparse_encode"),
+        (ep_autograd, "dispatch_experts"),
+        (sharded_moe._AllToAll, "apply"),
+        (ds_experts.Experts, "forward"),
+        (plugin_layer.PluginMOELayer, "run_experts"),
+        (sharded_moe, "_sparse_decode"),
+        (ep_autograd, "combine_experts"),
+    )
     return [(PART_PREFIX + name, owner, attr) for name, (owner, attr) in zip(names, targets, strict=True)]
 
 
@@ -125,16 +138,21 @@ def profile_report(prof: torch.profiler.profile, steps: int, cuda: bool) -> str:
     events = prof.key_averages()
     sections = []
     if cuda:
-        sections += [f"top {TOP_OPS} ops by self device time",
-                     events.table(sort_by="self_device_time_total", row_limit=TOP_OPS)]
+        sections += [
+            f"top {TOP_OPS} ops by self device time",
+            events.table(sort_by="self_device_time_total", row_limit=TOP_OPS),
+        ]
     sections += [f"top {TOP_OPS} ops by self host time", events.table(sort_by="self_cpu_time_total", row_limit=TOP_OPS)]
     parts = sorted((e for e in events if e.key.startswith(PART_PREFIX)), key=lambda e: -e.cpu_time_total)
-    lines = [f"host time of the MoE layers' forward parts, per step (all layers), over {steps} steps",
-             f"{'part':<16}{'calls/step':>11}{'ms/step':>10}{'us/call':>10}"
-             + (f"{'device ms/step':>16}" if cuda else "")]
-    lines += [f"{e.key[len(PART_PREFIX):]:<16}{e.count / steps:>11.1f}{e.cpu_time_total / steps / 1e3:>10.2f}"
-              f"{e.cpu_time_total / max(e.count, 1):>10.1f}" + (f"{e.device_time_total / steps / 1e3:>16.2f}" if cuda
-                                                                 else "") for e in parts]
+    lines = [
+        f"host time of the MoE layers' forward parts, per step (all layers), over {steps} steps",
+        f"{'part':<16}{'calls/step':>11}{'ms/step':>10}{'us/call':>10}" + (f"{'device ms/step':>16}" if cuda else ""),
+    ]
+    lines += [
+        f"{e.key[len(PART_PREFIX) :]:<16}{e.count / steps:>11.1f}{e.cpu_time_total / steps / 1e3:>10.2f}"
+        f"{e.cpu_time_total / max(e.count, 1):>10.1f}" + (f"{e.device_time_total / steps / 1e3:>16.2f}" if cuda else "")
+        for e in parts
+    ]
     return "\n".join(sections + lines)
 
 
@@ -148,8 +166,9 @@ def host_syncs(step: Callable[[], object]) -> str:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sites = collections.Counter(f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in caught
-                                if "synchronizing" in str(w.message))
+    sites = collections.Counter(
+        f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
+    )
     lines = [f"host syncs in one step (torch.cuda sync debug mode): {sum(sites.values())}"]
     lines += [f"{count:>6}  {site}" for site, count in sites.most_common(TOP_OPS)]
     return "\n".join(lines)
@@ -163,6 +182,7 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
 
     from moe_ep_plugin.buffer_cache import cached_transports
     from moe_ep_plugin.recipes.deepspeed.train import build_engine, train_steps
+
     rank0 = dist.get_rank() == 0
     engine = build_engine(cfg)
     losses, times = [], []
@@ -178,8 +198,10 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
     if profile:
         cuda = engine.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        with part_ranges(), (torch.profiler.profile(activities=activities) if rank0 else
-                             contextlib.nullcontext()) as prof:
+        with (
+            part_ranges(),
+            torch.profiler.profile(activities=activities) if rank0 else contextlib.nullcontext() as prof,
+        ):
             train_steps(engine, cfg, cfg.train.steps, PROFILE_STEPS)
         if rank0:
             trace = os.path.join(out_dir, f"trace_{name.replace(' ', '_')}.json")
@@ -195,20 +217,24 @@ def run_variant(name: str, cfg: RunConfig, out_dir: str, profile: bool) -> Measu
 
 def median_s(cfg: RunConfig, run: Measured) -> float:
     """``run``'s median seconds per step after the warm-up steps."""
-    return statistics.median(run.step_times_s[cfg.train.warmup_steps:] or run.step_times_s)
+    return statistics.median(run.step_times_s[cfg.train.warmup_steps :] or run.step_times_s)
 
 
 def format_table(cfg: RunConfig, runs: list[Measured]) -> str:
     """ms/step, steps/s, speed-up over the first run (stock), losses and their agreement with it."""
     rtol = LOSS_RTOL[cfg.train.torch_dtype()]
     base = runs[0]
-    lines = [f"{'variant':<18}{'transport':<20}{'ms/step':>9}{'steps/s':>9}{'vs stock':>10}{'first loss':>12}"
-             f"{'last loss':>11}{'max rel loss diff':>19}  losses equal (rtol {rtol:g})"]
+    lines = [
+        f"{'variant':<18}{'transport':<20}{'ms/step':>9}{'steps/s':>9}{'vs stock':>10}{'first loss':>12}"
+        f"{'last loss':>11}{'max rel loss diff':>19}  losses equal (rtol {rtol:g})"
+    ]
     for run in runs:
         diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, base.losses, strict=True))
         t = median_s(cfg, run)
-        lines.append(f"{run.name:<18}{run.transport:<20}{1e3 * t:>9.2f}{1 / t:>9.2f}{median_s(cfg, base) / t:>9.2f}x"
-                     f"{run.losses[0]:>12.4f}{run.losses[-1]:>11.4f}{diff:>19.2e}  {'yes' if diff <= rtol else 'NO'}")
+        lines.append(
+            f"{run.name:<18}{run.transport:<20}{1e3 * t:>9.2f}{1 / t:>9.2f}{median_s(cfg, base) / t:>9.2f}x"
+            f"{run.losses[0]:>12.4f}{run.losses[-1]:>11.4f}{diff:>19.2e}  {'yes' if diff <= rtol else 'NO'}"
+        )
     return "\n".join(lines)
 
 
@@ -216,22 +242,32 @@ def header(cfg: RunConfig) -> str:
     """What ran where: versions, device, shape."""
     import deepspeed
     import torch.distributed as dist
+
     m, device = cfg.moe, ("cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    return (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, {device}, world {dist.get_world_size()}, "
-            f"backend {dist.get_backend()}\n"
-            f"EP {m.ep_size}, E {m.num_experts}, k {m.k}, H {cfg.model.hidden_size}, F {cfg.model.ffn_hidden_size}, "
-            f"{cfg.model.num_layers} MoE layers, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
-            f"{cfg.train.torch_dtype()}, ZeRO {cfg.deepspeed.get('zero_optimization', {}).get('stage', 0)}, "
-            f"{cfg.train.steps} steps, median over steps {cfg.train.warmup_steps}..{cfg.train.steps - 1}")
+    return (
+        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, {device}, world {dist.get_world_size()}, "
+        f"backend {dist.get_backend()}\n"
+        f"EP {m.ep_size}, E {m.num_experts}, k {m.k}, H {cfg.model.hidden_size}, F {cfg.model.ffn_hidden_size}, "
+        f"{cfg.model.num_layers} MoE layers, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
+        f"{cfg.train.torch_dtype()}, ZeRO {cfg.deepspeed.get('zero_optimization', {}).get('stage', 0)}, "
+        f"{cfg.train.steps} steps, median over steps {cfg.train.warmup_steps}..{cfg.train.steps - 1}"
+    )
 
 
-def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: list[str], out_dir: str,
-               profile: bool, record: argparse.Namespace) -> None:
+def _rank_main(
+    config_path: str,
+    overrides: tuple[str, ...],
+    expert_computes: list[str],
+    out_dir: str,
+    profile: bool,
+    record: argparse.Namespace,
+) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
     from moe_ep_plugin.deepspeed import destroy_buffers
     from moe_ep_plugin.recipes.deepspeed.train import init_deepspeed_comm
+
     cfg = load_config(config_path, overrides, dist.get_world_size())
     init_deepspeed_comm()
     rank0 = dist.get_rank() == 0
@@ -250,16 +286,23 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: li
             runs.append(run_variant(name, run_cfg, out_dir, profile))
             if rank0:
                 run = runs[-1]
-                emit(f"{name}: losses {' '.join(f'{v:.4f}' for v in run.losses)}\n{name}: ms/step "
-                     f"{' '.join(f'{1e3 * t:.1f}' for t in run.step_times_s)}")
+                emit(
+                    f"{name}: losses {' '.join(f'{v:.4f}' for v in run.losses)}\n{name}: ms/step "
+                    f"{' '.join(f'{1e3 * t:.1f}' for t in run.step_times_s)}"
+                )
                 if run.profile:
                     emit(run.profile)
         if rank0:
             emit(format_table(cfg, runs))
             for run in runs[1:]:  # every plugin variant against the stock layer (runs[0])
-                records.record(record, "deepspeed_compare",
-                               {"ep": cfg.moe.ep_size, "variant": run.name.removeprefix("plugin ")},
-                               round(1e3 * median_s(cfg, run), 1), round(1e3 * median_s(cfg, runs[0]), 1), "ms/step")
+                records.record(
+                    record,
+                    "deepspeed_compare",
+                    {"ep": cfg.moe.ep_size, "variant": run.name.removeprefix("plugin ")},
+                    round(1e3 * median_s(cfg, run), 1),
+                    round(1e3 * median_s(cfg, runs[0]), 1),
+                    "ms/step",
+                )
     finally:
         destroy_buffers()
         if log is not None:
@@ -267,17 +310,26 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], expert_computes: li
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: %(default)s)")
-    parser.add_argument("--expert-compute", default="loop,grouped",
-                        help="comma-separated plugin variants: loop, grouped, auto (default: %(default)s)")
-    parser.add_argument("--profile", action="store_true",
-                        help=f"profile {PROFILE_STEPS} more steps of each variant: traces, top ops, layer parts")
-    parser.add_argument("--out", default=os.path.join("runs", "deepspeed_compare"),
-                        help="where compare.log and the traces go (default: %(default)s)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML), after "
-                                                     f"{' '.join(EP1)}")
+    parser.add_argument(
+        "--expert-compute",
+        default="loop,grouped",
+        help="comma-separated plugin variants: loop, grouped, auto (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"profile {PROFILE_STEPS} more steps of each variant: traces, top ops, layer parts",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join("runs", "deepspeed_compare"),
+        help="where compare.log and the traces go (default: %(default)s)",
+    )
+    parser.add_argument("overrides", nargs="*", help=f"section.key=value (value parsed as YAML), after {' '.join(EP1)}")
     records.add_argument(parser)
     args = parser.parse_args(argv)
     overrides = EP1 + tuple(args.overrides)
@@ -285,17 +337,23 @@ def cli(argv: list[str] | None = None) -> int:
     expert_computes = [v for v in args.expert_compute.split(",") if v]
     unknown = [v for v in expert_computes if v not in EXPERT_COMPUTE]
     if unknown or not expert_computes:
-        parser.error(f"--expert-compute: expected a comma-separated list of {', '.join(EXPERT_COMPUTE)}, "
-                     f"got {args.expert_compute!r}")
+        parser.error(
+            f"--expert-compute: expected a comma-separated list of {', '.join(EXPERT_COMPUTE)}, "
+            f"got {args.expert_compute!r}"
+        )
     try:  # a bad config fails before any rank starts
         cfg = load_config(args.config, overrides, world)
     except ValueError as exc:
         return config_error(PROG, exc)
     os.makedirs(args.out, exist_ok=True)
     nprocs = world if world is not None else cfg.train.nprocs
-    return launch.run_ranks(PROG, _rank_main, nprocs, (args.config, overrides, expert_computes, args.out, args.profile,
-                                                       argparse.Namespace(record=args.record)),
-                            timeout_s=cfg.moe.timeout_s)
+    return launch.run_ranks(
+        PROG,
+        _rank_main,
+        nprocs,
+        (args.config, overrides, expert_computes, args.out, args.profile, argparse.Namespace(record=args.record)),
+        timeout_s=cfg.moe.timeout_s,
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ threads overlap anything there, not what a network would give. ``--device cuda``
 (one GPU per rank: NCCL refuses two ranks on one GPU, and a gloo group cannot carry the torch stages' CUDA
 tensors); the nodes are still emulated, so the rail stage crosses NVLink, not a NIC.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,24 @@ def _timed(fn, device: torch.device) -> float:
     return float(elapsed)
 
 
-def _dispatch_combine(buffer: Buffer, config: Config, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                      num_experts: int, device: torch.device) -> tuple[float, float]:
+def _dispatch_combine(
+    buffer: Buffer,
+    config: Config,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    num_experts: int,
+    device: torch.device,
+) -> tuple[float, float]:
     """Seconds of one uncached dispatch of ``x`` ``[N, H]`` BF16 (top-k ``idx`` ``[N, K]`` int64, weights ``w``
     ``[N, K]`` float32) and of the combine of its received rows, each on the slowest rank."""
     received: list[tuple] = []
-    dispatch_s = _timed(lambda: received.append(buffer.dispatch(x, topk_idx=idx, topk_weights=w,
-                                                                num_experts=num_experts, config=config)), device)
+    dispatch_s = _timed(
+        lambda: received.append(
+            buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, config=config)
+        ),
+        device,
+    )
     recv_x, _, _, _, handle, _ = received[0]
     return dispatch_s, _timed(lambda: buffer.combine(recv_x, handle, config=config), device)
 
@@ -68,7 +80,9 @@ def _make_serial(rail: Transport) -> None:
         def run(*args: object) -> Callable[[], object]:
             result = start(*args)()
             return lambda: result
+
         return run
+
     rail.start_dispatch, rail.start_combine = at_once(start_dispatch), at_once(start_combine)
 
 
@@ -95,41 +109,60 @@ def _rank_main(args: argparse.Namespace) -> None:
     for _ in range(args.warmup + args.iters):
         for timed, (chunks, is_serial) in zip(times, variants, strict=True):
             buffer = serial if is_serial else overlapped
-            timed.append(_dispatch_combine(buffer, Config(hierarchical_chunks=chunks), x, idx, w, args.experts,
-                                           device))
-    rows = [(f"{chunks}{' serial' if is_serial else ''}",
-             statistics.median(t[0] for t in timed[args.warmup:]) * 1e3,
-             statistics.median(t[1] for t in timed[args.warmup:]) * 1e3)
-            for (chunks, is_serial), timed in zip(variants, times, strict=True)]
+            timed.append(_dispatch_combine(buffer, Config(hierarchical_chunks=chunks), x, idx, w, args.experts, device))
+    rows = [
+        (
+            f"{chunks}{' serial' if is_serial else ''}",
+            statistics.median(t[0] for t in timed[args.warmup :]) * 1e3,
+            statistics.median(t[1] for t in timed[args.warmup :]) * 1e3,
+        )
+        for (chunks, is_serial), timed in zip(variants, times, strict=True)
+    ]
     if rank == 0:
         _print_table(args, rows)
 
 
 def _print_table(args: argparse.Namespace, rows: list[tuple[str, float, float]]) -> None:
     nodes = args.ranks // args.ranks_per_node
-    print(f"hierarchical transport, {nodes} emulated nodes x {args.ranks_per_node} ranks on {args.device}; "
-          f"{args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, top-{args.topk}, BF16; "
-          f"median of {args.iters} (slowest rank)")
+    print(
+        f"hierarchical transport, {nodes} emulated nodes x {args.ranks_per_node} ranks on {args.device}; "
+        f"{args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, top-{args.topk}, BF16; "
+        f"median of {args.iters} (slowest rank)"
+    )
     base = rows[0][1] + rows[0][2]
-    print(f"{'chunks':>8} | {'dispatch ms':>11} | {'combine ms':>10} | {'total ms':>8} | "
-          f"{'vs chunks=' + rows[0][0]:>12}")
+    print(
+        f"{'chunks':>8} | {'dispatch ms':>11} | {'combine ms':>10} | {'total ms':>8} | {'vs chunks=' + rows[0][0]:>12}"
+    )
     for label, d, c in rows:
         print(f"{label:>8} | {d:>11.2f} | {c:>10.2f} | {d + c:>8.2f} | {base / (d + c):>11.2f}x")
     for label, d, c in rows[1:]:  # stock: the first chunk count (one exchange by default)
         chunks, _, serial = label.partition(" ")
-        records.record(args, "hierarchical_overlap", {"nodes x ranks": f"{nodes}x{args.ranks_per_node}",
-                                                      "chunks": int(chunks),
-                                                      "mode": "serial control" if serial else "chunked"},
-                       round((d + c) / 1e3, 2), round(base / 1e3, 2), "s",
-                       device="cpu" if args.device == "cpu" else None)
+        records.record(
+            args,
+            "hierarchical_overlap",
+            {
+                "nodes x ranks": f"{nodes}x{args.ranks_per_node}",
+                "chunks": int(chunks),
+                "mode": "serial control" if serial else "chunked",
+            },
+            round((d + c) / 1e3, 2),
+            round(base / 1e3, 2),
+            "s",
+            device="cpu" if args.device == "cpu" else None,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=2)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8],
-                        help="chunk counts to time; the first is the baseline of the ratio column")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="chunk counts to time; the first is the baseline of the ratio column",
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -139,8 +172,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.ranks % args.ranks_per_node or args.ranks == args.ranks_per_node:
         parser.error("--ranks must be a multiple (>= 2) of --ranks-per-node")
-    spawn(_rank_main, args.ranks, args=(args,), backend="nccl" if args.device == "cuda" else "gloo",
-          timeout_s=3600)
+    spawn(_rank_main, args.ranks, args=(args,), backend="nccl" if args.device == "cuda" else "gloo", timeout_s=3600)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ conversion (one CUDA kernel on GPU), and the whole-dispatcher rows include the h
 ``rows * probs``, ``autograd.grad``). ``--profile`` adds cProfile's top cumulative entries of the dispatcher
 forward + backward on the last column.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,14 @@ class StandInTransport(Transport):
     name = "stand-in"
     expert_layout_from_topk = True  # as nvlink: the Buffer computes no layout first
 
-    def __init__(self, real: Transport, fresh: ExpertDispatchResult, cached: ExpertDispatchResult,
-                 combined: tuple[torch.Tensor, None], combined_weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        real: Transport,
+        fresh: ExpertDispatchResult,
+        cached: ExpertDispatchResult,
+        combined: tuple[torch.Tensor, None],
+        combined_weights: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
         super().__init__(real.group, real.device, real.timeout_s)
         self._fresh, self._cached = fresh, cached
         self._combined, self._combined_weights = combined, combined_weights
@@ -56,15 +63,27 @@ class StandInTransport(Transport):
     def dispatch(self, args: DispatchArgs):
         raise NotImplementedError("the stand-in replays expert-major calls only")
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], config: Config):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ):
         raise NotImplementedError("the stand-in replays expert-major calls only")
 
     def dispatch_experts(self, args: DispatchArgs, alignment: int) -> ExpertDispatchResult:
         return self._fresh if args.handle is None else self._cached
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_experts(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        expert_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._combined if expert_weights is None else self._combined_weights
 
 
@@ -115,9 +134,13 @@ def stand_in(buffer: Buffer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
     """A stand-in for ``buffer``'s transport, recorded from one real call of each kind at these inputs."""
     ex, scales, probs, _, handle, _ = buffer.dispatch_experts(x, idx, w, experts)
     cached = buffer.dispatch_experts(x, handle=handle)
-    return StandInTransport(buffer.transport, ExpertDispatchResult(ex, scales, probs, handle),
-                            ExpertDispatchResult(cached[0], cached[1], None, handle),
-                            buffer.combine_experts(ex, handle)[:2], buffer.combine_experts(ex, handle, probs)[:2])
+    return StandInTransport(
+        buffer.transport,
+        ExpertDispatchResult(ex, scales, probs, handle),
+        ExpertDispatchResult(cached[0], cached[1], None, handle),
+        buffer.combine_experts(ex, handle)[:2],
+        buffer.combine_experts(ex, handle, probs)[:2],
+    )
 
 
 class MegatronCase:
@@ -129,11 +152,23 @@ class MegatronCase:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions
-        config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=2,
-                                   num_moe_experts=args.experts, moe_router_topk=args.topk,
-                                   use_cpu_initialization=True, moe_token_dispatcher_type="ep_plugin")
-        self.d = EPPluginTokenDispatcher(args.experts, list(range(args.experts)), config, get_default_pg_collection(),
-                                         options=PluginOptions(transport="torch"))
+
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=args.hidden,
+            num_attention_heads=2,
+            num_moe_experts=args.experts,
+            moe_router_topk=args.topk,
+            use_cpu_initialization=True,
+            moe_token_dispatcher_type="ep_plugin",
+        )
+        self.d = EPPluginTokenDispatcher(
+            args.experts,
+            list(range(args.experts)),
+            config,
+            get_default_pg_collection(),
+            options=PluginOptions(transport="torch"),
+        )
         _, probs = routing(args.tokens, args.experts, args.topk, gen)
         self.topk = args.topk
         self.routing_map = probs > 0
@@ -194,11 +229,16 @@ class MegatronCase:
             d._buffer = self.buffer
             return d.combine_postprocess(self.combined)
 
-        return [("dispatcher.dispatch_preprocess", preprocess), ("dispatcher.token_dispatch", token_dispatch),
-                ("dispatcher.dispatch_postprocess", postprocess),
-                ("dispatcher.combine_preprocess", lambda: d.combine_preprocess(self.rows)),
-                ("dispatcher.token_combine", token_combine), ("dispatcher.combine_postprocess", combine_postprocess),
-                ("dispatcher forward (6 methods, x probs)", self.forward), ("dispatcher forward + backward", self.step)]
+        return [
+            ("dispatcher.dispatch_preprocess", preprocess),
+            ("dispatcher.token_dispatch", token_dispatch),
+            ("dispatcher.dispatch_postprocess", postprocess),
+            ("dispatcher.combine_preprocess", lambda: d.combine_preprocess(self.rows)),
+            ("dispatcher.token_combine", token_combine),
+            ("dispatcher.combine_postprocess", combine_postprocess),
+            ("dispatcher forward (6 methods, x probs)", self.forward),
+            ("dispatcher forward + backward", self.step),
+        ]
 
 
 def main() -> None:
@@ -219,6 +259,7 @@ def main() -> None:
     megatron: MegatronCase | None = None
     try:
         from megatron.core import parallel_state as ps
+
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
         megatron = MegatronCase(args, x, gen)
     except ImportError as exc:
@@ -231,20 +272,19 @@ def main() -> None:
             buffer.transport = stand_in(buffer, x, idx, w, args.experts)
             if megatron is not None:
                 b = megatron.buffer
-                b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.topk_weights,
-                                       args.experts)
+                b.transport = stand_in(b, megatron.h.detach(), megatron.topk_idx, megatron.topk_weights, args.experts)
         if megatron is not None and label != "local":  # handles of this column's transport
             megatron.record()
-        rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None
-                                                               else [])
+        rows = buffer_rows(buffer, x, idx, w, args.experts) + (megatron.timed_calls() if megatron is not None else [])
         for name, fn in rows:
             results.setdefault(name, []).append(per_call_us(fn, args.iters, args.repeats))
 
-    print(f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, "
-          f"{args.experts} experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, "
-          f"torch {torch.__version__})")
-    print(f"| {'layer (cumulative: includes the layers below)':<46} |"
-          + "".join(f" {label:>8} |" for label in columns))
+    print(
+        f"host time per call, µs (CPU, gloo world 1, {args.tokens} tokens x {args.hidden} BF16, "
+        f"{args.experts} experts, top-{args.topk}, best of {args.repeats} x {args.iters} calls, "
+        f"torch {torch.__version__})"
+    )
+    print(f"| {'layer (cumulative: includes the layers below)':<46} |" + "".join(f" {label:>8} |" for label in columns))
     print(f"|{'-' * 48}|" + f"{'-' * 9}:|" * len(columns))
     for name, times in results.items():
         print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" if t == t else f" {'-':>8} |" for t in times))

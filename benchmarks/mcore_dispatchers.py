@@ -18,6 +18,7 @@ count.
 Run: torchrun --nproc-per-node N benchmarks/mcore_dispatchers.py [--tokens 4096,128] [--kinds ...]
 Without CUDA it runs on CPU ranks (gloo) as a smoke check of the harness itself; those timings mean nothing.
 """
+
 import argparse
 import os
 import time
@@ -35,17 +36,33 @@ p.add_argument("--topk", type=int, default=8)
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--num-sms", type=int, default=24, help="SMs for the communication kernels (plugin and DeepEP)")
 p.add_argument("--kinds", default="alltoall,ep_plugin:torch,ep_plugin:nvlink,ep_plugin:nvlink:fp8,flex_plugin")
-p.add_argument("--pad-capacity", type=float, default=0.0, metavar="FACTOR",
-               help="drop-and-pad (moe_pad_expert_input_to_capacity) at this moe_expert_capacity_factor; 0: dropless")
-p.add_argument("--cuda-graph", action="store_true",
-               help="with --pad-capacity on a GPU: also time the forward captured in a CUDA graph, replayed")
+p.add_argument(
+    "--pad-capacity",
+    type=float,
+    default=0.0,
+    metavar="FACTOR",
+    help="drop-and-pad (moe_pad_expert_input_to_capacity) at this moe_expert_capacity_factor; 0: dropless",
+)
+p.add_argument(
+    "--cuda-graph",
+    action="store_true",
+    help="with --pad-capacity on a GPU: also time the forward captured in a CUDA graph, replayed",
+)
 p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
-p.add_argument("--trace", action="store_true",
-               help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
-                    "and every GPU activity (GPU only)")
-p.add_argument("--profile-host", type=int, default=0, metavar="STEPS",
-               help="also print (rank 0) a cProfile of STEPS forwards: the Python functions the host spends its "
-                    "time in, by own time and by cumulative time")
+p.add_argument(
+    "--trace",
+    action="store_true",
+    help="also print (rank 0) the host and GPU timeline of one forward: when each method ran on the host, "
+    "and every GPU activity (GPU only)",
+)
+p.add_argument(
+    "--profile-host",
+    type=int,
+    default=0,
+    metavar="STEPS",
+    help="also print (rank 0) a cProfile of STEPS forwards: the Python functions the host spends its "
+    "time in, by own time and by cumulative time",
+)
 a = p.parse_args()
 if a.cuda_graph and not a.pad_capacity:
     p.error("--cuda-graph: needs --pad-capacity (only drop-and-pad dispatches without reading the host)")
@@ -74,18 +91,33 @@ local_idx = list(range(rank * L, (rank + 1) * L))
 
 
 def cfg(kind):
-    kw = dict(num_layers=1, hidden_size=a.hidden, num_attention_heads=8, num_moe_experts=a.experts,
-              moe_router_topk=a.topk,
-              expert_model_parallel_size=world, moe_router_dtype="fp32", bf16=True, params_dtype=torch.bfloat16,
-              moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-              moe_token_dispatcher_type=kind.split(":")[0].replace("flex_plugin", "flex"))
+    kw = dict(
+        num_layers=1,
+        hidden_size=a.hidden,
+        num_attention_heads=8,
+        num_moe_experts=a.experts,
+        moe_router_topk=a.topk,
+        expert_model_parallel_size=world,
+        moe_router_dtype="fp32",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type=kind.split(":")[0].replace("flex_plugin", "flex"),
+    )
     if a.pad_capacity:
-        kw.update(moe_expert_capacity_factor=a.pad_capacity, moe_pad_expert_input_to_capacity=True,
-                  moe_token_drop_policy="probs")
+        kw.update(
+            moe_expert_capacity_factor=a.pad_capacity,
+            moe_pad_expert_input_to_capacity=True,
+            moe_token_drop_policy="probs",
+        )
     if kw["moe_token_dispatcher_type"] == "flex":
         kw["moe_flex_dispatcher_backend"] = "deepep"
-        sms_field = "moe_flex_dispatcher_num_sms" if hasattr(TransformerConfig, "moe_flex_dispatcher_num_sms") \
-            else "moe_deepep_num_sms"  # 0.19 name, 0.16 name
+        sms_field = (
+            "moe_flex_dispatcher_num_sms"
+            if hasattr(TransformerConfig, "moe_flex_dispatcher_num_sms")
+            else "moe_deepep_num_sms"
+        )  # 0.19 name, 0.16 name
         kw[sms_field] = a.num_sms
     return TransformerConfig(**kw)
 
@@ -119,8 +151,15 @@ def step(d, x, rmap, probs, backward):
     return out
 
 
-PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts", "combine_preprocess",
-          "token_combine", "combine_postprocess")
+PHASES = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "experts",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
 
 
 def phase_us(d, x, rmap, probs, iters):
@@ -155,12 +194,15 @@ def trace(d, x, rmap, probs, label):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def forward():
-        calls = [("dispatch_preprocess", lambda v: d.dispatch_preprocess(x, rmap, probs)),
-                 ("token_dispatch", lambda v: d.token_dispatch(*v)),
-                 ("dispatch_postprocess", lambda v: d.dispatch_postprocess(*v)),
-                 ("experts", lambda v: v[0] * v[2].unsqueeze(-1).to(v[0].dtype)),
-                 ("combine_preprocess", d.combine_preprocess), ("token_combine", d.token_combine),
-                 ("combine_postprocess", d.combine_postprocess)]
+        calls = [
+            ("dispatch_preprocess", lambda v: d.dispatch_preprocess(x, rmap, probs)),
+            ("token_dispatch", lambda v: d.token_dispatch(*v)),
+            ("dispatch_postprocess", lambda v: d.dispatch_postprocess(*v)),
+            ("experts", lambda v: v[0] * v[2].unsqueeze(-1).to(v[0].dtype)),
+            ("combine_preprocess", d.combine_preprocess),
+            ("token_combine", d.token_combine),
+            ("combine_postprocess", d.combine_postprocess),
+        ]
         value = None
         for name, fn in calls:
             with record_function(f"phase:{name}"):
@@ -174,10 +216,16 @@ def trace(d, x, rmap, probs, label):
         forward()
     if rank != 0:
         return
-    events = [e for e in prof.events()
-              if e.name.startswith("phase:") or e.device_type == torch.autograd.DeviceType.CUDA]
-    events = [e for e in events if "nccl" not in e.name.lower() or e.device_type != torch.autograd.DeviceType.CUDA
-              or e.time_range.elapsed_us() < 1000]  # leave out the barrier after the step
+    events = [
+        e for e in prof.events() if e.name.startswith("phase:") or e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    events = [
+        e
+        for e in events
+        if "nccl" not in e.name.lower()
+        or e.device_type != torch.autograd.DeviceType.CUDA
+        or e.time_range.elapsed_us() < 1000
+    ]  # leave out the barrier after the step
     t0 = min(e.time_range.start for e in events if e.name.startswith("phase:"))
     print(f"TRACE {label}: start us, duration us, host phase or GPU activity")
     for e in sorted(events, key=lambda e: e.time_range.start):
@@ -265,8 +313,11 @@ def ratios(rows):
     def over(key, base):
         if key not in times or base not in times:
             return ""
-        return "/".join(f"{float(t) / float(b):.2f}" if t != "-" and b != "-" else "-"
-                        for t, b in zip(times[key], times[base], strict=False))
+        return "/".join(
+            f"{float(t) / float(b):.2f}" if t != "-" and b != "-" else "-"
+            for t, b in zip(times[key], times[base], strict=False)
+        )
+
     return [r + (over((r[0], r[1]), (first, r[1])),) for r in rows]
 
 
@@ -275,13 +326,21 @@ for tokens in (int(t) for t in a.tokens.split(",")):
     torch.manual_seed(1234 + rank)
     logits = torch.randn(tokens, a.experts, device=dev)
     bias = torch.randn(a.experts, device=dev) * 0.01
-    probs, rmap = moe_utils.topk_routing_with_score_function(logits, a.topk, use_pre_softmax=True, num_groups=8,
-                                                             group_topk=4, scaling_factor=2.5,
-                                                             score_function="sigmoid", expert_bias=bias)
+    probs, rmap = moe_utils.topk_routing_with_score_function(
+        logits,
+        a.topk,
+        use_pre_softmax=True,
+        num_groups=8,
+        group_topk=4,
+        scaling_factor=2.5,
+        score_function="sigmoid",
+        expert_bias=bias,
+    )
     x0 = torch.randn(tokens, 1, a.hidden, device=dev, dtype=torch.bfloat16)
     if a.pad_capacity:
-        probs, rmap = moe_utils.apply_router_token_dropping(probs, rmap, a.topk, a.pad_capacity, "probs",
-                                                            pad_to_capacity=True)
+        probs, rmap = moe_utils.apply_router_token_dropping(
+            probs, rmap, a.topk, a.pad_capacity, "probs", pad_to_capacity=True
+        )
     for kind in a.kinds.split(","):
         try:
             disp, wire_fp8 = make_dispatcher(kind)
@@ -299,31 +358,47 @@ for tokens in (int(t) for t in a.tokens.split(",")):
             if a.breakdown and use_cuda:
                 parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
                 if rank == 0:
-                    print(f"PHASES mcore-{kind} tokens={tokens} " + " ".join(
-                        f"{name}={us:.0f}us" for name, us in zip(PHASES, parts, strict=False)), flush=True)
+                    print(
+                        f"PHASES mcore-{kind} tokens={tokens} "
+                        + " ".join(f"{name}={us:.0f}us" for name, us in zip(PHASES, parts, strict=False)),
+                        flush=True,
+                    )
             if a.trace and use_cuda:
                 trace(disp, xf, rmap, probs, f"mcore-{kind} tokens={tokens}")
             if a.profile_host and use_cuda:
                 profile_host(disp, xf, rmap, probs, a.profile_host, f"mcore-{kind} tokens={tokens}")
             if rank == 0:
-                print(f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
-                      f"fwd_bwd_us={fb:.1f}{' graph_fwd_us=' + graph[0] if graph else ''} "
-                      f"correct={bool(ok_all.item())}", flush=True)
+                print(
+                    f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
+                    f"fwd_bwd_us={fb:.1f}{' graph_fwd_us=' + graph[0] if graph else ''} "
+                    f"correct={bool(ok_all.item())}",
+                    flush=True,
+                )
         except Exception as ex:
             rows.append((kind, tokens, "-", "-", *["-"] * a.cuda_graph, f"FAILED {type(ex).__name__}: {str(ex)[:80]}"))
             if rank == 0:
                 import traceback
+
                 traceback.print_exc()
                 print(f"RESULT mcore-{kind} tokens={tokens} FAILED {type(ex).__name__}: {ex}", flush=True)
         dist.barrier()
 if rank == 0:
-    header = ("kind", "tokens", "fwd us", "fwd+bwd us", *["graph fwd us"] * a.cuda_graph, "correct",
-              f"/ {a.kinds.split(',')[0]}")
+    header = (
+        "kind",
+        "tokens",
+        "fwd us",
+        "fwd+bwd us",
+        *["graph fwd us"] * a.cuda_graph,
+        "correct",
+        f"/ {a.kinds.split(',')[0]}",
+    )
     rows = ratios(rows)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     pad = f", drop-and-pad at capacity factor {a.pad_capacity}" if a.pad_capacity else ""
-    print(f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "
-          f"top-{a.topk} of {a.experts}{pad}, identity experts, median of {a.iters} (slowest rank)")
+    print(
+        f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "
+        f"top-{a.topk} of {a.experts}{pad}, identity experts, median of {a.iters} (slowest rank)"
+    )
     for r in [header] + rows:
         print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
 dist.barrier()

@@ -15,6 +15,7 @@ reach on H800/H200 NVLink). Combine moves the same rows backwards (BF16), so it 
 
 Usage: ``python benchmarks/multinode_traffic.py [--tokens 4096] [--plot benchmarks/multinode_traffic.png]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,11 +65,15 @@ def main() -> None:
     records.add_argument(parser)
     args = parser.parse_args()
     mb = ROW_BYTES / 1e6
-    print(f"{args.tokens} tokens/rank, hidden {HIDDEN} BF16 ({ROW_BYTES} B/row with metadata), {EXPERTS} experts "
-          f"top-{TOPK}, {GROUPS} groups, {GPUS_PER_NODE} GPUs/node; "
-          f"links {NET_GBPS:g} GB/s net, {NVL_GBPS:g} GB/s NVLink")
-    header = ("| EP | nodes | routing | nodes/token mean (max) | flat net MB | flat NVL MB | hier net MB | hier NVL MB "
-              "| net bytes saved | flat ms | hier ms (serial) | hier ms (overlapped) |")
+    print(
+        f"{args.tokens} tokens/rank, hidden {HIDDEN} BF16 ({ROW_BYTES} B/row with metadata), {EXPERTS} experts "
+        f"top-{TOPK}, {GROUPS} groups, {GPUS_PER_NODE} GPUs/node; "
+        f"links {NET_GBPS:g} GB/s net, {NVL_GBPS:g} GB/s NVLink"
+    )
+    header = (
+        "| EP | nodes | routing | nodes/token mean (max) | flat net MB | flat NVL MB | hier net MB | hier NVL MB "
+        "| net bytes saved | flat ms | hier ms (serial) | hier ms (overlapped) |"
+    )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     results = []
@@ -81,13 +86,23 @@ def main() -> None:
             overlap_ms = max(hnet / NET_GBPS, hnvl / NVL_GBPS)
             label = "top-8" if group_topk is None else f"group top-{group_topk}"
             saved = 1 - hnet / fnet if fnet else 0.0
-            print(f"| {ep} | {ep // GPUS_PER_NODE} | {label} | {r['nodes_mean']:.2f} ({r['nodes_max']}) | {fnet:.1f} | "
-                  f"{fnvl:.1f} | {hnet:.1f} | {hnvl:.1f} | {saved:.0%} | {flat_ms:.2f} | {serial_ms:.2f} | "
-                  f"{overlap_ms:.2f} |")
+            print(
+                f"| {ep} | {ep // GPUS_PER_NODE} | {label} | {r['nodes_mean']:.2f} ({r['nodes_max']}) | {fnet:.1f} | "
+                f"{fnvl:.1f} | {hnet:.1f} | {hnvl:.1f} | {saved:.0%} | {flat_ms:.2f} | {serial_ms:.2f} | "
+                f"{overlap_ms:.2f} |"
+            )
             results.append((label, ep, flat_ms, serial_ms, overlap_ms))
             # the transport as built runs its two stages one after the other: the serial figure is its prediction
-            records.record(args, "multinode_traffic", {"ep": ep, "nodes": ep // GPUS_PER_NODE, "routing": label},
-                           round(serial_ms, 2), round(flat_ms, 2), "ms", kind="predicted", device="cpu")
+            records.record(
+                args,
+                "multinode_traffic",
+                {"ep": ep, "nodes": ep // GPUS_PER_NODE, "routing": label},
+                round(serial_ms, 2),
+                round(flat_ms, 2),
+                "ms",
+                kind="predicted",
+                device="cpu",
+            )
     if args.plot:
         _plot(results, args.plot)
         print(f"plot: {args.plot}")
@@ -95,14 +110,19 @@ def main() -> None:
 
 def _plot(results: list, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, label in zip(axes, ("top-8", f"group top-{GROUP_TOPK}"), strict=True):
         picked = [r for r in results if r[0] == label]
         eps = [r[1] for r in picked]
-        for col, name, style in ((2, "flat all-to-all", "o-"), (3, "hierarchical (serial)", "s-"),
-                                 (4, "hierarchical (overlapped)", "^--")):
+        for col, name, style in (
+            (2, "flat all-to-all", "o-"),
+            (3, "hierarchical (serial)", "s-"),
+            (4, "hierarchical (overlapped)", "^--"),
+        ):
             ax.plot(eps, [r[col] for r in picked], style, label=name)
         ax.set_xscale("log", base=2)
         ax.set_xticks(eps, [str(e) for e in eps])

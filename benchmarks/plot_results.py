@@ -7,14 +7,19 @@ numbers on the same machine (2 x H200) and the targets are constants below.
 
 Usage: ``python benchmarks/plot_results.py --kernels LOG --megatron LOG --out summary.png``
 """
+
 from __future__ import annotations
 
 import argparse
 import re
 
 # µs, EP2, 4096 tokens x 7168, top-8 of 256, 24 SMs: DeepEP V1 as measured on the same 2 x H200 host, and targets
-KERNEL_OPS = [("layout", "layout"), ("FP8 dispatch", "dispatch fp8"), ("BF16 dispatch", "dispatch bf16"),
-              ("BF16 combine", "combine bf16")]
+KERNEL_OPS = [
+    ("layout", "layout"),
+    ("FP8 dispatch", "dispatch fp8"),
+    ("BF16 dispatch", "dispatch bf16"),
+    ("BF16 combine", "combine bf16"),
+]
 DEEPEP_US = {"layout": 41.0, "FP8 dispatch": 244.0, "BF16 dispatch": 344.0, "BF16 combine": 399.0}
 KERNEL_TARGET_US = {"layout": 30.0, "FP8 dispatch": 160.0, "BF16 dispatch": 230.0, "BF16 combine": 260.0}
 # ms, whole dispatcher path: (4096 fwd, 4096 fwd+bwd, 128 fwd)
@@ -36,17 +41,20 @@ def kernel_times(text: str, sms: int = 24, tokens: int = 4096) -> dict[str, floa
 def dispatcher_times(text: str) -> dict[str, dict[int, tuple[float, float]]]:
     """``{kind: {tokens: (fwd ms, fwd+bwd ms)}}`` from the harness's final table."""
     out: dict[str, dict[int, tuple[float, float]]] = {}
-    for kind, tokens, fwd, both in re.findall(r"^(\S+)\s+\|\s+(\d+)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|",
-                                              text, flags=re.MULTILINE):
+    for kind, tokens, fwd, both in re.findall(
+        r"^(\S+)\s+\|\s+(\d+)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|", text, flags=re.MULTILINE
+    ):
         out.setdefault(kind, {})[int(tokens)] = (float(fwd) / 1e3, float(both) / 1e3)
     if not out:
         raise ValueError("--megatron: no `kind | tokens | fwd us | fwd+bwd us` table found")
     return out
 
 
-def plot(kernels: dict[str, float], dispatchers: dict[str, dict[int, tuple[float, float]]], title: str,
-         out: str) -> None:
+def plot(
+    kernels: dict[str, float], dispatchers: dict[str, dict[int, tuple[float, float]]], title: str, out: str
+) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -57,8 +65,14 @@ def plot(kernels: dict[str, float], dispatchers: dict[str, dict[int, tuple[float
     left.bar([x - width / 2 for x in xs], [kernels[k] for k in labels], width, label="moe_ep_plugin (nvlink)")
     left.bar([x + width / 2 for x in xs], [DEEPEP_US[k] for k in labels], width, label="DeepEP V1", color="#bbbbbb")
     for x, k in zip(xs, labels, strict=True):
-        left.hlines(KERNEL_TARGET_US[k], x - 0.45, x + 0.45, colors="crimson", linestyles="--",
-                    label="target" if x == 0 else None)
+        left.hlines(
+            KERNEL_TARGET_US[k],
+            x - 0.45,
+            x + 0.45,
+            colors="crimson",
+            linestyles="--",
+            label="target" if x == 0 else None,
+        )
         left.annotate(f"{kernels[k]:.0f}", (x - width / 2, kernels[k]), ha="center", va="bottom", fontsize=8)
     left.set_xticks(list(xs), labels)
     left.set_ylabel("GPU time per call (µs)")

@@ -6,6 +6,7 @@ computed inside) + ``combine``.
 Prints the functions with the most cumulative time over ``--iters`` calls (after warm-up), with a CUDA sync
 after each call so device waits show up inside the call that caused them.
 """
+
 import argparse
 import cProfile
 import os
@@ -35,12 +36,12 @@ x = torch.randn(a.tokens, a.hidden, device=dev).to(torch.bfloat16)
 
 def step() -> None:
     if a.op == "experts":
-        ex, _, _, _, handle, _ = buffer.dispatch_experts(x, topk_idx=idx, topk_weights=weights.float(),
-                                                         num_experts=a.experts)
+        ex, _, _, _, handle, _ = buffer.dispatch_experts(
+            x, topk_idx=idx, topk_weights=weights.float(), num_experts=a.experts
+        )
         buffer.combine_experts(ex, handle)
     else:
-        recv, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=weights.float(),
-                                                   num_experts=a.experts)
+        recv, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=weights.float(), num_experts=a.experts)
         buffer.combine(recv, handle)
     torch.cuda.synchronize()
 

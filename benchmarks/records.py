@@ -4,6 +4,7 @@
 written once, by the run that measured it. A script adds the flag with :func:`add_argument` and calls :func:`record`
 once per case; without ``--record`` nothing is written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,22 +23,30 @@ KINDS = ("measured", "predicted", "test")
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """Adds --record [PATH]: append one JSON object per measured case to PATH (default benchmarks/results.jsonl)."""
-    parser.add_argument("--record", nargs="?", const=str(DEFAULT_PATH), default=None, metavar="PATH",
-                        help="append one JSON object per measured case to PATH (default benchmarks/results.jsonl)")
+    parser.add_argument(
+        "--record",
+        nargs="?",
+        const=str(DEFAULT_PATH),
+        default=None,
+        metavar="PATH",
+        help="append one JSON object per measured case to PATH (default benchmarks/results.jsonl)",
+    )
 
 
 def _commit() -> str:
     """The repository's short HEAD; copies of the tree without .git name theirs through MOE_EP_COMMIT."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
     commit = os.environ.get("MOE_EP_COMMIT", "").strip()
     if not commit:
-        raise ValueError(f"record: {ROOT} is not a git checkout; set MOE_EP_COMMIT to the commit the tree was "
-                         "copied from")
+        raise ValueError(
+            f"record: {ROOT} is not a git checkout; set MOE_EP_COMMIT to the commit the tree was copied from"
+        )
     return commit
 
 
@@ -57,8 +66,16 @@ def _device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def record(args: argparse.Namespace, benchmark: str, configuration: dict, plugin: float | None,
-           stock: float | None, unit: str, kind: str = "measured", device: str | None = None) -> None:
+def record(
+    args: argparse.Namespace,
+    benchmark: str,
+    configuration: dict,
+    plugin: float | None,
+    stock: float | None,
+    unit: str,
+    kind: str = "measured",
+    device: str | None = None,
+) -> None:
     """No-op unless args.record is set. Appends {benchmark, date (UTC YYYY-MM-DD), device (default:
     torch.cuda.get_device_name() or 'cpu'), commit, command, configuration, plugin, stock, unit, kind} as one line.
     kind in measured|predicted|test (anything else: ValueError naming kind)."""

@@ -6,6 +6,7 @@ each ratio from the two figures, and never puts a prediction in a column of meas
 ``python3 benchmarks/render_results.py`` writes both files; ``--check`` writes nothing and exits 1 naming the
 files that differ from the rendering (CI runs it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ THROUGHPUT_UNITS = ("tokens/s", "GB/s")  # higher is better: the time ratio is s
 @dataclass(frozen=True)
 class Table:
     """One benchmark's section of RESULTS.md: what it measures and the command that reproduces it."""
+
     benchmark: str
     title: str
     about: str
@@ -33,52 +35,92 @@ class Table:
 
 # The order of RESULTS.md; a benchmark in the data without an entry here is an error (say what it measures).
 TABLES = (
-    Table("bench_dispatch_combine", "Kernels: `bench_dispatch_combine.py`",
-          "Dispatch and combine through the `Buffer` API (`timing: api`, stock the `torch` transport over NCCL in "
-          "the same run) and the kernels' own GPU time from CUDA-graph replay (`timing: graph`, stock DeepEP V1 "
-          "measured on the same machine kind in its own run: a reference, not a same-run ratio).",
-          "python3 benchmarks/bench_dispatch_combine.py"),
-    Table("bench_permute", "Expert-major permute: `bench_permute.py`",
-          "The permute kernels against the torch-op fallback on the same inputs (same bits), one GPU.",
-          "python3 benchmarks/bench_permute.py"),
-    Table("bench_low_latency", "Low-latency mode: `bench_low_latency.py`",
-          "Dispatch + combine, each call in its own CUDA graph; stock the torch collective form of the same calls "
-          "(at EP1 since the `local` transport: its normal-mode path).",
-          "python3 benchmarks/bench_low_latency.py --sweep 1,8,32,128,256"),
-    Table("mcore_dispatchers", "Megatron-Core dispatchers: `mcore_dispatchers.py`",
-          "The dispatcher's forward and forward + backward with identity experts (megatron-core 0.19.2), stock "
-          "Megatron's `alltoall` dispatcher in the same process.",
-          "torchrun --nproc-per-node R benchmarks/mcore_dispatchers.py --tokens 4096,128 --breakdown"),
-    Table("mcore_drop_and_pad", "Megatron-Core drop-and-pad: `mcore_dispatchers.py --pad-capacity 1.0`",
-          "The same with `moe_pad_expert_input_to_capacity` (capacity factor 1.0); `graph fwd` replays the forward "
-          "captured in one CUDA graph.",
-          "torchrun --nproc-per-node 1 benchmarks/mcore_dispatchers.py --kinds alltoall,ep_plugin:nvlink "
-          "--pad-capacity 1.0 --tokens 4096,128 --cuda-graph"),
-    Table("deepspeed_compare", "DeepSpeed MoE layer: `deepspeed_compare.py`",
-          "Stock `deepspeed.moe.layer.MoE` against the plugin's `MoE` trained from the same weights and data "
-          "(`configs/deepspeed_moe_gpu.yaml`), median ms per step after warm-up.",
-          "python3 benchmarks/deepspeed_compare.py"),
-    Table("trainer_ab", "Example trainer: `trainer_ab.py`",
-          "The example trainer's loop at one rank, alternating legs: grouped expert GEMMs (plugin) against the "
-          "per-expert loop (stock), median tokens/s.",
-          "python3 benchmarks/trainer_ab.py configs/ep2_h200.yaml parallel.nprocs=1"),
-    Table("nvlink_ceiling", "NVLink ceilings: `nvlink_ceiling.cu`",
-          "What the link between two GPUs carries, 57 MB per direction; no stock path.",
-          "nvcc -O3 -arch=sm_90 benchmarks/nvlink_ceiling.cu -o nvlink_ceiling && ./nvlink_ceiling"),
-    Table("multinode_traffic", "Multi-node traffic model: `multinode_traffic.py`",
-          "Bytes one rank sends per dispatch from DeepSeek-V3 routing, 4096 tokens per rank, 8 GPUs per node, "
-          "50 GB/s network, 160 GB/s NVLink; plugin the `hierarchical` transport, stock the flat all-to-all.",
-          "python3 benchmarks/multinode_traffic.py"),
-    Table("hierarchical_overlap", "Hierarchical stage overlap: `hierarchical_overlap.py`",
-          "`Config.hierarchical_chunks` against one exchange (stock), CPU gloo, 2 x 2 emulated nodes, dispatch + "
-          "combine.",
-          "python3 benchmarks/hierarchical_overlap.py --serial"),
+    Table(
+        "bench_dispatch_combine",
+        "Kernels: `bench_dispatch_combine.py`",
+        "Dispatch and combine through the `Buffer` API (`timing: api`, stock the `torch` transport over NCCL in "
+        "the same run) and the kernels' own GPU time from CUDA-graph replay (`timing: graph`, stock DeepEP V1 "
+        "measured on the same machine kind in its own run: a reference, not a same-run ratio).",
+        "python3 benchmarks/bench_dispatch_combine.py",
+    ),
+    Table(
+        "bench_permute",
+        "Expert-major permute: `bench_permute.py`",
+        "The permute kernels against the torch-op fallback on the same inputs (same bits), one GPU.",
+        "python3 benchmarks/bench_permute.py",
+    ),
+    Table(
+        "bench_low_latency",
+        "Low-latency mode: `bench_low_latency.py`",
+        "Dispatch + combine, each call in its own CUDA graph; stock the torch collective form of the same calls "
+        "(at EP1 since the `local` transport: its normal-mode path).",
+        "python3 benchmarks/bench_low_latency.py --sweep 1,8,32,128,256",
+    ),
+    Table(
+        "mcore_dispatchers",
+        "Megatron-Core dispatchers: `mcore_dispatchers.py`",
+        "The dispatcher's forward and forward + backward with identity experts (megatron-core 0.19.2), stock "
+        "Megatron's `alltoall` dispatcher in the same process.",
+        "torchrun --nproc-per-node R benchmarks/mcore_dispatchers.py --tokens 4096,128 --breakdown",
+    ),
+    Table(
+        "mcore_drop_and_pad",
+        "Megatron-Core drop-and-pad: `mcore_dispatchers.py --pad-capacity 1.0`",
+        "The same with `moe_pad_expert_input_to_capacity` (capacity factor 1.0); `graph fwd` replays the forward "
+        "captured in one CUDA graph.",
+        "torchrun --nproc-per-node 1 benchmarks/mcore_dispatchers.py --kinds alltoall,ep_plugin:nvlink "
+        "--pad-capacity 1.0 --tokens 4096,128 --cuda-graph",
+    ),
+    Table(
+        "deepspeed_compare",
+        "DeepSpeed MoE layer: `deepspeed_compare.py`",
+        "Stock `deepspeed.moe.layer.MoE` against the plugin's `MoE` trained from the same weights and data "
+        "(`configs/deepspeed_moe_gpu.yaml`), median ms per step after warm-up.",
+        "python3 benchmarks/deepspeed_compare.py",
+    ),
+    Table(
+        "trainer_ab",
+        "Example trainer: `trainer_ab.py`",
+        "The example trainer's loop at one rank, alternating legs: grouped expert GEMMs (plugin) against the "
+        "per-expert loop (stock), median tokens/s.",
+        "python3 benchmarks/trainer_ab.py configs/ep2_h200.yaml parallel.nprocs=1",
+    ),
+    Table(
+        "nvlink_ceiling",
+        "NVLink ceilings: `nvlink_ceiling.cu`",
+        "What the link between two GPUs carries, 57 MB per direction; no stock path.",
+        "nvcc -O3 -arch=sm_90 benchmarks/nvlink_ceiling.cu -o nvlink_ceiling && ./nvlink_ceiling",
+    ),
+    Table(
+        "multinode_traffic",
+        "Multi-node traffic model: `multinode_traffic.py`",
+        "Bytes one rank sends per dispatch from DeepSeek-V3 routing, 4096 tokens per rank, 8 GPUs per node, "
+        "50 GB/s network, 160 GB/s NVLink; plugin the `hierarchical` transport, stock the flat all-to-all.",
+        "python3 benchmarks/multinode_traffic.py",
+    ),
+    Table(
+        "hierarchical_overlap",
+        "Hierarchical stage overlap: `hierarchical_overlap.py`",
+        "`Config.hierarchical_chunks` against one exchange (stock), CPU gloo, 2 x 2 emulated nodes, dispatch + "
+        "combine.",
+        "python3 benchmarks/hierarchical_overlap.py --serial",
+    ),
 )
 # The README's performance table: (benchmark, configuration filter); a filter value that is a tuple matches any of it.
 README_ROWS = (
-    ("bench_dispatch_combine", {"timing": "graph", "op": ("layout", "FP8 dispatch, rows quantized beforehand",
-                                                          "FP8 dispatch, BF16 rows quantized in the send path",
-                                                          "BF16 dispatch", "BF16 combine")}),
+    (
+        "bench_dispatch_combine",
+        {
+            "timing": "graph",
+            "op": (
+                "layout",
+                "FP8 dispatch, rows quantized beforehand",
+                "FP8 dispatch, BF16 rows quantized in the send path",
+                "BF16 dispatch",
+                "BF16 combine",
+            ),
+        },
+    ),
     ("mcore_dispatchers", {"kind": ("ep_plugin:nvlink", "ep_plugin (local)"), "tokens": 4096}),
     ("mcore_drop_and_pad", {"tokens": 4096}),
     ("deepspeed_compare", {"variant": "grouped"}),
@@ -93,8 +135,18 @@ def load(path: Path) -> list[dict]:
         if not line.strip():
             continue
         row = json.loads(line)
-        missing = {"benchmark", "date", "device", "commit", "command", "configuration", "plugin", "stock", "unit",
-                   "kind"} - row.keys()
+        missing = {
+            "benchmark",
+            "date",
+            "device",
+            "commit",
+            "command",
+            "configuration",
+            "plugin",
+            "stock",
+            "unit",
+            "kind",
+        } - row.keys()
         if missing:
             raise ValueError(f"{path.name}:{number}: missing {sorted(missing)}")
         if row["kind"] not in ("measured", "predicted", "test"):
@@ -137,12 +189,17 @@ def _table(rows: list[dict]) -> list[str]:
     """Markdown rows: date, device, commit, the configuration's keys (their union, first seen first), the figures."""
     keys = list(dict.fromkeys(k for row in rows for k in row["configuration"]))
     unit = " / ".join(dict.fromkeys(row["unit"] for row in rows))
-    lines = ["| date | device | commit | " + " | ".join(keys) + f" | plugin ({unit}) | stock ({unit}) | ratio |",
-             "|---|---|---|" + "---|" * len(keys) + "---:|---:|---:|"]
+    lines = [
+        "| date | device | commit | " + " | ".join(keys) + f" | plugin ({unit}) | stock ({unit}) | ratio |",
+        "|---|---|---|" + "---|" * len(keys) + "---:|---:|---:|",
+    ]
     for row in sorted(rows, key=lambda r: r["date"], reverse=True):
         config = [_cell(row["configuration"].get(k)) for k in keys]
-        lines.append(f"| {row['date']} | {row['device']} | `{row['commit']}` | " + " | ".join(config)
-                     + f" | {_number(row['plugin'])} | {_number(row['stock'])} | {_ratio(ratio(row))} |")
+        lines.append(
+            f"| {row['date']} | {row['device']} | `{row['commit']}` | "
+            + " | ".join(config)
+            + f" | {_number(row['plugin'])} | {_number(row['stock'])} | {_ratio(ratio(row))} |"
+        )
     return lines
 
 
@@ -153,12 +210,16 @@ def render_results(rows: list[dict]) -> str:
     if unknown:
         raise ValueError(f"benchmarks without a table in render_results.TABLES: {unknown}")
     current = newest(rows)
-    out = ["# Current results", "",
-           "Rendered by `python3 benchmarks/render_results.py` from `benchmarks/results.jsonl` (a benchmark run "
-           "with `--record` appends its rows there); do not edit by hand. Each table holds the newest row per "
-           "configuration and device; earlier rows stay in the data file and in git. **Ratio** = plugin time / stock "
-           "time in the same run (for a throughput, stock / plugin), below 1: the plugin is faster. How to run each "
-           "command on a GPU host: [docs/gpu_testing.md](../docs/gpu_testing.md).", ""]
+    out = [
+        "# Current results",
+        "",
+        "Rendered by `python3 benchmarks/render_results.py` from `benchmarks/results.jsonl` (a benchmark run "
+        "with `--record` appends its rows there); do not edit by hand. Each table holds the newest row per "
+        "configuration and device; earlier rows stay in the data file and in git. **Ratio** = plugin time / stock "
+        "time in the same run (for a throughput, stock / plugin), below 1: the plugin is faster. How to run each "
+        "command on a GPU host: [docs/gpu_testing.md](../docs/gpu_testing.md).",
+        "",
+    ]
     for table in TABLES:
         mine = [r for r in current if r["benchmark"] == table.benchmark]
         measured = [r for r in mine if r["kind"] == "measured"]
@@ -173,8 +234,11 @@ def render_results(rows: list[dict]) -> str:
     tests = [r for r in current if r["kind"] == "test"]
     if tests:
         out += ["## GPU test suites", ""]
-        out += [f"- {_cell(r['configuration'].get('suite'))}: {'passed' if r['plugin'] else 'failed'} "
-                f"({r['date']}, {r['device']}, `{r['commit']}`)" for r in tests] + [""]
+        out += [
+            f"- {_cell(r['configuration'].get('suite'))}: {'passed' if r['plugin'] else 'failed'} "
+            f"({r['date']}, {r['device']}, `{r['commit']}`)"
+            for r in tests
+        ] + [""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -187,14 +251,18 @@ def _matches(row: dict, benchmark: str, where: dict) -> bool:
 def render_readme_table(rows: list[dict]) -> str:
     """The README's performance table: the README_ROWS' newest measured rows."""
     current = newest(rows)
-    lines = ["| benchmark | configuration | date, device | commit | plugin | stock | unit | ratio |",
-             "|---|---|---|---|---:|---:|---|---:|"]
+    lines = [
+        "| benchmark | configuration | date, device | commit | plugin | stock | unit | ratio |",
+        "|---|---|---|---|---:|---:|---|---:|",
+    ]
     for benchmark, where in README_ROWS:
         for row in (r for r in current if _matches(r, benchmark, where)):
             config = ", ".join(f"{k} {v}" for k, v in row["configuration"].items())
-            lines.append(f"| `{benchmark}` | {_cell(config)} | {row['date']}, {row['device']} | `{row['commit']}` | "
-                         f"{_number(row['plugin'])} | {_number(row['stock'])} | {row['unit']} | "
-                         f"{_ratio(ratio(row))} |")
+            lines.append(
+                f"| `{benchmark}` | {_cell(config)} | {row['date']}, {row['device']} | `{row['commit']}` | "
+                f"{_number(row['plugin'])} | {_number(row['stock'])} | {row['unit']} | "
+                f"{_ratio(ratio(row))} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -215,15 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
     rows = load(args.data)
-    rendered = {args.results: render_results(rows),
-                args.readme: render_readme(args.readme.read_text(encoding="utf-8"), render_readme_table(rows))}
-    differ = [path for path, text in rendered.items()
-              if not path.exists() or path.read_text(encoding="utf-8") != text]
+    rendered = {
+        args.results: render_results(rows),
+        args.readme: render_readme(args.readme.read_text(encoding="utf-8"), render_readme_table(rows)),
+    }
+    differ = [path for path, text in rendered.items() if not path.exists() or path.read_text(encoding="utf-8") != text]
     if args.check:
         if differ:
-            print("render_results: differ from the rendering of " f"{args.data}: "
-                  + ", ".join(str(p) for p in differ) + " (run python3 benchmarks/render_results.py)",
-                  file=sys.stderr)
+            print(
+                "render_results: differ from the rendering of "
+                f"{args.data}: " + ", ".join(str(p) for p in differ) + " (run python3 benchmarks/render_results.py)",
+                file=sys.stderr,
+            )
             return 1
         return 0
     for path in differ:

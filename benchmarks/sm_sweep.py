@@ -18,6 +18,7 @@ by ``cudaMemcpyAsync`` (copy engines). With ranks sharing one GPU the bytes neve
 kernels' SM-bound throughput and their distance from a copy with the same SMs, not the link's speed.
 ``--record`` appends each kernel's GB/s beside the copy kernel's (benchmarks/records.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,21 @@ def copy_library() -> ctypes.CDLL:
     source = os.path.join(ROOT, "benchmarks", "nvlink_ceiling.cu")
     if not os.path.exists(COPY_LIB) or os.path.getmtime(COPY_LIB) < os.path.getmtime(source):
         os.makedirs(os.path.dirname(COPY_LIB), exist_ok=True)
-        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-DNVLINK_CEILING_LIBRARY",
-                        source, "-o", COPY_LIB], check=True)
+        subprocess.run(
+            [
+                "nvcc",
+                "-O3",
+                "-arch=sm_90",
+                "-shared",
+                "-Xcompiler",
+                "-fPIC",
+                "-DNVLINK_CEILING_LIBRARY",
+                source,
+                "-o",
+                COPY_LIB,
+            ],
+            check=True,
+        )
     lib = ctypes.CDLL(COPY_LIB)
     lib.nvlink_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.nvlink_copy_engine.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -131,14 +145,30 @@ def _cases(nv: Buffer, ref: Buffer, tokens: int, hidden: int, pool_size: int, se
         *_, ref_handle, _ = ref.dispatch(pool_cpu[0], topk_idx=idx, num_experts=256, **opts)
         want = [_to(ref.dispatch(x, handle=ref_handle, **opts)[0], device) for x in pool_cpu]
         row = fp8_row if (pre or opts) else bf16_row
-        cases.append(Case(kernel, tokens, lambda x, cfg, h=handle, o=opts: nv.dispatch(x, handle=h, config=cfg, **o)[0],
-                          [_to(x, device) for x in pool_cpu], want, [n * row for n in remote]))
+        cases.append(
+            Case(
+                kernel,
+                tokens,
+                lambda x, cfg, h=handle, o=opts: nv.dispatch(x, handle=h, config=cfg, **o)[0],
+                [_to(x, device) for x in pool_cpu],
+                want,
+                [n * row for n in remote],
+            )
+        )
         if kernel == KERNELS[2]:  # combine takes rows in this layout
             received = want[0].shape[0]
             ys = [torch.randn(received, hidden, generator=gen).to(torch.bfloat16) for _ in range(pool_size)]
             want_c = [ref.combine(y, ref_handle)[0].to(device) for y in ys]
-            cases.append(Case(KERNELS[3], tokens, lambda y, cfg, h=handle: nv.combine(y, h, config=cfg)[0],
-                              [y.to(device) for y in ys], want_c, [n * bf16_row for n in back]))
+            cases.append(
+                Case(
+                    KERNELS[3],
+                    tokens,
+                    lambda y, cfg, h=handle: nv.combine(y, h, config=cfg)[0],
+                    [y.to(device) for y in ys],
+                    want_c,
+                    [n * bf16_row for n in back],
+                )
+            )
     return cases
 
 
@@ -175,6 +205,7 @@ def _time_case(case: Case, sms: int, calls: int, reps: int, group: dist.ProcessG
     def refill(i: int) -> None:
         for j, x in enumerate(inputs):
             _fill(x, case.pool[(i * calls + j) % n])
+
     refill(0)
     graph.replay()
     torch.cuda.synchronize()
@@ -184,8 +215,16 @@ def _time_case(case: Case, sms: int, calls: int, reps: int, group: dist.ProcessG
     return us, exact
 
 
-def _time_copy(nv: Buffer, remote: list[int], sms: int, engine: bool, calls: int, reps: int,
-               group: dist.ProcessGroup, lib: ctypes.CDLL) -> float:
+def _time_copy(
+    nv: Buffer,
+    remote: list[int],
+    sms: int,
+    engine: bool,
+    calls: int,
+    reps: int,
+    group: dist.ProcessGroup,
+    lib: ctypes.CDLL,
+) -> float:
     """µs per copy of ``remote[p]`` bytes to every peer ``p``'s staging region (copy kernel on ``sms`` SMs, or
     the copy engines), replayed from one graph of ``calls`` copies."""
     src = torch.randint(-100, 100, (max(max(remote), 16) // 2,), dtype=torch.int16, device=nv.device)
@@ -197,10 +236,14 @@ def _time_copy(nv: Buffer, remote: list[int], sms: int, engine: bool, calls: int
     def copies() -> None:
         stream = torch.cuda.current_stream().cuda_stream
         for address, _, n in targets:
-            code = lib.nvlink_copy_engine(address, src.data_ptr(), n // 16 * 16, stream) if engine else \
-                lib.nvlink_copy(address, src.data_ptr(), n // 16 * 16, sms, stream)
+            code = (
+                lib.nvlink_copy_engine(address, src.data_ptr(), n // 16 * 16, stream)
+                if engine
+                else lib.nvlink_copy(address, src.data_ptr(), n // 16 * 16, sms, stream)
+            )
             if code:
                 raise RuntimeError(f"copy yardstick: CUDA error {code}")
+
     copies()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -244,13 +287,19 @@ def _sweep(args: argparse.Namespace, shared: bool) -> None:
 
 def _report(args: argparse.Namespace, gathered: list, world: int, shared: bool, device_name: str) -> None:
     layout = f"{world} ranks sharing one GPU" if shared else f"{world} ranks, one per GPU"
-    print(f"\nSM sweep, {layout} ({device_name}); hidden {args.hidden}, top-8 of 256 group-limited; "
-          f"{args.calls} calls per graph, median of {args.reps} replays, the slowest rank")
+    print(
+        f"\nSM sweep, {layout} ({device_name}); hidden {args.hidden}, top-8 of 256 group-limited; "
+        f"{args.calls} calls per graph, median of {args.reps} replays, the slowest rank"
+    )
     if shared:
-        print("Ranks share one GPU: the bytes never cross NVLink. These are the kernels' SM-bound throughputs and "
-              "their distance from a copy with the same SMs, not the link's speed.")
-    print("| kernel | tokens | SMs | remote MB/rank | µs | GB/s | GB/s per SM | copy kernel µs | copy GB/s | "
-          "kernel/copy | exact |")
+        print(
+            "Ranks share one GPU: the bytes never cross NVLink. These are the kernels' SM-bound throughputs and "
+            "their distance from a copy with the same SMs, not the link's speed."
+        )
+    print(
+        "| kernel | tokens | SMs | remote MB/rank | µs | GB/s | GB/s per SM | copy kernel µs | copy GB/s | "
+        "kernel/copy | exact |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for i, row in enumerate(gathered[0]):
         kernel, tokens, sms, _, _, _, _ = row
@@ -260,20 +309,34 @@ def _report(args: argparse.Namespace, gathered: list, world: int, shared: bool, 
         exact = all(g[i][6] for g in gathered)
         gbs, copy_gbs = remote / us / 1e3, remote / copy_us / 1e3
         per_sm = f"{gbs / sms:.1f}" if sms else "-"
-        print(f"| {kernel} | {tokens} | {sms or '-'} | {remote / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {per_sm} | "
-              f"{copy_us:.1f} | {copy_gbs:.0f} | {gbs / copy_gbs:.2f} | {'yes' if exact else 'NO'} |")
-        config = dict(layout="shared GPU" if shared else "one GPU per rank", ranks=world, tokens=tokens,
-                      kernel=kernel, sms=sms)
-        records.record(args, "sm_sweep", config, round(gbs, 1),
-                       None if kernel.startswith("copy") else round(copy_gbs, 1), "GB/s", device=device_name)
+        print(
+            f"| {kernel} | {tokens} | {sms or '-'} | {remote / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {per_sm} | "
+            f"{copy_us:.1f} | {copy_gbs:.0f} | {gbs / copy_gbs:.2f} | {'yes' if exact else 'NO'} |"
+        )
+        config = dict(
+            layout="shared GPU" if shared else "one GPU per rank", ranks=world, tokens=tokens, kernel=kernel, sms=sms
+        )
+        records.record(
+            args,
+            "sm_sweep",
+            config,
+            round(gbs, 1),
+            None if kernel.startswith("copy") else round(copy_gbs, 1),
+            "GB/s",
+            device=device_name,
+        )
     if not all(g[i][6] for g in gathered for i in range(len(g))):
         raise SystemExit("sm_sweep: some outputs differ from the torch transport's (rows marked NO)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layout", choices=("shared", "per-gpu"), default=None,
-                   help="shared: ranks share GPU 0 (default with one GPU); per-gpu: one rank per visible GPU")
+    p.add_argument(
+        "--layout",
+        choices=("shared", "per-gpu"),
+        default=None,
+        help="shared: ranks share GPU 0 (default with one GPU); per-gpu: one rank per visible GPU",
+    )
     p.add_argument("--ranks", type=int, default=2, help="ranks sharing the GPU (shared layout)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[4096, 1024])
     p.add_argument("--hidden", type=int, default=7168)

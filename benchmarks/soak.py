@@ -14,6 +14,7 @@ runs and checks it. With ``--device cuda:N`` the ranks share that GPU over a glo
 dispatches, expanded and not, with weights, in DeepEP's stream modes, some with the current stream busy.
 Prints rounds, mismatches (each with the seed that replays it: ``--seed S --rounds 1``) and seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,12 +45,26 @@ def _round(api: str, buffer, seed: int, world: int, state: rounds.State, rank: i
     return rnd, lambda: rounds.run(buffer, rnd, state, rank, world)
 
 
-def _soak(api: str, transport: str, device: str | None, seed: int, num_rounds: int, timeout_s: float,
-          max_seconds: float, out: str) -> None:
+def _soak(
+    api: str,
+    transport: str,
+    device: str | None,
+    seed: int,
+    num_rounds: int,
+    timeout_s: float,
+    max_seconds: float,
+    out: str,
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if api == "elastic":
-        buffer = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=ELASTIC_MAX_TOKENS, hidden=1024,
-                               num_cpu_timeout_secs=int(timeout_s), transport=transport, device=device)
+        buffer = ElasticBuffer(
+            dist.group.WORLD,
+            num_max_tokens_per_rank=ELASTIC_MAX_TOKENS,
+            hidden=1024,
+            num_cpu_timeout_secs=int(timeout_s),
+            transport=transport,
+            device=device,
+        )
     else:
         buffer = Buffer(transport=transport, timeout_s=timeout_s, device=device)
     state = rounds.State()
@@ -57,8 +72,10 @@ def _soak(api: str, transport: str, device: str | None, seed: int, num_rounds: i
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=num_rounds, desc=f"soak {api} {transport} x{world}", unit="round", file=sys.stderr,
-                   mininterval=10)
+
+        bar = tqdm(
+            total=num_rounds, desc=f"soak {api} {transport} x{world}", unit="round", file=sys.stderr, mininterval=10
+        )
     start = time.monotonic()
     done = 0
     for i in range(num_rounds):
@@ -86,10 +103,12 @@ def _soak(api: str, transport: str, device: str | None, seed: int, num_rounds: i
     if bar is not None:
         bar.close()
     if rank == 0:
-        lines = ["| api | transport | ranks | device | rounds | mismatches | seconds | first seed |",
-                 "|---|---|---:|---|---:|---:|---:|---:|",
-                 f"| {api} | {transport} | {world} | {device or 'cpu'} | {done} | {len(failures)} | {seconds:.1f} "
-                 f"| {seed} |"]
+        lines = [
+            "| api | transport | ranks | device | rounds | mismatches | seconds | first seed |",
+            "|---|---|---:|---|---:|---:|---:|---:|",
+            f"| {api} | {transport} | {world} | {device or 'cpu'} | {done} | {len(failures)} | {seconds:.1f} "
+            f"| {seed} |",
+        ]
         lines += [f"MISMATCH {f}" for f in failures[:50]]
         print("\n".join(lines), flush=True)
         with open(out, "w") as f:
@@ -98,23 +117,35 @@ def _soak(api: str, transport: str, device: str | None, seed: int, num_rounds: i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--api", choices=("buffer", "elastic"), default="buffer",
-                   help="buffer: the V1 Buffer's entry points; elastic: ElasticBuffer fresh and cached dispatches "
-                        "with weights in DeepEP's stream modes")
+    p.add_argument(
+        "--api",
+        choices=("buffer", "elastic"),
+        default="buffer",
+        help="buffer: the V1 Buffer's entry points; elastic: ElasticBuffer fresh and cached dispatches "
+        "with weights in DeepEP's stream modes",
+    )
     p.add_argument("--transport", choices=("torch", "nvlink"), default="torch")
     p.add_argument("--device", default=None, help="cuda:N: ranks share that GPU (gloo group); default: CPU")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=10000)
     p.add_argument("--seed", type=int, default=None, help="first round's seed (default: from the clock)")
     p.add_argument("--timeout-s", type=float, default=60.0)
-    p.add_argument("--max-seconds", type=float, default=float("inf"),
-                   help="stop after the round that passes this many seconds (the table says how many rounds ran)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=float("inf"),
+        help="stop after the round that passes this many seconds (the table says how many rounds ran)",
+    )
     args = p.parse_args()
     seed = args.seed if args.seed is not None else int(time.time()) % 100000 * 100000
     out = f"/tmp/moe_ep_soak_{os.getpid()}"
-    spawn(_soak, args.ranks, args=(args.api, args.transport, args.device, seed, args.rounds, args.timeout_s,
-                                   args.max_seconds, out),
-          backend="gloo", timeout_s=max(600.0, args.timeout_s * 2))
+    spawn(
+        _soak,
+        args.ranks,
+        args=(args.api, args.transport, args.device, seed, args.rounds, args.timeout_s, args.max_seconds, out),
+        backend="gloo",
+        timeout_s=max(600.0, args.timeout_s * 2),
+    )
     with open(out) as f:
         mismatches = int(f.read())
     os.remove(out)

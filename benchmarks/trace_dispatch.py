@@ -7,6 +7,7 @@ the call's first GPU activity, its duration and its stream (the barrier after th
 ``--trace PATH`` it also writes the Chrome trace (open in chrome://tracing or Perfetto). ``--set`` changes an
 ``NVLinkTuning`` field of every call's Config (as in ``bench_dispatch_combine.py --variants``).
 """
+
 import argparse
 import dataclasses
 import os
@@ -50,17 +51,20 @@ def step() -> float:
     """One fresh dispatch and its combine; returns the host seconds of the dispatch call."""
     start = time.perf_counter()
     if a.op == "experts":
-        out, _, _, _, handle, _ = buffer.dispatch_experts(x, topk_idx=idx, topk_weights=weights,
-                                                          num_experts=a.experts, fp8_dispatch=a.fp8, config=dcfg)
+        out, _, _, _, handle, _ = buffer.dispatch_experts(
+            x, topk_idx=idx, topk_weights=weights, num_experts=a.experts, fp8_dispatch=a.fp8, config=dcfg
+        )
         host = time.perf_counter() - start
         rows = handle.expert_layout.num_rows
         buffer.combine_experts(torch.ones(rows, a.hidden, dtype=torch.bfloat16, device=dev), handle, config=ccfg)
     else:
-        recv, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=a.experts,
-                                                   fp8_dispatch=a.fp8, fp8_out=a.fp8, config=dcfg)
+        recv, _, _, _, handle, _ = buffer.dispatch(
+            x, topk_idx=idx, topk_weights=weights, num_experts=a.experts, fp8_dispatch=a.fp8, fp8_out=a.fp8, config=dcfg
+        )
         host = time.perf_counter() - start
-        buffer.combine(torch.ones(handle.num_recv_rows, a.hidden, dtype=torch.bfloat16, device=dev), handle,
-                       config=ccfg)
+        buffer.combine(
+            torch.ones(handle.num_recv_rows, a.hidden, dtype=torch.bfloat16, device=dev), handle, config=ccfg
+        )
     torch.cuda.synchronize()
     dist.barrier()
     return host
@@ -73,15 +77,18 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for _ in range(3):  # the first profiled call also carries the profiler's start-up skew between ranks
         step()
 if rank == 0:
-    gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    gpu = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
     # Each call ends with the barrier's all-reduce kernel: the last call is what follows the one before it.
     ends = [i for i, e in enumerate(gpu) if e.name.startswith("ncclDevKernel_AllReduce")]
-    last = gpu[ends[-2] + 1:] if len(ends) >= 2 else gpu
+    last = gpu[ends[-2] + 1 :] if len(ends) >= 2 else gpu
     t0 = last[0].time_range.start if last else 0
     what = ", ".join(f"{n}={v}" for n, v in a.set) or "defaults"
-    print(f"{a.op}{' fp8' if a.fp8 else ''}, {a.tokens} x {a.hidden}, {a.sms} SMs, {what}: host time of the dispatch "
-          f"call {1e6 * sorted(hosts)[len(hosts) // 2]:.0f} us (median of {a.iters}, without the profiler)")
+    print(
+        f"{a.op}{' fp8' if a.fp8 else ''}, {a.tokens} x {a.hidden}, {a.sms} SMs, {what}: host time of the dispatch "
+        f"call {1e6 * sorted(hosts)[len(hosts) // 2]:.0f} us (median of {a.iters}, without the profiler)"
+    )
     print(f"{'start us':>9} {'dur us':>8} {'stream':>7}  activity")
     for e in last:
         stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", "")

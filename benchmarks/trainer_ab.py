@@ -23,6 +23,7 @@ tokens/s over their median.
 Writes into ``--out``: ``train.log`` (the trainer's header lines, a line per leg, the table), ``steps.csv`` (every
 step of every leg), ``summary.json`` (the table's numbers) and ``loss_curves.png`` (needs matplotlib).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,10 +54,20 @@ Rows = list[dict[str, Any]]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("args", nargs="*", metavar="CONFIG | SECTION.KEY=VALUE",
-                   help=f"a YAML config (default {DEFAULT_CONFIG}) and overrides (values parsed as YAML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one key, as moe-ep-train --set (repeatable)")
+    p.add_argument(
+        "args",
+        nargs="*",
+        metavar="CONFIG | SECTION.KEY=VALUE",
+        help=f"a YAML config (default {DEFAULT_CONFIG}) and overrides (values parsed as YAML)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key, as moe-ep-train --set (repeatable)",
+    )
     p.add_argument("--variants", default="loop,grouped", help="comma-separated moe.expert_compute values")
     p.add_argument("--repeats", type=int, default=2, help="legs per variant, alternating (A B A B for 2)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each leg left out of the timing")
@@ -66,17 +77,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def leg_configs(config_path: str | None, overrides: Sequence[str], variants: Sequence[str], repeats: int,
-                out_dir: str) -> list[tuple[str, config_mod.TrainerConfig]]:
+def leg_configs(
+    config_path: str | None, overrides: Sequence[str], variants: Sequence[str], repeats: int, out_dir: str
+) -> list[tuple[str, config_mod.TrainerConfig]]:
     """``(variant, config)`` per leg in run order: the variants in turn, ``repeats`` times. ``output.dir`` is
     ``out_dir`` (the trainer's header names it), and no leg resumes: each starts from the seed."""
     if not variants or len(set(variants)) != len(variants) or any(v not in EXPERT_COMPUTE for v in variants):
         raise ValueError(f"--variants: expected distinct values of {EXPERT_COMPUTE}, got {','.join(variants)!r}")
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
-    configs = {v: config_mod.load(config_path, (*overrides, f"moe.expert_compute={v}", f"output.dir={out_dir}",
-                                                        "output.resume=never"))
-               for v in variants}
+    configs = {
+        v: config_mod.load(
+            config_path, (*overrides, f"moe.expert_compute={v}", f"output.dir={out_dir}", "output.resume=never")
+        )
+        for v in variants
+    }
     return [(v, configs[v]) for _ in range(repeats) for v in variants]
 
 
@@ -92,13 +107,20 @@ def summarize(legs: list[tuple[str, Rows]], warmup: int) -> list[dict[str, Any]]
         mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
         per_leg = [statistics.median(r["tokens_per_s"] for r in rows[warmup:]) for rows in runs]
         tokens_per_s = statistics.median(r["tokens_per_s"] for r in timed)
-        table.append({
-            "variant": variant, "legs": len(runs), "tokens_per_s": tokens_per_s,
-            "ms_per_step": 1e3 * statistics.median(r["step_time_s"] for r in timed),
-            "mfu": statistics.median(mfus) if mfus else None, "final_loss": runs[0][-1]["loss"],
-            "max_abs_loss_diff": max(abs(a["loss"] - b["loss"])
-                                     for rows in runs for a, b in zip(rows, reference, strict=True)),
-            "leg_spread": (max(per_leg) - min(per_leg)) / statistics.median(per_leg)})
+        table.append(
+            {
+                "variant": variant,
+                "legs": len(runs),
+                "tokens_per_s": tokens_per_s,
+                "ms_per_step": 1e3 * statistics.median(r["step_time_s"] for r in timed),
+                "mfu": statistics.median(mfus) if mfus else None,
+                "final_loss": runs[0][-1]["loss"],
+                "max_abs_loss_diff": max(
+                    abs(a["loss"] - b["loss"]) for rows in runs for a, b in zip(rows, reference, strict=True)
+                ),
+                "leg_spread": (max(per_leg) - min(per_leg)) / statistics.median(per_leg),
+            }
+        )
     base = next(row["tokens_per_s"] for row in table if row["variant"] == baseline)
     for row in table:
         row["ratio"], row["baseline"] = row["tokens_per_s"] / base, baseline
@@ -107,13 +129,17 @@ def summarize(legs: list[tuple[str, Rows]], warmup: int) -> list[dict[str, Any]]
 
 def format_table(table: list[dict[str, Any]]) -> list[str]:
     """The summary as aligned text lines."""
-    lines = [f"{'variant':<8} {'tokens/s':>11} {'ms/step':>9} {'MFU':>6} {'final loss':>11} {'max|dloss|':>10} "
-             f"{'vs ' + table[0]['baseline']:>8} {'spread':>7}"]
+    lines = [
+        f"{'variant':<8} {'tokens/s':>11} {'ms/step':>9} {'MFU':>6} {'final loss':>11} {'max|dloss|':>10} "
+        f"{'vs ' + table[0]['baseline']:>8} {'spread':>7}"
+    ]
     for r in table:
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"{r['variant']:<8} {r['tokens_per_s']:>11,.0f} {r['ms_per_step']:>9.2f} {mfu:>6} "
-                     f"{r['final_loss']:>11.6f} {r['max_abs_loss_diff']:>10.2e} {r['ratio']:>7.3f}x "
-                     f"{100 * r['leg_spread']:>6.1f}%")
+        lines.append(
+            f"{r['variant']:<8} {r['tokens_per_s']:>11,.0f} {r['ms_per_step']:>9.2f} {mfu:>6} "
+            f"{r['final_loss']:>11.6f} {r['max_abs_loss_diff']:>10.2e} {r['ratio']:>7.3f}x "
+            f"{100 * r['leg_spread']:>6.1f}%"
+        )
     return lines
 
 
@@ -123,8 +149,9 @@ def write_steps(path: str, legs: list[tuple[str, Rows]]) -> None:
         writer = csv.DictWriter(f, fieldnames=("leg", "variant") + metrics.COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for leg, (variant, rows) in enumerate(legs, 1):
-            writer.writerows({"leg": leg, "variant": variant, **{k: ("" if v is None else v) for k, v in r.items()}}
-                             for r in rows)
+            writer.writerows(
+                {"leg": leg, "variant": variant, **{k: ("" if v is None else v) for k, v in r.items()}} for r in rows
+            )
 
 
 def write_plot(path: str, legs: list[tuple[str, Rows]]) -> str | None:
@@ -132,6 +159,7 @@ def write_plot(path: str, legs: list[tuple[str, Rows]]) -> str | None:
     why not."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -158,8 +186,14 @@ def write_plot(path: str, legs: list[tuple[str, Rows]]) -> str | None:
     return None
 
 
-def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, warmup: int, plot: bool,
-             command: str, record: argparse.Namespace) -> None:
+def run_legs(
+    legs: list[tuple[str, config_mod.TrainerConfig]],
+    out_dir: str,
+    warmup: int,
+    plot: bool,
+    command: str,
+    record: argparse.Namespace,
+) -> None:
     """Per-rank entry point: train every leg in turn on the default group; rank 0 reports into ``out_dir`` (and,
     with ``record.record``, the grouped variant against the loop into benchmarks/results.jsonl)."""
     lead = dist.get_rank() == 0
@@ -189,9 +223,11 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
         if lead:
             timed = rows[warmup:]
             diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, results[0][1], strict=True))
-            logger.info(f"leg {leg}/{len(legs)} moe.expert_compute={variant}: median "
-                        f"{statistics.median(r['tokens_per_s'] for r in timed):,.0f} tok/s over steps "
-                        f"{warmup + 1}-{len(rows)}, final loss {rows[-1]['loss']:.6f}, max |dloss| vs leg 1 {diff:.2e}")
+            logger.info(
+                f"leg {leg}/{len(legs)} moe.expert_compute={variant}: median "
+                f"{statistics.median(r['tokens_per_s'] for r in timed):,.0f} tok/s over steps "
+                f"{warmup + 1}-{len(rows)}, final loss {rows[-1]['loss']:.6f}, max |dloss| vs leg 1 {diff:.2e}"
+            )
     bar.close()
     if not lead:
         return
@@ -200,12 +236,19 @@ def run_legs(legs: list[tuple[str, config_mod.TrainerConfig]], out_dir: str, war
         logger.info(line)
     speed = {row["variant"]: row["tokens_per_s"] for row in table}
     if {"grouped", "loop"} <= speed.keys():
-        records.record(record, "trainer_ab", {"config": record.config, "ranks": dist.get_world_size()},
-                       round(speed["grouped"]), round(speed["loop"]), "tokens/s")
+        records.record(
+            record,
+            "trainer_ab",
+            {"config": record.config, "ranks": dist.get_world_size()},
+            round(speed["grouped"]),
+            round(speed["loop"]),
+            "tokens/s",
+        )
     write_steps(os.path.join(out_dir, "steps.csv"), results)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"command": command, "warmup": warmup, "legs": [v for v, _ in results], "variants": table}, f,
-                  indent=1)
+        json.dump(
+            {"command": command, "warmup": warmup, "legs": [v for v, _ in results], "variants": table}, f, indent=1
+        )
     why_not = write_plot(os.path.join(out_dir, "loss_curves.png"), results) if plot else "--no-plot"
     logger.info(f"plot skipped: {why_not}" if why_not else f"plot: {os.path.join(out_dir, 'loss_curves.png')}")
     logger.info(f"outputs in {out_dir}: train.log, steps.csv, summary.json")
@@ -218,8 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if len(paths) > 1:
             raise ValueError(f"config: expected one YAML file, got {paths}")
-        legs = leg_configs(paths[0] if paths else DEFAULT_CONFIG, overrides, args.variants.split(","), args.repeats,
-                           args.out)
+        legs = leg_configs(
+            paths[0] if paths else DEFAULT_CONFIG, overrides, args.variants.split(","), args.repeats, args.out
+        )
         steps = legs[0][1].train.steps
         if not 0 <= args.warmup < steps:
             raise ValueError(f"--warmup: must be in [0, train.steps={steps}) to leave a timed step, got {args.warmup}")
@@ -229,9 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = legs[0][1]
     command = " ".join(["benchmarks/trainer_ab.py", *(argv if argv is not None else sys.argv[1:])])
     record = argparse.Namespace(record=args.record, config=paths[0] if paths else DEFAULT_CONFIG)
-    return launch.run_ranks(PROG, run_legs, cfg.parallel.nprocs,
-                            (legs, args.out, args.warmup, args.plot, command, record),
-                            backend=backend, timeout_s=cfg.parallel.timeout_s)
+    return launch.run_ranks(
+        PROG,
+        run_legs,
+        cfg.parallel.nprocs,
+        (legs, args.out, args.warmup, args.plot, command, record),
+        backend=backend,
+        timeout_s=cfg.parallel.timeout_s,
+    )
 
 
 if __name__ == "__main__":

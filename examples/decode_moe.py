@@ -9,6 +9,7 @@ Rank 0 prints one table, a row per rank: the largest difference of a low-latency
 forward, of the decoded logits from the normal-mode forward of the whole sequence, and of a CUDA-graph replay from
 eager steps; then a PASS/FAIL line. Every rank fails when a difference is over its tolerance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,14 @@ def main() -> int:
     parser.add_argument("--cuda-graph", action="store_true", help="capture one step and replay it (GPU)")
     args = parser.parse_args()
     cfg = config.load(args.config, tuple(args.set))
-    return launch.run_ranks("decode_moe.py", decode, cfg.parallel.nprocs,
-                            (cfg, args.batch, args.prompt_len, args.new_tokens, args.cuda_graph),
-                            backend=trainer.resolve_backend(cfg), timeout_s=cfg.parallel.timeout_s)
+    return launch.run_ranks(
+        "decode_moe.py",
+        decode,
+        cfg.parallel.nprocs,
+        (cfg, args.batch, args.prompt_len, args.new_tokens, args.cuda_graph),
+        backend=trainer.resolve_backend(cfg),
+        timeout_s=cfg.parallel.timeout_s,
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ DeepSpeed AutoEP (comm_backend deepep on this library, or AutoEP's own comm).
 CPU: gloo ranks (DS_ACCELERATOR=cpu is set here when torch sees no GPU; DeepSpeed compiles no op). GPU: one rank
 per GPU, NCCL. A config error is one line naming the key (exit code 2); a failed rank ends the others (exit code 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,21 @@ def _rank_main(config_path: str, overrides: tuple[str, ...], compare: bool) -> N
     import torch.distributed as dist
 
     from moe_ep_plugin.recipes.deepspeed.train import main
+
     main(load_config(config_path, overrides, dist.get_world_size()), compare)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="YAML run config (configs/deepspeed_*.yaml)")
-    parser.add_argument("--compare", action="store_true",
-                        help="train the baseline (stock DeepSpeed MoE; autoep: its comm backend), then this library "
-                             "(the plugin's layer; autoep: its deepep backend), and print a step-time table")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="train the baseline (stock DeepSpeed MoE; autoep: its comm backend), then this library "
+        "(the plugin's layer; autoep: its deepep backend), and print a step-time table",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     args = parser.parse_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else None
@@ -53,8 +59,9 @@ def cli(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         return config_error(PROG, exc)
     nprocs = world if world is not None else cfg.train.nprocs
-    return launch.run_ranks(PROG, _rank_main, nprocs, (args.config, tuple(args.overrides), args.compare),
-                            timeout_s=cfg.moe.timeout_s)
+    return launch.run_ranks(
+        PROG, _rank_main, nprocs, (args.config, tuple(args.overrides), args.compare), timeout_s=cfg.moe.timeout_s
+    )
 
 
 if __name__ == "__main__":

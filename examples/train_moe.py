@@ -1,9 +1,10 @@
 """The example MoE trainer as a plain script: what `moe-ep-train` does, spelled out with the library API.
 
-    python examples/train_moe.py configs/tiny.yaml                       # spawns parallel.nprocs local ranks
-    python examples/train_moe.py configs/tiny.yaml --set train.steps=50  # override any key
-    torchrun --nproc-per-node 2 examples/train_moe.py configs/ep2_h200.yaml
+python examples/train_moe.py configs/tiny.yaml                       # spawns parallel.nprocs local ranks
+python examples/train_moe.py configs/tiny.yaml --set train.steps=50  # override any key
+torchrun --nproc-per-node 2 examples/train_moe.py configs/ep2_h200.yaml
 """
+
 import argparse
 import sys
 
@@ -27,8 +28,9 @@ def main() -> int:
     # Under torchrun this joins its ranks; otherwise it starts parallel.nprocs processes (gloo on CPU, NCCL on GPU),
     # and each one runs trainer.run(cfg): build the Buffer on the EP group, the model, and train. A failed rank
     # ends the others; the exit code is then 1.
-    return launch.run_ranks("train_moe.py", trainer.run, cfg.parallel.nprocs, (cfg,), backend=backend,
-                            timeout_s=cfg.parallel.timeout_s)
+    return launch.run_ranks(
+        "train_moe.py", trainer.run, cfg.parallel.nprocs, (cfg,), backend=backend, timeout_s=cfg.parallel.timeout_s
+    )
 
 
 if __name__ == "__main__":

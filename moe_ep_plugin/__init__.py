@@ -1,4 +1,5 @@
 """moe_ep_plugin: expert-parallel dispatch/combine for MoE training (DeepEP-compatible ``Buffer``)."""
+
 from .buffer import Buffer
 from .config import Config
 from .event import EventOverlap
@@ -12,4 +13,5 @@ def install_deep_ep(force: bool = False):
     """Make ``import deep_ep`` resolve to :mod:`moe_ep_plugin.deep_ep` (``moe_ep_plugin.deep_ep.install``; refuses
     to shadow a real DeepEP unless ``force``). The integration is loaded only when asked for."""
     from importlib import import_module
+
     return import_module("moe_ep_plugin.deep_ep.install").install_deep_ep(force)

@@ -7,6 +7,7 @@ compile. It is built once: a stamp next to it (``<lib>.sha256``) holds the hash 
 the nvcc command, and a build whose stamp matches is skipped (``--force`` rebuilds anyway;
 ``MOE_EP_SKIP_KERNELS=1`` makes ``setup.py`` skip the kernels altogether).
 """
+
 from __future__ import annotations
 
 import glob
@@ -21,8 +22,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def find_nvcc() -> str | None:
     """Path of nvcc from $CUDA_HOME, PATH or /usr/local/cuda, or None."""
-    for candidate in (os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"), shutil.which("nvcc") or "",
-                      "/usr/local/cuda/bin/nvcc"):
+    for candidate in (
+        os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
+        shutil.which("nvcc") or "",
+        "/usr/local/cuda/bin/nvcc",
+    ):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -33,9 +37,24 @@ def nvcc_command(nvcc: str, sources: list[str], output: str) -> list[str]:
     tuning macro such as ``-DMOE_EP_CHUNK_ROWS=16`` for a variant library timed against the default."""
     arch = os.environ.get("MOE_EP_CUDA_ARCH", "90a")
     extra = os.environ.get("MOE_EP_NVCC_FLAGS", "").split()
-    return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-lineinfo",
-            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", os.path.join(_ROOT, "csrc"), *extra,
-            *sources, "-o", output]
+    return [
+        nvcc,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-cudart",
+        "static",
+        "-lineinfo",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        "-I",
+        os.path.join(_ROOT, "csrc"),
+        *extra,
+        *sources,
+        "-o",
+        output,
+    ]
 
 
 def build_stamp(cmd: list[str]) -> str:

@@ -6,6 +6,7 @@
 - combine_experts backward  = ``dispatch_experts(grad_combined_x, handle=handle)`` (cached expert layout)
 FP8 applies to the forward dispatch only; gradients travel in the dtype of the activations (BF16 on GPU).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,10 +37,12 @@ _DispatchCall = tuple[Buffer, torch.Tensor | None, int | None, bool, int, bool, 
 
 
 def _check_configs(configs: Configs) -> None:
-    if configs is not None and not (isinstance(configs, tuple) and len(configs) == 2
-                                    and all(isinstance(c, Config) for c in configs)):
-        raise TypeError(f"configs: expected None or a (dispatch, combine) pair of moe_ep_plugin.Config, "
-                        f"got {configs!r}")
+    if configs is not None and not (
+        isinstance(configs, tuple) and len(configs) == 2 and all(isinstance(c, Config) for c in configs)
+    ):
+        raise TypeError(
+            f"configs: expected None or a (dispatch, combine) pair of moe_ep_plugin.Config, got {configs!r}"
+        )
 
 
 class _Dispatch(torch.autograd.Function):
@@ -48,10 +51,19 @@ class _Dispatch(torch.autograd.Function):
         buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout = call
         per_rank, in_rank, per_expert, num_worst_tokens = layout
         recv_x, recv_idx, recv_weights, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=configs and configs[0],
-            fp8_dispatch=fp8_dispatch, round_scale=round_scale)
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_experts=num_experts,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens,
+            config=configs and configs[0],
+            fp8_dispatch=fp8_dispatch,
+            round_scale=round_scale,
+        )
         ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.save_for_backward(recv_idx)
         ctx.has_weights = topk_weights is not None
@@ -73,8 +85,9 @@ class _Dispatch(torch.autograd.Function):
                 grad_recv_weights = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
             # Entries for experts on other ranks were zeroed in the forward: no gradient flows through them here.
             weights_grad = grad_recv_weights.float().masked_fill(recv_idx < 0, 0.0)
-        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), handle, topk_weights=weights_grad,
-                                                     config=ctx.configs and ctx.configs[1])
+        grad_x, grad_weights, _ = ctx.buffer.combine(
+            grad_recv_x.contiguous(), handle, topk_weights=weights_grad, config=ctx.configs and ctx.configs[1]
+        )
         return grad_x, grad_weights, None
 
 
@@ -112,8 +125,15 @@ class _DispatchExperts(torch.autograd.Function):
             topk_idx, topk_weights = topk_from_routing_map(routing[0], topk_weights, routing[1])
             ctx.routing = (topk_idx, probs_dtype)
         expert_x, _, probs, tokens_per_expert, handle, _ = buffer.dispatch_experts(
-            x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment, fp8_dispatch=fp8_dispatch,
-            round_scale=round_scale, config=configs and configs[0])
+            x,
+            topk_idx,
+            topk_weights,
+            num_experts,
+            expert_alignment=expert_alignment,
+            fp8_dispatch=fp8_dispatch,
+            round_scale=round_scale,
+            config=configs and configs[0],
+        )
         ctx.buffer, ctx.handle, ctx.configs = buffer, handle, configs
         ctx.has_weights = topk_weights is not None
         return expert_x, probs, tokens_per_expert, handle
@@ -124,8 +144,9 @@ class _DispatchExperts(torch.autograd.Function):
         # and pairs of other ranks have no row here, so nothing needs masking. The engine hands each gradient over
         # in its output's dtype (float32 probs), and the Buffer makes its inputs contiguous: no conversions here.
         expert_weights = grad_probs if ctx.has_weights else None
-        grad_x, grad_weights, _ = ctx.buffer.combine_experts(grad_expert_x, ctx.handle, expert_weights,
-                                                             config=ctx.configs and ctx.configs[1])
+        grad_x, grad_weights, _ = ctx.buffer.combine_experts(
+            grad_expert_x, ctx.handle, expert_weights, config=ctx.configs and ctx.configs[1]
+        )
         if ctx.routing is not None:
             topk_idx, probs_dtype = ctx.routing
             # combine_experts' weights are 0 where topk_idx is -1 (its contract): no mask needed
@@ -135,12 +156,22 @@ class _DispatchExperts(torch.autograd.Function):
         return grad_x, grad_weights, None
 
 
-def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
-             topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
-             fp8_dispatch: bool = False, expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None,
-             num_tokens_per_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
-             num_tokens_per_expert: torch.Tensor | None = None, num_worst_tokens: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int], DispatchHandle]:
+def dispatch(
+    buffer: Buffer,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    *,
+    fp8_dispatch: bool = False,
+    expert_alignment: int = 1,
+    round_scale: bool = False,
+    configs: Configs = None,
+    num_tokens_per_rank: torch.Tensor | None = None,
+    is_token_in_rank: torch.Tensor | None = None,
+    num_tokens_per_expert: torch.Tensor | None = None,
+    num_worst_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch` of BF16/FP32 ``x`` ``[N, H]`` with ``topk_idx`` ``[N, K]`` (global ids),
     or without top-k from the three layout tensors (as :meth:`Buffer.dispatch` takes them).
 
@@ -154,8 +185,9 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = No
     _check_inputs(buffer, x)
     _check_configs(configs)
     layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens)
-    return _Dispatch.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
-                                             round_scale, configs, layout))
+    return _Dispatch.apply(
+        x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, layout)
+    )
 
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None) -> torch.Tensor:
@@ -166,10 +198,18 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, *, configs:
     return _Combine.apply(x, buffer, handle, False, configs)
 
 
-def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-                     num_experts: int, *, fp8_dispatch: bool = False, expert_alignment: int = 1,
-                     round_scale: bool = False, configs: Configs = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], DispatchHandle]:
+def dispatch_experts(
+    buffer: Buffer,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    num_experts: int,
+    *,
+    fp8_dispatch: bool = False,
+    expert_alignment: int = 1,
+    round_scale: bool = False,
+    configs: Configs = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int], DispatchHandle]:
     """Differentiable :meth:`Buffer.dispatch_experts` of BF16/FP32 ``x`` ``[N, H]``, ``topk_idx`` ``[N, K]`` global ids.
 
     Returns ``(expert_x [M, H] x.dtype, expert_probs [M] float32 or None, tokens_per_expert list[int], handle)``.
@@ -179,14 +219,24 @@ def dispatch_experts(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, to
     """
     _check_inputs(buffer, x)
     _check_configs(configs)
-    return _DispatchExperts.apply(x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment,
-                                                    round_scale, configs, None))
+    return _DispatchExperts.apply(
+        x, topk_weights, (buffer, topk_idx, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, None)
+    )
 
 
-def dispatch_experts_from_routing_map(buffer: Buffer, x: torch.Tensor, routing_map: torch.Tensor,
-                                      probs: torch.Tensor, topk: int, num_experts: int, *, fp8_dispatch: bool = False,
-                                      expert_alignment: int = 1, round_scale: bool = False, configs: Configs = None
-                                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], DispatchHandle]:
+def dispatch_experts_from_routing_map(
+    buffer: Buffer,
+    x: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor,
+    topk: int,
+    num_experts: int,
+    *,
+    fp8_dispatch: bool = False,
+    expert_alignment: int = 1,
+    round_scale: bool = False,
+    configs: Configs = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int], DispatchHandle]:
     """:func:`dispatch_experts` of ``x`` ``[N, H]`` routed by Megatron-Core's multi-hot ``routing_map`` ``[N, E]``
     bool with router ``probs`` ``[N, E]`` (any float dtype): each token's selected experts (at most ``topk``; the
     slots past them are -1) in ascending order, weighted by their probs, as ``ops.routing.routing_map_to_topk``
@@ -194,12 +244,14 @@ def dispatch_experts_from_routing_map(buffer: Buffer, x: torch.Tensor, routing_m
     _check_inputs(buffer, x)
     _check_configs(configs)
     check_routing_map(routing_map, probs, topk)
-    return _DispatchExperts.apply(x, probs, (buffer, None, num_experts, fp8_dispatch, expert_alignment, round_scale,
-                                             configs, (routing_map, topk)))
+    return _DispatchExperts.apply(
+        x, probs, (buffer, None, num_experts, fp8_dispatch, expert_alignment, round_scale, configs, (routing_map, topk))
+    )
 
 
-def combine_experts(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None
-                    ) -> torch.Tensor:
+def combine_experts(
+    buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, *, configs: Configs = None
+) -> torch.Tensor:
     """Differentiable :meth:`Buffer.combine_experts`: expert outputs ``y`` ``[M, H]`` → ``[N, H]`` (its gradient is
     the cached expert-major dispatch of the output gradient; padding rows get zeros); ``configs`` as for
     :func:`dispatch`."""

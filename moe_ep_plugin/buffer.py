@@ -9,6 +9,7 @@ The Buffer validates every input before any communication, owns the communicatio
 ``previous_event``/``async_finish``/``allocate_on_comm_stream`` semantics, and hands validated, contiguous
 tensors to its transport (``torch`` reference or ``nvlink`` kernels).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ def _require_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
-           cuda: bool) -> torch.Tensor:
+def _check(
+    name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None], cuda: bool
+) -> torch.Tensor:
     """Type, dtype, shape (None = any size) and device (CUDA if ``cuda``, else CPU: the buffer's device type) of an
     input tensor, with the argument's name in the error. Runs several times per call, so it reads each tensor
     attribute once and builds no device objects (``is_cuda``/``is_cpu`` instead of ``device.type``)."""
@@ -51,8 +53,9 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[
         if want is not None and want != got:
             raise _shape_error(name, shape, size)
     if not (t.is_cuda if cuda else t.is_cpu):
-        raise ValueError(f"{name}: expected a tensor on {'cuda' if cuda else 'cpu'} (the buffer's device), "
-                         f"got {t.device}")
+        raise ValueError(
+            f"{name}: expected a tensor on {'cuda' if cuda else 'cpu'} (the buffer's device), got {t.device}"
+        )
     return t
 
 
@@ -114,12 +117,25 @@ class Buffer:
 
     num_sms: int = 20
 
-    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
-                 transport: str = "auto", timeout_s: float | None = None,
-                 device: torch.device | str | None = None, ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: object = None,
+        *,
+        transport: str = "auto",
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
         group = group if group is not None else dist.group.WORLD
@@ -130,16 +146,19 @@ class Buffer:
                 raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
         positive_int(num_qps_per_rank, "num_qps_per_rank")
         if enable_shrink:  # DeepEP's low_latency_*_mask_buffer calls, which this library does not have
-            raise ValueError("enable_shrink: shrink mode (masking ranks out of low-latency calls) is not served by "
-                             "this library; pass enable_shrink=False")
+            raise ValueError(
+                "enable_shrink: shrink mode (masking ranks out of low-latency calls) is not served by "
+                "this library; pass enable_shrink=False"
+            )
         if not isinstance(transport, str):
             raise TypeError(f"transport: expected a str, got {type(transport).__name__}")
         if timeout_s is None:
             try:
                 timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
             except ValueError:
-                raise ValueError(f"$MOE_EP_TIMEOUT_S: expected a number of seconds, got "
-                                 f"{os.environ['MOE_EP_TIMEOUT_S']!r}") from None
+                raise ValueError(
+                    f"$MOE_EP_TIMEOUT_S: expected a number of seconds, got {os.environ['MOE_EP_TIMEOUT_S']!r}"
+                ) from None
         elif not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
             raise TypeError(f"timeout_s: expected a number of seconds, got {type(timeout_s).__name__}")
         if not timeout_s > 0:
@@ -155,18 +174,29 @@ class Buffer:
         self._cuda = is_cuda  # what _check compares input tensors with
         self.transport_name, split = resolve_transport(transport, group, self.device, ranks_per_node, timeout_s)
         if is_cuda and self.transport_name == "torch" and dist.get_backend(group) != "nccl":
-            raise ValueError(f"device: the torch transport moves rows with the group's collectives, and a "
-                             f"{dist.get_backend(group)} group cannot carry {self.device} tensors; use an NCCL "
-                             f"group or transport='nvlink'")
+            raise ValueError(
+                f"device: the torch transport moves rows with the group's collectives, and a "
+                f"{dist.get_backend(group)} group cannot carry {self.device} tensors; use an NCCL "
+                f"group or transport='nvlink'"
+            )
         self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes, split)
         self.timeout_s = timeout_s
         self._comm_stream = torch.cuda.Stream(self.device, priority=-1) if is_cuda else None
         self._last_stream: int | None = None  # raw handle of the stream the last call's work went to
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
         # Low-latency mode (docs/low_latency.md): its own buffer sets; normal mode stays usable on this Buffer.
-        self._low_latency = None if not low_latency_mode else LowLatencyMode(
-            create_low_latency_transport(self.transport, num_rdma_bytes), self.rank, self.group_size, num_rdma_bytes,
-            self.device, lambda name, t, dtypes, shape: _check(name, t, dtypes, shape, is_cuda))
+        self._low_latency = (
+            None
+            if not low_latency_mode
+            else LowLatencyMode(
+                create_low_latency_transport(self.transport, num_rdma_bytes),
+                self.rank,
+                self.group_size,
+                num_rdma_bytes,
+                self.device,
+                lambda name, t, dtypes, shape: _check(name, t, dtypes, shape, is_cuda),
+            )
+        )
 
     # ---- configuration (static, as in DeepEP) ----
     @staticmethod
@@ -192,6 +222,7 @@ class Buffer:
     @staticmethod
     def capture() -> EventOverlap:
         from .event import capture
+
         return capture()
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
@@ -219,8 +250,14 @@ class Buffer:
             self.transport.check_error()
             raise
 
-    def _on_comm_stream(self, fn: Callable[[], tuple], previous_event: EventOverlap | None, async_finish: bool,
-                        allocate_on_comm_stream: bool, inputs: tuple) -> tuple:
+    def _on_comm_stream(
+        self,
+        fn: Callable[[], tuple],
+        previous_event: EventOverlap | None,
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+        inputs: tuple,
+    ) -> tuple:
         """Raise what the transport recorded, then run ``fn`` on the communication stream after ``previous_event``
         (or the current stream's work); with ``async_finish`` the returned event marks its end, else the current
         stream waits for it.
@@ -280,9 +317,14 @@ class Buffer:
         here.wait_stream(torch.cuda.ExternalStream(last, device=self.device))
 
     # ---- layout ----
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
-                            previous_event: EventOverlap | None = None, async_finish: bool = False,
-                            allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """``topk_idx`` ``[N, K]`` int64/int32 (-1 = none) → ``(num_tokens_per_rank [R] int32,
         num_tokens_per_rdma_rank [M] int32 (tokens per node on the hierarchical transport, else None),
         num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
@@ -294,6 +336,7 @@ class Buffer:
         def check() -> torch.Tensor:
             self._check_num_experts(num_experts)
             return _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None), self._cuda))
+
         topk_idx = self.refusing("get_dispatch_layout", None, check)
 
         def layout() -> tuple:
@@ -301,7 +344,8 @@ class Buffer:
             return per_rank, self.transport.num_tokens_per_node(in_rank), per_expert, in_rank
 
         per_rank, per_node, per_expert, in_rank, event = self._on_comm_stream(
-            layout, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
+            layout, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)
+        )
         return per_rank, per_node, per_expert, in_rank, event
 
     def refusing(self, call: str, handle: object | None, check: Callable[[], T]) -> T:
@@ -327,16 +371,28 @@ class Buffer:
             raise ValueError(f"num_experts: {num_experts} experts do not divide evenly over {self.group_size} EP ranks")
 
     # ---- dispatch ----
-    def dispatch(self, x: XInput, handle: DispatchHandle | None = None,
-                 num_tokens_per_rank: torch.Tensor | None = None,
-                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
-                 is_token_in_rank: torch.Tensor | None = None,
-                 num_tokens_per_expert: torch.Tensor | None = None,
-                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
-                 previous_event: EventOverlap | None = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False, *, num_experts: int | None = None,
-                 fp8_dispatch: bool = False, fp8_out: bool = False, round_scale: bool = False):
+    def dispatch(
+        self,
+        x: XInput,
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        *,
+        num_experts: int | None = None,
+        fp8_dispatch: bool = False,
+        fp8_out: bool = False,
+        round_scale: bool = False,
+    ):
         """Send each token once to every rank that hosts one of its experts (or, without top-k, to every rank
         ``is_token_in_rank`` names); rows arrive ordered by source rank, then source token.
 
@@ -374,25 +430,55 @@ class Buffer:
         inputs = (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, handle)
 
         def run() -> tuple:
-            args = self.refusing("dispatch", handle, lambda: self._dispatch_args(
-                x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                expert_alignment, num_worst_tokens, config, num_experts, fp8_dispatch, fp8_out, round_scale))
+            args = self.refusing(
+                "dispatch",
+                handle,
+                lambda: self._dispatch_args(
+                    x,
+                    handle,
+                    num_tokens_per_rank,
+                    is_token_in_rank,
+                    num_tokens_per_expert,
+                    topk_idx,
+                    topk_weights,
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
+                    num_experts,
+                    fp8_dispatch,
+                    fp8_out,
+                    round_scale,
+                ),
+            )
             result = self.transport.dispatch(args)
             counts: list[int] = []
             if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
                 # read here, on the stream the dispatch ran on, after it (in async mode nothing later waits for it)
                 counts = align_counts(result.counts_list(), expert_alignment)
             return result, counts
-        result, counts, event = self._on_comm_stream(run, previous_event, async_finish, allocate_on_comm_stream,
-                                                     inputs)
+
+        result, counts, event = self._on_comm_stream(run, previous_event, async_finish, allocate_on_comm_stream, inputs)
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts, result.handle, event
 
-    def _dispatch_args(self, x: XInput, handle: DispatchHandle | None, num_tokens_per_rank: torch.Tensor | None,
-                       is_token_in_rank: torch.Tensor | None, num_tokens_per_expert: torch.Tensor | None,
-                       topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, expert_alignment: int,
-                       num_worst_tokens: int, config: Config | None, num_experts: int | None, fp8_dispatch: bool,
-                       fp8_out: bool, round_scale: bool, layout: bool = True) -> DispatchArgs:
+    def _dispatch_args(
+        self,
+        x: XInput,
+        handle: DispatchHandle | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config | None,
+        num_experts: int | None,
+        fp8_dispatch: bool,
+        fp8_out: bool,
+        round_scale: bool,
+        layout: bool = True,
+    ) -> DispatchArgs:
         """Validate a dispatch's arguments into transport args, computing the layout when only ``topk_idx`` is
         given (unless ``layout`` is False: the transport derives it from top-k itself)."""
         x_data, x_scales = self._check_x(x, fp8_dispatch, fp8_out, round_scale)
@@ -405,60 +491,101 @@ class Buffer:
         config = self._check_config(config, self.get_dispatch_config)
         if handle is not None:
             self._check_handle(handle, n)
-            if not (topk_idx is None and topk_weights is None and num_tokens_per_rank is None
-                    and is_token_in_rank is None):
-                name = next(name for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
-                                                     ("num_tokens_per_rank", num_tokens_per_rank),
-                                                     ("is_token_in_rank", is_token_in_rank)) if value is not None)
+            if not (
+                topk_idx is None and topk_weights is None and num_tokens_per_rank is None and is_token_in_rank is None
+            ):
+                name = next(
+                    name
+                    for name, value in (
+                        ("topk_idx", topk_idx),
+                        ("topk_weights", topk_weights),
+                        ("num_tokens_per_rank", num_tokens_per_rank),
+                        ("is_token_in_rank", is_token_in_rank),
+                    )
+                    if value is not None
+                )
                 raise ValueError(f"{name}: must be None when a cached handle is given (the layout is reused)")
             num_experts = handle.num_experts
         else:
             if topk_idx is None:
-                if (not layout or num_tokens_per_rank is None or is_token_in_rank is None
-                        or num_tokens_per_expert is None):
-                    raise ValueError("topk_idx: required when no cached handle is given, unless "
-                                     "num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are all given "
-                                     "(dispatch without top-k)")
+                if (
+                    not layout
+                    or num_tokens_per_rank is None
+                    or is_token_in_rank is None
+                    or num_tokens_per_expert is None
+                ):
+                    raise ValueError(
+                        "topk_idx: required when no cached handle is given, unless "
+                        "num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are all given "
+                        "(dispatch without top-k)"
+                    )
                 if topk_weights is not None:
                     raise ValueError("topk_weights: needs topk_idx")
             else:
                 topk_idx = _int64(_check("topk_idx", topk_idx, (torch.int64, torch.int32), (n, None), self._cuda))
             if topk_weights is not None:
-                topk_weights = _check("topk_weights", topk_weights, (torch.float32,), topk_idx.shape,
-                                      self._cuda).contiguous()
+                topk_weights = _check(
+                    "topk_weights", topk_weights, (torch.float32,), topk_idx.shape, self._cuda
+                ).contiguous()
             if num_experts is None and num_tokens_per_expert is not None:
                 num_experts = _require_tensor("num_tokens_per_expert", num_tokens_per_expert).shape[0]
             if num_experts is None:
-                raise ValueError("num_experts: pass num_experts or num_tokens_per_expert so expert ids can be "
-                                 "localised")
+                raise ValueError(
+                    "num_experts: pass num_experts or num_tokens_per_expert so expert ids can be localised"
+                )
             self._check_num_experts(num_experts)
             if num_tokens_per_expert is not None:
-                num_tokens_per_expert = _check("num_tokens_per_expert", num_tokens_per_expert,
-                                               (torch.int32, torch.int64), (num_experts,), self._cuda)
+                num_tokens_per_expert = _check(
+                    "num_tokens_per_expert",
+                    num_tokens_per_expert,
+                    (torch.int32, torch.int64),
+                    (num_experts,),
+                    self._cuda,
+                )
             if (num_tokens_per_rank is None) != (is_token_in_rank is None):
-                raise ValueError("num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) "
-                                 "or neither")
+                raise ValueError(
+                    "num_tokens_per_rank/is_token_in_rank: pass both (from get_dispatch_layout) or neither"
+                )
             # Expert ids are range-checked by the transport: their count rides on the count exchange, so every
             # rank raises at that one host read, before any row moves (a separate check would cost a sync).
             if num_tokens_per_rank is None and layout:
                 # The transport's own layout of the top-k checked above: nothing left to check, and on the
                 # current stream as get_dispatch_layout without events would run it.
                 num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self.transport.get_dispatch_layout(
-                    topk_idx, num_experts)
+                    topk_idx, num_experts
+                )
             elif num_tokens_per_rank is not None:
-                num_tokens_per_rank = _check("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64),
-                                             (self.group_size,), self._cuda)
-                is_token_in_rank = _check("is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size),
-                                          self._cuda).contiguous()
-        return DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                            num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-                            num_experts=num_experts, handle=handle, num_worst_tokens=num_worst_tokens,
-                            wire_fp8=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
-                            config=config, num_tokens_per_expert=num_tokens_per_expert,
-                            layout_given=layout_given)
+                num_tokens_per_rank = _check(
+                    "num_tokens_per_rank",
+                    num_tokens_per_rank,
+                    (torch.int32, torch.int64),
+                    (self.group_size,),
+                    self._cuda,
+                )
+                is_token_in_rank = _check(
+                    "is_token_in_rank", is_token_in_rank, (torch.bool,), (n, self.group_size), self._cuda
+                ).contiguous()
+        return DispatchArgs(
+            x=x_data,
+            x_scales=x_scales,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_tokens_per_rank=num_tokens_per_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_experts=num_experts,
+            handle=handle,
+            num_worst_tokens=num_worst_tokens,
+            wire_fp8=fp8_dispatch,
+            fp8_out=fp8_out,
+            round_scale=round_scale,
+            config=config,
+            num_tokens_per_expert=num_tokens_per_expert,
+            layout_given=layout_given,
+        )
 
-    def _check_x(self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _check_x(
+        self, x: XInput, fp8_dispatch: bool, fp8_out: bool, round_scale: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"x: an FP8 input is a (data, scales) pair, got a tuple of {len(x)}")
@@ -494,10 +621,17 @@ class Buffer:
         return handle
 
     # ---- combine ----
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
-                bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
-                previous_event: EventOverlap | None = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Reduce received rows back to their tokens: ``x`` ``[N_recv, H]`` BF16/FP32 in dispatch order →
         ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``; sums in fp32, adds ``bias``
         (0–2 tensors ``[N, H]``) once, casts to ``x.dtype``. Gate weights are applied by the caller before.
@@ -510,19 +644,33 @@ class Buffer:
         config = self._check_config(config, self.get_combine_config)
 
         def run() -> tuple:
-            return self.transport.combine(x.contiguous(), handle, _contiguous(topk_weights),
-                                          tuple(b.contiguous() for b in biases), config)
-        combined, weights, event = self._on_comm_stream(run, previous_event, async_finish, allocate_on_comm_stream,
-                                                        (x, topk_weights, biases, handle))
+            return self.transport.combine(
+                x.contiguous(), handle, _contiguous(topk_weights), tuple(b.contiguous() for b in biases), config
+            )
+
+        combined, weights, event = self._on_comm_stream(
+            run, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights, biases, handle)
+        )
         return combined, weights, event
 
     # ---- expert-major dispatch / combine ----
-    def dispatch_experts(self, x: XInput, topk_idx: torch.Tensor | None = None,
-                         topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
-                         handle: DispatchHandle | None = None, expert_alignment: int = 1, fp8_dispatch: bool = False,
-                         fp8_out: bool = False, round_scale: bool = False, config: Config | None = None,
-                         previous_event: EventOverlap | None = None, async_finish: bool = False,
-                         allocate_on_comm_stream: bool = False):
+    def dispatch_experts(
+        self,
+        x: XInput,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        *,
+        handle: DispatchHandle | None = None,
+        expert_alignment: int = 1,
+        fp8_dispatch: bool = False,
+        fp8_out: bool = False,
+        round_scale: bool = False,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Dispatch straight into the expert-major layout a grouped GEMM takes (docs/expert_major.md): the
         "prepare" half of the prepare/finalize pair around the experts (:meth:`combine_experts` finalizes).
 
@@ -550,25 +698,54 @@ class Buffer:
         if handle is not None:
             layout = self._check_expert_handle(handle).expert_layout
             if expert_alignment not in (1, layout.alignment):
-                raise ValueError(f"expert_alignment: the cached handle's layout is aligned to {layout.alignment}, "
-                                 f"got {expert_alignment!r}")
+                raise ValueError(
+                    f"expert_alignment: the cached handle's layout is aligned to {layout.alignment}, "
+                    f"got {expert_alignment!r}"
+                )
             expert_alignment = layout.alignment
+
         def run() -> tuple:
-            args = self.refusing("dispatch", handle, lambda: self._dispatch_args(
-                x, handle, None, None, None, topk_idx, topk_weights, expert_alignment, 0, config, num_experts,
-                fp8_dispatch, fp8_out, round_scale, layout=not self.transport.expert_layout_from_topk))
+            args = self.refusing(
+                "dispatch",
+                handle,
+                lambda: self._dispatch_args(
+                    x,
+                    handle,
+                    None,
+                    None,
+                    None,
+                    topk_idx,
+                    topk_weights,
+                    expert_alignment,
+                    0,
+                    config,
+                    num_experts,
+                    fp8_dispatch,
+                    fp8_out,
+                    round_scale,
+                    layout=not self.transport.expert_layout_from_topk,
+                ),
+            )
             result = self.transport.dispatch_experts(args, expert_alignment)
             # host values the transport read after the work producing them; a copy: the handle's stays intact
             return result, list(result.handle.expert_layout.tokens_per_expert)
-        result, tokens_per_expert, event = self._on_comm_stream(run, previous_event, async_finish,
-                                                                allocate_on_comm_stream,
-                                                                (x, topk_idx, topk_weights, handle))
+
+        result, tokens_per_expert, event = self._on_comm_stream(
+            run, previous_event, async_finish, allocate_on_comm_stream, (x, topk_idx, topk_weights, handle)
+        )
         return result.x, result.x_scales, result.probs, tokens_per_expert, result.handle, event
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None = None,
-                        config: Config | None = None, previous_event: EventOverlap | None = None,
-                        async_finish: bool = False, allocate_on_comm_stream: bool = False,
-                        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None):
+    def combine_experts(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        expert_weights: torch.Tensor | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    ):
         """Reverse of :meth:`dispatch_experts`: expert outputs ``y`` ``[M, H]`` BF16/FP32 in the handle's layout →
         ``(combined_x [N, H] y.dtype, combined_weights [N, K] float32 or None, event)``.
 
@@ -585,9 +762,14 @@ class Buffer:
         biases = self._check_biases(bias, y, handle.num_tokens)
         config = self._check_config(config, self.get_combine_config)
         combined, weights, event = self._on_comm_stream(
-            lambda: self.transport.combine_experts(y.contiguous(), handle, _contiguous(expert_weights),
-                                                   tuple(b.contiguous() for b in biases), config),
-            previous_event, async_finish, allocate_on_comm_stream, (y, expert_weights, biases, handle))
+            lambda: self.transport.combine_experts(
+                y.contiguous(), handle, _contiguous(expert_weights), tuple(b.contiguous() for b in biases), config
+            ),
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            (y, expert_weights, biases, handle),
+        )
         return combined, weights, event
 
     def _check_biases(self, bias: object, x: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, ...]:
@@ -601,8 +783,9 @@ class Buffer:
 
     # ---- low-latency mode (DeepEP V1's signatures; semantics in moe_ep_plugin/low_latency.py) ----
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
         """Bytes to pass as ``num_rdma_bytes`` for low-latency calls of these shapes."""
         return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
@@ -612,27 +795,64 @@ class Buffer:
             raise ValueError("low_latency_mode: this Buffer was made without low_latency_mode=True")
         return self._low_latency
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
         """``x`` BF16 ``[N <= M, H]``, ``topk_idx`` ``[N, K]`` (-1 = none) → ``(recv_x, recv_count, handle, event,
         hook)``: ``recv_x`` ``[L, R*M, H]`` BF16, or ``(FP8, scales)`` with float32 scales ``[L, R*M, H/128]``
         (packed UE8M0 int32 ``[L, R*M, H/512]`` with ``use_ue8m0``); ``recv_count`` ``[L]`` int32 valid rows."""
-        return self._ll().dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                   cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                   round_scale, use_ue8m0, async_finish, return_recv_hook)
+        return self._ll().dispatch(
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            async_finish,
+            return_recv_hook,
+        )
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: object, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: object,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
         """Expert outputs ``x`` BF16 ``[L, R*M, H]`` → ``(combined_x [N, H] BF16, event, hook)``:
         ``Σ_k topk_weights[t, k] · y`` over the token's experts in fp32."""
-        return self._ll().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                  return_recv_hook, out, combine_wait_recv_cost_stats)
+        return self._ll().combine(
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            use_logfmt,
+            zero_copy,
+            async_finish,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,
+        )
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """BF16 ``[L, R*M, H]``: write expert outputs here, then ``low_latency_combine(..., zero_copy=True)``."""
@@ -645,8 +865,10 @@ class Buffer:
     def _check_expert_handle(self, handle: object) -> DispatchHandle:
         handle = self._check_handle(handle)
         if handle.expert_layout is None:
-            raise ValueError("handle: it has no expert-major layout (it came from Buffer.dispatch; "
-                             "use the handle returned by Buffer.dispatch_experts)")
+            raise ValueError(
+                "handle: it has no expert-major layout (it came from Buffer.dispatch; "
+                "use the handle returned by Buffer.dispatch_experts)"
+            )
         return handle
 
 

@@ -4,6 +4,7 @@ This is DeepEP's usage pattern (Megatron-Core keeps one global DeepEP buffer): t
 pre-allocates peer-visible memory, so all MoE layers on a group share one buffer instead of one each.
 The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all take their buffer from here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,11 @@ def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: int | None = None
         raise ValueError(f"hidden_bytes: expected a positive byte count, got {hidden_bytes}")
     sms = Buffer.num_sms if num_sms is None else num_sms
     staging = staging_bytes(num_ranks, rows, dispatch_slot_bytes(hidden_bytes, 1, False, 1)) if rows > 0 else 0
-    return max(dispatch_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               combine_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks), staging)
+    return max(
+        dispatch_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+        combine_config(sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+        staging,
+    )
 
 
 def sm_configs(num_sms: int | None, num_ranks: int) -> tuple[Config, Config] | None:
@@ -36,10 +40,16 @@ def sm_configs(num_sms: int | None, num_ranks: int) -> tuple[Config, Config] | N
     return dispatch_config(num_sms, num_ranks), combine_config(num_sms, num_ranks)
 
 
-def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "auto",
-               timeout_s: float | None = None, num_sms: int | None = None,
-               ranks_per_node: int | None = None, device: torch.device | str | None = None,
-               rows: int = 0) -> Buffer:
+def get_buffer(
+    group: dist.ProcessGroup,
+    hidden_bytes: int,
+    transport: str = "auto",
+    timeout_s: float | None = None,
+    num_sms: int | None = None,
+    ranks_per_node: int | None = None,
+    device: torch.device | str | None = None,
+    rows: int = 0,
+) -> Buffer:
     """The shared Buffer of ``group``, ``transport``, ``ranks_per_node`` (None: the launcher's nodes) and
     ``device`` (None: the group's default, see ``Buffer``; a CUDA device with a gloo group serves ranks that share
     one GPU); re-created (collectively) when rows of ``hidden_bytes`` no longer fit at ``num_sms`` SMs (None:
@@ -54,8 +64,14 @@ def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, transport: str = "au
     if buffer is None or buffer.num_nvl_bytes < need:
         if buffer is not None:
             buffer.destroy()
-        buffer = Buffer(group, num_nvl_bytes=need, transport=transport, timeout_s=timeout_s,
-                        ranks_per_node=ranks_per_node, device=device)
+        buffer = Buffer(
+            group,
+            num_nvl_bytes=need,
+            transport=transport,
+            timeout_s=timeout_s,
+            ranks_per_node=ranks_per_node,
+            device=device,
+        )
         _BUFFERS[key] = buffer
     return buffer
 

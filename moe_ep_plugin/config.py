@@ -1,5 +1,6 @@
 """Per-call tuning of the normal kernels: DeepEP V1's ``Config`` (names, defaults, size hints) and the nvlink
 transport's ``NVLinkTuning`` it carries."""
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,12 @@ class NVLinkTuning:
     copy_streams: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("dispatch_send_warps", "quantizing_dispatch_send_warps", "dequantizing_dispatch_send_warps",
-                     "pull_dispatch_send_warps"):
+        for name in (
+            "dispatch_send_warps",
+            "quantizing_dispatch_send_warps",
+            "dequantizing_dispatch_send_warps",
+            "pull_dispatch_send_warps",
+        ):
             positive_int(getattr(self, name), f"NVLinkTuning.{name}", 1, WARPS_PER_BLOCK - 1)
         positive_int(self.combine_send_warps, "NVLinkTuning.combine_send_warps", 1, WARPS_PER_BLOCK - 1)
         for name in ("combine_send_blocks", "pull_combine_min_bytes", "copy_engine_combine_below_sms"):
@@ -112,14 +117,20 @@ class Config:
     def __post_init__(self) -> None:
         check_num_sms(self.num_sms, "Config.num_sms")
         positive_int(self.hierarchical_chunks, "Config.hierarchical_chunks", 1)
-        for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+        for name in (
+            "num_max_nvl_chunked_send_tokens",
+            "num_max_nvl_chunked_recv_tokens",
+            "num_max_rdma_chunked_send_tokens",
+            "num_max_rdma_chunked_recv_tokens",
+        ):
             positive_int(getattr(self, name), f"Config.{name}", 1)
         if not isinstance(self.nvlink, NVLinkTuning):
             raise TypeError(f"Config.nvlink: expected an NVLinkTuning, got {type(self.nvlink).__name__}")
         if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
-            raise ValueError("Config.num_max_nvl_chunked_send_tokens must be < num_max_nvl_chunked_recv_tokens, got "
-                             f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")
+            raise ValueError(
+                "Config.num_max_nvl_chunked_send_tokens must be < num_max_nvl_chunked_recv_tokens, got "
+                f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}"
+            )
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of peer-visible buffer the NVLink kernels need for rows of ``hidden_bytes`` (DeepEP's formula)."""
@@ -127,8 +138,10 @@ class Config:
         peers = min(num_ranks, 8)
         rdma_ranks = max(1, num_ranks // 8)
         per_token = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4  # row + worst-case top-k idx/weights + scales
-        size = (channels * peers * (2 * rdma_ranks + 3) * 4
-                + channels * peers * self.num_max_nvl_chunked_recv_tokens * per_token)
+        size = (
+            channels * peers * (2 * rdma_ranks + 3) * 4
+            + channels * peers * self.num_max_nvl_chunked_recv_tokens * per_token
+        )
         return round_up(size, _ALIGN)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:

@@ -1,5 +1,6 @@
 """EventOverlap: DeepEP's handle on asynchronous communication (a CUDA event, or nothing on CPU); the current
 stream's raw handle for kernel launches."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

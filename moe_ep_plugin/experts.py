@@ -18,6 +18,7 @@ Two implementations, chosen per call by ``impl``:
 Both give the same numbers: on CPU bit for bit (ATen's grouped kernel is the same per-group matmul), on GPU
 within the accumulation-order differences of two GEMM kernels.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -36,7 +37,8 @@ def _aligned(t: torch.Tensor) -> bool:
     """Every non-unit stride and the base address are multiples of 16 bytes (the grouped kernels' rule)."""
     size = t.element_size()
     return t.data_ptr() % _ALIGN_BYTES == 0 and all(
-        (s * size) % _ALIGN_BYTES == 0 for s, n in zip(t.stride(), t.shape, strict=False) if s != 1 and n != 1)
+        (s * size) % _ALIGN_BYTES == 0 for s, n in zip(t.stride(), t.shape, strict=False) if s != 1 and n != 1
+    )
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -52,8 +54,11 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     # the widths of the activations in and out (row strides of x, of the outputs, of x^T in the weight gradient)
     widths = (x.shape[-1], *(w.shape[-1] for w in weights))
-    return _aligned(x) and all(_aligned(w) for w in weights) and all(
-        (n * x.element_size()) % _ALIGN_BYTES == 0 for n in widths)
+    return (
+        _aligned(x)
+        and all(_aligned(w) for w in weights)
+        and all((n * x.element_size()) % _ALIGN_BYTES == 0 for n in widths)
+    )
 
 
 def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor, name: str = "impl") -> str:
@@ -67,12 +72,16 @@ def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor, name: str =
     supported = grouped_mm_supported(x, *weights)
     if impl == "grouped" and not supported:
         if _grouped_mm is None:
-            raise ValueError(f"{name}: 'grouped' needs torch.nn.functional.grouped_mm (torch {torch.__version__} "
-                             "has none); use 'loop' or 'auto'")
+            raise ValueError(
+                f"{name}: 'grouped' needs torch.nn.functional.grouped_mm (torch {torch.__version__} "
+                "has none); use 'loop' or 'auto'"
+            )
         shapes = ", ".join(f"{tuple(w.shape)} {w.dtype}" for w in weights)
-        raise ValueError(f"{name}: 'grouped' cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with weights "
-                         f"{shapes} (CUDA needs capability 9.0+ and BF16; widths must be multiples of 16 bytes); "
-                         "use 'loop' or 'auto'")
+        raise ValueError(
+            f"{name}: 'grouped' cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with weights "
+            f"{shapes} (CUDA needs capability 9.0+ and BF16; widths must be multiples of 16 bytes); "
+            "use 'loop' or 'auto'"
+        )
     return "grouped" if supported else "loop"
 
 
@@ -83,8 +92,9 @@ def check_counts(counts: object, num_experts: int, num_rows: int) -> list[int]:
     if len(counts) != num_experts:
         raise ValueError(f"counts: expected {num_experts} entries (one per local expert), got {len(counts)}")
     if any(c < 0 for c in counts) or sum(counts) != num_rows:
-        raise ValueError(f"counts: expected non-negative rows per expert summing to the {num_rows} rows, "
-                         f"got {list(counts)}")
+        raise ValueError(
+            f"counts: expected non-negative rows per expert summing to the {num_rows} rows, got {list(counts)}"
+        )
     return list(counts)
 
 
@@ -120,22 +130,34 @@ class _GroupedMM(torch.autograd.Function):
         grad_x = _grouped_mm(grad_y, weight.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (_grouped_mm(grad_y.t(), x, offs=offs).transpose(-2, -1)
-                      if weight.transpose(-2, -1).is_contiguous() else _grouped_mm(x.t(), grad_y, offs=offs))
+            grad_w = (
+                _grouped_mm(grad_y.t(), x, offs=offs).transpose(-2, -1)
+                if weight.transpose(-2, -1).is_contiguous()
+                else _grouped_mm(x.t(), grad_y, offs=offs)
+            )
         return grad_x, grad_w, None
 
 
-def loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def loop_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reference: ``x [M, K]`` rows of expert ``l`` times ``weight[l]`` (``weight [L, K, N]``), plus ``bias[l]``
     (``bias [L, N]`` or None) → ``[M, N]``."""
-    outputs = [rows @ weight[le] if bias is None else rows @ weight[le] + bias[le]
-               for le, rows in enumerate(torch.split(x, list(counts)))]
+    outputs = [
+        rows @ weight[le] if bias is None else rows @ weight[le] + bias[le]
+        for le, rows in enumerate(torch.split(x, list(counts)))
+    ]
     return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[-1])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], impl: str,
-                   offsets: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: Sequence[int],
+    impl: str,
+    offsets: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x [M, K]`` expert-major rows, ``weight [L, K, N]``, ``counts`` rows per expert, ``bias [L, N]`` or None
     → ``[M, N]``. ``impl``: ``"grouped"`` or ``"loop"`` (already resolved, see :func:`resolve_impl`);
     ``offsets``: the grouped path's int32 ``[L]`` (from :func:`expert_offsets`; built here when None)."""
@@ -158,8 +180,9 @@ class _ExpertBias(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # rows per expert from the device offsets, so no host list crosses to the GPU
         sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        expert_of_row = torch.repeat_interleave(torch.arange(bias.shape[0], device=y.device), sizes,
-                                                output_size=y.shape[0])
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(bias.shape[0], device=y.device), sizes, output_size=y.shape[0]
+        )
         ctx.save_for_backward(expert_of_row)
         ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return y + bias.index_select(0, expert_of_row)
@@ -169,13 +192,17 @@ class _ExpertBias(torch.autograd.Function):
         (expert_of_row,) = ctx.saved_tensors
         grad_bias = None
         if ctx.needs_input_grad[1]:
-            grad_bias = grad.new_zeros(ctx.bias_shape, dtype=torch.float32).index_add_(
-                0, expert_of_row, grad.float()).to(ctx.bias_dtype)
+            grad_bias = (
+                grad.new_zeros(ctx.bias_shape, dtype=torch.float32)
+                .index_add_(0, expert_of_row, grad.float())
+                .to(ctx.bias_dtype)
+            )
         return grad, grad_bias, None
 
 
-def swiglu_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: Sequence[int],
-                   impl: str = "auto") -> torch.Tensor:
+def swiglu_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: Sequence[int], impl: str = "auto"
+) -> torch.Tensor:
     """SwiGLU experts: ``x [M, H]``, ``gate_up [L, H, 2F]`` (gate columns first), ``down [L, F, H]``,
     ``counts`` rows per expert → ``down_l(silu(x W_gate,l) * (x W_up,l))`` ``[M, H]`` in ``x.dtype``."""
     counts = check_counts(counts, gate_up.shape[0], x.shape[0])
@@ -185,9 +212,16 @@ def swiglu_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
     return grouped_linear(F.silu(gate) * up, down, counts, impl, offsets)
 
 
-def ffn_experts(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, activation: Callable,
-                w2: torch.Tensor, b2: torch.Tensor | None, counts: Sequence[int], impl: str = "auto"
-                ) -> torch.Tensor:
+def ffn_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    activation: Callable,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    counts: Sequence[int],
+    impl: str = "auto",
+) -> torch.Tensor:
     """Two-layer FFN experts: ``x [M, H]``, ``w1 [L, H, F]``, ``b1 [L, F]`` or None, ``activation``
     elementwise, ``w2 [L, F, H]``, ``b2 [L, H]`` or None → ``activation(x w1_l + b1_l) w2_l + b2_l`` ``[M, H]``."""
     counts = check_counts(counts, w1.shape[0], x.shape[0])

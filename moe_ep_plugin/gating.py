@@ -9,6 +9,7 @@ sequence of rounding steps (scores rounded to the logits dtype, sums over the to
 ``+ 1e-20`` in the sigmoid normalisation) and the same ``torch.topk`` calls, so ties break identically too.
 Later Megatron releases keep sigmoid scores in fp32 until the end; for fp32 logits that changes nothing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 # --------------------------------------------------------------------------------------------------- validation
 
+
 def _check_2d_float(t: object, name: str) -> tuple[int, int]:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -30,7 +32,6 @@ def _check_2d_float(t: object, name: str) -> tuple[int, int]:
     if t.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D [tokens, experts] tensor, got shape {tuple(t.shape)}")
     return t.shape[0], t.shape[1]
-
 
 
 def _check_router_inputs(logits: object, topk: object, score_function: object) -> int:
@@ -62,8 +63,9 @@ def _check_groups(num_experts: int, topk: int, num_groups: int | None, group_top
         raise ValueError(f"group_topk: must be <= topk={topk}, got {group_topk}")
     allowed = group_topk * (num_experts // num_groups)
     if topk > allowed:
-        raise ValueError(f"topk: {topk} exceeds the {allowed} experts in group_topk={group_topk} of "
-                         f"num_groups={num_groups} groups")
+        raise ValueError(
+            f"topk: {topk} exceeds the {allowed} experts in group_topk={group_topk} of num_groups={num_groups} groups"
+        )
 
 
 def _check_bias(expert_bias: object, logits: torch.Tensor, num_experts: int) -> None:
@@ -77,9 +79,16 @@ def _check_bias(expert_bias: object, logits: torch.Tensor, num_experts: int) -> 
         raise ValueError(f"expert_bias: on {expert_bias.device}, logits on {logits.device}")
 
 
-def _validate_routing(logits: torch.Tensor, topk: int, score_function: str, use_pre_softmax: bool,
-                      num_groups: int | None, group_topk: int | None, scaling_factor: float | None,
-                      expert_bias: torch.Tensor | None) -> None:
+def _validate_routing(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str,
+    use_pre_softmax: bool,
+    num_groups: int | None,
+    group_topk: int | None,
+    scaling_factor: float | None,
+    expert_bias: torch.Tensor | None,
+) -> None:
     num_experts = _check_router_inputs(logits, topk, score_function)
     if not isinstance(use_pre_softmax, bool):
         raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
@@ -100,8 +109,10 @@ def _validate_routing(logits: torch.Tensor, topk: int, score_function: str, use_
 
 # --------------------------------------------------------------------------------------------------- routing
 
-def _topk(scores: torch.Tensor, topk: int, num_groups: int | None,
-          group_topk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _topk(
+    scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of ``scores [T, E]`` (values descending, indices int64), limited to the ``group_topk`` groups
     whose top-(topk // group_topk) scores sum highest when ``group_topk`` is set."""
     if group_topk is None:
@@ -115,9 +126,16 @@ def _topk(scores: torch.Tensor, topk: int, num_groups: int | None,
     return torch.topk(limited, k=topk, dim=1)
 
 
-def _route(logits: torch.Tensor, topk: int, score_function: str, use_pre_softmax: bool,
-           num_groups: int | None, group_topk: int | None, scaling_factor: float | None,
-           expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str,
+    use_pre_softmax: bool,
+    num_groups: int | None,
+    group_topk: int | None,
+    scaling_factor: float | None,
+    expert_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """→ ``(weights [T, K] in the logits dtype, topk_idx [T, K] int64)``; inputs already validated."""
     dtype = logits.dtype
     if score_function == "softmax":
@@ -142,10 +160,17 @@ def _route(logits: torch.Tensor, topk: int, score_function: str, use_pre_softmax
     return weights, idx
 
 
-def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
-                 use_pre_softmax: bool = False, num_groups: int | None = None,
-                 group_topk: int | None = None, scaling_factor: float | None = None,
-                 expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_routing(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron-Core router top-k, dense form.
 
     ``logits [T, E]`` (any float dtype) → ``(probs [T, E] logits dtype, 0 off the top-k; routing_map [T, E] bool)``.
@@ -154,35 +179,52 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
     ``expert_bias [E]`` is added for selection only. ``scaling_factor`` multiplies the weights. Differentiable
     in ``logits``.
     """
-    _validate_routing(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                      expert_bias)
-    weights, idx = _route(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                          expert_bias)
+    _validate_routing(
+        logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias
+    )
+    weights, idx = _route(
+        logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias
+    )
     probs = torch.zeros_like(logits).scatter(1, idx, weights)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
     return probs, routing_map
 
 
-def group_limited_topk(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
-                       use_pre_softmax: bool = False, num_groups: int | None = None,
-                       group_topk: int | None = None, scaling_factor: float | None = None,
-                       expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_limited_topk(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_routing`` in the sparse form dispatch takes: ``(topk_weights [T, K] float32, topk_idx [T, K] int64)``.
 
     Same experts and weights as ``topk_routing`` (weights computed in the logits dtype, then cast to float32),
     ordered by descending selection score. Differentiable in ``logits``.
     """
-    _validate_routing(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                      expert_bias)
-    weights, idx = _route(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                          expert_bias)
+    _validate_routing(
+        logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias
+    )
+    weights, idx = _route(
+        logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias
+    )
     return weights.float(), idx
 
 
-def deepseek_v3_gate(logits: torch.Tensor, topk: int, *, num_groups: int | None = None,
-                     group_topk: int | None = None, route_scale: float = 1.0,
-                     expert_bias: torch.Tensor | None = None,
-                     score_function: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+def deepseek_v3_gate(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    route_scale: float = 1.0,
+    expert_bias: torch.Tensor | None = None,
+    score_function: str = "sigmoid",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeepSeek-V3 reference gate → ``(topk_weights [T, K] float32, topk_idx [T, K] int64)``.
 
     Scores: sigmoid (rounded to the logits dtype) or an fp32 softmax. ``expert_bias`` is added for selection.
@@ -223,6 +265,7 @@ def deepseek_v3_gate(logits: torch.Tensor, topk: int, *, num_groups: int | None 
 
 # --------------------------------------------------------------------------------------------------- load balance
 
+
 def tokens_per_expert(routing: torch.Tensor, num_experts: int, check_ids: bool = True) -> torch.Tensor:
     """Tokens per expert, int64 ``[E]``, from a ``routing_map [T, E]`` bool or a ``topk_idx [T, K]`` integer
     tensor (``-1`` = no expert, skipped). The count never waits for the GPU; checking the ids' range does (one
@@ -246,7 +289,8 @@ def tokens_per_expert(routing: torch.Tensor, num_experts: int, check_ids: bool =
     valid = ids >= 0
     # a scatter-add of 0/1 (not bincount, which reads the largest id on the host): -1 entries add 0 to expert 0
     return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, torch.where(valid, ids, 0), valid.long())
+        0, torch.where(valid, ids, 0), valid.long()
+    )
 
 
 def update_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:
@@ -257,15 +301,23 @@ def update_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tenso
     runs over the last dimension. Returns ``expert_bias``.
     """
     if not isinstance(expert_bias, torch.Tensor) or expert_bias.dtype != torch.float32:
-        raise TypeError(f"expert_bias: expected a float32 tensor, got "
-                        f"{getattr(expert_bias, 'dtype', type(expert_bias).__name__)}")
-    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dtype == torch.bool \
-            or tokens_per_expert.is_complex():
-        raise TypeError(f"tokens_per_expert: expected an integer or float tensor, got "
-                        f"{getattr(tokens_per_expert, 'dtype', type(tokens_per_expert).__name__)}")
+        raise TypeError(
+            f"expert_bias: expected a float32 tensor, got {getattr(expert_bias, 'dtype', type(expert_bias).__name__)}"
+        )
+    if (
+        not isinstance(tokens_per_expert, torch.Tensor)
+        or tokens_per_expert.dtype == torch.bool
+        or tokens_per_expert.is_complex()
+    ):
+        raise TypeError(
+            f"tokens_per_expert: expected an integer or float tensor, got "
+            f"{getattr(tokens_per_expert, 'dtype', type(tokens_per_expert).__name__)}"
+        )
     if tokens_per_expert.shape != expert_bias.shape or expert_bias.dim() == 0:
-        raise ValueError(f"tokens_per_expert: shape {tuple(tokens_per_expert.shape)} must equal the expert_bias "
-                         f"shape {tuple(expert_bias.shape)} (at least 1-D)")
+        raise ValueError(
+            f"tokens_per_expert: shape {tuple(tokens_per_expert.shape)} must equal the expert_bias "
+            f"shape {tuple(expert_bias.shape)} (at least 1-D)"
+        )
     if tokens_per_expert.device != expert_bias.device:
         raise ValueError(f"tokens_per_expert: on {tokens_per_expert.device}, expert_bias on {expert_bias.device}")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
@@ -276,8 +328,9 @@ def update_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tenso
     return expert_bias
 
 
-def aux_loss_scores(logits: torch.Tensor, topk: int, *,
-                    score_function: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+def aux_loss_scores(
+    logits: torch.Tensor, topk: int, *, score_function: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and routing map the load-balancing losses use (Megatron's ``compute_routing_scores_for_aux_loss``):
     softmax in fp32, or sigmoid (logits dtype) normalised over all E experts; a plain top-k, no group limit,
     no bias. → ``(scores [T, E], routing_map [T, E] bool)``."""
@@ -299,8 +352,14 @@ def _check_aux_inputs(scores: torch.Tensor, topk: int, coeff: float) -> tuple[in
     return shape
 
 
-def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, *, topk: int, coeff: float = 1.0,
-                    total_num_tokens: int | None = None) -> torch.Tensor:
+def switch_aux_loss(
+    scores: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    topk: int,
+    coeff: float = 1.0,
+    total_num_tokens: int | None = None,
+) -> torch.Tensor:
     """Switch-Transformer load-balancing loss ``coeff * E * Σ_i f_i P_i`` (Megatron's
     ``switch_load_balancing_loss_func``), a 0-d tensor differentiable in ``scores``.
 
@@ -316,8 +375,9 @@ def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, *, to
     return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total * total))
 
 
-def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, topk: int, batch_size: int,
-                      coeff: float = 1.0) -> torch.Tensor:
+def sequence_aux_loss(
+    scores: torch.Tensor, routing_map: torch.Tensor, *, topk: int, batch_size: int, coeff: float = 1.0
+) -> torch.Tensor:
     """Sequence-level balancing loss (Megatron's ``seq_aux_loss``): the switch loss of each sequence on its
     own, averaged over the batch. A 0-d tensor differentiable in ``scores``.
 
@@ -326,8 +386,11 @@ def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, topk: 
     """
     tokens, num_experts = _check_aux_inputs(scores, topk, coeff)
     positive_int(batch_size, "batch_size")
-    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool \
-            or routing_map.shape != scores.shape:
+    if (
+        not isinstance(routing_map, torch.Tensor)
+        or routing_map.dtype != torch.bool
+        or routing_map.shape != scores.shape
+    ):
         raise ValueError(f"routing_map: expected a bool tensor of shape {tuple(scores.shape)}")
     if tokens % batch_size != 0:
         raise ValueError(f"batch_size: {tokens} tokens are not a whole number of {batch_size} sequences")
@@ -340,6 +403,7 @@ def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, topk: 
 
 
 # --------------------------------------------------------------------------------------------------- traffic
+
 
 def rank_reach(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
     """Distinct ranks each token is sent to, int64 ``[T]``: experts sit contiguously, E / R per rank; ``-1``
@@ -364,15 +428,24 @@ def rank_reach(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torc
 @dataclass(frozen=True)
 class TrafficSaving:
     """Dispatch rows (one per token and destination) with and without the group limit."""
-    rows_sent: int        # Σ_t ranks reached by token t under the group limit
-    rows_unlimited: int   # the same routing with a plain top-k over all experts
-    max_reach: int        # most ranks any token reaches under the limit
-    saving: float         # 1 - rows_sent / rows_unlimited (0.0 for no tokens)
+
+    rows_sent: int  # Σ_t ranks reached by token t under the group limit
+    rows_unlimited: int  # the same routing with a plain top-k over all experts
+    max_reach: int  # most ranks any token reaches under the limit
+    saving: float  # 1 - rows_sent / rows_unlimited (0.0 for no tokens)
 
 
-def traffic_saving(logits: torch.Tensor, topk: int, num_ranks: int, *, score_function: str = "softmax",
-                   use_pre_softmax: bool = False, num_groups: int | None = None,
-                   group_topk: int | None = None, expert_bias: torch.Tensor | None = None) -> TrafficSaving:
+def traffic_saving(
+    logits: torch.Tensor,
+    topk: int,
+    num_ranks: int,
+    *,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    expert_bias: torch.Tensor | None = None,
+) -> TrafficSaving:
     """Rows dispatch sends for ``logits [T, E]`` routed with the group limit vs. without it, counting
     destinations among ``num_ranks`` ranks (or nodes). With ``num_groups == num_ranks`` each token reaches
     at most ``group_topk`` of them."""
@@ -384,5 +457,9 @@ def traffic_saving(logits: torch.Tensor, topk: int, num_ranks: int, *, score_fun
     reach = rank_reach(limited, num_experts, num_ranks)
     sent = int(reach.sum())
     plain = int(rank_reach(unlimited, num_experts, num_ranks).sum())
-    return TrafficSaving(rows_sent=sent, rows_unlimited=plain, max_reach=int(reach.max()) if reach.numel() else 0,
-                         saving=1.0 - sent / plain if plain else 0.0)
+    return TrafficSaving(
+        rows_sent=sent,
+        rows_unlimited=plain,
+        max_reach=int(reach.max()) if reach.numel() else 0,
+        saving=1.0 - sent / plain if plain else 0.0,
+    )

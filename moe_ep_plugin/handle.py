@@ -1,4 +1,5 @@
 """The layout of one dispatch, kept so combine (and the backward passes) can replay it without top-k."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -95,8 +96,14 @@ class DispatchHandle:
         return (self[i] for i in range(len(self)))
 
 
-DEEPEP_HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
-                        "is_token_in_rank", "send_head")
+DEEPEP_HANDLE_FIELDS = (
+    "rank_prefix_matrix",
+    "channel_prefix_matrix",
+    "recv_channel_prefix_matrix",
+    "recv_src_idx",
+    "is_token_in_rank",
+    "send_head",
+)
 
 
 class NoEquivalent:
@@ -104,9 +111,11 @@ class NoEquivalent:
     heads): unpacking works, any use raises naming the position."""
 
     def __init__(self, position: int, name: str) -> None:
-        self._what = (f"handle[{position}] ({name}): DeepEP's per-channel kernel state has no equivalent in "
-                      "moe_ep_plugin (docs/buffer.md, 'The handle'); pass the handle itself to combine or a cached "
-                      "dispatch")
+        self._what = (
+            f"handle[{position}] ({name}): DeepEP's per-channel kernel state has no equivalent in "
+            "moe_ep_plugin (docs/buffer.md, 'The handle'); pass the handle itself to combine or a cached "
+            "dispatch"
+        )
 
     def __getattr__(self, attr: str) -> Any:
         raise NotImplementedError(self._what)

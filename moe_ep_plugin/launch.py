@@ -13,6 +13,7 @@ forwarded to every rank; what is still running ``grace_s`` seconds later is kill
 Rendezvous: the launcher itself serves the ranks' TCPStore, listening on a port the kernel picked (port 0), and
 passes the bound port to the ranks: no port is chosen first and bound later, so no other process can take it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -48,8 +49,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                       store: dist.Store | None = None) -> tuple[int, int]:
+def init_process_group(
+    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None
+) -> tuple[int, int]:
     """Initialise the default group from the environment (torchrun's, or :func:`spawn`'s with its ``store``);
     returns (rank, world)."""
     backend = backend or default_backend()
@@ -59,8 +61,9 @@ def init_process_group(backend: str | None = None, timeout_s: float = DEFAULT_TI
             raise ValueError("backend: 'nccl' needs a GPU, but torch sees none (use gloo on the CPU)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
-                                store=store)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), store=store
+        )
     return rank, world
 
 
@@ -90,8 +93,10 @@ class RankFailure:
         if self is first or self.kind != LOST_PEER:
             return f"rank {self.rank} {self.reason}"
         error = self.reason.removeprefix("failed: ").split(":")[0]
-        return (f"rank {self.rank} failed {max(0.0, self.at - first.at):.2f} s after rank {first.rank} did: its "
-                f"collective lost the failed rank ({error})")
+        return (
+            f"rank {self.rank} failed {max(0.0, self.at - first.at):.2f} s after rank {first.rank} did: its "
+            f"collective lost the failed rank ({error})"
+        )
 
 
 class LaunchError(RuntimeError):
@@ -103,8 +108,9 @@ class LaunchError(RuntimeError):
         self.summary = "\n".join(f.line(failures[0]) for f in failures)
         self.first_traceback = failures[0].details if failures[0].kind != ONE_LINE else ""
         details = "".join(f"--- rank {f.rank} ---\n{f.details}" for f in failures if f.details)
-        super().__init__(f"{len(failures)} of {nprocs} ranks failed\n{self.summary}"
-                         + (f"\n{details}" if details else ""))
+        super().__init__(
+            f"{len(failures)} of {nprocs} ranks failed\n{self.summary}" + (f"\n{details}" if details else "")
+        )
 
 
 class LaunchInterrupted(KeyboardInterrupt):
@@ -115,9 +121,11 @@ class LaunchInterrupted(KeyboardInterrupt):
     def __init__(self, signum: int, nprocs: int, killed: list[int]) -> None:
         self.signum, self.killed = signum, killed
         name = signal.Signals(signum).name
-        self.summary = (f"interrupted by {name}: forwarded to the {nprocs} ranks"
-                        + (f", killed rank(s) {killed} still running after the grace" if killed else "")
-                        + "; no rank is left running")
+        self.summary = (
+            f"interrupted by {name}: forwarded to the {nprocs} ranks"
+            + (f", killed rank(s) {killed} still running after the grace" if killed else "")
+            + "; no rank is left running"
+        )
         super().__init__(self.summary)
 
 
@@ -141,10 +149,17 @@ def _set_handlers(handler: Any) -> dict[int, Any]:
     return {signum: signal.signal(signum, handler) for signum in FORWARDED_SIGNALS}
 
 
-def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
-           report: Any) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(
+    local_rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple, report: Any
+) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     if "OMP_NUM_THREADS" not in os.environ:
         # The ranks share this host's cores: each takes its share of intra-op threads (torch's default is every
         # core per process; 4 ranks of small ops ran a soak round 3.7x slower so on a 2-core machine).
@@ -168,8 +183,7 @@ def _entry(local_rank: int, world: int, port: int, backend: str, timeout_s: floa
         report.send(("interrupted by SIGINT", "", PLAIN, time.time()))
         _leave(128 + signal.SIGINT)
     except BaseException as exc:  # tell the parent why (it prints the traceback), then fail this process
-        report.send((f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc(), _kind(exc),
-                     time.time()))
+        report.send((f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc(), _kind(exc), time.time()))
         failed = True
     else:
         failed = False
@@ -192,7 +206,8 @@ def _kind(exc: BaseException) -> str:
     if isinstance(exc, OneLineError):
         return ONE_LINE
     if isinstance(exc, (TimeoutError, dist.DistError)) or (
-            isinstance(exc, RuntimeError) and any(words in str(exc) for words in _LOST_PEER_WORDS)):
+        isinstance(exc, RuntimeError) and any(words in str(exc) for words in _LOST_PEER_WORDS)
+    ):
         return LOST_PEER
     return PLAIN
 
@@ -226,8 +241,14 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
-def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
-          timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
+def spawn(
+    fn: Callable,
+    nprocs: int,
+    args: tuple = (),
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    grace_s: float = GRACE_S,
+) -> None:
     """Run ``fn(*args)`` on ``nprocs`` fresh local processes joined in one default process group.
 
     Returns when every rank finished. When one fails, the others are ended within about ``3 * grace_s``
@@ -242,11 +263,18 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         raise ValueError(f"grace_s: expected a positive number of seconds, got {grace_s!r}")
     ctx = mp.get_context("spawn")
     # Bound before any rank exists and held until every rank is gone: the port cannot be taken meanwhile.
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, True, timeout=datetime.timedelta(seconds=STARTUP_S),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, nprocs, True, timeout=datetime.timedelta(seconds=STARTUP_S), wait_for_workers=False
+    )
     pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
-    procs = [ctx.Process(target=_entry, args=(r, nprocs, store.port, backend or default_backend(), timeout_s, fn,
-                                              args, pipes[r][1]), daemon=False) for r in range(nprocs)]
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(r, nprocs, store.port, backend or default_backend(), timeout_s, fn, args, pipes[r][1]),
+            daemon=False,
+        )
+        for r in range(nprocs)
+    ]
     reports: dict[int, tuple[str, str, str, float]] = {}
     failures: list[RankFailure] = []
     interrupted: LaunchInterrupted | None = None
@@ -274,8 +302,13 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         raise LaunchError(nprocs, failures)
 
 
-def _run(procs: list, pipes: list, reports: dict[int, tuple[str, str, str, float]], failures: list[RankFailure],
-         grace_s: float) -> None:
+def _run(
+    procs: list,
+    pipes: list,
+    reports: dict[int, tuple[str, str, str, float]],
+    failures: list[RankFailure],
+    grace_s: float,
+) -> None:
     """Start the ranks and wait until all have ended, or until ``grace_s`` after the first failure (then end the
     rest)."""
     for p in procs:
@@ -352,8 +385,11 @@ def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankF
             stopped = _state(p.pid) == "T"
             if r not in known:
                 why = "was stopped (SIGSTOP)" if stopped else "was still running"
-                ended.append(RankFailure(r, f"{why} {grace_s:g} s after rank {first} failed; ended by the launcher",
-                                         at=time.time()))
+                ended.append(
+                    RankFailure(
+                        r, f"{why} {grace_s:g} s after rank {first} failed; ended by the launcher", at=time.time()
+                    )
+                )
             p.terminate()
             if stopped:
                 os.kill(p.pid, signal.SIGCONT)
@@ -365,8 +401,14 @@ def _end(procs: list, failures: list[RankFailure], grace_s: float) -> list[RankF
     return ended
 
 
-def launch(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
+def launch(
+    fn: Callable,
+    nprocs: int,
+    args: tuple = (),
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    grace_s: float = GRACE_S,
+) -> None:
     """Run ``fn(*args)`` on every rank: in this process under torchrun, else on ``nprocs`` spawned ones."""
     if under_torchrun():
         init_process_group(backend, timeout_s)
@@ -378,8 +420,15 @@ def launch(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = No
         spawn(fn, nprocs, args, backend, timeout_s, grace_s)
 
 
-def run_ranks(prog: str, fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S) -> int:
+def run_ranks(
+    prog: str,
+    fn: Callable,
+    nprocs: int,
+    args: tuple = (),
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    grace_s: float = GRACE_S,
+) -> int:
     """:func:`launch` for a command line: 0 when every rank finished, else 1 with the first failed rank's traceback
     (none for a :class:`OneLineError`) and one line per failed rank on stderr, or 128 + the signal's number with one
     line when the launcher was interrupted (:class:`LaunchInterrupted`)."""

@@ -1,5 +1,6 @@
 """The options every integration passes to its Buffer: one frozen, validated base that the Megatron-Core
 dispatcher uses as is and the DeepSpeed layer extends with its router options."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,10 @@ class PluginOptions:
         if self.ranks_per_node is not None:
             positive_int(self.ranks_per_node, "ranks_per_node")
         if self.ranks_per_node is not None and self.transport in ("torch", "nvlink"):
-            raise ValueError(f"ranks_per_node: only for transport 'hierarchical' or 'auto' (transport "
-                             f"{self.transport!r} has no node layout)")
+            raise ValueError(
+                f"ranks_per_node: only for transport 'hierarchical' or 'auto' (transport "
+                f"{self.transport!r} has no node layout)"
+            )
 
     @classmethod
     def from_dict(cls, values: Any, section: str) -> PluginOptions:
@@ -63,4 +66,3 @@ class PluginOptions:
             return cls(**values)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{section}.{exc}") from exc
-

@@ -3,6 +3,7 @@
 Pure tensor ops on one rank's top-k ids (no communication): the trainer's log, ``benchmarks/multinode_traffic.py``
 and the hierarchical transport's byte-count test share it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,13 +30,16 @@ class NodeTraffic:
     hier_nvlink_rows: int
 
 
-def node_traffic(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int,
-                 rank: int) -> NodeTraffic:
+def node_traffic(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int, rank: int
+) -> NodeTraffic:
     """``topk_idx`` ``[N, K]`` int (-1 = none) of source rank ``rank``; experts contiguous over ranks, ranks
     contiguous over nodes (rank ``r`` on node ``r // ranks_per_node``)."""
     if num_experts % num_ranks or num_ranks % ranks_per_node:
-        raise ValueError(f"num_experts={num_experts}, num_ranks={num_ranks}, ranks_per_node={ranks_per_node}: "
-                         "experts must divide over ranks and ranks over nodes")
+        raise ValueError(
+            f"num_experts={num_experts}, num_ranks={num_ranks}, ranks_per_node={ranks_per_node}: "
+            "experts must divide over ranks and ranks over nodes"
+        )
     n = topk_idx.shape[0]
     num_nodes, local = num_ranks // ranks_per_node, num_experts // num_ranks
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
@@ -56,4 +60,5 @@ def node_traffic(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks
         flat_network_rows=int(ranks_hit[:, remote].sum()),
         flat_nvlink_rows=int(ranks_hit[:, my_node].sum() - in_rank[:, my_node, my_local].sum()),
         hier_network_rows=int(in_node[:, remote].sum()),
-        hier_nvlink_rows=int((ranks_hit - forwarder_hit.to(ranks_hit.dtype)).sum()))
+        hier_nvlink_rows=int((ranks_hit - forwarder_hit.to(ranks_hit.dtype)).sum()),
+    )

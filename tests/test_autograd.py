@@ -1,5 +1,6 @@
 """Gradients through the row-major dispatch → per-expert linear maps → combine equal a single-process dense reference
 (the expert-major autograd is tested in test_expert_major.py)."""
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,7 @@ def _inputs(seed: int, rank: int, num_experts: int):
     idx = torch.full((n, TOPK), -1, dtype=torch.int64)
     for t in range(n):
         picked = torch.randperm(num_experts, generator=gen)[:TOPK]
-        idx[t, :picked.numel()] = picked
+        idx[t, : picked.numel()] = picked
     if n:
         idx[0, -1] = -1
     w = torch.rand(n, TOPK, generator=gen)
@@ -42,15 +43,16 @@ def _experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor,
 def _case(seed: int, fp8_dispatch: bool, alignment: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     num_experts = LOCAL * world
-    expert_w = torch.randn(num_experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(seed)) / HIDDEN ** 0.5
+    expert_w = torch.randn(num_experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(seed)) / HIDDEN**0.5
     x, idx, w, g = _inputs(seed, rank, num_experts)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    local_w = expert_w[rank * LOCAL:(rank + 1) * LOCAL].clone().requires_grad_(True)
+    local_w = expert_w[rank * LOCAL : (rank + 1) * LOCAL].clone().requires_grad_(True)
 
     buffer = Buffer(transport="torch", timeout_s=60)
-    recv_x, recv_idx, recv_w, counts, handle = autograd.dispatch(buffer, x, idx, w, num_experts,
-                                                                 fp8_dispatch=fp8_dispatch, expert_alignment=alignment)
+    recv_x, recv_idx, recv_w, counts, handle = autograd.dispatch(
+        buffer, x, idx, w, num_experts, fp8_dispatch=fp8_dispatch, expert_alignment=alignment
+    )
     assert counts == [-(-int((recv_idx == e).sum()) // alignment) * alignment for e in range(LOCAL)]
     out = autograd.combine(buffer, _experts(recv_x, recv_idx, recv_w, local_w), handle)
     (out * g).sum().backward()
@@ -60,7 +62,7 @@ def _case(seed: int, fp8_dispatch: bool, alignment: int) -> None:
     torch.testing.assert_close(out, ref_out, **tol)
     torch.testing.assert_close(x.grad, ref_x_grad, **tol)
     torch.testing.assert_close(w.grad, ref_w_grad, **tol)
-    torch.testing.assert_close(local_w.grad, ref_expert_grad[rank * LOCAL:(rank + 1) * LOCAL], **tol)
+    torch.testing.assert_close(local_w.grad, ref_expert_grad[rank * LOCAL : (rank + 1) * LOCAL], **tol)
 
 
 def _suite(seed: int) -> None:
@@ -103,11 +105,13 @@ def _routing_map_case(seed: int) -> None:
             probs = scores.clone().requires_grad_(True)
             if fused:
                 rows, rows_probs, counts, handle = autograd.dispatch_experts_from_routing_map(
-                    buffer, x, routing_map, probs, k, num_experts, expert_alignment=2)
+                    buffer, x, routing_map, probs, k, num_experts, expert_alignment=2
+                )
             else:
                 idx, w = routing_map_to_topk(routing_map, probs, k)
-                rows, rows_probs, counts, handle = autograd.dispatch_experts(buffer, x, idx, w, num_experts,
-                                                                            expert_alignment=2)
+                rows, rows_probs, counts, handle = autograd.dispatch_experts(
+                    buffer, x, idx, w, num_experts, expert_alignment=2
+                )
             out = autograd.combine_experts(buffer, rows * rows_probs.unsqueeze(1), handle)
             (out * g).sum().backward()
             runs.append((rows, rows_probs, counts, out, x.grad, probs.grad))
@@ -126,5 +130,6 @@ def test_dispatch_experts_from_routing_map(world: int) -> None:
 
 def test_dispatch_experts_from_routing_map_validates() -> None:
     with pytest.raises(ValueError, match="routing_map"):
-        autograd.dispatch_experts_from_routing_map(Buffer.__new__(Buffer), torch.zeros(2, 8), torch.zeros(2, 4),
-                                                   torch.zeros(2, 4), 2, 4)
+        autograd.dispatch_experts_from_routing_map(
+            Buffer.__new__(Buffer), torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(2, 4), 2, 4
+        )

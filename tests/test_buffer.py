@@ -1,4 +1,5 @@
 """Buffer on the torch transport (gloo, 1–4 ranks) against the plain-loop reference in tests/support/reference.py."""
+
 from __future__ import annotations
 
 import os
@@ -41,16 +42,23 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
     # layout
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
     assert per_rdma is None
-    ref_in_rank = torch.tensor([[any(e >= 0 and e // local == r for e in row) for r in range(world)]
-                                for row in idx.tolist()], dtype=torch.bool).reshape(n, world)
+    ref_in_rank = torch.tensor(
+        [[any(e >= 0 and e // local == r for e in row) for r in range(world)] for row in idx.tolist()], dtype=torch.bool
+    ).reshape(n, world)
     assert torch.equal(in_rank, ref_in_rank)
     assert per_rank.tolist() == ref_in_rank.sum(0).tolist()
     assert per_expert.tolist() == [int((idx == e).sum()) for e in range(num_experts)]
 
     # dispatch with the layout, alignment 3
     recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=idx, topk_weights=w, expert_alignment=3)
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+        expert_alignment=3,
+    )
     event.current_stream_wait()
     rows, ref_idx, ref_w, ref_src, ref_counts = expected_dispatch(xs, idxs, ws, num_experts, rank, world)
     assert recv_x.shape == (len(rows), h) and recv_x.dtype == dtype
@@ -70,12 +78,13 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
 
     # worst-case sized outputs: exact prefix, -1 tail, no count list
     worst = sum(c.shape[0] for c in xs) + 1  # > 0 even when no rank has tokens
-    wx, widx, ww, wcounts, whandle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                                        num_worst_tokens=worst)
+    wx, widx, ww, wcounts, whandle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, num_worst_tokens=worst
+    )
     assert wx.shape[0] == worst, (wx.shape, worst)
     assert wcounts == [], wcounts
-    assert torch.equal(wx[:len(rows)], recv_x) and bool((widx[len(rows):] == -1).all())
-    assert torch.equal(widx[:len(rows)], recv_idx) and bool((ww[len(rows):] == 0).all())
+    assert torch.equal(wx[: len(rows)], recv_x) and bool((widx[len(rows) :] == -1).all())
+    assert torch.equal(widx[: len(rows)], recv_idx) and bool((ww[len(rows) :] == 0).all())
 
     # combine: every rank transforms its rows by (rank + 1); expected = fp32 from the bias, plus the copies of the
     # receiving ranks in summing order
@@ -112,12 +121,20 @@ def _check_fp8(buffer: Buffer, x, idx, w, num_experts, recv_x, recv_idx) -> None
     assert torch.equal(ridx, recv_idx)
     # BF16 in, FP8 on the wire: same bytes as the reference quantizer, or BF16 dequantized on receive.
     for round_scale in (False, True):
-        (fq, fs), _, _, _, _, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                                  fp8_dispatch=True, fp8_out=True, round_scale=round_scale)
+        (fq, fs), _, _, _, _, _ = buffer.dispatch(
+            x,
+            topk_idx=idx,
+            topk_weights=w,
+            num_experts=num_experts,
+            fp8_dispatch=True,
+            fp8_out=True,
+            round_scale=round_scale,
+        )
         ref_q, ref_s = fp8.quantize(recv_x, round_scale=round_scale)
         assert torch.equal(fq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(fs, ref_s)
-        bf, _, _, _, _, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                            fp8_dispatch=True, round_scale=round_scale)
+        bf, _, _, _, _, _ = buffer.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True, round_scale=round_scale
+        )
         assert bf.dtype == torch.bfloat16 and torch.equal(bf, fp8.dequantize(ref_q, ref_s))
 
 
@@ -132,8 +149,14 @@ def _suite(seed: int) -> None:
     per_rank, _, per_expert, in_rank, ev = buffer.get_dispatch_layout(idx, dist.get_world_size(), async_finish=True)
     with ev:
         pass
-    out = buffer.dispatch(torch.ones(3, 8), topk_idx=idx, num_experts=dist.get_world_size(), previous_event=ev,
-                          async_finish=True, allocate_on_comm_stream=True)
+    out = buffer.dispatch(
+        torch.ones(3, 8),
+        topk_idx=idx,
+        num_experts=dist.get_world_size(),
+        previous_event=ev,
+        async_finish=True,
+        allocate_on_comm_stream=True,
+    )
     out[-1].current_stream_wait()
 
 
@@ -155,13 +178,24 @@ def _errors() -> None:
         (lambda: buffer.dispatch(x.half(), topk_idx=idx, num_experts=world), TypeError, "x"),
         (lambda: buffer.dispatch(x[0], topk_idx=idx, num_experts=world), ValueError, "x"),
         (lambda: buffer.dispatch(x, topk_idx=idx[:3], num_experts=world), ValueError, "topk_idx"),
-        (lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=torch.ones(4, 2, dtype=torch.float64),
-                                 num_experts=world), TypeError, "topk_weights"),
+        (
+            lambda: buffer.dispatch(
+                x, topk_idx=idx, topk_weights=torch.ones(4, 2, dtype=torch.float64), num_experts=world
+            ),
+            TypeError,
+            "topk_weights",
+        ),
         (lambda: buffer.dispatch(x, topk_idx=idx), ValueError, "num_experts"),
-        (lambda: buffer.dispatch(x[:, :100], topk_idx=idx, num_experts=world, fp8_dispatch=True), ValueError,
-         "multiple of 128"),
-        (lambda: buffer.dispatch(x, topk_idx=idx, num_experts=world, expert_alignment=0), ValueError,
-         "expert_alignment"),
+        (
+            lambda: buffer.dispatch(x[:, :100], topk_idx=idx, num_experts=world, fp8_dispatch=True),
+            ValueError,
+            "multiple of 128",
+        ),
+        (
+            lambda: buffer.dispatch(x, topk_idx=idx, num_experts=world, expert_alignment=0),
+            ValueError,
+            "expert_alignment",
+        ),
         (lambda: buffer.dispatch(x, topk_idx=idx, num_experts=world, fp8_out=True), ValueError, "fp8_out"),
         (lambda: buffer.dispatch(x, topk_idx=idx, num_experts=world, config=object()), TypeError, "config"),
         (lambda: buffer.dispatch(x, handle=("not", "a", "handle")), TypeError, "handle"),
@@ -211,8 +245,9 @@ def _errors() -> None:
     odd = idx + (2 * world if dist.get_rank() == world - 1 else 0)
     assert buffer.get_dispatch_layout(odd, 2 * world)[2].sum().item() == (0 if dist.get_rank() == world - 1 else 8)
     for call in (buffer.dispatch, buffer.dispatch_experts):
-        with pytest.raises(ValueError,
-                           match=rf"topk_idx: expert ids must lie in \[-1, {2 * world}\); rank\(s\) \[{world - 1}\]"):
+        with pytest.raises(
+            ValueError, match=rf"topk_idx: expert ids must lie in \[-1, {2 * world}\); rank\(s\) \[{world - 1}\]"
+        ):
             call(x, topk_idx=odd, num_experts=2 * world)
     # a combine with rows that do not match the handle is refused before communicating
     _, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=world)

@@ -1,5 +1,6 @@
 """The kernel library is built once: a second build with unchanged csrc/ and flags skips nvcc; a changed source,
 a changed flag or --force rebuilds (a stand-in nvcc counts its runs; no CUDA needed)."""
+
 from __future__ import annotations
 
 import os
@@ -27,15 +28,15 @@ def test_build_once_and_rebuild_on_change(tmp_path, monkeypatch) -> None:
     csrc, runs = _fake_tree(tmp_path, monkeypatch)
     out = str(tmp_path / "lib" / "libx.so")
     assert _build.build_kernels(output=out) == out and runs() == 1
-    assert _build.build_kernels(output=out) == out and runs() == 1          # unchanged: no nvcc
-    (csrc / "moe_ep.h").write_text("// header, edited\n")                   # a header counts too
+    assert _build.build_kernels(output=out) == out and runs() == 1  # unchanged: no nvcc
+    (csrc / "moe_ep.h").write_text("// header, edited\n")  # a header counts too
     _build.build_kernels(output=out)
     assert runs() == 2
-    monkeypatch.setenv("MOE_EP_NVCC_FLAGS", "-DMOE_EP_CHUNK_ROWS=16")       # other flags: another library
+    monkeypatch.setenv("MOE_EP_NVCC_FLAGS", "-DMOE_EP_CHUNK_ROWS=16")  # other flags: another library
     _build.build_kernels(output=out)
     assert runs() == 3
     _build.build_kernels(output=out, force=True)
     assert runs() == 4
-    os.remove(out)                                                          # the stamp alone is not enough
+    os.remove(out)  # the stamp alone is not enough
     _build.build_kernels(output=out)
     assert runs() == 5 and os.path.isfile(out)

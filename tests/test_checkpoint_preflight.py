@@ -1,6 +1,7 @@
 """Checkpoints checked before any rank starts: every file of the one to resume (one line naming the file, exit code
 2, no rank started), the fallback to the newest complete one that passes (an option, printed); a full disk while
 saving: one line naming the file and "no space left on device", nothing half-written."""
+
 from __future__ import annotations
 
 import errno
@@ -16,10 +17,30 @@ from moe_ep_plugin.recipes.common import checkpoint
 from moe_ep_plugin.recipes.train import cli
 from moe_ep_plugin.recipes.train.config import load
 
-TINY = ["--set", "model.hidden_size=32", "--set", "model.num_layers=2", "--set", "model.num_heads=2",
-        "--set", "model.ffn_hidden_size=48", "--set", "model.seq_len=16", "--set", "moe.num_experts=4",
-        "--set", "moe.expert_ffn_hidden_size=16", "--set", "moe.num_groups=2", "--set", "moe.group_topk=1",
-        "--set", "train.micro_batch_size=2", "--set", "parallel.device=cpu"]
+TINY = [
+    "--set",
+    "model.hidden_size=32",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "model.ffn_hidden_size=48",
+    "--set",
+    "model.seq_len=16",
+    "--set",
+    "moe.num_experts=4",
+    "--set",
+    "moe.expert_ffn_hidden_size=16",
+    "--set",
+    "moe.num_groups=2",
+    "--set",
+    "moe.group_topk=1",
+    "--set",
+    "train.micro_batch_size=2",
+    "--set",
+    "parallel.device=cpu",
+]
 
 
 def _fake_checkpoint(root: str, step: int, config: dict, world: int = 2) -> str:
@@ -43,27 +64,36 @@ def _damage(path: str, how: str) -> None:
         whole = f.read()
     with zipfile.ZipFile(path) as archive:  # where the first entry's stored bytes start
         first = archive.infolist()[0]
-    at = first.header_offset + 30 + len(first.filename.encode()) + int.from_bytes(
-        whole[first.header_offset + 28:first.header_offset + 30], "little")
+    at = (
+        first.header_offset
+        + 30
+        + len(first.filename.encode())
+        + int.from_bytes(whole[first.header_offset + 28 : first.header_offset + 30], "little")
+    )
     with open(path, "wb") as f:
         if how == "truncated":
             f.write(whole[: len(whole) // 2])
         else:  # one flipped byte inside the stored data: the archive reads, its CRC does not match
-            f.write(whole[:at] + bytes([whole[at] ^ 0xFF]) + whole[at + 1:])
+            f.write(whole[:at] + bytes([whole[at] ^ 0xFF]) + whole[at + 1 :])
 
 
-@pytest.mark.parametrize("how, why", [
-    ("missing", "is missing (the file of rank 1)"), ("truncated", "is unreadable (BadZipFile: "),
-    ("flipped", "is unreadable (ValueError: entry "),
-])
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("missing", "is missing (the file of rank 1)"),
+        ("truncated", "is unreadable (BadZipFile: "),
+        ("flipped", "is unreadable (ValueError: entry "),
+    ],
+)
 def test_verify_names_the_bad_file(tmp_path, how: str, why: str) -> None:
     directory = _fake_checkpoint(str(tmp_path), 4, {})
     assert checkpoint.verify(directory, "output.resume")["step"] == 4
     _damage(checkpoint.rank_file(directory, 1), how)
     with pytest.raises(checkpoint.DamagedCheckpoint) as info:
         checkpoint.verify(directory, "output.resume")
-    assert str(info.value).startswith(f"output.resume: checkpoint step_0000004: {checkpoint.rank_file(directory, 1)} "
-                                      f"{why}"), str(info.value)
+    assert str(info.value).startswith(
+        f"output.resume: checkpoint step_0000004: {checkpoint.rank_file(directory, 1)} {why}"
+    ), str(info.value)
 
 
 def test_pick_resume_refuses_or_falls_back_and_says_so(tmp_path) -> None:
@@ -74,13 +104,20 @@ def test_pick_resume_refuses_or_falls_back_and_says_so(tmp_path) -> None:
     _damage(checkpoint.rank_file(also_bad, 1), "truncated")
     with pytest.raises(checkpoint.DamagedCheckpoint) as info:
         checkpoint.pick_resume(newest, "k", "k_fallback", False)
-    assert str(info.value) == (f"k: checkpoint step_0000006: {checkpoint.rank_file(newest, 0)} is missing (the file "
-                               f"of rank 0); remove {newest} to resume from the checkpoint before it (k_fallback: true "
-                               "resumes from the newest complete checkpoint before it that passes instead)")
+    assert str(info.value) == (
+        f"k: checkpoint step_0000006: {checkpoint.rank_file(newest, 0)} is missing (the file "
+        f"of rank 0); remove {newest} to resume from the checkpoint before it (k_fallback: true "
+        "resumes from the newest complete checkpoint before it that passes instead)"
+    )
     found, note = checkpoint.pick_resume(newest, "k", "k_fallback", True)
     assert found == good
-    assert note.startswith(f"k_fallback: resuming from {good}, the newest complete checkpoint that passes the check; "
-                           f"skipped: k: checkpoint step_0000006: ") and " | k: checkpoint step_0000004: " in note
+    assert (
+        note.startswith(
+            f"k_fallback: resuming from {good}, the newest complete checkpoint that passes the check; "
+            f"skipped: k: checkpoint step_0000006: "
+        )
+        and " | k: checkpoint step_0000004: " in note
+    )
     assert checkpoint.pick_resume(good, "k", "k_fallback", False) == (good, None)
     assert checkpoint.pick_resume(None, "k", "k_fallback", False) == (None, None)
     _damage(checkpoint.rank_file(good, 0), "flipped")
@@ -101,8 +138,13 @@ def test_the_trainer_refuses_a_damaged_checkpoint_before_any_rank(tmp_path, caps
     monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("a rank was started"))
     assert cli.main([*TINY, "--set", f"output.dir={run}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"moe-ep-train: config error: output.resume: checkpoint step_0000002: "
-                          f"{checkpoint.rank_file(directory, 1)} is unreadable (BadZipFile: ") and err.count("\n") == 1
+    assert (
+        err.startswith(
+            f"moe-ep-train: config error: output.resume: checkpoint step_0000002: "
+            f"{checkpoint.rank_file(directory, 1)} is unreadable (BadZipFile: "
+        )
+        and err.count("\n") == 1
+    )
 
 
 def test_the_trainer_falls_back_when_asked_and_prints_it(tmp_path, capsys, monkeypatch) -> None:
@@ -115,8 +157,10 @@ def test_the_trainer_falls_back_when_asked_and_prints_it(tmp_path, capsys, monke
     monkeypatch.setattr(launch, "run_ranks", lambda prog, fn, n, args, **k: started.update(cfg=args[0]) or 0)
     assert cli.main([*TINY, "--set", f"output.dir={run}", "--set", "output.resume_fallback=true"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"moe-ep-train: output.resume_fallback: resuming from {good}, the newest complete "
-                          f"checkpoint that passes the check; skipped: output.resume: checkpoint step_0000004: "), out
+    assert out.startswith(
+        f"moe-ep-train: output.resume_fallback: resuming from {good}, the newest complete "
+        f"checkpoint that passes the check; skipped: output.resume: checkpoint step_0000004: "
+    ), out
     assert started["cfg"].output.resume == good  # the ranks resume exactly the checkpoint checked
 
 
@@ -128,6 +172,7 @@ def _save_on_a_full_disk(root: str, where: str) -> None:
         with open(path, "wb") as f:
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
+
     if where == "rank":
         torch.save = lambda state, path: full(path)
     else:
@@ -155,12 +200,14 @@ def test_a_full_disk_is_one_line_from_the_launcher(tmp_path, capfd) -> None:
     assert launch.run_ranks("prog", _full_disk_rank, 1, (str(tmp_path / "ckpt"),), backend="gloo") == 1
     err = capfd.readouterr().err
     name = checkpoint.rank_file(checkpoint.step_dir(str(tmp_path / "ckpt"), 5), 0)
-    assert err == f"prog: rank 0 failed: CheckpointWriteError: checkpoint step 5: no space left on device writing " \
-                  f"{name}\n", err
+    assert (
+        err == f"prog: rank 0 failed: CheckpointWriteError: checkpoint step 5: no space left on device writing {name}\n"
+    ), err
 
 
 def _full_disk_rank(root: str) -> None:
     def full(state, path: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
+
     torch.save = full  # this rank's process only
     checkpoint.save(root, 5, {}, state={"w": torch.ones(2)})

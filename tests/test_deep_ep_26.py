@@ -9,6 +9,7 @@
   one rank or ranks asking for different ``num_bytes`` raise on every rank and leave the buffer usable.
 - ``lb_get_redundancy_mapping`` refused by name; a bad ``out_dtype`` named.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,16 @@ def _rows(global_idx: torch.Tensor, salt: torch.Tensor, hidden: int) -> torch.Te
     return (v.float() / 16).bfloat16()
 
 
-def _round(buffer, seed: int, hidden: int, t_max: int, expand: bool, alignment: int, with_bias: bool,
-           out_dtype: torch.dtype | None = torch.float32):
+def _round(
+    buffer,
+    seed: int,
+    hidden: int,
+    t_max: int,
+    expand: bool,
+    alignment: int,
+    with_bias: bool,
+    out_dtype: torch.dtype | None = torch.float32,
+):
     """One dispatch and combine; returns the handle. The combine input row of (token, rank) (not expanded) or of
     (token, expert) (expanded) is ``_rows(global index, rank or expert)``."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,8 +53,14 @@ def _round(buffer, seed: int, hidden: int, t_max: int, expand: bool, alignment: 
     idx = routing(("random", "sparse", "one_expert")[seed % 3], n, TOPK, num_experts, gen)
     x = _rows(rank * t_max + torch.arange(n), torch.zeros(n), hidden)
     idxs = gather_all(idx)
-    _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=num_experts, num_max_tokens_per_rank=t_max,
-                                         expert_alignment=alignment, do_expand=expand)
+    _, _, _, handle, _ = buffer.dispatch(
+        x,
+        topk_idx=idx,
+        num_experts=num_experts,
+        num_max_tokens_per_rank=t_max,
+        expert_alignment=alignment,
+        do_expand=expand,
+    )
     meta = handle.recv_src_metadata
     if expand:
         y = torch.zeros(handle.num_expanded_tokens, hidden, dtype=torch.bfloat16)
@@ -75,11 +90,18 @@ def _round(buffer, seed: int, hidden: int, t_max: int, expand: bool, alignment: 
 
 
 def _fp32_suite(seed: int) -> None:
-    buffer = deep_ep.EPBuffer(dist.group.WORLD, num_max_tokens_per_rank=12, hidden=384, num_topk=TOPK,
-                              transport="torch", explicitly_destroy=True)
+    buffer = deep_ep.EPBuffer(
+        dist.group.WORLD,
+        num_max_tokens_per_rank=12,
+        hidden=384,
+        num_topk=TOPK,
+        transport="torch",
+        explicitly_destroy=True,
+    )
     try:
         for i, (expand, alignment, with_bias) in enumerate(
-                (e, a, b) for e in (False, True) for a in (1, 128) for b in (False, True)):
+            (e, a, b) for e in (False, True) for a in (1, 128) for b in (False, True)
+        ):
             for j in range(3):
                 _round(buffer, seed + 3 * i + j, 384, 12, expand, alignment, with_bias)
     finally:
@@ -94,8 +116,9 @@ def test_fp32_combine_output_matches_plain_loop(world: int) -> None:
 def _resize_suite(seed: int) -> None:
     rank = dist.get_rank()
     group = dist.group.WORLD
-    buffer = deep_ep.EPBuffer(group, num_max_tokens_per_rank=6, hidden=128, num_topk=TOPK, transport="torch",
-                              explicitly_destroy=True)
+    buffer = deep_ep.EPBuffer(
+        group, num_max_tokens_per_rank=6, hidden=128, num_topk=TOPK, transport="torch", explicitly_destroy=True
+    )
     try:
         old = _round(buffer, seed, 128, 6, False, 1, False, out_dtype=None)
         buffer.resize(num_max_tokens_per_rank=16, hidden=384)
@@ -109,8 +132,9 @@ def _resize_suite(seed: int) -> None:
         # a refusal (on the last rank only) and ranks asking for different sizes: every rank raises, nothing is
         # resized and the last handle still combines
         last = dist.get_world_size() - 1
-        with pytest.raises(ValueError, match="num_bytes: expected" if rank == last else
-                           rf"resize: rank\(s\) \[{last}\] refused"):
+        with pytest.raises(
+            ValueError, match="num_bytes: expected" if rank == last else rf"resize: rank\(s\) \[{last}\] refused"
+        ):
             buffer.resize(num_bytes=-1 if rank == last else None, hidden=512)
         if last > 0:
             with pytest.raises(ValueError, match="num_bytes: the ranks ask for different sizes"):

@@ -10,6 +10,7 @@ counts and prefix sums, cached == fresh (with weights carried by the cached expa
 ``do_cpu_sync=False``. Combine inputs are quarters in [-4, 4]: every sum here is exact in BF16, whatever order a
 transport adds in.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,9 +30,10 @@ HIDDEN = 128  # one FP8 block: the smallest hidden FP8 takes
 
 def enumerate_modes():
     """DeepEP's enumeration: (do_handle_copy, expert_alignment, fp8, num_bias, previous_event, async, alloc)."""
-    for copy, alignment, use_fp8, num_bias, prev, async_ in itertools.product((1, 0), (128, 1), (1, 0), (0, 1, 2),
-                                                                              (0, 1), (0, 1)):
-        for alloc in ((1,) if prev else (0, 1)):
+    for copy, alignment, use_fp8, num_bias, prev, async_ in itertools.product(
+        (1, 0), (128, 1), (1, 0), (0, 1, 2), (0, 1), (0, 1)
+    ):
+        for alloc in (1,) if prev else (0, 1):
             yield copy, alignment, use_fp8, num_bias, prev, async_, alloc
 
 
@@ -78,8 +80,10 @@ def _reference(xs, idxs, ws, t_max: int, num_experts: int, rank: int, world: int
 def _dst_rows(idxs, rank: int, local: int, num_experts: int) -> list[list[int]]:
     """For each (token, k) of ``rank``: the row its token lands in on the destination rank (rows arrive by source
     rank, then token), -1 where the id names no expert."""
+
     def goes(s: int, t: int, r: int) -> bool:
         return any(0 <= e < num_experts and e // local == r for e in idxs[s][t].tolist())
+
     out = []
     for t, ids in enumerate(idxs[rank].tolist()):
         row = []
@@ -113,8 +117,9 @@ def _prefix(v, n: int):
     return tuple(t[:n] for t in v) if isinstance(v, tuple) else v[:n]
 
 
-def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: bool, seed: int,
-          cls_reference: bool) -> None:
+def _case(
+    buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: bool, seed: int, cls_reference: bool
+) -> None:
     copy, alignment, use_fp8, num_bias, prev, async_, alloc = mode
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     local = 2 + seed % 2
@@ -131,13 +136,29 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
     xs = [fp8.quantize(v) for v in xs] if use_fp8 else xs
     rows, expert_rows = _reference(xs, idxs, ws, t_max, num_experts, rank, world)
     stream = dict(async_with_compute_stream=bool(async_), allocate_on_comm_stream=bool(alloc))
-    common = dict(num_experts=num_experts, num_max_tokens_per_rank=t_max, expert_alignment=alignment,
-                  do_cpu_sync=cpu_sync, do_handle_copy=bool(copy), **stream)
+    common = dict(
+        num_experts=num_experts,
+        num_max_tokens_per_rank=t_max,
+        expert_alignment=alignment,
+        do_cpu_sync=cpu_sync,
+        do_handle_copy=bool(copy),
+        **stream,
+    )
 
     # ---- non-expanded dispatch ----
     stats = torch.zeros(local, dtype=torch.int32)
-    recv_x, recv_idx, recv_w, handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, topk_idx=idx,
-                                               topk_weights=w, cumulative_local_expert_recv_stats=stats, **common)
+    recv_x, recv_idx, recv_w, handle = _launch(
+        buffer,
+        "dispatch",
+        prev,
+        async_,
+        defer,
+        x=x_in,
+        topk_idx=idx,
+        topk_weights=w,
+        cumulative_local_expert_recv_stats=stats,
+        **common,
+    )
     num_recv = len(rows)
     capacity = num_recv if cpu_sync else world * t_max
     assert int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == num_recv and handle.num_recv_tokens == capacity
@@ -161,9 +182,19 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
     assert slots.dtype == torch.int32 and slots.tolist() == _dst_rows(idxs, rank, local, num_experts)
 
     # ---- expanded dispatch ----
-    e_x, e_idx, e_w, e_handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, topk_idx=idx,
-                                        topk_weights=w, do_expand=True, use_tma_aligned_col_major_sf=True,
-                                        **common)
+    e_x, e_idx, e_w, e_handle = _launch(
+        buffer,
+        "dispatch",
+        prev,
+        async_,
+        defer,
+        x=x_in,
+        topk_idx=idx,
+        topk_weights=w,
+        do_expand=True,
+        use_tma_aligned_col_major_sf=True,
+        **common,
+    )
     assert e_idx is None and e_w.dim() == 1
     assert int(e_handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == num_recv
     starts = [sum(aligned[:e]) for e in range(local)]
@@ -185,24 +216,36 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
         key = src_of_slot[block]
         block = block[torch.sort(key).indices]
         assert src_of_slot[block].tolist() == [r[0] for r in expert_rows[e]]
-        _equal_rows(_rows_of(e_x, block),
-                    [_rows_of(xs[r[2]], r[1]) for r in expert_rows[e]])
+        _equal_rows(_rows_of(e_x, block), [_rows_of(xs[r[2]], r[1]) for r in expert_rows[e]])
         assert e_w[block].tolist() == [r[3] for r in expert_rows[e]]
     pad = torch.ones(e_rows, dtype=torch.bool)
     for e in range(local):
-        pad[starts[e]:starts[e] + real[e]] = False
+        pad[starts[e] : starts[e] + real[e]] = False
     data = e_x[0].view(torch.uint8) if isinstance(e_x, tuple) else e_x
     assert bool((data[pad] == 0).all()) and bool((e_w[pad] == 0).all())  # alignment gaps and capacity tail
     if isinstance(e_x, tuple):
         assert bool((e_x[1][pad] == 0).all())
 
     # ---- cached dispatches == fresh ----
-    cached_x, cached_idx, cached_w, cached_handle = _launch(buffer, "dispatch", prev, async_, defer, x=x_in,
-                                                            handle=handle, **stream)
+    cached_x, cached_idx, cached_w, cached_handle = _launch(
+        buffer, "dispatch", prev, async_, defer, x=x_in, handle=handle, **stream
+    )
     assert cached_handle is handle and cached_w is None and torch.equal(cached_idx, recv_idx)
     _equal_rows(cached_x, list(recv_x) if not isinstance(recv_x, tuple) else list(zip(*recv_x, strict=False)))
-    ce_x, _, ce_w, _ = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, handle=e_handle, topk_weights=w,
-                               do_expand=True, do_zero_padding=True, use_tma_aligned_col_major_sf=True, **stream)
+    ce_x, _, ce_w, _ = _launch(
+        buffer,
+        "dispatch",
+        prev,
+        async_,
+        defer,
+        x=x_in,
+        handle=e_handle,
+        topk_weights=w,
+        do_expand=True,
+        do_zero_padding=True,
+        use_tma_aligned_col_major_sf=True,
+        **stream,
+    )
     _equal_rows(ce_x, list(e_x) if not isinstance(e_x, tuple) else list(zip(*e_x, strict=False)))
     assert torch.equal(ce_w, e_w)
     cw = _launch(buffer, "dispatch", prev, async_, defer, x=x_in, handle=handle, topk_weights=w, **stream)[2]
@@ -214,12 +257,13 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
     src_gidx = meta[:, 0].clamp(min=0)
     y = _pattern(src_gidx, torch.full_like(src_gidx, rank), HIDDEN)
     y[num_recv:] = 0
-    combined, combined_w = _launch(buffer, "combine", prev, async_, defer, x=y, handle=handle, topk_weights=recv_w,
-                                   bias=bias, **stream)
+    combined, combined_w = _launch(
+        buffer, "combine", prev, async_, defer, x=y, handle=handle, topk_weights=recv_w, bias=bias, **stream
+    )
     expected = torch.zeros(n, HIDDEN)
     for t in range(n):
         for r in receivers[t]:
-            expected[t] += _pattern(my_gidx[t:t + 1], torch.tensor([r]), HIDDEN)[0].float()
+            expected[t] += _pattern(my_gidx[t : t + 1], torch.tensor([r]), HIDDEN)[0].float()
     for b in biases:
         expected += b.float()
     assert torch.equal(combined, expected.bfloat16())
@@ -229,16 +273,17 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
     ey = torch.zeros(e_rows, HIDDEN, dtype=torch.bfloat16)
     slot_expert = torch.full((e_rows,), -1, dtype=torch.int64)
     for e in range(local):
-        slot_expert[starts[e]:starts[e] + real[e]] = e + rank * local
+        slot_expert[starts[e] : starts[e] + real[e]] = e + rank * local
     hit = src_of_slot >= 0
     ey[hit] = _pattern(src_of_slot[hit], 100 + slot_expert[hit], HIDDEN)
-    reduced, reduced_w = _launch(buffer, "combine", prev, async_, defer, x=ey, handle=e_handle, topk_weights=e_w,
-                                 bias=bias, **stream)
+    reduced, reduced_w = _launch(
+        buffer, "combine", prev, async_, defer, x=ey, handle=e_handle, topk_weights=e_w, bias=bias, **stream
+    )
     expected = torch.zeros(n, HIDDEN)
     for t in range(n):
         for e in idx[t].tolist():
             if e >= 0:
-                expected[t] += _pattern(my_gidx[t:t + 1], torch.tensor([100 + e]), HIDDEN)[0].float()
+                expected[t] += _pattern(my_gidx[t : t + 1], torch.tensor([100 + e]), HIDDEN)[0].float()
     for b in biases:
         expected += b.float()
     assert torch.equal(reduced, expected.bfloat16())
@@ -247,8 +292,15 @@ def _case(buffer, world: int, rank: int, mode: tuple, cpu_sync: bool, defer: boo
 
 def _suite(seed: int, transport: str, ranks_per_node, which: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    kw = dict(transport=transport, ranks_per_node=ranks_per_node, num_max_tokens_per_rank=12, hidden=HIDDEN,
-              num_topk=3, explicitly_destroy=True, num_cpu_timeout_secs=60)
+    kw = dict(
+        transport=transport,
+        ranks_per_node=ranks_per_node,
+        num_max_tokens_per_rank=12,
+        hidden=HIDDEN,
+        num_topk=3,
+        explicitly_destroy=True,
+        num_cpu_timeout_secs=60,
+    )
     elastic = deep_ep.ElasticBuffer(dist.group.WORLD, **kw)
     if ranks_per_node:
         assert elastic.get_logical_domain_size() == (world // ranks_per_node, ranks_per_node)
@@ -299,10 +351,10 @@ def _bias_and_inference_mode() -> None:
         e_x, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, num_experts=4, do_expand=True, do_handle_copy=False)
         assert handle.topk_idx is idx
         y = torch.zeros_like(e_x)
-        y[:handle.num_expanded_tokens] = 1.0 if rank == 0 else 2.0 ** -9
-        bias = torch.full((4, HIDDEN), 2.0 ** -8, dtype=torch.bfloat16)
+        y[: handle.num_expanded_tokens] = 1.0 if rank == 0 else 2.0**-9
+        bias = torch.full((4, HIDDEN), 2.0**-8, dtype=torch.bfloat16)
         combined = buffer.combine(y, handle, bias=bias)[0]
-    assert bool((combined == 1 + 2.0 ** -7).all()), combined[:, 0].tolist()
+    assert bool((combined == 1 + 2.0**-7).all()), combined[:, 0].tolist()
 
 
 def test_expanded_combine_bias_and_inference_mode() -> None:
@@ -318,8 +370,12 @@ def _errors() -> None:
     ok = dict(topk_idx=idx, num_experts=2 * world)
     _, _, _, handle, _ = buffer.dispatch(x, **ok)
     cases = [
-        (lambda: buffer.dispatch(torch.zeros(5, HIDDEN, dtype=torch.bfloat16), topk_idx=torch.zeros(5, 2).long(),
-                                 num_experts=2 * world), "num_max_tokens_per_rank"),
+        (
+            lambda: buffer.dispatch(
+                torch.zeros(5, HIDDEN, dtype=torch.bfloat16), topk_idx=torch.zeros(5, 2).long(), num_experts=2 * world
+            ),
+            "num_max_tokens_per_rank",
+        ),
         (lambda: buffer.dispatch(x, handle=handle, topk_idx=idx), "topk_idx"),
         (lambda: buffer.dispatch(x, handle=handle, do_expand=True), "do_expand"),
         (lambda: buffer.dispatch(x, handle=handle, do_cpu_sync=True), "do_cpu_sync"),
@@ -332,10 +388,16 @@ def _errors() -> None:
         (lambda: buffer.combine(x, "handle"), "handle"),
         (lambda: buffer.destroy(), "explicitly_destroy"),
         (lambda: deep_ep.ElasticBuffer(group, num_cpu_bytes=2 << 20, transport="torch"), "num_cpu_bytes"),
-        (lambda: deep_ep.EPBuffer(group, lb_allocation_plan_or_num_bytes=1, transport="torch"),
-         "lb_allocation_plan_or_num_bytes"),
-        (lambda: buffer.get_theoretical_num_sms(2 * world + 1, 2) if world > 1 else
-         buffer.get_theoretical_num_sms(0, 2), "num_experts"),
+        (
+            lambda: deep_ep.EPBuffer(group, lb_allocation_plan_or_num_bytes=1, transport="torch"),
+            "lb_allocation_plan_or_num_bytes",
+        ),
+        (
+            lambda: (
+                buffer.get_theoretical_num_sms(2 * world + 1, 2) if world > 1 else buffer.get_theoretical_num_sms(0, 2)
+            ),
+            "num_experts",
+        ),
     ]
     for fn, name in cases:
         with pytest.raises((ValueError, TypeError), match=name):
@@ -351,8 +413,9 @@ def _errors() -> None:
         ep.combine(torch.zeros(ep_handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16), ep_handle)
     with pytest.raises(ValueError, match="another buffer"):
         ep.combine(x, handle)
-    single = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=4, hidden=HIDDEN, transport="torch",
-                                   allow_multiple_reduction=False)
+    single = deep_ep.ElasticBuffer(
+        group, num_max_tokens_per_rank=4, hidden=HIDDEN, transport="torch", allow_multiple_reduction=False
+    )
     e_x, _, _, e_handle, _ = single.dispatch(x, do_expand=True, **ok)
     with pytest.raises(ValueError, match="allow_multiple_reduction"):
         single.combine(torch.zeros_like(e_x), e_handle)

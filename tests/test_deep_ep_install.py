@@ -1,6 +1,7 @@
 """The ``import deep_ep`` opt-in: ``moe_ep_plugin.install_deep_ep()`` and the ``PYTHONPATH`` switch
 (``python -m moe_ep_plugin.deep_ep``); both refuse to shadow a real, importable DeepEP unless forced. Each case
 runs in a fresh interpreter (the opt-in changes ``sys.modules``)."""
+
 from __future__ import annotations
 
 import os
@@ -10,17 +11,20 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPORTS = ("import deep_ep, deep_ep.utils; from deep_ep import Buffer, Config, ElasticBuffer, EPBuffer, EPHandle, "
-           "EventOverlap, topk_idx_t; from deep_ep.utils import EventOverlap, EventHandle; "
-           "import moe_ep_plugin.deep_ep as ours; assert deep_ep is ours and deep_ep.utils is ours.utils; "
-           "assert topk_idx_t is __import__('torch').int64 and Buffer.is_sm90_compiled(); print('served')")
+IMPORTS = (
+    "import deep_ep, deep_ep.utils; from deep_ep import Buffer, Config, ElasticBuffer, EPBuffer, EPHandle, "
+    "EventOverlap, topk_idx_t; from deep_ep.utils import EventOverlap, EventHandle; "
+    "import moe_ep_plugin.deep_ep as ours; assert deep_ep is ours and deep_ep.utils is ours.utils; "
+    "assert topk_idx_t is __import__('torch').int64 and Buffer.is_sm90_compiled(); print('served')"
+)
 
 
 def _run(code: str, pythonpath: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "MOE_EP_DEEP_EP_FORCE"}
     environ.update(PYTHONPATH=os.pathsep.join(pythonpath + [ROOT]), **(env or {}))
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
@@ -32,25 +36,32 @@ def real_deep_ep(tmp_path) -> str:
 
 
 def _shadow() -> str:
-    out = subprocess.run([sys.executable, "-m", "moe_ep_plugin.deep_ep"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "moe_ep_plugin.deep_ep"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return out.stdout.strip()
 
 
 def test_install_serves_every_name() -> None:
-    out = _run("import moe_ep_plugin; moe_ep_plugin.install_deep_ep(); moe_ep_plugin.install_deep_ep(); " + IMPORTS,
-               [])
+    out = _run("import moe_ep_plugin; moe_ep_plugin.install_deep_ep(); moe_ep_plugin.install_deep_ep(); " + IMPORTS, [])
     assert out.returncode == 0 and "served" in out.stdout, out.stderr
 
 
 def test_install_refuses_a_real_deep_ep(real_deep_ep: str) -> None:
     out = _run("import moe_ep_plugin; moe_ep_plugin.install_deep_ep()", [real_deep_ep])
     assert out.returncode != 0 and "a real deep_ep is importable" in out.stderr and real_deep_ep in out.stderr
-    out = _run("import deep_ep; assert deep_ep.REAL; import moe_ep_plugin; moe_ep_plugin.install_deep_ep()",
-               [real_deep_ep])
+    out = _run(
+        "import deep_ep; assert deep_ep.REAL; import moe_ep_plugin; moe_ep_plugin.install_deep_ep()", [real_deep_ep]
+    )
     assert out.returncode != 0 and "a real deep_ep is importable" in out.stderr
-    out = _run("import deep_ep; import moe_ep_plugin; moe_ep_plugin.install_deep_ep(force=True); " + IMPORTS,
-               [real_deep_ep])
+    out = _run(
+        "import deep_ep; import moe_ep_plugin; moe_ep_plugin.install_deep_ep(force=True); " + IMPORTS, [real_deep_ep]
+    )
     assert out.returncode == 0 and "served" in out.stdout, out.stderr
     out = _run("import moe_ep_plugin; moe_ep_plugin.install_deep_ep(force=1)", [])
     assert out.returncode != 0 and "force: expected a bool" in out.stderr
@@ -68,8 +79,10 @@ def test_pythonpath_switch(real_deep_ep: str) -> None:
 
 
 def test_uninstall_restores_the_search() -> None:
-    code = ("import sys, moe_ep_plugin; from moe_ep_plugin.deep_ep.install import uninstall_deep_ep; "
-            "moe_ep_plugin.install_deep_ep(); uninstall_deep_ep(); assert 'deep_ep' not in sys.modules; "
-            "import importlib.util; assert importlib.util.find_spec('deep_ep') is None; print('restored')")
+    code = (
+        "import sys, moe_ep_plugin; from moe_ep_plugin.deep_ep.install import uninstall_deep_ep; "
+        "moe_ep_plugin.install_deep_ep(); uninstall_deep_ep(); assert 'deep_ep' not in sys.modules; "
+        "import importlib.util; assert importlib.util.find_spec('deep_ep') is None; print('restored')"
+    )
     out = _run(code, [])
     assert out.returncode == 0 and "restored" in out.stdout, out.stderr

@@ -12,6 +12,7 @@ correctness parts are a check here). Measured on a 2-core machine (the high ends
 intranode 12-22 s, low_latency 11-37 s, each elastic case 20-43 s; 67-112 s in all. Skips, saying why, unless
 ``MOE_EP_DEEPEP_SRC`` names a checkout with the files used.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,11 +30,16 @@ RANKS = 2
 # cores yet give every rank tokens for every other (low_latency's hidden a multiple of 512 for its UE8M0 scales)
 ELASTIC = ["--skip-perf-test", "--num-tokens", "128", "--hidden", "512", "--num-topk", "6", "--num-experts", "64"]
 CASES = [
-    pytest.param("legacy/test_intranode.py",
-                 ["--num-tokens", "128", "--hidden", "512", "--num-topk", "8", "--num-experts", "32"], id="intranode"),
-    pytest.param("legacy/test_low_latency.py",
-                 ["--num-tokens", "64", "--hidden", "1024", "--num-topk", "8", "--num-experts", "32"],
-                 id="low_latency"),
+    pytest.param(
+        "legacy/test_intranode.py",
+        ["--num-tokens", "128", "--hidden", "512", "--num-topk", "8", "--num-experts", "32"],
+        id="intranode",
+    ),
+    pytest.param(
+        "legacy/test_low_latency.py",
+        ["--num-tokens", "64", "--hidden", "1024", "--num-topk", "8", "--num-experts", "32"],
+        id="low_latency",
+    ),
     pytest.param("elastic/test_ep.py", [*ELASTIC, "--do-cpu-sync", "1"], id="elastic-cpu_sync"),
     pytest.param("elastic/test_ep.py", [*ELASTIC, "--do-cpu-sync", "0"], id="elastic-no_cpu_sync"),
 ]

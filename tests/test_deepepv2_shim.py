@@ -5,6 +5,7 @@ of weighted expert rows, gradients of tokens and probabilities (Megatron's ``Dee
 autograd), with uneven token counts over ranks and ranks without tokens; the shared buffer kept when the token
 count changes and re-made for wider rows; FP8 dispatch from the plugin options; FP16 tokens (carried as fp32 on the
 ``torch`` transport, refused naming ``x`` on a kernel transport); misuse errors."""
+
 from __future__ import annotations
 
 import time
@@ -24,10 +25,12 @@ def _manager_round(shim, x, idx, probs, num_experts: int):
     ``e + 1`` and weights them by their probability, and each received token's rows are summed over the local
     experts (as Megatron's unpermute does)."""
     group = dist.group.WORLD
-    buffer = shim.get_elastic_buffer(group, num_max_tokens_per_rank=x.shape[0], hidden=x.shape[1],
-                                     num_topk=idx.shape[1])
+    buffer = shim.get_elastic_buffer(
+        group, num_max_tokens_per_rank=x.shape[0], hidden=x.shape[1], num_topk=idx.shape[1]
+    )
     recv_x, recv_idx, recv_probs, tokens_per_expert, handle = shim.deepepv2_dispatch(
-        buffer, x, idx, probs, num_experts, num_max_tokens_per_rank=x.shape[0], expert_alignment=1, num_sms=0)
+        buffer, x, idx, probs, num_experts, num_max_tokens_per_rank=x.shape[0], expert_alignment=1, num_sms=0
+    )
     first = dist.get_rank() * (num_experts // dist.get_world_size())
     scale = ((recv_idx + first + 1) * (recv_idx >= 0)).to(recv_probs.dtype)
     rows = (recv_x * (scale * recv_probs).sum(1, keepdim=True)).to(x.dtype)  # the experts' output in x's dtype
@@ -35,8 +38,7 @@ def _manager_round(shim, x, idx, probs, num_experts: int):
     return buffer, (recv_x, recv_idx, recv_probs, tokens_per_expert), combined
 
 
-def _round(shim, seed: int, tokens: tuple[int, ...], kind: str, fp8: bool,
-           dtype: torch.dtype = torch.float32) -> None:
+def _round(shim, seed: int, tokens: tuple[int, ...], kind: str, fp8: bool, dtype: torch.dtype = torch.float32) -> None:
     """One round with ``tokens[rank % len(tokens)]`` tokens of ``dtype`` on each rank (Megatron passes each rank's
     own count as ``num_max_tokens_per_rank``, 0 included)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,13 +85,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
     """Gradients: float32 within 1e-5 relative to the largest value; float16 within four units in its last place
     (the backward rounds to fp16 where the forward did, in another order)."""
     scale = max(float(expected.abs().max()), 1.0) if expected.numel() else 1.0
-    step = 1e-5 if dtype == torch.float32 else 4 * 2.0 ** -11
+    step = 1e-5 if dtype == torch.float32 else 4 * 2.0**-11
     torch.testing.assert_close(actual, expected, rtol=0, atol=step * scale)
 
 
 def recv_ref_x(x: torch.Tensor) -> torch.Tensor:
     """``x`` through the FP8 quantizer and back (the rows the experts see with FP8 dispatch)."""
     from moe_ep_plugin.ops import fp8
+
     return fp8.dequantize(*fp8.quantize(x), dtype=x.dtype)
 
 
@@ -97,11 +100,19 @@ def _suite(seed: int) -> None:
     from moe_ep_plugin.megatron import deepep_shim
     from moe_ep_plugin.megatron import deepepv2_shim as shim
     from moe_ep_plugin.megatron.options import PluginOptions
+
     shim.reset_elastic_buffer()
     deepep_shim.configure(PluginOptions(transport="torch"))
     try:
-        rounds = (((4,), "random"), ((6,), "sparse"), ((6,), "one_expert"), ((9,), "random"), ((3, 7, 5), "random"),
-                  ((0, 5), "random"), ((5, 0, 2), "one_expert"))
+        rounds = (
+            ((4,), "random"),
+            ((6,), "sparse"),
+            ((6,), "one_expert"),
+            ((9,), "random"),
+            ((3, 7, 5), "random"),
+            ((0, 5), "random"),
+            ((5, 0, 2), "one_expert"),
+        )
         for i, (tokens, kind) in enumerate(rounds):
             _round(shim, seed + i, tokens, kind, fp8=False)
         first = shim.get_elastic_buffer(dist.group.WORLD, 9, HIDDEN, TOPK)

@@ -11,6 +11,7 @@ checkpointing (non-reentrant: the recompute replays the forward's handle; reentr
 gradients of tokens, routing weights and expert weights equal the dense plain-loop reference (the ``comm``
 backend's math: ``out[t] = Σ_k w[t, k] · expert_{idx[t, k]}(x[t])``) within fp32 rounding (1e-5).
 """
+
 from __future__ import annotations
 
 import time
@@ -31,6 +32,7 @@ HIDDEN, TOPK, LOCAL, MAX_TOKENS = 16, 2, 2, 12
 def _route(exchange, replay, x, idx, w, experts):
     """``AutoEPMoELayer._deepep_route``'s steps, with ``experts[e]`` ``[H, H]`` as expert ``e``'s GEMM."""
     from deepspeed.module_inject.auto_ep_comm import deepep_combine, deepep_dispatch
+
     received, recv_weights, exchange = deepep_dispatch(exchange, x, idx, w, replay=replay)
     handle = exchange.last_handle
     arrived = handle.num_expanded_tokens
@@ -45,13 +47,20 @@ def _route(exchange, replay, x, idx, w, experts):
 
 def _suite(seed: int) -> None:
     import moe_ep_plugin
+
     moe_ep_plugin.install_deep_ep()
     from deepspeed.module_inject import auto_ep_comm
+
     rank, world = dist.get_rank(), dist.get_world_size()
     num_experts = LOCAL * world
-    exchange = auto_ep_comm.shared_exchange(scope=auto_ep_comm.new_exchange_scope(), ep_group=dist.group.WORLD,
-                                            num_experts=num_experts, top_k=TOPK, hidden_size=HIDDEN,
-                                            num_max_tokens_per_rank=MAX_TOKENS)
+    exchange = auto_ep_comm.shared_exchange(
+        scope=auto_ep_comm.new_exchange_scope(),
+        ep_group=dist.group.WORLD,
+        num_experts=num_experts,
+        top_k=TOPK,
+        hidden_size=HIDDEN,
+        num_max_tokens_per_rank=MAX_TOKENS,
+    )
     assert type(exchange.buffer).__module__ == "moe_ep_plugin.deep_ep.elastic"
     replay = auto_ep_comm.DeepEPCheckpointReplay()
     experts_all = torch.randn(num_experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 0.3
@@ -67,8 +76,9 @@ def _suite(seed: int) -> None:
         if checkpoint is None:
             out = _route(exchange, replay, xp, idx, wp, experts)
         else:
-            out = torch.utils.checkpoint.checkpoint(_route, exchange, replay, xp, idx, wp, experts,
-                                                    use_reentrant=checkpoint == "reentrant")
+            out = torch.utils.checkpoint.checkpoint(
+                _route, exchange, replay, xp, idx, wp, experts, use_reentrant=checkpoint == "reentrant"
+            )
         (out * g).sum().backward()
         ref_out, ref_gx, ref_gw, ref_ge = dense_reference(x, idx, w, g, experts_all, False)
         tol = {"rtol": 1e-5, "atol": 1e-5}
@@ -79,8 +89,9 @@ def _suite(seed: int) -> None:
         dist.all_reduce(grad_e)  # each rank's expert gradients are its local experts' share of the tokens
         mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
         torch.testing.assert_close(experts.grad[mine], grad_e[mine], **tol)
-        torch.testing.assert_close(grad_e[mine], ref_ge[mine], **tol,
-                                   msg=lambda m, step=step: f"step {step} grad e: {m}")
+        torch.testing.assert_close(
+            grad_e[mine], ref_ge[mine], **tol, msg=lambda m, step=step: f"step {step} grad e: {m}"
+        )
     exchange.destroy()
 
 

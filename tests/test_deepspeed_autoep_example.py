@@ -3,6 +3,7 @@ entry point on 2 gloo ranks trains a tiny Mixtral with AutoEP's ``comm`` backend
 deepep`` served by this library, and the per-step losses agree within 3e-3 (measured: at most 9e-4 over 4 BF16
 ZeRO-1 steps at losses near 5.2, seeds 1-3; the two backends sum a token's expert outputs in different orders, in
 BF16). The YAML's refusals come at config time, naming the key, before any rank starts."""
+
 from __future__ import annotations
 
 import os
@@ -25,15 +26,16 @@ STEPS = 4
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, EXAMPLE, "--config", CONFIG, *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, EXAMPLE, "--config", CONFIG, *args], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def test_autoep_deepep_on_this_library_trains_like_comm() -> None:
-    pytest.importorskip("transformers", reason="transformers is not installed (AutoEP replaces Hugging Face MoE "
-                        "blocks)")
+    pytest.importorskip(
+        "transformers", reason="transformers is not installed (AutoEP replaces Hugging Face MoE blocks)"
+    )
     proc = _run("--compare", f"train.steps={STEPS}", "train.log_interval=1", "train.warmup_steps=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(m) for m in re.findall(r"^step \d+/\d+ \| loss (\S+)", proc.stdout, re.M)]
@@ -41,8 +43,12 @@ def test_autoep_deepep_on_this_library_trains_like_comm() -> None:
     comm, deepep = losses[:STEPS], losses[STEPS:]
     diff = max(abs(a - b) for a, b in zip(comm, deepep, strict=True))
     assert diff <= LOSS_TOLERANCE, (comm, deepep)
-    verdict = re.search(r"^PASS: autoep deepep \(this library\) vs comm: largest per-step loss difference (\S+) over "
-                        rf"{STEPS} steps, tolerance 0.003 \(different BF16 summation orders\)$", proc.stdout, re.M)
+    verdict = re.search(
+        r"^PASS: autoep deepep \(this library\) vs comm: largest per-step loss difference (\S+) over "
+        rf"{STEPS} steps, tolerance 0.003 \(different BF16 summation orders\)$",
+        proc.stdout,
+        re.M,
+    )
     assert verdict is not None, proc.stdout[-2000:]
     assert abs(float(verdict[1]) - diff) <= 1e-4, (verdict[0], diff)  # the printed losses are rounded to 1e-4
     assert deepep[-1] < deepep[0]  # it trains
@@ -60,20 +66,23 @@ def _with(**sections: dict) -> dict:
     return data
 
 
-@pytest.mark.parametrize("data, key", [
-    (_with(autoep={"comm_backend": "nccl"}), "autoep.comm_backend: expected one of"),
-    (_with(autoep={"num_attention_heads": 3}), "autoep.num_attention_heads: 3 does not divide"),
-    (_with(autoep={"comm_max_tokens_per_rank": 8}), "autoep.comm_max_tokens_per_rank: unknown key"),
-    (_with(moe={"fp8_dispatch": True}), "moe.fp8_dispatch: a plugin option"),
-    (_with(moe={"transport": "nvlink"}), "moe.transport: a plugin option"),
-    (_with(moe={"drop_tokens": True}), "moe.drop_tokens: AutoEP's Mixtral blocks have no token dropping"),
-    (_with(moe={"capacity_factor": 2.0}), "moe.capacity_factor: AutoEP's Mixtral blocks have no capacity"),
-    (_with(moe={"aux_loss_coeff": 0.01}), "moe.aux_loss_coeff: AutoEP's Mixtral blocks add no auxiliary loss"),
-    (_with(train={"dtype": "float32"}), "train.dtype: autoep.comm_backend 'deepep' dispatches bfloat16 only"),
-    (_with(deepspeed={"expert_parallel": {"enabled": True}}), "deepspeed.expert_parallel: set by the example"),
-    ({"dispatcher": "plugin", "autoep": {"comm_backend": "comm"}}, "autoep: this section is read with dispatcher"),
-    (_with(dispatcher="autoep", moe={"num_experts": 6, "ep_size": 4}), "moe.num_experts"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        (_with(autoep={"comm_backend": "nccl"}), "autoep.comm_backend: expected one of"),
+        (_with(autoep={"num_attention_heads": 3}), "autoep.num_attention_heads: 3 does not divide"),
+        (_with(autoep={"comm_max_tokens_per_rank": 8}), "autoep.comm_max_tokens_per_rank: unknown key"),
+        (_with(moe={"fp8_dispatch": True}), "moe.fp8_dispatch: a plugin option"),
+        (_with(moe={"transport": "nvlink"}), "moe.transport: a plugin option"),
+        (_with(moe={"drop_tokens": True}), "moe.drop_tokens: AutoEP's Mixtral blocks have no token dropping"),
+        (_with(moe={"capacity_factor": 2.0}), "moe.capacity_factor: AutoEP's Mixtral blocks have no capacity"),
+        (_with(moe={"aux_loss_coeff": 0.01}), "moe.aux_loss_coeff: AutoEP's Mixtral blocks add no auxiliary loss"),
+        (_with(train={"dtype": "float32"}), "train.dtype: autoep.comm_backend 'deepep' dispatches bfloat16 only"),
+        (_with(deepspeed={"expert_parallel": {"enabled": True}}), "deepspeed.expert_parallel: set by the example"),
+        ({"dispatcher": "plugin", "autoep": {"comm_backend": "comm"}}, "autoep: this section is read with dispatcher"),
+        (_with(dispatcher="autoep", moe={"num_experts": 6, "ep_size": 4}), "moe.num_experts"),
+    ],
+)
 def test_autoep_config_refusals(data: dict, key: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_config(data, world_size=2)
@@ -97,8 +106,11 @@ def test_autoep_deepep_refuses_to_shadow_a_real_deep_ep(monkeypatch) -> None:
 
 def test_autoep_needs_transformers(monkeypatch) -> None:
     find_spec = ds_config.importlib.util.find_spec
-    monkeypatch.setattr(ds_config.importlib.util, "find_spec",
-                        lambda name, *args: None if name == "transformers" else find_spec(name, *args))
+    monkeypatch.setattr(
+        ds_config.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "transformers" else find_spec(name, *args),
+    )
     with pytest.raises(ValueError, match="^dispatcher: 'autoep' needs transformers"):
         parse_config(AUTOEP, world_size=2)
 

@@ -6,6 +6,7 @@ MoE blocks), which CI does not install.
 
 On CPU, DeepSpeed's ``_deepep_route`` calls ``dist.barrier(device_ids=[None])``, which gloo rejects: the test
 drops ``device_ids`` from that one call (a stand-in for the GPU's barrier)."""
+
 from __future__ import annotations
 
 import json
@@ -23,23 +24,42 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 
 def _train(backend: str, out_path: str) -> None:
     import moe_ep_plugin
+
     moe_ep_plugin.install_deep_ep()
     import deepspeed
     from deepspeed.module_inject import auto_ep_layer
     from transformers import MixtralConfig, MixtralForCausalLM
+
     barrier = dist.barrier
     auto_ep_layer.dist.barrier = lambda *args, device_ids=None, **kwargs: barrier(*args, **kwargs)
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=64)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     model = MixtralForCausalLM(config).to(torch.bfloat16)
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-                 "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-                 "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral",
-                                     "use_grouped_mm": False, "comm_backend": backend,
-                                     "comm_max_tokens_per_rank": 64}}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": True},
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 2,
+            "preset_model": "mixtral",
+            "use_grouped_mm": False,
+            "comm_backend": backend,
+            "comm_max_tokens_per_rank": 64,
+        },
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     rank, losses = dist.get_rank(), []
     for step in range(3):

@@ -1,6 +1,7 @@
 """The DeepSpeed layer's grouped experts (``expert_compute``): which expert modules run as one grouped FFN, and the
 grouped path equals DeepSpeed's per-expert loop in outputs and every gradient (CPU, fp32: only the summation
 order of the bias terms differs), also for experts without rows."""
+
 from __future__ import annotations
 
 import os
@@ -68,16 +69,24 @@ def _hooked() -> nn.Module:
     return expert
 
 
-@pytest.mark.parametrize("make, grouped", [
-    (FFN, True), (TanhGelu, True), (lambda: FFN(bias=False), True),
-    (lambda: nn.Sequential(nn.Linear(16, 24), nn.SiLU(), nn.Linear(24, 16)), True),
-    (TwoActivations, False),
-    (Residual, False), (Gated, False), (Branchy, False), (_hooked, False),
-    (lambda: nn.Sequential(nn.Linear(16, 24), nn.Dropout(0.1), nn.Linear(24, 16)), False),
-    (lambda: nn.Sequential(nn.Linear(16, 24), nn.PReLU(), nn.Linear(24, 16)), False),  # has a parameter
-    (lambda: nn.Sequential(MyLinear(16, 24), nn.GELU(), nn.Linear(24, 16)), False),
-    (lambda: nn.Linear(16, 16), False),
-])
+@pytest.mark.parametrize(
+    "make, grouped",
+    [
+        (FFN, True),
+        (TanhGelu, True),
+        (lambda: FFN(bias=False), True),
+        (lambda: nn.Sequential(nn.Linear(16, 24), nn.SiLU(), nn.Linear(24, 16)), True),
+        (TwoActivations, False),
+        (Residual, False),
+        (Gated, False),
+        (Branchy, False),
+        (_hooked, False),
+        (lambda: nn.Sequential(nn.Linear(16, 24), nn.Dropout(0.1), nn.Linear(24, 16)), False),
+        (lambda: nn.Sequential(nn.Linear(16, 24), nn.PReLU(), nn.Linear(24, 16)), False),  # has a parameter
+        (lambda: nn.Sequential(MyLinear(16, 24), nn.GELU(), nn.Linear(24, 16)), False),
+        (lambda: nn.Linear(16, 16), False),
+    ],
+)
 def test_which_experts_run_grouped(make, grouped):
     expert = make()
     structure = ffn_structure(expert)
@@ -92,7 +101,7 @@ def test_which_experts_run_grouped(make, grouped):
 
 def _random_counts(num_experts: int, rows: int, gen: torch.Generator) -> list[int]:
     """``rows`` over ``num_experts`` with about half the experts given none (at least one always)."""
-    owners = torch.randperm(num_experts, generator=gen)[:max(num_experts // 2, 1)]
+    owners = torch.randperm(num_experts, generator=gen)[: max(num_experts // 2, 1)]
     picks = owners[torch.randint(len(owners), (rows,), generator=gen)]
     return torch.bincount(picks, minlength=num_experts).tolist()
 
@@ -117,6 +126,7 @@ def _randomize_experts(moe: nn.Module, seed: int) -> None:
 def _pair(make_expert, *args, **kwargs) -> dict[str, nn.Module]:
     """The plugin MoE with ``expert_compute`` grouped and loop, identical weights."""
     from moe_ep_plugin.deepspeed import MoE
+
     moes = {impl: MoE(16, make_expert(), *args, **kwargs, expert_compute=impl) for impl in ("grouped", "loop")}
     _randomize_experts(moes["loop"], 5)
     moes["grouped"].load_state_dict(moes["loop"].state_dict())
@@ -132,8 +142,9 @@ def test_grouped_experts_equal_the_loop_also_without_rows(rows, bias):
     counts = _random_counts(6, rows, gen)
     assert sum(counts) == rows and 0 in counts
     x, grad_out = torch.randn(rows, 16, generator=gen), torch.randn(rows, 16, generator=gen)
-    (out_g, dx_g, grads_g), (out_l, dx_l, grads_l) = (_experts_step(layers[i], x, counts, grad_out)
-                                                      for i in ("grouped", "loop"))
+    (out_g, dx_g, grads_g), (out_l, dx_l, grads_l) = (
+        _experts_step(layers[i], x, counts, grad_out) for i in ("grouped", "loop")
+    )
     assert_close(out_g, out_l, "output")
     assert_close(dx_g, dx_l, "rows' gradient")
     assert grads_g.keys() == grads_l.keys()
@@ -169,6 +180,7 @@ def test_layer_grouped_equals_loop_k1_k2_k8():
 
 def test_expert_compute_is_checked():
     from moe_ep_plugin.deepspeed import MoE
+
     with pytest.raises(ValueError, match="^expert_compute: expected one of"):
         MoE(16, FFN(), num_experts=2, expert_compute="fast")
     with pytest.raises(ValueError, match="^expert_compute: 'grouped' needs experts whose forward is Linear"):

@@ -7,6 +7,7 @@ all gradients must agree with the plugin's variable-split path up to fp32 summat
 ``exp_counts`` come from the same gating code and must agree exactly. Random gate noise (top-2 Gumbel sampling,
 random token selection) is replayed by seeding both forwards alike.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +31,7 @@ TOL = 1e-6  # fp32, only the summation order differs: relative to each tensor's 
 def ds_init() -> None:
     """Join DeepSpeed's comm to the process group :func:`launch.spawn` made (no shared-memory op compiled)."""
     from moe_ep_plugin.recipes.deepspeed.train import init_deepspeed_comm
+
     init_deepspeed_comm()
 
 
@@ -37,6 +39,7 @@ def ds_finish(*engines) -> None:
     """Free engines and the plugin's buffers while the process group is alive (a C++ thread outliving it can
     abort the process at exit: 'terminate called without an active exception')."""
     from moe_ep_plugin.deepspeed import destroy_buffers
+
     for engine in engines:
         engine.destroy()
     destroy_buffers()
@@ -62,6 +65,7 @@ def make_modules(num_experts: int, ep_size: int, k: int, stock_overrides: dict |
     by all ranks, experts different on every rank). ``stock_overrides``: DeepSpeed arguments of the stock layer
     alone (an equivalent stock setting where DeepSpeed fails on the plugin's)."""
     from moe_ep_plugin.deepspeed import MoE, PluginMOELayer, convert_moe
+
     torch.manual_seed(0)
     stock = deepspeed.moe.layer.MoE(H, Expert(H), num_experts, ep_size, k, **{**ds_kwargs, **(stock_overrides or {})})
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -81,8 +85,9 @@ def make_modules(num_experts: int, ep_size: int, k: int, stock_overrides: dict |
     assert isinstance(layer, PluginMOELayer) and isinstance(plugin.deepspeed_moe, PluginMOELayer)
     assert layer.gate is old_layer.gate and layer.experts is old_layer.experts and layer.ep_group is old_layer.ep_group
     for moe in (plugin, converted):  # the checkpoint layout: DeepSpeed's names, shapes and dtypes
-        assert {n: (t.shape, t.dtype) for n, t in moe.state_dict().items()} == \
-            {n: (t.shape, t.dtype) for n, t in stock.state_dict().items()}
+        assert {n: (t.shape, t.dtype) for n, t in moe.state_dict().items()} == {
+            n: (t.shape, t.dtype) for n, t in stock.state_dict().items()
+        }
     return stock, plugin, converted
 
 
@@ -119,6 +124,7 @@ def assert_same(stock_res, plugin_res, what: str) -> None:
 def count_grouped_calls():
     """How often the layers ran their experts as one grouped FFN."""
     from moe_ep_plugin.deepspeed.ffn import GroupedFFN
+
     original, calls = GroupedFFN.__call__, {"grouped": 0}
 
     def counting(self, rows, counts):
@@ -138,6 +144,7 @@ def count_dispatched_rows():
     this rank) pair where the token chose at least one (kept) expert of this rank — no copy per expert on the
     wire (the expert-major layout copies rows per expert only on the receiving rank)."""
     import moe_ep_plugin.autograd as ep_autograd
+
     original, rows = ep_autograd.dispatch_experts, {"received": 0, "expected": 0}
 
     def counting(buffer, x, topk_idx, topk_weights, num_experts, **kwargs):
@@ -187,12 +194,30 @@ DROPLESS_CASES = [
     # k=1: top1gating, random token selection on (it cannot drop without a capacity limit), Gumbel-noisy argmax
     dict(num_experts=8, ep_size=2, k=1, drop_tokens=False, min_capacity=0, noisy_gate_policy="RSample", tokens=24),
     # used_token masks tokens out (k=1 only), with capacity drops
-    dict(num_experts=8, ep_size=2, k=1, drop_tokens=True, capacity_factor=1.0, min_capacity=0, tokens=24,
-         noisy_gate_policy="Jitter", used_token=True),
+    dict(
+        num_experts=8,
+        ep_size=2,
+        k=1,
+        drop_tokens=True,
+        capacity_factor=1.0,
+        min_capacity=0,
+        tokens=24,
+        noisy_gate_policy="Jitter",
+        used_token=True,
+    ),
     # used_token without drops: DeepSpeed fails on it, so the stock side keeps every token by a capacity of all
     # tokens (capacity_factor = E) instead
-    dict(num_experts=8, ep_size=2, k=1, drop_tokens=False, min_capacity=0, tokens=24, noisy_gate_policy="RSample",
-         used_token=True, stock_overrides=dict(drop_tokens=True, capacity_factor=8.0)),
+    dict(
+        num_experts=8,
+        ep_size=2,
+        k=1,
+        drop_tokens=False,
+        min_capacity=0,
+        tokens=24,
+        noisy_gate_policy="RSample",
+        used_token=True,
+        stock_overrides=dict(drop_tokens=True, capacity_factor=8.0),
+    ),
     # k=2: top2gating with its Gumbel-sampled second expert (DeepSpeed's default)
     dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=24),
     # k=8: topkgating (DeepSpeed uses it for every k > 2)
@@ -207,9 +232,11 @@ def test_matches_stock_deepspeed_ep2():
 
 
 def test_matches_stock_deepspeed_ep1_ep2_ep4_on_4_ranks():
-    cases = [dict(num_experts=4, ep_size=1, k=2, drop_tokens=False, use_residual=True, tokens=12),  # PR-MoE
-             dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=12),  # 2 EP groups x 2 data-parallel
-             dict(num_experts=8, ep_size=4, k=3, drop_tokens=False, tokens=12)]
+    cases = [
+        dict(num_experts=4, ep_size=1, k=2, drop_tokens=False, use_residual=True, tokens=12),  # PR-MoE
+        dict(num_experts=8, ep_size=2, k=2, drop_tokens=False, tokens=12),  # 2 EP groups x 2 data-parallel
+        dict(num_experts=8, ep_size=4, k=3, drop_tokens=False, tokens=12),
+    ]
     launch.spawn(_worker_matches_stock, 4, (cases,))
 
 
@@ -226,8 +253,9 @@ def gather_experts(moe) -> list[torch.nn.Module]:
     return experts
 
 
-def loop_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                   experts: list[torch.nn.Module]) -> torch.Tensor:
+def loop_reference(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: list[torch.nn.Module]
+) -> torch.Tensor:
     """``y[s] = Σ_k w[s, k] · expert_{idx[s, k]}(x[s])``, one token and one route at a time (-1 skipped)."""
     rows = []
     for s in range(x.shape[0]):
@@ -235,7 +263,7 @@ def loop_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         for j in range(topk_idx.shape[1]):
             e = int(topk_idx[s, j])
             if e >= 0:
-                acc = acc + topk_weights[s, j] * experts[e](x[s:s + 1].float())[0]
+                acc = acc + topk_weights[s, j] * experts[e](x[s : s + 1].float())[0]
         rows.append(acc)
     if not rows:  # no tokens: an empty result still tied to x and the gate, so their gradients are zeros
         return x.float() * 0 + topk_weights.sum() * 0
@@ -292,6 +320,7 @@ def check_against_loop(moe, x: torch.Tensor, tol: float, what: str, fp8_wire: bo
 
 def _worker_edge_cases() -> None:
     from moe_ep_plugin.deepspeed import MoE
+
     ds_init()
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
@@ -300,13 +329,25 @@ def _worker_edge_cases() -> None:
 
     # group-limited sigmoid routing with an expert bias; rank 1 has no tokens at all
     torch.manual_seed(0)
-    moe = MoE(H, Expert(H), 8, 2, 4, router="group_limited", score_function="sigmoid", num_groups=4, group_topk=2,
-              scaling_factor=2.0, expert_bias_rate=1e-3)
+    moe = MoE(
+        H,
+        Expert(H),
+        8,
+        2,
+        4,
+        router="group_limited",
+        score_function="sigmoid",
+        num_groups=4,
+        group_topk=2,
+        scaling_factor=2.0,
+        expert_bias_rate=1e-3,
+    )
     moe.set_deepspeed_parallelism()
     with torch.no_grad():
         moe.deepspeed_moe.gate.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
-    check_against_loop(moe, torch.randn(10 if rank == 0 else 0, H, generator=gen), 1e-5,
-                       f"rank {rank} group-limited, rank 1 empty")
+    check_against_loop(
+        moe, torch.randn(10 if rank == 0 else 0, H, generator=gen), 1e-5, f"rank {rank} group-limited, rank 1 empty"
+    )
 
     # every token to expert 0 (a zero gate: all logits tie, argmax takes the first), uneven token counts
     torch.manual_seed(1)
@@ -326,8 +367,9 @@ def _worker_edge_cases() -> None:
         for p in moe.deepspeed_moe.experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     moe.to(torch.bfloat16).set_deepspeed_parallelism()
-    check_against_loop(moe, torch.randn(12, 128, generator=gen).to(torch.bfloat16), 2e-2,
-                       f"rank {rank} fp8 dispatch", fp8_wire=True)
+    check_against_loop(
+        moe, torch.randn(12, 128, generator=gen).to(torch.bfloat16), 2e-2, f"rank {rank} fp8 dispatch", fp8_wire=True
+    )
 
     # the aux-loss-free bias step: the same step on every rank, towards the under-loaded experts
     torch.manual_seed(3)
@@ -337,6 +379,7 @@ def _worker_edge_cases() -> None:
     total = counts.float().clone()
     dist.all_reduce(total)
     from moe_ep_plugin.deepspeed import update_expert_biases
+
     assert update_expert_biases(moe) == 1
     bias = moe.deepspeed_moe.gate.expert_bias
     assert torch.equal(bias, 0.01 * torch.sign(total.mean() - total))

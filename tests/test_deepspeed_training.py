@@ -1,5 +1,6 @@
 """deepspeed.initialize with the plugin layer: ZeRO-1/2 training equals stock DeepSpeed MoE, checkpoints round-trip,
 DeepSpeed's MoE parameter machinery applies, and the YAML config rejects impossible settings (CPU, gloo)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,11 @@ from moe_ep_plugin import launch  # noqa: E402
 from moe_ep_plugin.recipes.deepspeed.config import load_config, parse_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = {"model": {"vocab_size": 64, "hidden_size": 32, "ffn_hidden_size": 48, "num_layers": 2, "seq_len": 16},
-         "moe": {"num_experts": 4, "ep_size": 2, "k": 2},
-         "train": {"steps": 6, "micro_batch_size": 4, "lr": 1e-2, "log_interval": 100}}
+SMALL = {
+    "model": {"vocab_size": 64, "hidden_size": 32, "ffn_hidden_size": 48, "num_layers": 2, "seq_len": 16},
+    "moe": {"num_experts": 4, "ep_size": 2, "k": 2},
+    "train": {"steps": 6, "micro_batch_size": 4, "lr": 1e-2, "log_interval": 100},
+}
 
 
 def _worker_training(ckpt_dir: str) -> None:
@@ -29,6 +32,7 @@ def _worker_training(ckpt_dir: str) -> None:
 
     from moe_ep_plugin.deepspeed import PluginMOELayer, convert_moe
     from moe_ep_plugin.recipes.deepspeed.train import build_engine, build_model, initialize, train_steps
+
     ds_init()
     for stage in (2, 1):
         cfg = parse_config({**SMALL, "deepspeed": {"zero_optimization": {"stage": stage}}}, dist.get_world_size())
@@ -75,8 +79,9 @@ def _worker_training(ckpt_dir: str) -> None:
         files = {tag: sorted(os.listdir(os.path.join(ckpt_dir, tag))) for tag in ("t", "stock")}
         assert files["t"] == files["stock"]
         for name in (f for f in files["t"] if f.endswith("model_states.pt")):
-            plugin_state, stock_state = (torch.load(os.path.join(ckpt_dir, tag, name), weights_only=False)
-                                         for tag in ("t", "stock"))
+            plugin_state, stock_state = (
+                torch.load(os.path.join(ckpt_dir, tag, name), weights_only=False) for tag in ("t", "stock")
+            )
             assert plugin_state.keys() == stock_state.keys(), name
             if "module" in stock_state:
                 assert plugin_state["module"].keys() == stock_state["module"].keys(), name
@@ -92,26 +97,29 @@ def test_zero1_zero2_training_matches_stock_and_checkpoints(tmp_path):
     launch.spawn(_worker_training, 2, (str(tmp_path),))
 
 
-@pytest.mark.parametrize("data, key", [
-    ({"moe": {"capacity": 2}}, "moe.capacity: unknown key"),
-    ({"optimizer": {}}, "optimizer: unknown section"),
-    ({"moe": {"num_experts": 6, "ep_size": 4}}, "moe.num_experts"),
-    ({"moe": {"ep_size": 4, "num_experts": 8}}, "moe.ep_size: 4 does not divide the 2 ranks"),
-    ({"moe": {"k": 9}}, "moe.k"),
-    ({"model": {"hidden_size": "wide"}}, "model.hidden_size: expected int"),
-    ({"model": {"hidden_size": 96}, "moe": {"fp8_dispatch": True}}, "model.hidden_size"),
-    ({"dispatcher": "deepspeed", "moe": {"fp8_dispatch": True}}, "moe.fp8_dispatch: a plugin option"),
-    ({"dispatcher": "tutel"}, "dispatcher"),
-    ({"moe": {"router": "group_limited", "num_groups": 3}}, "moe.num_groups"),
-    ({"moe": {"num_groups": 2}}, "moe.num_groups: only used by router='group_limited'"),
-    ({"moe": {"transport": "rdma"}}, "moe.transport"),
-    ({"moe": {"expert_compute": "fast"}}, "moe.expert_compute: expected one of"),
-    ({"dispatcher": "deepspeed", "moe": {"expert_compute": "grouped"}}, "moe.expert_compute: a plugin option"),
-    ({"deepspeed": {"bf16": {"enabled": True}}}, "deepspeed.bf16: set by the example from train.dtype"),
-    ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed.zero_optimization.stage"),
-    ({"train": {"dtype": "float16"}}, "train.dtype"),
-    ({"train": {"dtype": "float32"}, "moe": {"fp8_dispatch": True}}, "train.dtype: moe.fp8_dispatch"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"moe": {"capacity": 2}}, "moe.capacity: unknown key"),
+        ({"optimizer": {}}, "optimizer: unknown section"),
+        ({"moe": {"num_experts": 6, "ep_size": 4}}, "moe.num_experts"),
+        ({"moe": {"ep_size": 4, "num_experts": 8}}, "moe.ep_size: 4 does not divide the 2 ranks"),
+        ({"moe": {"k": 9}}, "moe.k"),
+        ({"model": {"hidden_size": "wide"}}, "model.hidden_size: expected int"),
+        ({"model": {"hidden_size": 96}, "moe": {"fp8_dispatch": True}}, "model.hidden_size"),
+        ({"dispatcher": "deepspeed", "moe": {"fp8_dispatch": True}}, "moe.fp8_dispatch: a plugin option"),
+        ({"dispatcher": "tutel"}, "dispatcher"),
+        ({"moe": {"router": "group_limited", "num_groups": 3}}, "moe.num_groups"),
+        ({"moe": {"num_groups": 2}}, "moe.num_groups: only used by router='group_limited'"),
+        ({"moe": {"transport": "rdma"}}, "moe.transport"),
+        ({"moe": {"expert_compute": "fast"}}, "moe.expert_compute: expected one of"),
+        ({"dispatcher": "deepspeed", "moe": {"expert_compute": "grouped"}}, "moe.expert_compute: a plugin option"),
+        ({"deepspeed": {"bf16": {"enabled": True}}}, "deepspeed.bf16: set by the example from train.dtype"),
+        ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed.zero_optimization.stage"),
+        ({"train": {"dtype": "float16"}}, "train.dtype"),
+        ({"train": {"dtype": "float32"}, "moe": {"fp8_dispatch": True}}, "train.dtype: moe.fp8_dispatch"),
+    ],
+)
 def test_config_rejects_impossible_settings(data, key):
     with pytest.raises(ValueError) as info:
         parse_config(data, world_size=2)
@@ -135,23 +143,27 @@ def _expert() -> torch.nn.Module:
     return torch.nn.Linear(8, 8)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(num_experts=6, ep_size=4), "num_experts"),
-    (dict(num_experts=4, ep_size=0), "ep_size"),
-    (dict(num_experts=4, k=5), "k"),
-    (dict(num_experts=4, use_tutel=True), "use_tutel"),
-    (dict(num_experts=4, enable_expert_tensor_parallelism=True), "enable_expert_tensor_parallelism"),
-    (dict(num_experts=4, fp8_dispatch=True), "hidden_size"),
-    (dict(num_experts=4, num_groups=2), "num_groups"),
-    (dict(num_experts=4, router="group_limited", drop_tokens=True), "drop_tokens"),
-    (dict(num_experts=4, k=2, router="group_limited", num_groups=2, group_topk=3), "group_topk"),
-    (dict(num_experts=4, router="group_limited", expert_bias_rate=0.1), "expert_bias_rate"),
-    (dict(num_experts=4, transport="rdma"), "transport"),
-    (dict(num_experts=4, round_scale=True), "round_scale"),
-    (dict(num_experts=4, noisy_gate_policy="Gaussian"), "noisy_gate_policy"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(num_experts=6, ep_size=4), "num_experts"),
+        (dict(num_experts=4, ep_size=0), "ep_size"),
+        (dict(num_experts=4, k=5), "k"),
+        (dict(num_experts=4, use_tutel=True), "use_tutel"),
+        (dict(num_experts=4, enable_expert_tensor_parallelism=True), "enable_expert_tensor_parallelism"),
+        (dict(num_experts=4, fp8_dispatch=True), "hidden_size"),
+        (dict(num_experts=4, num_groups=2), "num_groups"),
+        (dict(num_experts=4, router="group_limited", drop_tokens=True), "drop_tokens"),
+        (dict(num_experts=4, k=2, router="group_limited", num_groups=2, group_topk=3), "group_topk"),
+        (dict(num_experts=4, router="group_limited", expert_bias_rate=0.1), "expert_bias_rate"),
+        (dict(num_experts=4, transport="rdma"), "transport"),
+        (dict(num_experts=4, round_scale=True), "round_scale"),
+        (dict(num_experts=4, noisy_gate_policy="Gaussian"), "noisy_gate_policy"),
+    ],
+)
 def test_layer_rejects_impossible_settings(kwargs, name):
     from moe_ep_plugin.deepspeed import MoE
+
     with pytest.raises(ValueError) as info:
         MoE(8, _expert(), **kwargs)
     assert str(info.value).startswith(name), str(info.value)
@@ -159,6 +171,7 @@ def test_layer_rejects_impossible_settings(kwargs, name):
 
 def test_layer_needs_its_expert_group():
     from moe_ep_plugin.deepspeed import MoE
+
     with pytest.raises(ValueError, match="^ep_group: not set"):
         MoE(8, _expert(), num_experts=2)(torch.randn(3, 8))
     with pytest.raises(TypeError, match="^hidden_states: the plugin dispatches BF16 or FP32"):

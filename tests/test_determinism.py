@@ -3,6 +3,7 @@ stream mode, on every transport (rows land at positions computed from the counts
 sum has a fixed order; the kernels' only atomics count integers). Inputs are unrounded random floats, so any
 change of summation order would show. CPU: ``torch`` (3 ranks) and ``hierarchical`` (emulated 2x2); GPU:
 the ``nvlink`` kernels, several ranks sharing the GPUs (skipped without one)."""
+
 from __future__ import annotations
 
 import time
@@ -51,8 +52,14 @@ def _suite(seed: int, transport: str, ranks_per_node, device: str) -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     buffer = Buffer(transport=transport, ranks_per_node=ranks_per_node, timeout_s=60, device=dev)
-    elastic = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=128, hidden=256, transport=transport,
-                            ranks_per_node=ranks_per_node, device=dev)
+    elastic = ElasticBuffer(
+        dist.group.WORLD,
+        num_max_tokens_per_rank=128,
+        hidden=256,
+        transport=transport,
+        ranks_per_node=ranks_per_node,
+        device=dev,
+    )
     num_experts = 4 * world
     for i in range(3):
         gen = torch.Generator().manual_seed(seed + 97 * i + rank)
@@ -69,8 +76,9 @@ def _suite(seed: int, transport: str, ranks_per_node, device: str) -> None:
         for _ in range(2):  # the DeepEP V2 face: non-expanded and expanded dispatch, combines with weights
             recv, _, rw, h, _ = elastic.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts)
             c = elastic.combine(recv * 0.5, h, topk_weights=rw)
-            ex, _, ew, eh, _ = elastic.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                                do_expand=True, expert_alignment=8)
+            ex, _, ew, eh, _ = elastic.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_experts=num_experts, do_expand=True, expert_alignment=8
+            )
             ec = elastic.combine(ex * 3.1, eh, topk_weights=ew)
             runs.append(_bits((recv, rw, c[:2], ex, ew, ec[:2], h.recv_src_metadata, eh.recv_src_metadata)))
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), i

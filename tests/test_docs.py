@@ -1,5 +1,6 @@
 """Every repository path and module the user-facing docs name exists: links and backticked paths in README.md,
 docs/*.md and benchmarks/RESULTS.md, and backticked ``moe_ep_plugin.*`` module names."""
+
 from __future__ import annotations
 
 import ast
@@ -11,7 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "benchmarks/RESULTS.md"] + sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
 # Where a relative path may start besides the repository root and the doc's own folder: the README's layer table
 # and the kernel docs name package and csrc/ files relative to their folder.
 BASES = ["", "moe_ep_plugin", "csrc"]
@@ -52,8 +54,9 @@ def _defines(path: str, name: str) -> bool:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             return True
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return True
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -96,23 +99,33 @@ def _references(doc: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_named_path_exists(doc: str) -> None:
     refs = _references(doc)
-    missing = [f"{kind} {name}" for kind, name in refs
-               if not (_module_exists(name) if kind == "module" else _exists(doc, name))]
+    missing = [
+        f"{kind} {name}"
+        for kind, name in refs
+        if not (_module_exists(name) if kind == "module" else _exists(doc, name))
+    ]
     assert not missing, f"{doc} names what does not exist:\n" + "\n".join(missing)
 
 
 def test_the_check_sees_a_missing_path(tmp_path) -> None:
     """The reader finds links, backticked paths and modules, and tells existing from missing ones."""
     doc = tmp_path / "doc.md"
-    doc.write_text("See [kernels](docs/kernels.md), `benchmarks/nope.py --x 1`, `moe_ep_plugin.recipes.train.cli`, "
-                   "`moe_ep_plugin.train`, `moe_ep_plugin.config.Config` and `moe_ep_plugin.config.Nope`; `loss.png`, "
-                   "`DESIGN.md`, `runs/x/`.\n"
-                   "```\npython3 out/written_by_the_command.py\n```\n")
+    doc.write_text(
+        "See [kernels](docs/kernels.md), `benchmarks/nope.py --x 1`, `moe_ep_plugin.recipes.train.cli`, "
+        "`moe_ep_plugin.train`, `moe_ep_plugin.config.Config` and `moe_ep_plugin.config.Nope`; `loss.png`, "
+        "`DESIGN.md`, `runs/x/`.\n"
+        "```\npython3 out/written_by_the_command.py\n```\n"
+    )
     refs = _references(os.path.relpath(doc, ROOT))
-    assert refs == [("link", "docs/kernels.md"), ("path", "benchmarks/nope.py"),
-                    ("module", "moe_ep_plugin.recipes.train.cli"), ("module", "moe_ep_plugin.train"),
-                    ("module", "moe_ep_plugin.config.Config"), ("module", "moe_ep_plugin.config.Nope"),
-                    ("path", "DESIGN.md")]
+    assert refs == [
+        ("link", "docs/kernels.md"),
+        ("path", "benchmarks/nope.py"),
+        ("module", "moe_ep_plugin.recipes.train.cli"),
+        ("module", "moe_ep_plugin.train"),
+        ("module", "moe_ep_plugin.config.Config"),
+        ("module", "moe_ep_plugin.config.Nope"),
+        ("path", "DESIGN.md"),
+    ]
     assert _exists("README.md", "docs/kernels.md") and not _exists("README.md", "benchmarks/nope.py")
     assert _exists("docs/buffer.md", "kernels.md") and not _exists("README.md", "DESIGN.md")
     assert [_module_exists(name) for kind, name in refs if kind == "module"] == [True, False, True, False]
@@ -122,6 +135,7 @@ def test_megatron_doc_lists_every_ep_plugin_key() -> None:
     import dataclasses
 
     from moe_ep_plugin.plugin_options import PluginOptions
+
     with open(os.path.join(ROOT, "docs", "megatron.md"), encoding="utf-8") as f:
         text = f.read()
     missing = [f.name for f in dataclasses.fields(PluginOptions) if f"| `{f.name}` |" not in text]

@@ -5,6 +5,7 @@ with more or fewer marked tokens than ``C`` are covered too; every local expert 
 order. Gradients of the tokens and of the probs are checked exactly (integer-valued upstream gradients). World
 sizes 1–4 on the ``torch`` transport (``local`` at one rank), 2 x 2 emulated nodes on ``hierarchical``, BF16 and FP32,
 FP8 rows."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,17 @@ def _expert_tokens(rmap: torch.Tensor, e: int, capacity: int) -> list[int]:
     return ([t for t, m in enumerate(column) if m] + [t for t, m in enumerate(column) if not m])[:capacity]
 
 
-def _case(world: int, transport: str, ranks_per_node: int | None, dtype: torch.dtype, kind: str, capacity: int,
-          alignment: int, use_fp8: bool, seed: int) -> None:
+def _case(
+    world: int,
+    transport: str,
+    ranks_per_node: int | None,
+    dtype: torch.dtype,
+    kind: str,
+    capacity: int,
+    alignment: int,
+    use_fp8: bool,
+    seed: int,
+) -> None:
     rank = dist.get_rank()
     experts_per_rank, tokens = 3, 7
     experts = experts_per_rank * world
@@ -62,8 +72,9 @@ def _case(world: int, transport: str, ranks_per_node: int | None, dtype: torch.d
         sources += rows + [None] * (block - len(rows))
     zero = torch.zeros(HIDDEN, dtype=dtype)
     assert torch.equal(expert_x.detach(), torch.stack([zero if p is None else xs[p[0]][p[1]] for p in sources]))
-    assert torch.equal(expert_probs.detach(),
-                       torch.tensor([0.0 if p is None else float(ps[p[0]][p[1], p[2]]) for p in sources]))
+    assert torch.equal(
+        expert_probs.detach(), torch.tensor([0.0 if p is None else float(ps[p[0]][p[1], p[2]]) for p in sources])
+    )
 
     # Experts scale each row by an integer; the combine sums each token's rows in fp32 in expert order.
     scale = torch.arange(1, expert_x.shape[0] + 1, dtype=torch.float32).remainder(5).sub(2).to(dtype)
@@ -103,9 +114,13 @@ def test_emulated_nodes() -> None:
 
 
 def _suite(world: int, transport: str, ranks_per_node: int | None) -> None:
-    cases = [(torch.bfloat16, "random", 2, 1, False), (torch.float32, "random", 4, 3, False),
-             (torch.bfloat16, "one_expert", 3, 4, False), (torch.float32, "none", 1, 1, False),
-             (torch.bfloat16, "random", 2, 2, True)]
+    cases = [
+        (torch.bfloat16, "random", 2, 1, False),
+        (torch.float32, "random", 4, 3, False),
+        (torch.bfloat16, "one_expert", 3, 4, False),
+        (torch.float32, "none", 1, 1, False),
+        (torch.bfloat16, "random", 2, 2, True),
+    ]
     for seed, (dtype, kind, capacity, alignment, use_fp8) in enumerate(cases):
         _case(world, transport, ranks_per_node, dtype, kind, capacity, alignment, use_fp8, seed)
 

@@ -1,6 +1,7 @@
 """Drop-in behaviour for DeepEP normal-mode code (issue 13), on CPU: the stream ordering of every host value,
 dispatch without top-k, the handle read as DeepEP's tuple, and allocations that ignore torch's default dtype and
 device. Plain-loop references from tests/support/reference.py."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +37,7 @@ class _Streams:
                 yield
             finally:
                 self.current = before
+
         return switch()
 
 
@@ -103,14 +105,19 @@ def _stream_ordering() -> None:
         w = torch.rand(n, 2, generator=gen)
         xs, idxs, ws = zip(*gather_all((x, idx.long(), w)), strict=False)
         ref_counts = expected_dispatch(xs, idxs, ws, num_experts, rank, world)[4]
-        modes = [dict(), dict(async_finish=True), dict(previous_event=EventOverlap(_Event(streams, "compute"))),
-                 dict(previous_event=EventOverlap(_Event(streams, "compute")), async_finish=True),
-                 dict(previous_event=EventOverlap(_Event(streams, "compute")), allocate_on_comm_stream=True)]
+        modes = [
+            dict(),
+            dict(async_finish=True),
+            dict(previous_event=EventOverlap(_Event(streams, "compute"))),
+            dict(previous_event=EventOverlap(_Event(streams, "compute")), async_finish=True),
+            dict(previous_event=EventOverlap(_Event(streams, "compute")), allocate_on_comm_stream=True),
+        ]
         for mode in modes:
             streams.log.clear()
             recorded.clear()
-            _, _, _, counts, handle, event = buffer.dispatch(x, topk_idx=idx, topk_weights=w,
-                                                             num_experts=num_experts, **mode)
+            _, _, _, counts, handle, event = buffer.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_experts=num_experts, **mode
+            )
             assert counts == ref_counts, mode
             overlapped = "previous_event" in mode or mode.get("async_finish")
             log = streams.log
@@ -164,16 +171,21 @@ def _layout(n: int, world: int, num_experts: int, gen: torch.Generator, kind: st
 def _without_topk(seed: int, transport: str, ranks_per_node: int | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     buffer = Buffer(transport=transport, ranks_per_node=ranks_per_node, timeout_s=60)
-    for case, (tokens, kind) in enumerate([(lambda r: 5 + 3 * r, "random"), (lambda r: 0 if r == 0 else 4, "random"),
-                                           (lambda r: 6, "one")]):
+    for case, (tokens, kind) in enumerate(
+        [(lambda r: 5 + 3 * r, "random"), (lambda r: 0 if r == 0 else 4, "random"), (lambda r: 6, "one")]
+    ):
         gen = torch.Generator().manual_seed(seed * 100 + case * 10 + rank)
         n, h, num_experts = tokens(rank), 48, 3 * world
         x = torch.randn(n, h, generator=gen).bfloat16()
         per_rank, in_rank, per_expert = _layout(n, world, num_experts, gen, kind)
         everyone = gather_all((x, in_rank, per_expert))
         recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            expert_alignment=2)
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            expert_alignment=2,
+        )
         rows = [(src, t) for src, (sx, sin, _) in enumerate(everyone) for t in range(sx.shape[0]) if sin[t, rank]]
         assert recv_idx is None and recv_w is None
         assert recv_x.shape == (len(rows), h)
@@ -204,25 +216,34 @@ def _without_topk(seed: int, transport: str, ranks_per_node: int | None) -> None
         assert torch.equal(again, recv_x)
         xg = x.float().requires_grad_(True)
         r_x, r_idx, r_w, r_counts, r_handle = autograd.dispatch(
-            buffer, xg, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            buffer, xg, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert
+        )
         assert r_idx is None and r_w is None and r_counts == summed
         g = torch.randn(r_x.shape, generator=gen)
         r_x.backward(g)
         grad_ref = buffer.combine(g, r_handle)[0]
         assert torch.equal(xg.grad, grad_ref)
     with pytest.raises(ValueError, match="topk_idx: required"):
-        buffer.dispatch(torch.zeros(2, 8), num_tokens_per_rank=torch.zeros(world, dtype=torch.int32),
-                        is_token_in_rank=torch.zeros(2, world, dtype=torch.bool))
+        buffer.dispatch(
+            torch.zeros(2, 8),
+            num_tokens_per_rank=torch.zeros(world, dtype=torch.int32),
+            is_token_in_rank=torch.zeros(2, world, dtype=torch.bool),
+        )
     with pytest.raises(ValueError, match="topk_weights: needs topk_idx"):
-        buffer.dispatch(torch.zeros(2, 8), num_tokens_per_rank=torch.zeros(world, dtype=torch.int32),
-                        is_token_in_rank=torch.zeros(2, world, dtype=torch.bool),
-                        num_tokens_per_expert=torch.zeros(world, dtype=torch.int32), topk_weights=torch.ones(2, 1))
+        buffer.dispatch(
+            torch.zeros(2, 8),
+            num_tokens_per_rank=torch.zeros(world, dtype=torch.int32),
+            is_token_in_rank=torch.zeros(2, world, dtype=torch.bool),
+            num_tokens_per_expert=torch.zeros(world, dtype=torch.int32),
+            topk_weights=torch.ones(2, 1),
+        )
     dist.barrier()
 
 
-@pytest.mark.parametrize("transport,world,ranks_per_node", [("torch", 1, None), ("torch", 2, None),
-                                                            ("torch", 3, None), ("hierarchical", 4, 2),
-                                                            ("hierarchical", 3, 1)])
+@pytest.mark.parametrize(
+    "transport,world,ranks_per_node",
+    [("torch", 1, None), ("torch", 2, None), ("torch", 3, None), ("hierarchical", 4, 2), ("hierarchical", 3, 1)],
+)
 def test_dispatch_without_topk(transport: str, world: int, ranks_per_node: int | None) -> None:
     spawn(_without_topk, world, args=(int(time.time()) % 1000, transport, ranks_per_node), backend="gloo")
 
@@ -260,8 +281,13 @@ def _handle_defaults_duplicates() -> None:
     ref_combined = buffer.combine(reference[0], handle)[0]
     ref_experts = buffer.dispatch_experts(x, idx, w, num_experts, expert_alignment=4)
     m = 8
-    ll_args = dict(num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, h, world, num_experts),
-                   low_latency_mode=True, num_qps_per_rank=2, transport="torch", timeout_s=60)
+    ll_args = dict(
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, h, world, num_experts),
+        low_latency_mode=True,
+        num_qps_per_rank=2,
+        transport="torch",
+        timeout_s=60,
+    )
     ll = Buffer(**ll_args)
     ref_ll = ll.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)
     ref_ll_combined = ll.low_latency_combine(ref_ll[0], idx, w, ref_ll[2])[0]
@@ -270,8 +296,14 @@ def _handle_defaults_duplicates() -> None:
     try:
         fresh = Buffer(transport="torch", timeout_s=60)
         layout = fresh.get_dispatch_layout(idx, num_experts)
-        got = fresh.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                             num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
+        got = fresh.dispatch(
+            x,
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+            topk_idx=idx,
+            topk_weights=w,
+        )
         combined = fresh.combine(got[0], got[4])[0]
         experts = fresh.dispatch_experts(x, idx, w, num_experts, expert_alignment=4)
         back = fresh.combine_experts(experts[0], experts[4], experts[2])
@@ -317,6 +349,7 @@ def test_handle_tuple_default_dtype_device_and_repeated_ids(world: int) -> None:
 # ---- the soak's round checker (tests/support/rounds.py): exact on random rounds, and it sees a wrong value ----
 def _rounds(seed: int) -> None:
     from support import rounds
+
     rank, world = dist.get_rank(), dist.get_world_size()
     buffer = Buffer(transport="torch", timeout_s=60)
     state = rounds.State()
@@ -338,6 +371,7 @@ def _rounds(seed: int) -> None:
         if result.host_counts:
             result.host_counts = [c + 1 for c in result.host_counts]
         return result
+
     mp = pytest.MonkeyPatch()
     mp.setattr(cls, "combine", bad_combine)
     mp.setattr(cls, "dispatch", bad_dispatch)

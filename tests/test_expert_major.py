@@ -1,4 +1,5 @@
 """Expert-major dispatch/combine (Buffer and autograd) on the torch transport (gloo, 1–4 ranks) against plain loops."""
+
 from __future__ import annotations
 
 import time
@@ -15,11 +16,13 @@ from moe_ep_plugin.ops import fp8
 # Every case runs on every world size, in BF16 and FP32.
 CASES = [
     dict(tokens=lambda r: 7 + 5 * r, hidden=256, topk=2, experts_per_rank=2, routing="random", alignment=1),
-    dict(tokens=lambda r: 0 if r == 0 else 9, hidden=128, topk=8, experts_per_rank=4, routing="random",
-         alignment=4),  # a rank with 0 tokens; K > E at world 1
+    dict(
+        tokens=lambda r: 0 if r == 0 else 9, hidden=128, topk=8, experts_per_rank=4, routing="random", alignment=4
+    ),  # a rank with 0 tokens; K > E at world 1
     dict(tokens=lambda r: 6, hidden=40, topk=1, experts_per_rank=3, routing="random", alignment=3),
-    dict(tokens=lambda r: 11 - r, hidden=128, topk=4, experts_per_rank=2, routing="one_expert",
-         alignment=2),  # every token to expert E-1: other ranks receive nothing
+    dict(
+        tokens=lambda r: 11 - r, hidden=128, topk=4, experts_per_rank=2, routing="one_expert", alignment=2
+    ),  # every token to expert E-1: other ranks receive nothing
     dict(tokens=lambda r: 10, hidden=256, topk=3, experts_per_rank=2, routing="sparse", alignment=1),
 ]
 
@@ -95,8 +98,9 @@ def _check_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dtype) -> No
     y = torch.randn(num_rows, h, generator=gen).to(dtype)
     expert_weights = torch.rand(num_rows, generator=gen)
     combined, combined_w, _ = buffer.combine_experts(y, handle, expert_weights)
-    ref_x, ref_w = _expected_combine(rank, n, k, layouts, gather_all((y, expert_weights)), dtype, idx.tolist(),
-                                     case["experts_per_rank"])
+    ref_x, ref_w = _expected_combine(
+        rank, n, k, layouts, gather_all((y, expert_weights)), dtype, idx.tolist(), case["experts_per_rank"]
+    )
     assert combined.dtype == dtype and torch.equal(combined, ref_x)
     assert torch.equal(combined_w, ref_w)
     combined_only, no_w, _ = buffer.combine_experts(y, handle)
@@ -106,8 +110,16 @@ def _check_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dtype) -> No
         _check_fp8(buffer, x, idx, w, num_experts, a, sources, list(xs), handle)
 
 
-def _expected_combine(rank: int, n: int, k: int, layouts: list, ys_and_weights: list, dtype: torch.dtype,
-                      topk: list[list[int]], local: int):
+def _expected_combine(
+    rank: int,
+    n: int,
+    k: int,
+    layouts: list,
+    ys_and_weights: list,
+    dtype: torch.dtype,
+    topk: list[list[int]],
+    local: int,
+):
     """Per rank holding token t: its pairs' rows summed over top-k columns ascending (fp32, rounded to ``dtype``);
     then over ranks in summing order (fp32 from 0, rounded). Weight (t, k): the expert weight at the pair's row."""
     h = ys_and_weights[0][0].shape[1]
@@ -139,8 +151,9 @@ def _check_fp8(buffer: Buffer, x, idx, w, num_experts: int, a: int, sources: lis
     ref_q = ref_q.view(torch.uint8).masked_fill(pad, 0)  # padding rows: zero bytes and zero scales
     ref_s = ref_s.masked_fill(pad, 0)
     for round_scale in (False, True):
-        q, s, _, _, _, _ = buffer.dispatch_experts(x, idx, w, num_experts, expert_alignment=a, fp8_dispatch=True,
-                                                   fp8_out=True, round_scale=round_scale)
+        q, s, _, _, _, _ = buffer.dispatch_experts(
+            x, idx, w, num_experts, expert_alignment=a, fp8_dispatch=True, fp8_out=True, round_scale=round_scale
+        )
         rq, rs = fp8.quantize(ref, round_scale=round_scale)
         assert q.dtype == fp8.FP8_DTYPE and torch.equal(q.view(torch.uint8), rq.view(torch.uint8).masked_fill(pad, 0))
         assert torch.equal(s, rs.masked_fill(pad, 0))
@@ -153,8 +166,9 @@ def _check_fp8(buffer: Buffer, x, idx, w, num_experts: int, a: int, sources: lis
         assert torch.equal(q.view(torch.uint8), ref_q) and torch.equal(s, ref_s)
 
 
-def _check_gradients(buffer: Buffer, seed: int, fp8_dispatch: bool, alignment: int, probs_use: str,
-                     dtype: torch.dtype) -> None:
+def _check_gradients(
+    buffer: Buffer, seed: int, fp8_dispatch: bool, alignment: int, probs_use: str, dtype: torch.dtype
+) -> None:
     """autograd.dispatch_experts → expert e scales its rows by e + 1 (times the probs when ``probs_use`` is
     ``"used"``; ``"unused"`` leaves them out, ``"none"`` passes no weights) → autograd.combine_experts, against
     every token through every selected expert densely (fp32)."""
@@ -169,8 +183,14 @@ def _check_gradients(buffer: Buffer, seed: int, fp8_dispatch: bool, alignment: i
     g = torch.randn(n, h, generator=gen)
 
     expert_x, probs, tokens_per_expert, handle = autograd.dispatch_experts(
-        buffer, x, idx, None if probs_use == "none" else w, num_experts, fp8_dispatch=fp8_dispatch,
-        expert_alignment=alignment)
+        buffer,
+        x,
+        idx,
+        None if probs_use == "none" else w,
+        num_experts,
+        fp8_dispatch=fp8_dispatch,
+        expert_alignment=alignment,
+    )
     assert (probs is None) == (probs_use == "none")
     scale = torch.arange(rank * local, (rank + 1) * local, dtype=torch.float32) + 1
     row_scale = scale.repeat_interleave(torch.tensor(tokens_per_expert, dtype=torch.int64))
@@ -185,12 +205,13 @@ def _check_gradients(buffer: Buffer, seed: int, fp8_dispatch: bool, alignment: i
     # The same sums over absolute values bound each element's rounding error: a BF16 path rounds every term a few
     # times (2^-9 each: activations, probs, products, the FP8 round trip) and the sum once, so its error stays a
     # few times below 2^-5 of the sum of the terms' magnitudes (measured: at most 0.66 * 2^-6).
-    abs_out, abs_x_grad, abs_w_grad, _ = dense_reference(x.float().abs(), idx, ref_w.abs(), g.abs(), experts,
-                                                         fp8_dispatch)
+    abs_out, abs_x_grad, abs_w_grad, _ = dense_reference(
+        x.float().abs(), idx, ref_w.abs(), g.abs(), experts, fp8_dispatch
+    )
     assert out.dtype == dtype and x.grad.dtype == dtype  # BF16 activations: BF16 forward and gradients
 
     def close(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor) -> None:
-        tol = magnitude * (1e-5 if dtype == torch.float32 else 2.0 ** -5) + 1e-6
+        tol = magnitude * (1e-5 if dtype == torch.float32 else 2.0**-5) + 1e-6
         error = (actual.float() - expected).abs()
         assert bool((error <= tol).all()), f"max error {float((error - tol).max()):+.3g} over the bound"
 
@@ -215,12 +236,18 @@ def _check_errors(buffer: Buffer) -> None:
         (lambda: buffer.dispatch_experts(x.half(), idx, None, world), TypeError, "x"),
         (lambda: buffer.dispatch_experts(x, idx[:3], None, world), ValueError, "topk_idx"),
         (lambda: buffer.dispatch_experts(x, idx + world, None, world), ValueError, "topk_idx"),
-        (lambda: buffer.dispatch_experts(x, idx, torch.ones(4, 2, dtype=torch.float64), world), TypeError,
-         "topk_weights"),
+        (
+            lambda: buffer.dispatch_experts(x, idx, torch.ones(4, 2, dtype=torch.float64), world),
+            TypeError,
+            "topk_weights",
+        ),
         (lambda: buffer.dispatch_experts(x, idx, None, world, expert_alignment=0), ValueError, "expert_alignment"),
         (lambda: buffer.dispatch_experts(x, idx, None, world, fp8_out=True), ValueError, "fp8_out"),
-        (lambda: buffer.dispatch_experts(x[:, :100], idx, None, world, fp8_dispatch=True), ValueError,
-         "multiple of 128"),
+        (
+            lambda: buffer.dispatch_experts(x[:, :100], idx, None, world, fp8_dispatch=True),
+            ValueError,
+            "multiple of 128",
+        ),
         (lambda: buffer.dispatch_experts(x, idx, None, world, config="fast"), TypeError, "config"),
         (lambda: buffer.dispatch_experts(x, handle=row_handle), ValueError, "handle"),
         (lambda: buffer.dispatch_experts(x, handle=handle, expert_alignment=3), ValueError, "expert_alignment"),
@@ -228,10 +255,16 @@ def _check_errors(buffer: Buffer) -> None:
         (lambda: buffer.dispatch_experts(x[:3], handle=handle), ValueError, "x"),
         (lambda: buffer.combine_experts(torch.zeros(rows + 1, 256), handle), ValueError, "y"),
         (lambda: buffer.combine_experts(torch.zeros(rows, 256).half(), handle), TypeError, "y"),
-        (lambda: buffer.combine_experts(torch.zeros(rows, 256), handle, torch.ones(rows, 1)), ValueError,
-         "expert_weights"),
-        (lambda: buffer.combine_experts(torch.zeros(rows, 256), handle, torch.ones(rows).double()), TypeError,
-         "expert_weights"),
+        (
+            lambda: buffer.combine_experts(torch.zeros(rows, 256), handle, torch.ones(rows, 1)),
+            ValueError,
+            "expert_weights",
+        ),
+        (
+            lambda: buffer.combine_experts(torch.zeros(rows, 256), handle, torch.ones(rows).double()),
+            TypeError,
+            "expert_weights",
+        ),
         (lambda: buffer.combine_experts(torch.zeros(rows, 256), row_handle), ValueError, "handle"),
         (lambda: buffer.combine_experts(torch.zeros(rows, 256), "handle"), TypeError, "handle"),
         (lambda: autograd.dispatch_experts(buffer, fp8.quantize(x), idx, None, world), TypeError, "x"),
@@ -248,19 +281,28 @@ def _suite(seed: int) -> None:
     for i, case in enumerate(CASES):
         for dtype in (torch.bfloat16, torch.float32):
             _check_case(buffer, case, seed + i, dtype)
-    for fp8_dispatch, alignment, probs_use, dtype in ((False, 1, "used", torch.float32),
-                                                      (False, 4, "used", torch.float32),
-                                                      (True, 4, "used", torch.float32),
-                                                      (True, 1, "unused", torch.float32),
-                                                      (False, 2, "none", torch.bfloat16),
-                                                      (True, 3, "used", torch.bfloat16)):
+    for fp8_dispatch, alignment, probs_use, dtype in (
+        (False, 1, "used", torch.float32),
+        (False, 4, "used", torch.float32),
+        (True, 4, "used", torch.float32),
+        (True, 1, "unused", torch.float32),
+        (False, 2, "none", torch.bfloat16),
+        (True, 3, "used", torch.bfloat16),
+    ):
         _check_gradients(buffer, seed, fp8_dispatch, alignment, probs_use, dtype)
     _check_errors(buffer)
     # previous_event / async_finish / allocate_on_comm_stream are accepted and harmless on CPU
     idx = torch.zeros(3, 1, dtype=torch.int64)
     ev = Buffer.capture()
-    out = buffer.dispatch_experts(torch.ones(3, 8), idx, None, dist.get_world_size(), previous_event=ev,
-                                  async_finish=True, allocate_on_comm_stream=True)
+    out = buffer.dispatch_experts(
+        torch.ones(3, 8),
+        idx,
+        None,
+        dist.get_world_size(),
+        previous_event=ev,
+        async_finish=True,
+        allocate_on_comm_stream=True,
+    )
     out[-1].current_stream_wait()
     _, _, done = buffer.combine_experts(out[0], out[4], async_finish=True)
     done.current_stream_wait()

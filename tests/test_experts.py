@@ -4,6 +4,7 @@ On CPU ATen's grouped matmul is the same per-group matmul, so the two paths must
 itself is checked against a plain per-row reference. The GPU half (the CUTLASS kernel) lives in
 tests/gpu/test_experts_gpu.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,10 @@ def test_swiglu_grouped_equals_loop(dtype, case):
     down = torch.randn(num_experts, inner, hidden, generator=gen).to(dtype)
     grad_out = torch.randn(rows, hidden, generator=gen).to(dtype)
 
-    results = {impl: _run(lambda a, b, c: experts.swiglu_experts(a, b, c, counts, impl), (x, gate_up, down), grad_out)
-               for impl in ("loop", "grouped", "auto")}
+    results = {
+        impl: _run(lambda a, b, c: experts.swiglu_experts(a, b, c, counts, impl), (x, gate_up, down), grad_out)
+        for impl in ("loop", "grouped", "auto")
+    }
     for impl in ("grouped", "auto"):
         names = ("y", "grad_x", "grad_gate_up", "grad_down")
         for name, got, want in zip(names, results[impl], results["loop"], strict=False):
@@ -63,20 +66,29 @@ def test_swiglu_grouped_equals_loop(dtype, case):
             assert not results["grouped"][2][le].any() and not results["grouped"][3][le].any()
     if dtype == torch.float32:
         # another summation order than the batched matmul: outputs of magnitude ~30 differ by a few fp32 ulps
-        torch.testing.assert_close(results["loop"][0], _row_reference_swiglu(x, gate_up, down, counts),
-                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            results["loop"][0], _row_reference_swiglu(x, gate_up, down, counts), rtol=1e-5, atol=1e-4
+        )
 
 
 def test_ffn_with_biases_grouped_equals_loop():
     gen = torch.Generator().manual_seed(7)
     num_experts, hidden, inner = 5, 8, 12
     counts = _random_counts(num_experts, 33, gen, 2)
-    tensors = (torch.randn(33, hidden, generator=gen), torch.randn(num_experts, hidden, inner, generator=gen),
-               torch.randn(num_experts, inner, generator=gen), torch.randn(num_experts, inner, hidden, generator=gen),
-               torch.randn(num_experts, hidden, generator=gen))
+    tensors = (
+        torch.randn(33, hidden, generator=gen),
+        torch.randn(num_experts, hidden, inner, generator=gen),
+        torch.randn(num_experts, inner, generator=gen),
+        torch.randn(num_experts, inner, hidden, generator=gen),
+        torch.randn(num_experts, hidden, generator=gen),
+    )
     grad_out = torch.randn(33, hidden, generator=gen)
-    results = {impl: _run(lambda x, w1, b1, w2, b2: experts.ffn_experts(x, w1, b1, F.gelu, w2, b2, counts, impl),
-                          tensors, grad_out) for impl in ("loop", "grouped")}
+    results = {
+        impl: _run(
+            lambda x, w1, b1, w2, b2: experts.ffn_experts(x, w1, b1, F.gelu, w2, b2, counts, impl), tensors, grad_out
+        )
+        for impl in ("loop", "grouped")
+    }
     names = ("y", "grad_x", "grad_w1", "grad_b1", "grad_w2", "grad_b2")
     for name, got, want in zip(names, results["grouped"], results["loop"], strict=False):
         if name.startswith("grad_b"):  # a segment sum over rows against one sum per chunk: the order differs

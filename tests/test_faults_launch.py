@@ -1,5 +1,6 @@
 """Launch and front-door faults: a failed or hung spawned rank ends the job within a bound, naming the rank and
 why; config errors are one line naming the key, exit code 2, before any rank starts (all three front doors)."""
+
 from __future__ import annotations
 
 import datetime
@@ -73,9 +74,15 @@ def test_a_failed_rank_ends_a_sleeping_one() -> None:
 def _ended_or_lost_its_peer(reason: str) -> bool:
     """Rank 1's fate when rank 0 fails: ended by the launcher while it sleeps, or (whichever the launcher sees first
     on a loaded machine) failed of its gloo connections closing when rank 0 exits (its reason, or its summary line)."""
-    return reason.startswith("failed: ") or re.fullmatch(
-        r"was still running \d+ s after rank 0 failed; ended by the launcher|failed \d+\.\d\d s after rank 0 did: "
-        r"its collective lost the failed rank \(\w+\)", reason) is not None
+    return (
+        reason.startswith("failed: ")
+        or re.fullmatch(
+            r"was still running \d+ s after rank 0 failed; ended by the launcher|failed \d+\.\d\d s after rank 0 did: "
+            r"its collective lost the failed rank \(\w+\)",
+            reason,
+        )
+        is not None
+    )
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -130,16 +137,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("signum, deaf, to_group", [
-    (signal.SIGTERM, -1, False),   # kill, timeout, scancel, docker stop
-    (signal.SIGTERM, 1, False),    # a rank that ignores it is killed after the grace
-    (signal.SIGHUP, 0, False),
-    (signal.SIGINT, -1, True),     # Ctrl-C: the terminal signals the launcher and its ranks alike
-])
+@pytest.mark.parametrize(
+    "signum, deaf, to_group",
+    [
+        (signal.SIGTERM, -1, False),  # kill, timeout, scancel, docker stop
+        (signal.SIGTERM, 1, False),  # a rank that ignores it is killed after the grace
+        (signal.SIGHUP, 0, False),
+        (signal.SIGINT, -1, True),  # Ctrl-C: the terminal signals the launcher and its ranks alike
+    ],
+)
 def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, signum, deaf, to_group) -> None:
     code = LAUNCHER.format(tests=os.path.dirname(os.path.abspath(__file__)), pid_dir=str(tmp_path), deaf=deaf)
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     pids: list[int] = []
     try:
         files = [tmp_path / f"rank{r}.pid" for r in range(2)]
@@ -226,8 +242,9 @@ def test_a_finished_run_leaves_no_leaked_resources(tmp_path) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_RUN % (tmp_path / "run"))
     code = "import sys; from moe_ep_plugin.recipes.train import cli; sys.exit(cli.main(sys.argv[1:]))"
-    proc = subprocess.run([sys.executable, "-c", code, str(config)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done: step 2" in proc.stdout, proc.stdout[-2000:]
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
@@ -254,14 +271,18 @@ def _write(tmp_path, text: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["parallel.backend=nccl"], "parallel.backend"),                    # device auto on a CPU machine
-    (["parallel.transport=nvlink", "parallel.device=cpu"], "parallel.transport"),
-    (["model.seq_len=200000"], "model.seq_len"),                        # longer than the shipped corpus
-    (["parallel.nprocs=3"], "moe.num_experts"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["parallel.backend=nccl"], "parallel.backend"),  # device auto on a CPU machine
+        (["parallel.transport=nvlink", "parallel.device=cpu"], "parallel.transport"),
+        (["model.seq_len=200000"], "model.seq_len"),  # longer than the shipped corpus
+        (["parallel.nprocs=3"], "moe.num_experts"),
+    ],
+)
 def test_trainer_config_errors(capsys, overrides, key) -> None:
     from moe_ep_plugin.recipes.train import cli
+
     argv = [a for o in overrides for a in ("--set", o)]
     assert cli.main(argv + ["--dry-run"]) == 2
     _one_line_error(capsys, "moe-ep-train", key)
@@ -272,12 +293,14 @@ def test_trainer_config_errors(capsys, overrides, key) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU-less machine case")
 def test_trainer_nvlink_without_cuda_fails_the_dry_run(capsys) -> None:
     from moe_ep_plugin.recipes.train import cli
+
     assert cli.main(["--set", "parallel.transport=nvlink", "--dry-run"]) == 2
     _one_line_error(capsys, "moe-ep-train", "parallel.transport")
 
 
 def test_trainer_output_dir_naming_a_file_and_yaml_syntax(capsys, tmp_path) -> None:
     from moe_ep_plugin.recipes.train import cli
+
     a_file = tmp_path / "taken"
     a_file.write_text("x")
     assert cli.main(["--set", f"output.dir={a_file}"]) == 2
@@ -292,27 +315,31 @@ def test_trainer_output_dir_naming_a_file_and_yaml_syntax(capsys, tmp_path) -> N
 MEGATRON_CPU = os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml")
 
 
-@pytest.mark.parametrize("edit, key", [
-    ({"model": {"num_moe_experts": "8"}}, "model.num_moe_experts"),
-    ({"model": {"moe_router_topk": 9}}, "model.moe_router_topk"),
-    ({"model": {"num_moe_experts": 9, "moe_router_num_groups": 3}}, "model.num_moe_experts"),  # 9 over EP 2
-    ({"parallel": {"pipeline_model_parallel_size": 2}}, "parallel.pipeline_model_parallel_size"),
-    ({"ep_plugin": {"timeout_s": -1}}, "ep_plugin.timeout_s"),
-    ({"ep_plugin": {"fp8_dispatch": "yes"}}, "ep_plugin.fp8_dispatch"),
-    ({"ep_plugin": {"transport": "torch", "ranks_per_node": 1}}, "ep_plugin.ranks_per_node"),  # no nodes to split
-    ({"train": {"global_batch_size": 12}}, "train.global_batch_size"),  # not a multiple of 4 x DP 2
-    ({"model": {"num_attention_heads": 3}}, "model.num_attention_heads"),  # a reshape error in the ranks before
-    ({"model": {"num_query_groups": 3}}, "model.num_query_groups"),
-    ({"model": {"num_layers": 0}}, "model.num_layers"),                 # a ZeroDivisionError before
-    ({"model": {"moe_layer_freq": [0, 1]}}, "model.moe_layer_freq"),
-    ({"model": {"moe_router_score_function": "relu"}}, "model"),        # Megatron's own check, wrapped
-])
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        ({"model": {"num_moe_experts": "8"}}, "model.num_moe_experts"),
+        ({"model": {"moe_router_topk": 9}}, "model.moe_router_topk"),
+        ({"model": {"num_moe_experts": 9, "moe_router_num_groups": 3}}, "model.num_moe_experts"),  # 9 over EP 2
+        ({"parallel": {"pipeline_model_parallel_size": 2}}, "parallel.pipeline_model_parallel_size"),
+        ({"ep_plugin": {"timeout_s": -1}}, "ep_plugin.timeout_s"),
+        ({"ep_plugin": {"fp8_dispatch": "yes"}}, "ep_plugin.fp8_dispatch"),
+        ({"ep_plugin": {"transport": "torch", "ranks_per_node": 1}}, "ep_plugin.ranks_per_node"),  # no nodes to split
+        ({"train": {"global_batch_size": 12}}, "train.global_batch_size"),  # not a multiple of 4 x DP 2
+        ({"model": {"num_attention_heads": 3}}, "model.num_attention_heads"),  # a reshape error in the ranks before
+        ({"model": {"num_query_groups": 3}}, "model.num_query_groups"),
+        ({"model": {"num_layers": 0}}, "model.num_layers"),  # a ZeroDivisionError before
+        ({"model": {"moe_layer_freq": [0, 1]}}, "model.moe_layer_freq"),
+        ({"model": {"moe_router_score_function": "relu"}}, "model"),  # Megatron's own check, wrapped
+    ],
+)
 def test_megatron_launcher_config_errors(capsys, tmp_path, edit, key) -> None:
     pytest.importorskip("megatron.core")
     import yaml
 
     from moe_ep_plugin import megatron as ep_megatron
     from moe_ep_plugin.recipes.megatron import pretrain
+
     raw = yaml.safe_load(open(MEGATRON_CPU))
     for section, values in edit.items():
         raw[section].update(values)
@@ -327,6 +354,7 @@ def test_megatron_launcher_yaml_syntax_and_world(capsys, tmp_path) -> None:
     pytest.importorskip("megatron.core")
     from moe_ep_plugin import megatron as ep_megatron
     from moe_ep_plugin.recipes.megatron import pretrain
+
     assert pretrain.main([_write(tmp_path, "model: {num_layers: 2\n")]) == 2
     _one_line_error(capsys, "moe-ep-pretrain", f"config: {tmp_path / 'c.yaml'}")
     try:
@@ -339,22 +367,27 @@ def test_megatron_launcher_yaml_syntax_and_world(capsys, tmp_path) -> None:
 def _deepspeed_cli():
     pytest.importorskip("deepspeed")
     import importlib.util
-    spec = importlib.util.spec_from_file_location("deepspeed_moe_example", os.path.join(ROOT, "examples",
-                                                                                         "deepspeed_moe.py"))
+
+    spec = importlib.util.spec_from_file_location(
+        "deepspeed_moe_example", os.path.join(ROOT, "examples", "deepspeed_moe.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.cli
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["deepspeed.zero_optimization=2"], "deepspeed.zero_optimization"),
-    (["moe.timeout_s=0"], "moe.timeout_s"),
-    (["moe.num_sms=3"], "moe.num_sms"),
-    (["moe.round_scale=true"], "moe.round_scale"),                      # without fp8_dispatch
-    (["moe.transport=rdma"], "moe.transport"),
-    (["moe.num_experts=7"], "moe.num_experts"),
-    (["moe.transport=torch", "moe.ranks_per_node=1"], "moe.ranks_per_node"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["deepspeed.zero_optimization=2"], "deepspeed.zero_optimization"),
+        (["moe.timeout_s=0"], "moe.timeout_s"),
+        (["moe.num_sms=3"], "moe.num_sms"),
+        (["moe.round_scale=true"], "moe.round_scale"),  # without fp8_dispatch
+        (["moe.transport=rdma"], "moe.transport"),
+        (["moe.num_experts=7"], "moe.num_experts"),
+        (["moe.transport=torch", "moe.ranks_per_node=1"], "moe.ranks_per_node"),
+    ],
+)
 def test_deepspeed_example_config_errors(capsys, overrides, key) -> None:
     cli = _deepspeed_cli()
     assert cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"), *overrides]) == 2
@@ -370,12 +403,14 @@ def test_an_unwritable_output_directory_is_refused_before_any_rank_starts(capsys
     from moe_ep_plugin import megatron as ep_megatron
     from moe_ep_plugin.recipes.megatron import pretrain
     from moe_ep_plugin.recipes.train import cli
+
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     out = str(blocker / "run")
 
     def no_rank(*args, **kwargs):
         raise AssertionError("a rank was started")
+
     monkeypatch.setattr(launch, "run_ranks", no_rank)
     expected = f"{out!r} cannot be made: {blocker} is not a directory"
     for argv in (["--dry-run", "--set", f"output.dir={out}"], ["--set", f"output.dir={out}"]):
@@ -391,6 +426,8 @@ def test_an_unwritable_output_directory_is_refused_before_any_rank_starts(capsys
     finally:
         ep_megatron.uninstall()
     deepspeed_cli = _deepspeed_cli()
-    assert deepspeed_cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"),
-                          f"train.checkpoint_dir={out}"]) == 2
+    assert (
+        deepspeed_cli(["--config", os.path.join(ROOT, "configs", "deepspeed_moe.yaml"), f"train.checkpoint_dir={out}"])
+        == 2
+    )
     assert expected in _one_line_error(capsys, "deepspeed_moe.py", "train.checkpoint_dir")

@@ -1,4 +1,5 @@
 """FP8 1x128 block quantization against a per-block plain loop."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ def _loop_quantize(x: torch.Tensor, round_scale: bool):
     scales = torch.empty(n, h // 128)
     for t in range(n):
         for b in range(h // 128):
-            block = x[t, b * 128:(b + 1) * 128].float()
+            block = x[t, b * 128 : (b + 1) * 128].float()
             amax = max(float(block.abs().max()), 1e-4)
             amax_t = torch.tensor(amax, dtype=torch.float32)
             if round_scale:
@@ -24,7 +25,7 @@ def _loop_quantize(x: torch.Tensor, round_scale: bool):
             else:
                 scale = amax_t / 448.0
                 factor = torch.tensor(448.0, dtype=torch.float32) / amax_t
-            q[t, b * 128:(b + 1) * 128] = (block * factor).to(fp8.FP8_DTYPE)
+            q[t, b * 128 : (b + 1) * 128] = (block * factor).to(fp8.FP8_DTYPE)
             scales[t, b] = scale
     return q, scales
 

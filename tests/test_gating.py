@@ -1,4 +1,5 @@
 """Gating: Megatron-Core equality, plain-loop references, load-balancing helpers, traffic report, errors."""
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,17 @@ def _bias(seed: int, experts: int) -> torch.Tensor:
 
 
 # (experts, num_groups, group_topk, topk)
-GROUP_CONFIGS = [(16, None, None, 1), (16, None, None, 4), (8, None, None, 8), (16, 8, 3, 4), (16, 4, 2, 4),
-                 (64, 8, 4, 8), (32, 8, 2, 6), (64, 8, 1, 2), (32, 4, 4, 5)]
+GROUP_CONFIGS = [
+    (16, None, None, 1),
+    (16, None, None, 4),
+    (8, None, None, 8),
+    (16, 8, 3, 4),
+    (16, 4, 2, 4),
+    (64, 8, 4, 8),
+    (32, 8, 2, 6),
+    (64, 8, 1, 2),
+    (32, 4, 4, 5),
+]
 ROUTERS = [("softmax", False, False), ("softmax", True, False), ("sigmoid", False, False), ("sigmoid", False, True)]
 
 
@@ -53,8 +63,14 @@ def test_topk_routing_equals_megatron(case, dtype):
     experts, groups, group_topk, topk, score_function, pre, bias = case
     for seed, scale, ties in [(0, None, False), (1, 2.5, False), (2, None, True), (3, 16.0, True)]:
         logits = _logits(seed, 41, experts, dtype, ties)
-        kw = dict(score_function=score_function, use_pre_softmax=pre, num_groups=groups, group_topk=group_topk,
-                  scaling_factor=scale, expert_bias=_bias(seed, experts) if bias else None)
+        kw = dict(
+            score_function=score_function,
+            use_pre_softmax=pre,
+            num_groups=groups,
+            group_topk=group_topk,
+            scaling_factor=scale,
+            expert_bias=_bias(seed, experts) if bias else None,
+        )
         want_probs, want_map = mc_utils.topk_routing_with_score_function(logits, topk, **kw)
         probs, routing_map = gating.topk_routing(logits, topk, **kw)
         assert probs.dtype == dtype and routing_map.dtype == torch.bool
@@ -70,16 +86,20 @@ def test_topk_routing_equals_megatron(case, dtype):
 def test_gradients_equal_megatron():
     logits = _logits(7, 33, 32, torch.float32).requires_grad_()
     upstream = torch.randn(33, 32, generator=torch.Generator().manual_seed(8))
-    for kw in [dict(score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=_bias(7, 32), scaling_factor=2.5),
-               dict(score_function="softmax", use_pre_softmax=False, num_groups=8, group_topk=4)]:
+    for kw in [
+        dict(score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=_bias(7, 32), scaling_factor=2.5),
+        dict(score_function="softmax", use_pre_softmax=False, num_groups=8, group_topk=4),
+    ]:
         (ours,) = torch.autograd.grad((gating.topk_routing(logits, 8, **kw)[0] * upstream).sum(), logits)
         (theirs,) = torch.autograd.grad(
-            (mc_utils.topk_routing_with_score_function(logits, 8, **kw)[0] * upstream).sum(), logits)
+            (mc_utils.topk_routing_with_score_function(logits, 8, **kw)[0] * upstream).sum(), logits
+        )
         assert torch.equal(ours, theirs)
 
 
-def _plain_route_row(row: list[float], topk: int, score_function: str, pre: bool, groups, group_topk, scale,
-                     bias) -> dict[int, float]:
+def _plain_route_row(
+    row: list[float], topk: int, score_function: str, pre: bool, groups, group_topk, scale, bias
+) -> dict[int, float]:
     """One token of Megatron's router in plain Python floats: {expert: weight}."""
     experts = len(row)
     if score_function == "softmax" and pre:
@@ -93,8 +113,9 @@ def _plain_route_row(row: list[float], topk: int, score_function: str, pre: bool
     allowed = list(range(experts))
     if group_topk is not None:
         size = experts // groups
-        group_score = [sum(sorted(select[j * size:(j + 1) * size], reverse=True)[:topk // group_topk])
-                       for j in range(groups)]
+        group_score = [
+            sum(sorted(select[j * size : (j + 1) * size], reverse=True)[: topk // group_topk]) for j in range(groups)
+        ]
         kept = sorted(range(groups), key=lambda j: -group_score[j])[:group_topk]
         allowed = [e for e in allowed if e // size in kept]
     chosen = sorted(allowed, key=lambda e: -select[e])[:topk]
@@ -114,12 +135,20 @@ def test_topk_routing_matches_plain_loop(case):
     experts, groups, group_topk, topk, score_function, pre, bias = case
     logits = _logits(11, 23, experts, torch.float64)  # continuous values: no ties
     b = _bias(11, experts).double() if bias else None
-    probs, routing_map = gating.topk_routing(logits, topk, score_function=score_function, use_pre_softmax=pre,
-                                             num_groups=groups, group_topk=group_topk, scaling_factor=1.5,
-                                             expert_bias=b)
+    probs, routing_map = gating.topk_routing(
+        logits,
+        topk,
+        score_function=score_function,
+        use_pre_softmax=pre,
+        num_groups=groups,
+        group_topk=group_topk,
+        scaling_factor=1.5,
+        expert_bias=b,
+    )
     for t in range(logits.shape[0]):
-        want = _plain_route_row(logits[t].tolist(), topk, score_function, pre, groups, group_topk, 1.5,
-                                None if b is None else b.tolist())
+        want = _plain_route_row(
+            logits[t].tolist(), topk, score_function, pre, groups, group_topk, 1.5, None if b is None else b.tolist()
+        )
         assert set(routing_map[t].nonzero().flatten().tolist()) == set(want)
         for e, w in want.items():
             assert probs[t, e].item() == pytest.approx(w, rel=1e-6)  # Megatron computes scores in fp32
@@ -151,7 +180,7 @@ def _plain_dsv3_row(row: list[float], topk: int, groups, group_topk, scale: floa
     allowed = list(range(len(row)))
     if group_topk is not None:
         size = len(row) // groups
-        members = [select[j * size:(j + 1) * size] for j in range(groups)]
+        members = [select[j * size : (j + 1) * size] for j in range(groups)]
         group_score = [max(m) if bias is None else sum(sorted(m, reverse=True)[:2]) for m in members]
         kept = sorted(range(groups), key=lambda j: -group_score[j])[:group_topk]
         allowed = [e for e in allowed if e // size in kept]
@@ -166,12 +195,20 @@ def _plain_dsv3_row(row: list[float], topk: int, groups, group_topk, scale: floa
 def test_deepseek_v3_gate_matches_plain_loop(score_function, bias, experts, groups, group_topk, topk):
     logits = _logits(21, 19, experts, torch.float64)
     b = _bias(21, experts).double() if bias else None
-    weights, idx = gating.deepseek_v3_gate(logits, topk, num_groups=groups, group_topk=group_topk, route_scale=2.5,
-                                           expert_bias=b, score_function=score_function)
+    weights, idx = gating.deepseek_v3_gate(
+        logits,
+        topk,
+        num_groups=groups,
+        group_topk=group_topk,
+        route_scale=2.5,
+        expert_bias=b,
+        score_function=score_function,
+    )
     assert weights.dtype == torch.float32 and idx.dtype == torch.int64
     for t in range(logits.shape[0]):
-        want = _plain_dsv3_row(logits[t].tolist(), topk, groups, group_topk, 2.5, None if b is None else b.tolist(),
-                               score_function)
+        want = _plain_dsv3_row(
+            logits[t].tolist(), topk, groups, group_topk, 2.5, None if b is None else b.tolist(), score_function
+        )
         assert idx[t].tolist() == [e for e, _ in want]  # ordered by descending selection score
         assert weights[t].tolist() == pytest.approx([w for _, w in want], rel=1e-6)
 
@@ -183,11 +220,18 @@ def test_deepseek_v3_gate_equals_megatron_with_bias(dtype, experts, groups, grou
     for seed in range(3):
         logits = _logits(seed, 64, experts, dtype)
         bias = _bias(seed, experts)
-        weights, idx = gating.deepseek_v3_gate(logits, topk, num_groups=groups, group_topk=group_topk,
-                                               route_scale=2.5, expert_bias=bias)
-        want, _ = mc_utils.topk_routing_with_score_function(logits, topk, num_groups=groups, group_topk=group_topk,
-                                                            scaling_factor=2.5, score_function="sigmoid",
-                                                            expert_bias=bias)
+        weights, idx = gating.deepseek_v3_gate(
+            logits, topk, num_groups=groups, group_topk=group_topk, route_scale=2.5, expert_bias=bias
+        )
+        want, _ = mc_utils.topk_routing_with_score_function(
+            logits,
+            topk,
+            num_groups=groups,
+            group_topk=group_topk,
+            scaling_factor=2.5,
+            score_function="sigmoid",
+            expert_bias=bias,
+        )
         assert torch.equal(torch.zeros_like(want).scatter(1, idx, weights.to(dtype)), want)
 
 
@@ -254,11 +298,13 @@ def test_aux_losses_equal_megatron(score_function):
     want = mc_utils.switch_load_balancing_loss_func(scores, counts, seq_len * batch, topk, experts, 0.01)
     assert torch.equal(gating.switch_aux_loss(scores, counts, topk=topk, coeff=0.01), want)
     # Megatron's _apply_seq_aux_loss on one rank: columns (b, e), S tokens, divided by the batch size.
-    want_seq = mc_utils.switch_load_balancing_loss_func(
-        scores.reshape(seq_len, -1), routing_map.reshape(seq_len, -1).sum(dim=0), seq_len, topk, experts,
-        0.01) / batch
-    assert torch.equal(gating.sequence_aux_loss(scores, routing_map, topk=topk, batch_size=batch, coeff=0.01),
-                       want_seq)
+    want_seq = (
+        mc_utils.switch_load_balancing_loss_func(
+            scores.reshape(seq_len, -1), routing_map.reshape(seq_len, -1).sum(dim=0), seq_len, topk, experts, 0.01
+        )
+        / batch
+    )
+    assert torch.equal(gating.sequence_aux_loss(scores, routing_map, topk=topk, batch_size=batch, coeff=0.01), want_seq)
 
 
 def test_tokens_per_expert_matches_plain_loop():
@@ -287,10 +333,10 @@ def test_traffic_saving_reports_rows():
     # DeepSeek-V3 shape: 256 experts on 8 nodes, 4 nodes per token, top-8.
     logits = _logits(71, 512, 256, torch.float32)
     bias = _bias(71, 256)
-    report = gating.traffic_saving(logits, 8, 8, score_function="sigmoid", num_groups=8, group_topk=4,
-                                   expert_bias=bias)
-    _, limited = gating.group_limited_topk(logits, 8, score_function="sigmoid", num_groups=8, group_topk=4,
-                                           expert_bias=bias)
+    report = gating.traffic_saving(logits, 8, 8, score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias)
+    _, limited = gating.group_limited_topk(
+        logits, 8, score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias
+    )
     _, plain = gating.group_limited_topk(logits, 8, score_function="sigmoid", expert_bias=bias)
     assert report.rows_sent == int(gating.rank_reach(limited, 256, 8).sum())
     assert report.rows_unlimited == int(gating.rank_reach(plain, 256, 8).sum())
@@ -318,20 +364,35 @@ ERROR_CASES = [
     (lambda: gating.topk_routing(E16, 2, num_groups=4, group_topk=3), ValueError, "group_topk"),
     (lambda: gating.topk_routing(E16, 9, num_groups=4, group_topk=2), ValueError, "topk"),
     (lambda: gating.topk_routing(E16, 2, expert_bias=torch.zeros(16)), ValueError, "expert_bias"),
-    (lambda: gating.topk_routing(E16, 2, score_function="sigmoid", expert_bias=torch.zeros(15)), ValueError,
-     "expert_bias"),
-    (lambda: gating.topk_routing(E16, 2, score_function="sigmoid", expert_bias=torch.zeros(16, dtype=torch.long)),
-     TypeError, "expert_bias"),
+    (
+        lambda: gating.topk_routing(E16, 2, score_function="sigmoid", expert_bias=torch.zeros(15)),
+        ValueError,
+        "expert_bias",
+    ),
+    (
+        lambda: gating.topk_routing(E16, 2, score_function="sigmoid", expert_bias=torch.zeros(16, dtype=torch.long)),
+        TypeError,
+        "expert_bias",
+    ),
     (lambda: gating.topk_routing(E16, 2, scaling_factor=-1.0), ValueError, "scaling_factor"),
     (lambda: gating.group_limited_topk(E16, 2, use_pre_softmax=1), TypeError, "use_pre_softmax"),
     (lambda: gating.deepseek_v3_gate(E16, 2, route_scale=0), ValueError, "route_scale"),
-    (lambda: gating.deepseek_v3_gate(E16, 2, num_groups=16, group_topk=2, expert_bias=torch.zeros(16)), ValueError,
-     "num_groups"),
-    (lambda: gating.update_expert_bias(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 0.1), TypeError,
-     "expert_bias"),
+    (
+        lambda: gating.deepseek_v3_gate(E16, 2, num_groups=16, group_topk=2, expert_bias=torch.zeros(16)),
+        ValueError,
+        "num_groups",
+    ),
+    (
+        lambda: gating.update_expert_bias(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 0.1),
+        TypeError,
+        "expert_bias",
+    ),
     (lambda: gating.update_expert_bias(torch.zeros(4), torch.zeros(5), 0.1), ValueError, "tokens_per_expert"),
-    (lambda: gating.update_expert_bias(torch.zeros(4), torch.zeros(4, dtype=torch.bool), 0.1), TypeError,
-     "tokens_per_expert"),
+    (
+        lambda: gating.update_expert_bias(torch.zeros(4), torch.zeros(4, dtype=torch.bool), 0.1),
+        TypeError,
+        "tokens_per_expert",
+    ),
     (lambda: gating.update_expert_bias(torch.zeros(4), torch.zeros(4), -0.1), ValueError, "rate"),
     (lambda: gating.tokens_per_expert(torch.tensor([[0, 16]]), 16), ValueError, "routing"),
     (lambda: gating.tokens_per_expert(torch.zeros(2, 15, dtype=torch.bool), 16), ValueError, "routing"),
@@ -341,8 +402,11 @@ ERROR_CASES = [
     (lambda: gating.rank_reach(torch.zeros(2, 2), 16, 4), TypeError, "topk_idx"),
     (lambda: gating.aux_loss_scores(E16, 2, score_function="tanh"), ValueError, "score_function"),
     (lambda: gating.switch_aux_loss(E16, torch.zeros(15), topk=2), ValueError, "tokens_per_expert"),
-    (lambda: gating.sequence_aux_loss(E16, torch.zeros(4, 16, dtype=torch.bool), topk=2, batch_size=3), ValueError,
-     "batch_size"),
+    (
+        lambda: gating.sequence_aux_loss(E16, torch.zeros(4, 16, dtype=torch.bool), topk=2, batch_size=3),
+        ValueError,
+        "batch_size",
+    ),
     (lambda: gating.sequence_aux_loss(E16, torch.zeros(4, 16), topk=2, batch_size=2), ValueError, "routing_map"),
 ]
 

@@ -2,6 +2,7 @@
 launch per world size). Every output equals a plain loop over tokens of the flat contract; combine equals the
 stated two-level sum (per node in fp32, rounded to the rows' dtype, then over nodes in fp32); the bytes sent over
 the rail group equal the analytic count and never exceed what the flat torch transport sends."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,11 @@ def _routing(kind: str, n: int, k: int, num_experts: int, num_nodes: int, gen: t
         return torch.cat([idx, torch.full((n, k - idx.shape[1]), -1, dtype=torch.int64)], 1)
     if kind == "every_node":
         first = torch.stack([torch.randint(per_node, (n,), generator=gen) + m * per_node for m in range(num_nodes)], 1)
-        return first.reshape(n, num_nodes)[:, :k] if k <= num_nodes else torch.cat(
-            [first, torch.full((n, k - num_nodes), -1, dtype=torch.int64)], 1)
+        return (
+            first.reshape(n, num_nodes)[:, :k]
+            if k <= num_nodes
+            else torch.cat([first, torch.full((n, k - num_nodes), -1, dtype=torch.int64)], 1)
+        )
     return routing(kind, n, k, num_experts, gen)
 
 
@@ -40,8 +44,19 @@ def _source_ranks(handle, rank: int) -> list[int]:
     return [s for s in range(len(col) - 1) for _ in range(col[s + 1] - col[s])]
 
 
-def _expected_combine(ys, srcs, src_ranks, n: int, h: int, dtype, ranks_per_node: int, rank: int,
-                      bias: torch.Tensor | None, topk: list[list[int]], local: int) -> torch.Tensor:
+def _expected_combine(
+    ys,
+    srcs,
+    src_ranks,
+    n: int,
+    h: int,
+    dtype,
+    ranks_per_node: int,
+    rank: int,
+    bias: torch.Tensor | None,
+    topk: list[list[int]],
+    local: int,
+) -> torch.Tensor:
     """The numeric contract, token by token: per node, the rows of the ranks that received the token summed in
     fp32 from 0 in summing order (among the node's ranks) and rounded to ``dtype``; then the node partials in
     summing order (over nodes) in fp32 from the bias (DeepEP V2's hybrid combine)."""
@@ -84,16 +99,24 @@ def _check_case(buffer: Buffer, flat: Buffer, case, seed: int, dtype: torch.dtyp
     xs, idxs, ws = zip(*gather_all((x, idx, w)), strict=False)
 
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
-    ref_in_rank = torch.tensor([[any(e >= 0 and e // local == r for e in row) for r in range(world)]
-                                for row in idx.tolist()], dtype=torch.bool).reshape(n, world)
+    ref_in_rank = torch.tensor(
+        [[any(e >= 0 and e // local == r for e in row) for r in range(world)] for row in idx.tolist()], dtype=torch.bool
+    ).reshape(n, world)
     assert torch.equal(in_rank, ref_in_rank) and per_rank.tolist() == ref_in_rank.sum(0).tolist()
     assert per_node.dtype == torch.int32
     assert per_node.tolist() == ref_in_rank.view(n, num_nodes, p).any(2).sum(0).tolist()
     assert per_expert.tolist() == [int((idx == e).sum()) for e in range(num_experts)]
 
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=2)
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+        expert_alignment=2,
+    )
     rows, ref_idx, ref_w, ref_src, ref_counts = expected_dispatch(xs, idxs, ws, num_experts, rank, world)
     assert recv_x.shape == (len(rows), h) and recv_x.dtype == dtype
     assert counts == [(c + 1) // 2 * 2 for c in ref_counts]
@@ -107,18 +130,20 @@ def _check_case(buffer: Buffer, flat: Buffer, case, seed: int, dtype: torch.dtyp
     again, none_idx, _, no_counts, _, _ = buffer.dispatch(x, handle=handle)
     assert torch.equal(again, recv_x) and none_idx is None and no_counts == []
     worst = sum(c.shape[0] for c in xs) + 1
-    wx, widx, ww, wcounts, whandle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                                        num_worst_tokens=worst)
-    assert wx.shape[0] == worst and wcounts == [] and torch.equal(wx[:len(rows)], recv_x)
-    assert bool((widx[len(rows):] == -1).all()) and bool((ww[len(rows):] == 0).all())
+    wx, widx, ww, wcounts, whandle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, num_worst_tokens=worst
+    )
+    assert wx.shape[0] == worst and wcounts == [] and torch.equal(wx[: len(rows)], recv_x)
+    assert bool((widx[len(rows) :] == -1).all()) and bool((ww[len(rows) :] == 0).all())
 
     # combine: rank r scales its rows by (r + 1); the two-level sum of the contract, bit for bit
     topk = idx.tolist()
     y = (recv_x.float() * (rank + 1)).to(dtype)
     bias = torch.randn(n, h, generator=gen).to(dtype)
     combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
-    ys, srcs, src_ranks, rws = zip(*gather_all((y, handle.recv_src_idx.tolist(), _source_ranks(handle, rank),
-                                                recv_w)), strict=False)
+    ys, srcs, src_ranks, rws = zip(
+        *gather_all((y, handle.recv_src_idx.tolist(), _source_ranks(handle, rank), recv_w)), strict=False
+    )
     assert torch.equal(combined, _expected_combine(ys, srcs, src_ranks, n, h, dtype, p, rank, bias, topk, local))
     expected_w = _expected_combine(rws, srcs, src_ranks, n, k, torch.float32, p, rank, None, topk, local)
     assert torch.equal(combined_w, expected_w)
@@ -174,10 +199,10 @@ def _check_rail_bytes(buffer: Buffer, flat: Buffer, x, idx, w, num_experts: int,
     k = idx.shape[1]
     row_bytes = x.shape[1] * x.element_size() + (2 * k + 1) * 4  # row + top-k ids, source index, weights (int32)
     rail_group = buffer.transport.rail.group
-    hier = _sent_off_rank(lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts),
-                          rail_group)
-    flat_sent = _sent_off_rank(lambda: flat.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts),
-                               flat.group)
+    hier = _sent_off_rank(lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts), rail_group)
+    flat_sent = _sent_off_rank(
+        lambda: flat.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts), flat.group
+    )
     traffic = node_traffic(idx, num_experts, world, p, rank)
     assert hier == traffic.hier_network_rows * row_bytes, (hier, traffic)
     assert flat_sent == (traffic.flat_network_rows + traffic.flat_nvlink_rows) * row_bytes, (flat_sent, traffic)
@@ -189,20 +214,20 @@ def _autograd(buffer: Buffer, seed: int) -> None:
     h, k, local = 128, 3, 2
     num_experts = local * world
     gen = torch.Generator().manual_seed(seed)
-    expert_w = torch.randn(num_experts, h, h, generator=gen) / h ** 0.5
+    expert_w = torch.randn(num_experts, h, h, generator=gen) / h**0.5
     gen = torch.Generator().manual_seed(seed * 7 + rank)
     n = 0 if rank == world - 1 else 4 + rank
     x = torch.randn(n, h, generator=gen).requires_grad_(True)
     idx = routing("random", n, k, num_experts, gen)
     w = torch.rand(n, k, generator=gen).requires_grad_(True)
     g = torch.randn(n, h, generator=gen)
-    local_w = expert_w[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+    local_w = expert_w[rank * local : (rank + 1) * local].clone().requires_grad_(True)
     recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(buffer, x, idx, w, num_experts)
     out = autograd.combine(buffer, _experts(recv_x, recv_idx, recv_w, local_w), handle)
     (out * g).sum().backward()
     ref = dense_reference(x, idx, w, g, expert_w, False)
     got = (out, x.grad, w.grad, local_w.grad)
-    want = ref[:3] + (ref[3][rank * local:(rank + 1) * local],)
+    want = ref[:3] + (ref[3][rank * local : (rank + 1) * local],)
     for name, a, b in zip(("out", "x.grad", "w.grad", "expert grad"), got, want, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -235,10 +260,19 @@ def _run_all(buffer: Buffer, x, idx, w, num_experts: int, config: Config) -> dic
     gen = torch.Generator().manual_seed(rank)
     out: dict[str, object] = {}
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=2, config=config)
-    out.update(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts, prefix=handle.rank_prefix_matrix,
-               src=handle.recv_src_idx, in_rank=handle.is_token_in_rank, send_pos=handle.send_pos,
-               sizes=(handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows))
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=2, config=config
+    )
+    out.update(
+        recv_x=recv_x,
+        recv_idx=recv_idx,
+        recv_w=recv_w,
+        counts=counts,
+        prefix=handle.rank_prefix_matrix,
+        src=handle.recv_src_idx,
+        in_rank=handle.is_token_in_rank,
+        send_pos=handle.send_pos,
+        sizes=(handle.num_tokens, handle.num_recv_tokens, handle.num_recv_rows),
+    )
     out["cached"] = buffer.dispatch(x, handle=handle, config=config)[0]
     # a replay follows the handle's chunks, whatever its own config says
     out["cached_other_config"] = buffer.dispatch(x, handle=handle, config=Config(hierarchical_chunks=5))[0]
@@ -247,22 +281,25 @@ def _run_all(buffer: Buffer, x, idx, w, num_experts: int, config: Config) -> dic
     bias = torch.randn(x.shape[0], x.shape[1], generator=gen).to(x.dtype)
     out["combined"], out["combined_w"], _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias, config=config)
     out["combined_other_config"] = buffer.combine(y, handle, bias=bias, config=Config(hierarchical_chunks=5))[0]
-    (fq, fs), *_ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True,
-                                   fp8_out=True, config=config)
+    (fq, fs), *_ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True, fp8_out=True, config=config
+    )
     out.update(fp8_rows=fq.view(torch.uint8), fp8_scales=fs)
-    out["fp8_dequantized"] = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                             fp8_dispatch=True, config=config)[0]
+    out["fp8_dequantized"] = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True, config=config
+    )[0]
     worst = recv_x.shape[0] + 3
-    wx, widx, _, _, whandle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                                 num_worst_tokens=worst, config=config)
+    wx, widx, _, _, whandle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts, num_worst_tokens=worst, config=config
+    )
     out.update(worst_x=wx, worst_idx=widx)
     out["worst_combined"] = buffer.combine((wx.float() * (rank + 1)).to(x.dtype), whandle, config=config)[0]
-    ex, _, probs, tpe, ehandle, _ = buffer.dispatch_experts(x, idx, w, num_experts, expert_alignment=4,
-                                                            config=config)
+    ex, _, probs, tpe, ehandle, _ = buffer.dispatch_experts(x, idx, w, num_experts, expert_alignment=4, config=config)
     out.update(expert_x=ex, probs=probs, tokens_per_expert=tpe)
     ey = torch.randn(ex.shape[0], x.shape[1], generator=gen).to(x.dtype)
-    out["expert_combined"], out["expert_combined_w"], _ = buffer.combine_experts(ey, ehandle, expert_weights=probs,
-                                                                                 config=config)
+    out["expert_combined"], out["expert_combined_w"], _ = buffer.combine_experts(
+        ey, ehandle, expert_weights=probs, config=config
+    )
     out["expert_cached"] = buffer.dispatch_experts(x, handle=ehandle, config=config)[0]
     return out
 
@@ -296,14 +333,15 @@ def _autograd_chunked(buffer: Buffer, seed: int) -> None:
     idx = routing("random", n, k, num_experts, gen)
     w0 = torch.rand(n, k, generator=gen)
     g = torch.randn(n, h, generator=gen)
-    expert_w0 = torch.randn(local, h, h, generator=gen) / h ** 0.5
+    expert_w0 = torch.randn(local, h, h, generator=gen) / h**0.5
     results = []
     for chunks in (1, 3):
         config = Config(hierarchical_chunks=chunks)
         x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         expert_w = expert_w0.clone().requires_grad_(True)
-        recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(buffer, x, idx, w, num_experts,
-                                                                configs=(config, config))
+        recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(
+            buffer, x, idx, w, num_experts, configs=(config, config)
+        )
         out = autograd.combine(buffer, _experts(recv_x, recv_idx, recv_w, expert_w), handle, configs=(config, config))
         (out * g).sum().backward()
         results.append((out, x.grad, w.grad, expert_w.grad))
@@ -319,8 +357,12 @@ def _chunk_suite(seed: int, layouts: tuple[int, ...]) -> None:
         _autograd_chunked(buffer, seed)
         disagreeing = Config(hierarchical_chunks=1 + dist.get_rank() % 2)
         with pytest.raises(ValueError, match=r"disagree on \['Config.hierarchical_chunks'\]"):
-            buffer.dispatch(torch.zeros(2, 128), topk_idx=torch.zeros(2, 1, dtype=torch.int64),
-                            num_experts=dist.get_world_size(), config=disagreeing)
+            buffer.dispatch(
+                torch.zeros(2, 128),
+                topk_idx=torch.zeros(2, 1, dtype=torch.int64),
+                num_experts=dist.get_world_size(),
+                config=disagreeing,
+            )
 
 
 def _suite(seed: int, layouts: tuple[int, ...]) -> None:
@@ -349,8 +391,9 @@ def test_hierarchical_chunks_match_unchunked(world: int, layouts: tuple[int, ...
     spawn(_chunk_suite, world, args=(int(time.time()) % 1000, layouts), backend="gloo", timeout_s=600)
 
 
-@pytest.mark.parametrize("chunks, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
-                                           (None, TypeError)])
+@pytest.mark.parametrize(
+    "chunks, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), (None, TypeError)]
+)
 def test_hierarchical_chunks_validated(chunks, error: type) -> None:
     with pytest.raises(error, match="Config.hierarchical_chunks"):
         Config(hierarchical_chunks=chunks)
@@ -389,8 +432,10 @@ def _disagreeing_layouts() -> None:
     """Ranks that disagree on the node layout raise the same error on every rank, at once (no subgroup is made:
     before, they hung in ``new_group``), and a Buffer made afterwards works."""
     rank = dist.get_rank()
-    every = r"rank\(s\) \[3\] differ from rank 0 \(rank 0 ranks_per_node=2, rank 1 ranks_per_node=2, rank 2 " \
-            r"ranks_per_node=2, rank 3 "
+    every = (
+        r"rank\(s\) \[3\] differ from rank 0 \(rank 0 ranks_per_node=2, rank 1 ranks_per_node=2, rank 2 "
+        r"ranks_per_node=2, rank 3 "
+    )
     cases = [
         (dict(ranks_per_node=4 if rank == 3 else 2), every + r"ranks_per_node=4\)"),
         (dict(ranks_per_node=0 if rank == 3 else 2), every + r"ranks_per_node=invalid\)"),

@@ -1,6 +1,7 @@
 """The trainer and the Megatron-Core dispatcher on 2 emulated nodes x 2 ranks (gloo): ``transport: hierarchical``
 gives the same loss, outputs and gradients as ``transport: torch``. FP32 compute: the two differ only in the
 grouping of combine's fp32 sums (per node first), so rtol 1e-5 / atol 1e-6."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 def _trainer_steps() -> None:
     base = _config(4, False)  # FP32 on the CPU, 8 experts, 4 groups (a multiple of the 2 nodes)
-    hier = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, transport="hierarchical",
-                                                                  ranks_per_node=2))
+    hier = dataclasses.replace(
+        base, parallel=dataclasses.replace(base.parallel, transport="hierarchical", ranks_per_node=2)
+    )
     bias = torch.linspace(-0.05, 0.05, 8).roll(3)
     results = []
     for cfg in (base, hier):
@@ -43,11 +45,25 @@ def _trainer_steps() -> None:
     nodes = r_hier.nodes
     assert 1.0 <= nodes.nodes_per_token_mean <= nodes.nodes_per_token_max <= 2
     assert 0 < nodes.inter_node_bytes <= nodes.flat_inter_node_bytes
-    line = _format({"step": 1, "loss": 1.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
-                    "load_max_over_mean": 1.0, "load_max_over_mean_worst_layer": 1.0, "eval_loss": None, "mfu": None,
-                    "nodes_per_token_mean": nodes.nodes_per_token_mean,
-                    "nodes_per_token_max": nodes.nodes_per_token_max,
-                    "inter_node_mb": 0.5, "flat_inter_node_mb": 0.9}, 10)
+    line = _format(
+        {
+            "step": 1,
+            "loss": 1.0,
+            "aux_loss": 0.0,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "tokens_per_s": 1.0,
+            "load_max_over_mean": 1.0,
+            "load_max_over_mean_worst_layer": 1.0,
+            "eval_loss": None,
+            "mfu": None,
+            "nodes_per_token_mean": nodes.nodes_per_token_mean,
+            "nodes_per_token_max": nodes.nodes_per_token_max,
+            "inter_node_mb": 0.5,
+            "flat_inter_node_mb": 0.9,
+        },
+        10,
+    )
     assert f"nodes/token {nodes.nodes_per_token_mean:.2f} (max {nodes.nodes_per_token_max})" in line
     assert "inter-node 0.50 MB/step (flat all-to-all 0.90)" in line
 
@@ -62,13 +78,22 @@ def _dispatcher_pass(options, hidden: int, experts: int, topk: int, seed: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_ep_plugin.megatron import EPPluginTokenDispatcher
+
     rank, world = dist.get_rank(), dist.get_world_size()
     local = experts // world
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=experts,
-                               moe_router_topk=topk, expert_model_parallel_size=world, use_cpu_initialization=True,
-                               moe_token_dispatcher_type="ep_plugin")
-    dispatcher = EPPluginTokenDispatcher(local, list(range(rank * local, (rank + 1) * local)), config,
-                                         get_default_pg_collection(), options=options)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=2,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        expert_model_parallel_size=world,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="ep_plugin",
+    )
+    dispatcher = EPPluginTokenDispatcher(
+        local, list(range(rank * local, (rank + 1) * local)), config, get_default_pg_collection(), options=options
+    )
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     n = 0 if rank == 2 else 5 + rank  # a rank with no tokens
     x = torch.randn(n, 1, hidden, generator=gen).requires_grad_(True)
@@ -78,8 +103,9 @@ def _dispatcher_pass(options, hidden: int, experts: int, topk: int, seed: int):
     h, p = dispatcher.dispatch_preprocess(x, routing_map, probs)
     h, p = dispatcher.token_dispatch(h, p)
     permuted, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(h, p)
-    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(
-        permuted * permuted_probs.unsqueeze(-1))))
+    out = dispatcher.combine_postprocess(
+        dispatcher.token_combine(dispatcher.combine_preprocess(permuted * permuted_probs.unsqueeze(-1)))
+    )
     out.backward(torch.randn(out.shape, generator=gen))
     return out.detach(), permuted.detach(), tokens_per_expert, x.grad, probs.grad
 
@@ -88,6 +114,7 @@ def _dispatcher_equal() -> None:
     from megatron.core import parallel_state as ps
 
     from moe_ep_plugin.megatron import PluginOptions
+
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
     try:
         flat = _dispatcher_pass(PluginOptions(transport="torch"), 32, 8, 3, seed=5)

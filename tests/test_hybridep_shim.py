@@ -2,6 +2,7 @@
 ``pad_multiple`` padding, per-row probs, ``tokens_per_expert``; the static row budget (``num_permuted_tokens``)
 cutting the layout (overflow flag at ``handle[-1]``, clipped device counts, dropped rows contributing nothing to
 combine or to the input gradient) or padding it with zero rows; and the config-time refusals of ``install()``."""
+
 from __future__ import annotations
 
 import time
@@ -24,14 +25,19 @@ def _layout(xs, maps, probs, rank: int, world: int):
     ``None`` padding up to ``PAD``."""
     rows = []
     for e in range(LOCAL):
-        block = [(src, t, float(probs[src][t, rank * LOCAL + e])) for src in range(world)
-                 for t in range(xs[src].shape[0]) if maps[src][t, rank * LOCAL + e]]
+        block = [
+            (src, t, float(probs[src][t, rank * LOCAL + e]))
+            for src in range(world)
+            for t in range(xs[src].shape[0])
+            if maps[src][t, rank * LOCAL + e]
+        ]
         rows += block + [None] * (-len(block) % PAD)
     return rows
 
 
 def _case(seed: int, budget_delta: int | None) -> None:
     from moe_ep_plugin.megatron import hybridep_shim
+
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed * 31 + rank)
     n, num_experts = 3 + (seed + rank) % 5, LOCAL * world
@@ -42,8 +48,16 @@ def _case(seed: int, budget_delta: int | None) -> None:
     layouts = [_layout(xs, maps, ps, r, world) for r in range(world)]
     budgets = [None if budget_delta is None else max(0, len(lay) + budget_delta) for lay in layouts]
     out, out_probs, scale, tokens_per_expert, handle = hybridep_shim.hybrid_ep_dispatch(
-        x, routing_map, probs, dist.group.WORLD, LOCAL, num_sms_dispatch_api=16, num_sms_combine_api=16,
-        num_permuted_tokens=budgets[rank], pad_multiple=PAD)
+        x,
+        routing_map,
+        probs,
+        dist.group.WORLD,
+        LOCAL,
+        num_sms_dispatch_api=16,
+        num_sms_combine_api=16,
+        num_permuted_tokens=budgets[rank],
+        pad_multiple=PAD,
+    )
     assert scale is None
     mine, budget = layouts[rank], budgets[rank]
     kept = mine if budget is None else mine[:budget]
@@ -54,8 +68,10 @@ def _case(seed: int, budget_delta: int | None) -> None:
         if r is not None:
             want[i], want_p[i] = xs[r[0]][r[1]], r[2]
     assert torch.equal(out.detach(), want) and torch.equal(out_probs.detach(), want_p)
-    counts = [sum(1 for src in range(world) for t in range(xs[src].shape[0]) if maps[src][t, rank * LOCAL + e])
-              for e in range(LOCAL)]
+    counts = [
+        sum(1 for src in range(world) for t in range(xs[src].shape[0]) if maps[src][t, rank * LOCAL + e])
+        for e in range(LOCAL)
+    ]
     aligned = [c + (-c % PAD) for c in counts]
     if budget is not None:
         ends = torch.tensor(aligned).cumsum(0)
@@ -69,7 +85,7 @@ def _case(seed: int, budget_delta: int | None) -> None:
     expected = torch.zeros(n, HIDDEN)
     grad_x = torch.zeros(n, HIDDEN)
     for r, lay in enumerate(layouts):
-        for row in (lay if budgets[r] is None else lay[:budgets[r]]):
+        for row in lay if budgets[r] is None else lay[: budgets[r]]:
             if row is not None and row[0] == rank:
                 expected[row[1]] += xs[rank][row[1]] * (r + 1)
                 grad_x[row[1]] += r + 1
@@ -80,6 +96,7 @@ def _case(seed: int, budget_delta: int | None) -> None:
 
 def _suite(seed: int) -> None:
     import moe_ep_plugin.megatron as ep_megatron
+
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
         for i, delta in enumerate((None, -3, 5, -1000)):
@@ -100,17 +117,32 @@ def test_flex_config_refusals() -> None:
     from moe_ep_plugin.megatron import registration
 
     def config(backend: str, hidden: int = 16, **extra):
-        return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=4,
-                                 moe_router_topk=2, moe_token_dispatcher_type="flex",
-                                 moe_flex_dispatcher_backend=backend, use_cpu_initialization=True, **extra)
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=hidden,
+            num_attention_heads=2,
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_token_dispatcher_type="flex",
+            moe_flex_dispatcher_backend=backend,
+            use_cpu_initialization=True,
+            **extra,
+        )
+
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
         config("hybridep")
         pad = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
         config("hybridep", expert_model_parallel_size=2, **pad)  # drop-and-pad at expert TP 1
         with pytest.raises(ValueError, match="moe_pad_expert_input_to_capacity.*'hybridep'.*expert_tensor_parallel"):
-            config("hybridep", tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
-                   add_bias_linear=False, **pad)
+            config(
+                "hybridep",
+                tensor_model_parallel_size=2,
+                expert_model_parallel_size=2,
+                sequence_parallel=True,
+                add_bias_linear=False,
+                **pad,
+            )
         # the refusal follows the installed megatron-core: ncclep from 0.19, deepepv2 on Megatron-LM dev
         for backend in ("ncclep", "deepepv2"):
             if backend in registration.SERVED_FLEX_BACKENDS:
@@ -124,8 +156,10 @@ def test_flex_config_refusals() -> None:
             config(backend, fp16=True)
         ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
         for backend in registration.SERVED_FLEX_BACKENDS:
-            with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'; transport 'nvlink' "
-                                                 "carries bf16 and fp32"):
+            with pytest.raises(
+                ValueError,
+                match="fp16: True needs ep_plugin.transport 'torch'; transport 'nvlink' carries bf16 and fp32",
+            ):
                 config(backend, fp16=True)
         ep_megatron.install(ep_megatron.PluginOptions(transport="torch", fp8_dispatch=True))
         with pytest.raises(ValueError, match="ep_plugin.fp8_dispatch"):

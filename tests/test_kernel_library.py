@@ -5,6 +5,7 @@ CI builds ``csrc/`` before the tests, so a symbol dropped or renamed in C, an AB
 ``library.py``, or a struct field out of step fails here, not first on the GPU machine. Skips when the library has
 not been built (or no C compiler exists, for the layout check).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -17,8 +18,9 @@ import pytest
 from moe_ep_plugin.ops import library, permute
 
 
-@pytest.mark.skipif(not os.path.isfile(library.library_path()),
-                    reason="kernel library not built (python -m moe_ep_plugin._build)")
+@pytest.mark.skipif(
+    not os.path.isfile(library.library_path()), reason="kernel library not built (python -m moe_ep_plugin._build)"
+)
 def test_every_declared_function_is_exported() -> None:
     lib = library.load()  # raises on a missing symbol or an ABI mismatch
     assert lib.moe_ep_abi_version() == library.ABI_VERSION
@@ -30,10 +32,15 @@ def _c_compiler() -> str | None:
 
 
 @pytest.mark.skipif(_c_compiler() is None, reason="no C compiler to read the header's struct layout with")
-@pytest.mark.parametrize("struct, name", [(library.DispatchParams, "moe_ep_dispatch_params"),
-                                          (library.CombineParams, "moe_ep_combine_params"),
-                                          (library.LLDispatchParams, "moe_ep_ll_dispatch_params"),
-                                          (library.LLCombineParams, "moe_ep_ll_combine_params")])
+@pytest.mark.parametrize(
+    "struct, name",
+    [
+        (library.DispatchParams, "moe_ep_dispatch_params"),
+        (library.CombineParams, "moe_ep_combine_params"),
+        (library.LLDispatchParams, "moe_ep_ll_dispatch_params"),
+        (library.LLCombineParams, "moe_ep_ll_combine_params"),
+    ],
+)
 def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None:
     """Every field of the ctypes mirror sits at the offset (and the struct has the size) the C compiler gives
     ``csrc/moe_ep.h``: a field added, dropped or reordered on one side only would hand the kernels garbage."""
@@ -41,8 +48,11 @@ def test_parameter_structs_match_the_header(struct, name: str, tmp_path) -> None
     fields = [field for field, _ in struct._fields_]
     lines = [f'printf("%zu\\n", offsetof({name}, {field}));' for field in fields]
     source = tmp_path / "layout.c"
-    source.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{header}"\nint main(void) {{\n'
-                      + "\n".join(lines) + f'\nprintf("%zu\\n", sizeof({name}));\nreturn 0;\n}}\n')
+    source.write_text(
+        f'#include <stddef.h>\n#include <stdio.h>\n#include "{header}"\nint main(void) {{\n'
+        + "\n".join(lines)
+        + f'\nprintf("%zu\\n", sizeof({name}));\nreturn 0;\n}}\n'
+    )
     binary = tmp_path / "layout"
     subprocess.run([_c_compiler(), str(source), "-o", str(binary)], check=True, capture_output=True)
     got = [int(v) for v in subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()]

@@ -4,6 +4,7 @@ modules of each layer, top to bottom.
 Imports are read from the source (``ast``, every ``import`` statement, also inside functions), so the check needs
 neither a GPU nor the optional integrations installed.
 """
+
 from __future__ import annotations
 
 import ast
@@ -68,7 +69,7 @@ def imported_modules(module: str, rel: str) -> set[str]:
             out.update(alias.name for alias in node.names if alias.name.startswith("moe_ep_plugin"))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -127,16 +128,20 @@ def test_readme_layer_table_matches_the_tree() -> None:
     assert where["kernels"] == ["csrc/"]
     for name, paths in rows:
         for path in paths:
-            full = path if path.startswith(("moe_ep_plugin/", "examples/", "configs/", "csrc/")) else \
-                os.path.join("moe_ep_plugin", path)
+            full = (
+                path
+                if path.startswith(("moe_ep_plugin/", "examples/", "configs/", "csrc/"))
+                else os.path.join("moe_ep_plugin", path)
+            )
             assert os.path.exists(os.path.join(ROOT, full)), f"README layer {name!r} names {path}, which does not exist"
     for rel in MODULES.values():
         name = LAYER_NAMES[layer_of(rel)]
         if rel == "__init__.py":
             continue  # the package's public face: re-exports Buffer, Config, EventOverlap, DispatchHandle
         paths = [p.removeprefix("moe_ep_plugin/") for p in where[name]]
-        assert any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths), \
+        assert any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths), (
             f"moe_ep_plugin/{rel} ({name}) is not under any path of the README's {name!r} row {where[name]}"
+        )
 
 
 @pytest.mark.parametrize("doc", ["docs/kernels.md"])
@@ -156,7 +161,11 @@ def test_only_ops_and_the_nvlink_runtime_load_the_kernel_library() -> None:
     for rel in MODULES.values():
         tree = ast.parse(open(os.path.join(PKG, rel)).read(), rel)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr in ("load", "unavailable_reason", "check")
-                    and isinstance(node.value, ast.Name) and node.value.id == "library"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("load", "unavailable_reason", "check")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "library"
+            ):
                 loaders.add(rel)
     assert loaders and all(rel.startswith("ops/") or rel == "transports/nvlink/runtime.py" for rel in loaders), loaders

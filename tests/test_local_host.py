@@ -1,6 +1,7 @@
 """The ``local`` transport's host work on its kernel path, on CPU over the recording stand-in library
 (``tests/support/fake_kernels.py``): which kernels a call hands which inputs, how many host reads it makes, and what
 it returns. What the kernels compute is tests/gpu's business."""
+
 from __future__ import annotations
 
 import ctypes
@@ -28,11 +29,13 @@ def _words(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> list[int
 
 def _slot_kernel(lib: FakeLib, words: list[int]):
     """The fake ``moe_ep_expert_slots``: records the call, writes ``words`` and marks every slot empty."""
+
     def call(idx, n, k, num_local, alignment, slot, out_words, workspace, blocks, stream) -> int:
         lib.calls.append(("moe_ep_expert_slots", (n, k, num_local, alignment)))
         (ctypes.c_int64 * len(words)).from_address(out_words)[:] = words
         ctypes.memset(slot, 0xFF, 4 * n * k)
         return 0
+
     return call
 
 
@@ -52,16 +55,33 @@ def test_fresh_expert_dispatch_is_the_kernels_and_one_read(alignment: int, every
     lib = FakeLib(1)
     lib.moe_ep_expert_slots = _slot_kernel(lib, words)
     props = type("Props", (), {"multi_processor_count": 4})()
-    with mock.patch.object(dist, "get_rank", lambda group: 0), \
-            mock.patch.object(dist, "get_world_size", lambda group: 1):
+    with (
+        mock.patch.object(dist, "get_rank", lambda group: 0),
+        mock.patch.object(dist, "get_world_size", lambda group: 1),
+    ):
         transport = LocalTransport(None, torch.device("cpu"), 5.0)
-    args = DispatchArgs(x=x, x_scales=None, topk_idx=topk_idx, topk_weights=None, num_tokens_per_rank=None,
-                        is_token_in_rank=None, num_experts=e, handle=None, num_worst_tokens=0, wire_fp8=False,
-                        fp8_out=False, round_scale=False, config=Config())
+    args = DispatchArgs(
+        x=x,
+        x_scales=None,
+        topk_idx=topk_idx,
+        topk_weights=None,
+        num_tokens_per_rank=None,
+        is_token_in_rank=None,
+        num_experts=e,
+        handle=None,
+        num_worst_tokens=0,
+        wire_fp8=False,
+        fp8_out=False,
+        round_scale=False,
+        config=Config(),
+    )
     reads = []
     read = transport._read
-    with installed(lib), mock.patch.object(torch.cuda, "get_device_properties", lambda device: props), \
-            mock.patch.object(transport, "_read", lambda words, a: reads.append(words.tolist()) or read(words, a)):
+    with (
+        installed(lib),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda device: props),
+        mock.patch.object(transport, "_read", lambda words, a: reads.append(words.tolist()) or read(words, a)),
+    ):
         result = transport.dispatch_experts(args, alignment)
 
     num_rows = sum(words[2:])
@@ -87,24 +107,39 @@ def test_worst_sized_dispatch_with_room_for_every_token_reads_nothing() -> None:
     topk_idx[[1, 5, 6]] = -1  # tokens naming no expert: not received
     x = torch.randn(n, h, generator=gen)
     weights = torch.rand(n, k, generator=gen)
-    with mock.patch.object(dist, "get_rank", lambda group: 0), \
-            mock.patch.object(dist, "get_world_size", lambda group: 1):
+    with (
+        mock.patch.object(dist, "get_rank", lambda group: 0),
+        mock.patch.object(dist, "get_world_size", lambda group: 1),
+    ):
         transport = LocalTransport(None, torch.device("cpu"), 5.0)
     in_rank = (topk_idx >= 0).any(1, keepdim=True)
 
     def args(worst: int, handle=None) -> DispatchArgs:
-        return DispatchArgs(x=x, x_scales=None, topk_idx=None if handle else topk_idx,
-                            topk_weights=None if handle else weights, num_tokens_per_rank=None,
-                            is_token_in_rank=in_rank, num_experts=e, handle=handle, num_worst_tokens=worst,
-                            wire_fp8=False, fp8_out=False, round_scale=False, config=Config())
+        return DispatchArgs(
+            x=x,
+            x_scales=None,
+            topk_idx=None if handle else topk_idx,
+            topk_weights=None if handle else weights,
+            num_tokens_per_rank=None,
+            is_token_in_rank=in_rank,
+            num_experts=e,
+            handle=handle,
+            num_worst_tokens=worst,
+            wire_fp8=False,
+            fp8_out=False,
+            round_scale=False,
+            config=Config(),
+        )
+
     counted = transport.dispatch(args(0))
-    with mock.patch.object(LocalTransport, "_read", side_effect=AssertionError("host read")), \
-            mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError("host read")), \
-            mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host read")):
+    with (
+        mock.patch.object(LocalTransport, "_read", side_effect=AssertionError("host read")),
+        mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError("host read")),
+        mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host read")),
+    ):
         worst = transport.dispatch(args(n + 3))
         again = transport.dispatch(args(n + 3, worst.handle))
-        combined, combined_w = transport.combine(worst.recv_x * 2, worst.handle, worst.recv_topk_weights, (),
-                                                 Config())
+        combined, combined_w = transport.combine(worst.recv_x * 2, worst.handle, worst.recv_topk_weights, (), Config())
     m = counted.recv_x.shape[0]
     assert m == n - 3 and worst.recv_x.shape[0] == n + 3 and worst.handle.num_recv_tokens is None
     assert torch.equal(worst.recv_x[:m], counted.recv_x) and not worst.recv_x[m:].any()
@@ -112,8 +147,9 @@ def test_worst_sized_dispatch_with_room_for_every_token_reads_nothing() -> None:
     assert torch.equal(worst.recv_topk_weights[:m], counted.recv_topk_weights)
     assert not worst.recv_topk_weights[m:].any() and worst.host_counts is None
     assert torch.equal(again.recv_x, worst.recv_x)
-    expected, expected_w = transport.combine(counted.recv_x * 2, counted.handle, counted.recv_topk_weights, (),
-                                             Config())
+    expected, expected_w = transport.combine(
+        counted.recv_x * 2, counted.handle, counted.recv_topk_weights, (), Config()
+    )
     assert torch.equal(combined, expected) and torch.equal(combined_w, expected_w)
 
 
@@ -127,12 +163,26 @@ def test_read_free_dispatch_stores_rows_in_one_permute_and_none_without_rows(n: 
     x = torch.randn(n, h, generator=gen).to(torch.float8_e4m3fn)
     scales = torch.rand(n, h // 128, generator=gen)
     topk_idx = torch.randint(e, (n, 2), generator=gen)
-    with mock.patch.object(dist, "get_rank", lambda group: 0), \
-            mock.patch.object(dist, "get_world_size", lambda group: 1):
+    with (
+        mock.patch.object(dist, "get_rank", lambda group: 0),
+        mock.patch.object(dist, "get_world_size", lambda group: 1),
+    ):
         transport = LocalTransport(None, torch.device("cpu"), 5.0)
-    args = DispatchArgs(x=x, x_scales=scales, topk_idx=topk_idx, topk_weights=None, num_tokens_per_rank=None,
-                        is_token_in_rank=torch.ones(n, 1, dtype=torch.bool), num_experts=e, handle=None,
-                        num_worst_tokens=worst, wire_fp8=False, fp8_out=False, round_scale=False, config=Config())
+    args = DispatchArgs(
+        x=x,
+        x_scales=scales,
+        topk_idx=topk_idx,
+        topk_weights=None,
+        num_tokens_per_rank=None,
+        is_token_in_rank=torch.ones(n, 1, dtype=torch.bool),
+        num_experts=e,
+        handle=None,
+        num_worst_tokens=worst,
+        wire_fp8=False,
+        fp8_out=False,
+        round_scale=False,
+        config=Config(),
+    )
     lib = FakeLib(1)
     with installed(lib):
         result = transport.dispatch(args)

@@ -2,6 +2,7 @@
 BF16 rows bit-exact, FP8 bytes and scales equal (float32, and packed UE8M0), ``recv_count``/``src_info``/
 ``layout_range``, the statistics, combine's weighted fp32 sum, the hook, zero-copy, ``out=``, normal and
 low-latency calls alternating on one Buffer, the two-buffer-set rule, bad inputs, and a peer that never arrives."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,14 @@ M, H = 6, 512
 
 def _buffer(num_experts: int, timeout_s: float = 30.0, m: int = M, hidden: int = H) -> Buffer:
     world = dist.get_world_size()
-    return Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts),
-                  low_latency_mode=True, num_qps_per_rank=num_experts // world, transport="torch", timeout_s=timeout_s)
+    return Buffer(
+        None,
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts),
+        low_latency_mode=True,
+        num_qps_per_rank=num_experts // world,
+        transport="torch",
+        timeout_s=timeout_s,
+    )
 
 
 def _routing(n: int, k: int, num_experts: int, gen: torch.Generator) -> torch.Tensor:
@@ -43,8 +50,9 @@ def _expected_rows(xs, idxs, rank: int, world: int, num_experts: int):
     return rows
 
 
-def _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, use_fp8, round_scale,
-                    use_ue8m0) -> list[list[tuple[int, int]]]:
+def _check_dispatch(
+    recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, use_fp8, round_scale, use_ue8m0
+) -> list[list[tuple[int, int]]]:
     local = num_experts // world
     expected = _expected_rows(xs, idxs, rank, world, num_experts)
     assert recv_count.tolist() == [len(r) for r in expected]
@@ -61,7 +69,7 @@ def _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_exper
             begin += count
         for j, (s, t) in enumerate(rows):
             assert int(src_info[le, j]) == t
-            row = xs[s][t:t + 1]
+            row = xs[s][t : t + 1]
             if not use_fp8:
                 assert torch.equal(data[le, j].view(torch.int16), row[0].view(torch.int16))
                 continue
@@ -115,14 +123,24 @@ def _suite(seed: int) -> None:
         stats = torch.zeros(local, dtype=torch.int32)
         wait = torch.zeros(world, dtype=torch.int64)
         recv_x, recv_count, handle, event, recv_hook = buffer.low_latency_dispatch(
-            x, idx, M, num_experts, cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=wait,
-            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+            x,
+            idx,
+            M,
+            num_experts,
+            cumulative_local_expert_recv_stats=stats,
+            dispatch_wait_recv_cost_stats=wait,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
+            use_ue8m0=use_ue8m0,
+            return_recv_hook=hook,
+        )
         event.current_stream_wait()
         assert (recv_hook is not None) == hook
         if hook:
             recv_hook()
-        rows = _check_dispatch(recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, use_fp8, round_scale,
-                               use_ue8m0)
+        rows = _check_dispatch(
+            recv_x, recv_count, handle, xs, idxs, rank, world, num_experts, use_fp8, round_scale, use_ue8m0
+        )
         assert stats.tolist() == recv_count.tolist() and bool((wait >= 0).all())
 
         # Expert stand-in: any BF16 values in the valid rows (garbage elsewhere must not leak into the sum).
@@ -135,8 +153,15 @@ def _suite(seed: int) -> None:
             buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
         combine_wait = torch.zeros(world, dtype=torch.int64)
         combined, _, combine_hook = buffer.low_latency_combine(
-            buffer.get_next_low_latency_combine_buffer(handle) if mode == 2 else y, idx, w, handle,
-            zero_copy=mode == 2, return_recv_hook=hook, out=out, combine_wait_recv_cost_stats=combine_wait)
+            buffer.get_next_low_latency_combine_buffer(handle) if mode == 2 else y,
+            idx,
+            w,
+            handle,
+            zero_copy=mode == 2,
+            return_recv_hook=hook,
+            out=out,
+            combine_wait_recv_cost_stats=combine_wait,
+        )
         if hook:
             combine_hook()
         if mode == 1:
@@ -207,8 +232,11 @@ def _errors() -> None:
     w = torch.ones(M, 2)
     d = buffer.low_latency_dispatch
     local_errors = [
-        (lambda: d(torch.randn(M + 1, H).bfloat16(), torch.zeros(M + 1, 1, dtype=torch.int64), M, num_experts),
-         ValueError, "x: 7 tokens exceed"),
+        (
+            lambda: d(torch.randn(M + 1, H).bfloat16(), torch.zeros(M + 1, 1, dtype=torch.int64), M, num_experts),
+            ValueError,
+            "x: 7 tokens exceed",
+        ),
         (lambda: d(x.float(), idx, M, num_experts), TypeError, "x: expected dtype"),
         (lambda: d(x[:, :100].contiguous(), idx, M, num_experts), ValueError, "multiple of 128"),
         (lambda: d(x, idx[:2], M, num_experts), ValueError, "topk_idx: expected shape"),
@@ -219,10 +247,16 @@ def _errors() -> None:
         (lambda: d(x, idx, M, num_experts, use_ue8m0=True), ValueError, "use_ue8m0: packed UE8M0 scales need"),
         (lambda: d(x, idx, M, num_experts, use_fp8=False, round_scale=True), ValueError, "round_scale"),
         (lambda: d(x, idx, M, num_experts, async_finish=True, return_recv_hook=True), ValueError, "async_finish"),
-        (lambda: d(x, idx, M, num_experts, cumulative_local_expert_recv_stats=torch.zeros(2, dtype=torch.int64)),
-         TypeError, "cumulative_local_expert_recv_stats"),
-        (lambda: d(x, idx, M, num_experts, dispatch_wait_recv_cost_stats=torch.zeros(world + 1, dtype=torch.int64)),
-         ValueError, "dispatch_wait_recv_cost_stats"),
+        (
+            lambda: d(x, idx, M, num_experts, cumulative_local_expert_recv_stats=torch.zeros(2, dtype=torch.int64)),
+            TypeError,
+            "cumulative_local_expert_recv_stats",
+        ),
+        (
+            lambda: d(x, idx, M, num_experts, dispatch_wait_recv_cost_stats=torch.zeros(world + 1, dtype=torch.int64)),
+            ValueError,
+            "dispatch_wait_recv_cost_stats",
+        ),
         (lambda: buffer.low_latency_combine(x, idx, w, (None,) * 5), TypeError, "handle"),
     ]
     for call, exc, match in local_errors:
@@ -241,8 +275,11 @@ def _errors() -> None:
             call()
     # Only one rank's input is wrong, yet every rank raises the same error, and nothing was sent.
     bad = idx + (num_experts if rank == world - 1 else 0)
-    with pytest.raises(ValueError, match=rf"topk_idx: expert ids must lie in \[-1, {num_experts}\); rank\(s\) "
-                                         rf"\[{world - 1}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"topk_idx: expert ids must lie in \[-1, {num_experts}\); rank\(s\) "
+        rf"\[{world - 1}\]",
+    ):
         d(x, bad, M, num_experts)
     if world > 1:
         with pytest.raises(ValueError, match=r"use_fp8: ranks disagree"):
@@ -277,13 +314,21 @@ def _one_rank_bad_input() -> None:
     last = rf"rank\(s\) \[{world - 1}\] refused the call \(rank {world - 1}: "
     long_x, long_idx = torch.zeros(M + 1, H).bfloat16(), torch.zeros(M + 1, 2, dtype=torch.int64)
     cases = [
-        (ValueError, lambda: buffer.low_latency_dispatch(long_x if odd else x, long_idx if odd else idx, M,
-                                                         num_experts),
-         rf"low_latency_dispatch: {last}x: {M + 1} tokens exceed num_max_dispatch_tokens_per_rank={M}\)"),
-        (TypeError, lambda: buffer.low_latency_dispatch(x.half() if odd else x, idx, M, num_experts),
-         rf"low_latency_dispatch: {last}x: expected dtype in \['torch.bfloat16'\], got torch.float16\)"),
-        (ValueError, lambda: buffer.clean_low_latency_buffer(M, H, 0 if odd else num_experts),
-         rf"clean_low_latency_buffer: {last}num_experts: expected a positive int, got 0\)"),
+        (
+            ValueError,
+            lambda: buffer.low_latency_dispatch(long_x if odd else x, long_idx if odd else idx, M, num_experts),
+            rf"low_latency_dispatch: {last}x: {M + 1} tokens exceed num_max_dispatch_tokens_per_rank={M}\)",
+        ),
+        (
+            TypeError,
+            lambda: buffer.low_latency_dispatch(x.half() if odd else x, idx, M, num_experts),
+            rf"low_latency_dispatch: {last}x: expected dtype in \['torch.bfloat16'\], got torch.float16\)",
+        ),
+        (
+            ValueError,
+            lambda: buffer.clean_low_latency_buffer(M, H, 0 if odd else num_experts),
+            rf"clean_low_latency_buffer: {last}num_experts: expected a positive int, got 0\)",
+        ),
     ]
     for error, call, needle in cases:
         start = time.monotonic()

@@ -2,6 +2,7 @@
 the normal-mode forward of the same model on the same Buffer (each MoE block to the wire's rounding, the logits end
 to end on the BF16 wire), and the check catches a low-latency block that is off by 10 %. ``examples/decode_moe.py``
 runs it as a script."""
+
 from __future__ import annotations
 
 import os
@@ -47,9 +48,22 @@ def test_decode_check_catches_a_wrong_block(capfd) -> None:
 def test_the_example_script_decodes() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "decode_moe.py"), "--set",
-                           "model.num_layers=2", "--prompt-len", "2", "--new-tokens", "2"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "examples", "decode_moe.py"),
+            "--set",
+            "model.num_layers=2",
+            "--prompt-len",
+            "2",
+            "--new-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     header = ["rank", "seqs", "prompt", "new", "graph", "MoE", "block", "logits", "replay-eager"]
     rows = [line.split() for line in proc.stdout.splitlines()]  # rank 0: the header, a row per rank, the verdict

@@ -7,6 +7,7 @@ The experts are row-wise (each row times its probability and a per-expert factor
 difference could only come from the dispatcher: the rows it delivers, and the order its combine sums a token's
 rows in (top-k order on each rank, then over ranks). Capacity dropping and drop-and-pad are refused naming the key.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,10 +26,22 @@ HIDDEN, EXPERTS, TOPK = 64, 12, 3
 def _config(world: int, **extra):
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS,
-                             moe_router_topk=TOPK, expert_model_parallel_size=world, use_cpu_initialization=True,
-                             moe_token_dispatcher_type="ep_plugin", batch_invariant_mode=True,
-                             attention_backend=AttnBackend.flash, bf16=True, params_dtype=torch.bfloat16, **extra)
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        expert_model_parallel_size=world,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="ep_plugin",
+        batch_invariant_mode=True,
+        attention_backend=AttnBackend.flash,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        **extra,
+    )
 
 
 def _tokens(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,14 +70,18 @@ def _suite(seed: int) -> None:
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     import moe_ep_plugin.megatron as ep_megatron
+
     rank, world = dist.get_rank(), dist.get_world_size()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
         num_local = EXPERTS // world
         dispatcher = ep_megatron.EPPluginTokenDispatcher(
-            num_local, list(range(rank * num_local, (rank + 1) * num_local)), _config(world),
-            get_default_pg_collection())
+            num_local,
+            list(range(rank * num_local, (rank + 1) * num_local)),
+            _config(world),
+            get_default_pg_collection(),
+        )
         gen = torch.Generator().manual_seed(seed * 31 + rank)
         probe_n = 0 if rank == world - 1 and world > 1 else 5 + rank  # the last rank has no probe tokens
         probe = _tokens(probe_n, gen)
@@ -78,16 +95,24 @@ def _suite(seed: int) -> None:
                 before = after = 0
             parts = [_tokens(before, gen), probe, _tokens(after, gen)]
             x, probs, routing_map = (torch.cat([part[i] for part in parts]) for i in range(3))
-            grad = torch.cat([torch.randn(before, 1, HIDDEN, generator=gen).bfloat16(), probe_grad,
-                              torch.randn(after, 1, HIDDEN, generator=gen).bfloat16()])
+            grad = torch.cat(
+                [
+                    torch.randn(before, 1, HIDDEN, generator=gen).bfloat16(),
+                    probe_grad,
+                    torch.randn(after, 1, HIDDEN, generator=gen).bfloat16(),
+                ]
+            )
             out, dx = _run(dispatcher, x, probs, routing_map, grad, num_local)
-            seen.append((out[before:before + probe_n], dx[before:before + probe_n]))
+            seen.append((out[before : before + probe_n], dx[before : before + probe_n]))
         for batch, (out, dx) in enumerate(seen[1:], 1):
             assert torch.equal(out.view(torch.int16), seen[0][0].view(torch.int16)), (rank, batch)
             assert torch.equal(dx.view(torch.int16), seen[0][1].view(torch.int16)), (rank, batch)
         # token dropping decides by the whole batch: refused at config time
-        with pytest.raises(ValueError, match="moe_expert_capacity_factor: batch_invariant_mode with "
-                                             "moe_token_dispatcher_type: ep_plugin serves dropless routing only"):
+        with pytest.raises(
+            ValueError,
+            match="moe_expert_capacity_factor: batch_invariant_mode with "
+            "moe_token_dispatcher_type: ep_plugin serves dropless routing only",
+        ):
             _config(world, moe_expert_capacity_factor=1.0)
     finally:
         ep_megatron.uninstall()
@@ -96,6 +121,7 @@ def _suite(seed: int) -> None:
 
 def _has_batch_invariant_mode() -> bool:
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     return "batch_invariant_mode" in TransformerConfig.__dataclass_fields__
 
 

@@ -1,4 +1,5 @@
 """Registration (install/uninstall), plugin options and the YAML → ``TransformerConfig`` mapping; no processes."""
+
 from __future__ import annotations
 
 import copy
@@ -29,14 +30,27 @@ def _restore_megatron():
 
 
 def _originals():
-    return (moe_layer.MoELayer.__init__, tc.TransformerConfig.__post_init__, token_dispatcher.fused_dispatch,
-            token_dispatcher.fused_combine, token_dispatcher.set_deepep_num_sms, fused_a2a.fused_dispatch,
-            registration._free_input_module().should_free_input)
+    return (
+        moe_layer.MoELayer.__init__,
+        tc.TransformerConfig.__post_init__,
+        token_dispatcher.fused_dispatch,
+        token_dispatcher.fused_combine,
+        token_dispatcher.set_deepep_num_sms,
+        fused_a2a.fused_dispatch,
+        registration._free_input_module().should_free_input,
+    )
 
 
 def _moe_config(**kw):
-    base = dict(num_layers=1, hidden_size=128, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
-                moe_token_dispatcher_type="ep_plugin", use_cpu_initialization=True)
+    base = dict(
+        num_layers=1,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="ep_plugin",
+        use_cpu_initialization=True,
+    )
     base.update(kw)
     return tc.TransformerConfig(**base)
 
@@ -71,18 +85,28 @@ def test_config_validation_after_install() -> None:
     assert ep_megatron.get_plugin_options(config) == ep_megatron.PluginOptions()
     # Expert TP, drop-and-pad and the EP-overlap schedule are served (tests/test_megatron_parity.py,
     # tests/test_megatron_overlap.py).
-    assert _moe_config(expert_tensor_parallel_size=2, tensor_model_parallel_size=2,
-                       sequence_parallel=True, add_bias_linear=False).expert_tensor_parallel_size == 2
+    assert (
+        _moe_config(
+            expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True, add_bias_linear=False
+        ).expert_tensor_parallel_size
+        == 2
+    )
     assert _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     overlap = dict(overlap_moe_expert_parallel_comm=True, bf16=True, expert_model_parallel_size=2)
     assert _moe_config(**overlap).overlap_moe_expert_parallel_comm
     # Megatron's other checks of the overlap flag still hold for ep_plugin.
-    for extra, match in (({"expert_model_parallel_size": 1}, "only supported with expert model parallelism"),
-                         ({"bf16": False}, "only supported with bf16 or fp16"),
-                         ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-                          "disable full recomputation"),
-                         ({"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_overlap": True},
-                          "disable moe_shared_expert_overlap")):
+    for extra, match in (
+        ({"expert_model_parallel_size": 1}, "only supported with expert model parallelism"),
+        ({"bf16": False}, "only supported with bf16 or fp16"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+            "disable full recomputation",
+        ),
+        (
+            {"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_overlap": True},
+            "disable moe_shared_expert_overlap",
+        ),
+    ):
         with pytest.raises(AssertionError, match=match):
             _moe_config(**{**overlap, **extra})
     # FP16: the torch transport serves it; a kernel transport is refused when the config is made or given them.
@@ -109,8 +133,11 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
     regions before the dispatch (attention, router, preprocess) are accepted, and alltoall's drop-and-pad ``moe``."""
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     # megatron-core 0.16 names the regions cuda_graph_scope, 0.19 cuda_graph_modules
-    key = "cuda_graph_modules" if "cuda_graph_modules" in tc.TransformerConfig.__dataclass_fields__ else \
-        "cuda_graph_scope"
+    key = (
+        "cuda_graph_modules"
+        if "cuda_graph_modules" in tc.TransformerConfig.__dataclass_fields__
+        else "cuda_graph_scope"
+    )
     flex = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
     pad = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     for kind, who in ((dict(moe_token_dispatcher_type="ep_plugin"), "ep_plugin"), (flex, "'deepep'")):
@@ -118,12 +145,18 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
             _moe_config(**kind, cuda_graph_impl="local", **{key: regions})
         _moe_config(**kind, cuda_graph_impl="transformer_engine", **{key: "attn"})
         _moe_config(**kind)  # no graphs
-        with pytest.raises(ValueError, match=rf"{key}: the whole layer with cuda_graph_impl 'local' captures the "
-                                             rf"MoE token dispatch, which .*{who} runs with one host read"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{key}: the whole layer with cuda_graph_impl 'local' captures the "
+            rf"MoE token dispatch, which .*{who} runs with one host read",
+        ):
             _moe_config(**kind, cuda_graph_impl="local", **{key: []})
-    with pytest.raises(ValueError, match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures .* or use "
-                                         "moe_pad_expert_input_to_capacity \\(drop-and-pad\\) with "
-                                         "ep_plugin.transport: nvlink"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures .* or use "
+        "moe_pad_expert_input_to_capacity \\(drop-and-pad\\) with "
+        "ep_plugin.transport: nvlink",
+    ):
         _moe_config(cuda_graph_impl="local", **{key: "moe"}, **pad, expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="or use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink"):
         _moe_config(**flex, cuda_graph_impl="local", **{key: []})
@@ -134,22 +167,27 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
     with pytest.raises(ValueError, match="captures the MoE token dispatch"):  # dropless reads its counts
         _moe_config(cuda_graph_impl="local", **{key: []}, expert_model_parallel_size=2)
     # a whole iteration: an implementation of its own from 0.19, a region before
-    whole, named = ((dict(cuda_graph_impl="full_iteration"), "cuda_graph_impl: 'full_iteration'")
-                    if key == "cuda_graph_modules" else
-                    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), r"\['full_iteration'\]"))
+    whole, named = (
+        (dict(cuda_graph_impl="full_iteration"), "cuda_graph_impl: 'full_iteration'")
+        if key == "cuda_graph_modules"
+        else (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), r"\['full_iteration'\]")
+    )
     with pytest.raises(ValueError, match=rf"{named}.* captures the MoE token dispatch"):
         _moe_config(**whole)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"transport": "nccl"}, ValueError, "transport"),
-    ({"fp8_dispatch": 1}, TypeError, "fp8_dispatch"),
-    ({"num_sms": 7}, ValueError, "num_sms"),
-    ({"num_sms": True}, TypeError, "num_sms"),
-    ({"timeout_s": 0}, ValueError, "timeout_s"),
-    ({"transport": "torch", "ranks_per_node": 2}, ValueError, "ranks_per_node: only for transport 'hierarchical'"),
-    ({"transport": "nvlink", "ranks_per_node": 1}, ValueError, "ranks_per_node: only for transport 'hierarchical'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"transport": "nccl"}, ValueError, "transport"),
+        ({"fp8_dispatch": 1}, TypeError, "fp8_dispatch"),
+        ({"num_sms": 7}, ValueError, "num_sms"),
+        ({"num_sms": True}, TypeError, "num_sms"),
+        ({"timeout_s": 0}, ValueError, "timeout_s"),
+        ({"transport": "torch", "ranks_per_node": 2}, ValueError, "ranks_per_node: only for transport 'hierarchical'"),
+        ({"transport": "nvlink", "ranks_per_node": 1}, ValueError, "ranks_per_node: only for transport 'hierarchical'"),
+    ],
+)
 def test_plugin_options_are_validated(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
         ep_megatron.PluginOptions(**kwargs)
@@ -183,32 +221,38 @@ def _edit(section: str, **values) -> dict:
     return raw
 
 
-@pytest.mark.parametrize("raw,error,match", [
-    ({**_raw(), "optimizer": {}}, ValueError, r"optimizer: unknown section"),
-    (_edit("model", moe_router_topk_typo=3), ValueError, r"model: unknown key\(s\) \['moe_router_topk_typo'\]"),
-    (_edit("ep_plugin", sms=3), ValueError, r"ep_plugin.sms: unknown option"),
-    (_edit("train", step=3), ValueError, r"train.step: unknown key"),
-    (_edit("parallel", data_parallel_size=2), ValueError, r"parallel: unknown key"),
-    (_edit("model", expert_model_parallel_size=2), ValueError, "belong in the parallel: section"),
-    (_edit("model", moe_token_dispatcher_type="alltoall"), ValueError, "ep_plugin: options given"),
-    (_edit("model", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepepv2"), ValueError,
-     "moe_flex_dispatcher_backend"),
-    (_edit("model", moe_deepep_num_sms=20) | {"ep_plugin": {"num_sms": 24}}, ValueError, "conflicts"),
-    (_edit("model", gated_linear_unit=True), ValueError, "activation or gated_linear_unit"),
-    (_edit("model", bf16=True), ValueError, "dtype or bf16"),
-    (_edit("model", activation="relu2"), ValueError, "model.activation"),
-    (_edit("model", dtype="fp8"), ValueError, "model.dtype"),
-    (_edit("model", num_layers="3"), ValueError, "model.num_layers: expected int"),
-    (_edit("model", add_bias_linear="no"), ValueError, "model.add_bias_linear: expected bool"),
-    (_edit("model", hidden_size=96) | {"ep_plugin": {"fp8_dispatch": True}}, ValueError, "multiple of 128"),
-    (_edit("ep_plugin", transport="ib"), ValueError, "ep_plugin.transport"),
-    (_edit("train", global_batch_size=6), ValueError, "global_batch_size"),
-    (_edit("train", seq_length=128), ValueError, "max_sequence_length"),
-    (_edit("data", eval_fraction=1.0), ValueError, "eval_fraction"),
-    (_edit("model", activation_func="silu"), ValueError, "not expressible"),
-    (_edit("model", cuda_graph_impl="local"), ValueError, "model.cuda_graph_impl: 'local' is not served"),
-    (_edit("model", enable_cuda_graph=True), ValueError, "model.enable_cuda_graph: not served"),
-])
+@pytest.mark.parametrize(
+    "raw,error,match",
+    [
+        ({**_raw(), "optimizer": {}}, ValueError, r"optimizer: unknown section"),
+        (_edit("model", moe_router_topk_typo=3), ValueError, r"model: unknown key\(s\) \['moe_router_topk_typo'\]"),
+        (_edit("ep_plugin", sms=3), ValueError, r"ep_plugin.sms: unknown option"),
+        (_edit("train", step=3), ValueError, r"train.step: unknown key"),
+        (_edit("parallel", data_parallel_size=2), ValueError, r"parallel: unknown key"),
+        (_edit("model", expert_model_parallel_size=2), ValueError, "belong in the parallel: section"),
+        (_edit("model", moe_token_dispatcher_type="alltoall"), ValueError, "ep_plugin: options given"),
+        (
+            _edit("model", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepepv2"),
+            ValueError,
+            "moe_flex_dispatcher_backend",
+        ),
+        (_edit("model", moe_deepep_num_sms=20) | {"ep_plugin": {"num_sms": 24}}, ValueError, "conflicts"),
+        (_edit("model", gated_linear_unit=True), ValueError, "activation or gated_linear_unit"),
+        (_edit("model", bf16=True), ValueError, "dtype or bf16"),
+        (_edit("model", activation="relu2"), ValueError, "model.activation"),
+        (_edit("model", dtype="fp8"), ValueError, "model.dtype"),
+        (_edit("model", num_layers="3"), ValueError, "model.num_layers: expected int"),
+        (_edit("model", add_bias_linear="no"), ValueError, "model.add_bias_linear: expected bool"),
+        (_edit("model", hidden_size=96) | {"ep_plugin": {"fp8_dispatch": True}}, ValueError, "multiple of 128"),
+        (_edit("ep_plugin", transport="ib"), ValueError, "ep_plugin.transport"),
+        (_edit("train", global_batch_size=6), ValueError, "global_batch_size"),
+        (_edit("train", seq_length=128), ValueError, "max_sequence_length"),
+        (_edit("data", eval_fraction=1.0), ValueError, "eval_fraction"),
+        (_edit("model", activation_func="silu"), ValueError, "not expressible"),
+        (_edit("model", cuda_graph_impl="local"), ValueError, "model.cuda_graph_impl: 'local' is not served"),
+        (_edit("model", enable_cuda_graph=True), ValueError, "model.enable_cuda_graph: not served"),
+    ],
+)
 def test_yaml_errors_name_the_key(raw, error, match) -> None:
     with pytest.raises(error, match=match):
         load_pretrain_config(raw)

@@ -6,6 +6,7 @@ and per-expert padding to the FP8 GEMM alignment.
 The expert-major layout is checked row by row against a plain loop over every rank's tokens; with identity
 experts the output is ``sum_k p_k x`` (``x`` FP8-rounded when dispatched in FP8) and the gradients are exact.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,19 +41,34 @@ def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions
+
     rank, world = dist.get_rank(), dist.get_world_size()
     num_local = EXPERTS // world
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=EXPERTS,
-                               moe_router_topk=TOPK, expert_model_parallel_size=world, use_cpu_initialization=True,
-                               moe_token_dispatcher_type="ep_plugin")
-    dispatcher = EPPluginTokenDispatcher(num_local, list(range(rank * num_local, (rank + 1) * num_local)), config,
-                                         get_default_pg_collection(), options=PluginOptions(fp8_dispatch=fp8_dispatch))
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=2,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        expert_model_parallel_size=world,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="ep_plugin",
+    )
+    dispatcher = EPPluginTokenDispatcher(
+        num_local,
+        list(range(rank * num_local, (rank + 1) * num_local)),
+        config,
+        get_default_pg_collection(),
+        options=PluginOptions(fp8_dispatch=fp8_dispatch),
+    )
     # What moe_router_padding_for_quantization sets (its config needs TransformerEngine for FP8).
     dispatcher.alignment = alignment
     all_tokens = [0 if (case == "zero_rank" and r == 0) else 4 + 3 * r for r in range(world)]
     gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(world)]
-    inputs = [(torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g))
-              for n, g in zip(all_tokens, gens, strict=False)]
+    inputs = [
+        (torch.randn(n, 1, hidden, generator=g).to(dtype), *_routing(case, n, g))
+        for n, g in zip(all_tokens, gens, strict=False)
+    ]
     x_all = [x.view(-1, hidden) for x, _, _ in inputs]
     sent = [fp8.dequantize(*fp8.quantize(x), dtype) if fp8_dispatch else x for x in x_all]  # what the experts see
     x, probs, routing_map = (t.clone() for t in inputs[rank])
@@ -116,6 +132,7 @@ def _check(case: str, hidden: int, dtype: torch.dtype, fp8_dispatch: bool, seed:
 
 def _suite(seed: int) -> None:
     from megatron.core import parallel_state as ps
+
     world = dist.get_world_size()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     try:
@@ -138,6 +155,7 @@ def test_routing_map_to_topk_matches_plain_loop() -> None:
     those ids (float32), 0 on -1 slots; prob gradients land on the selected entries only. Dense probs whose
     largest entries are not the selected experts, tied probs, a token without experts, a non-contiguous map."""
     from moe_ep_plugin.megatron import routing_map_to_topk
+
     gen = torch.Generator().manual_seed(int(time.time()) % 1000)
     tokens = 24
     scores = torch.rand(tokens, EXPERTS, generator=gen)
@@ -171,17 +189,25 @@ def _errors() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions, routing_map_to_topk
+
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     try:
-        config = TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS,
-                                   moe_router_topk=TOPK, use_cpu_initialization=True)
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=96,
+            num_attention_heads=2,
+            num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK,
+            use_cpu_initialization=True,
+        )
         pgc = get_default_pg_collection()
         with pytest.raises(ValueError, match="num_local_experts"):
             EPPluginTokenDispatcher(4, list(range(4)), config, pgc)
         with pytest.raises(TypeError, match="options"):
             EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc, options={"fp8_dispatch": True})
-        fp8_dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc,
-                                                 options=PluginOptions(fp8_dispatch=True))
+        fp8_dispatcher = EPPluginTokenDispatcher(
+            EXPERTS, list(range(EXPERTS)), config, pgc, options=PluginOptions(fp8_dispatch=True)
+        )
         rmap = torch.zeros(2, EXPERTS, dtype=torch.bool)
         rmap[:, :TOPK] = True
         with pytest.raises(ValueError, match="hidden % 128"):
@@ -197,22 +223,43 @@ def _errors() -> None:
         # FP16: the kernel transports refuse it when the dispatcher is built for an fp16 config, else at dispatch
         nvlink = PluginOptions(transport="nvlink")
         with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'"):
-            EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), TransformerConfig(
-                num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-                use_cpu_initialization=True, fp16=True), pgc, options=nvlink)
+            EPPluginTokenDispatcher(
+                EXPERTS,
+                list(range(EXPERTS)),
+                TransformerConfig(
+                    num_layers=1,
+                    hidden_size=96,
+                    num_attention_heads=2,
+                    num_moe_experts=EXPERTS,
+                    moe_router_topk=TOPK,
+                    use_cpu_initialization=True,
+                    fp16=True,
+                ),
+                pgc,
+                options=nvlink,
+            )
         dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc, options=nvlink)
         h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96, dtype=torch.float16), rmap, rmap.float())
         with pytest.raises(TypeError, match="hidden_states: float16 needs ep_plugin.transport 'torch'"):
             dispatcher.token_dispatch(h, p)
         # drop-and-pad: a capacity (ceil(2 x 3 / 8 x 4) = 3) beyond the 2 tokens a rank holds
-        pad_config = TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, num_moe_experts=EXPERTS,
-                                       moe_router_topk=TOPK, use_cpu_initialization=True,
-                                       moe_expert_capacity_factor=4.0, moe_pad_expert_input_to_capacity=True)
-        dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), pad_config, pgc,
-                                             options=PluginOptions(transport="torch"))
+        pad_config = TransformerConfig(
+            num_layers=1,
+            hidden_size=96,
+            num_attention_heads=2,
+            num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK,
+            use_cpu_initialization=True,
+            moe_expert_capacity_factor=4.0,
+            moe_pad_expert_input_to_capacity=True,
+        )
+        dispatcher = EPPluginTokenDispatcher(
+            EXPERTS, list(range(EXPERTS)), pad_config, pgc, options=PluginOptions(transport="torch")
+        )
         h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96), rmap, rmap.float())
-        with pytest.raises(ValueError, match="moe_expert_capacity_factor: a capacity of 3 tokens per expert needs 1 "
-                                             "to 2 tokens"):
+        with pytest.raises(
+            ValueError, match="moe_expert_capacity_factor: a capacity of 3 tokens per expert needs 1 to 2 tokens"
+        ):
             dispatcher.token_dispatch(h, p)
         idx, w = routing_map_to_topk(rmap & torch.tensor([True, False]).unsqueeze(1), rmap.float(), TOPK)
         assert sorted(idx[0].tolist()) == [0, 1, 2] and idx[1].tolist() == [-1] * TOPK
@@ -234,12 +281,20 @@ def _buffer_reuse() -> None:
     from moe_ep_plugin.buffer_cache import destroy_buffers, get_buffer
     from moe_ep_plugin.config import combine_config, dispatch_config
     from moe_ep_plugin.megatron import EPPluginTokenDispatcher, PluginOptions
+
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     try:
-        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_moe_experts=EXPERTS,
-                                   moe_router_topk=TOPK, use_cpu_initialization=True)
-        d = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, get_default_pg_collection(),
-                                    options=PluginOptions(transport="torch"))
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK,
+            use_cpu_initialization=True,
+        )
+        d = EPPluginTokenDispatcher(
+            EXPERTS, list(range(EXPERTS)), config, get_default_pg_collection(), options=PluginOptions(transport="torch")
+        )
         probs, routing_map = _routing("random", 5, torch.Generator().manual_seed(0))
 
         def dispatched_buffer(hidden: int) -> Buffer:
@@ -260,14 +315,21 @@ def _buffer_reuse() -> None:
 
         # ep_plugin.num_sms travels per call on the Configs; Buffer.num_sms (DeepEP's default) stays as it was
         default_sms = Buffer.num_sms
-        d8 = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, get_default_pg_collection(),
-                                     options=PluginOptions(transport="torch", num_sms=8))
+        d8 = EPPluginTokenDispatcher(
+            EXPERTS,
+            list(range(EXPERTS)),
+            config,
+            get_default_pg_collection(),
+            options=PluginOptions(transport="torch", num_sms=8),
+        )
         transport = d8._get_buffer(32 * 4).transport
         seen = []
         real_dispatch, real_combine = transport.dispatch_experts, transport.combine_experts
         transport.dispatch_experts = lambda args, align: (seen.append(args.config), real_dispatch(args, align))[1]
-        transport.combine_experts = lambda y, handle, w, bias, cfg: (seen.append(cfg),
-                                                                     real_combine(y, handle, w, bias, cfg))[1]
+        transport.combine_experts = lambda y, handle, w, bias, cfg: (
+            seen.append(cfg),
+            real_combine(y, handle, w, bias, cfg),
+        )[1]
         rows, _ = d8.token_dispatch(*d8.dispatch_preprocess(torch.randn(5, 32), routing_map, probs))
         d8.token_combine(rows)
         assert seen == [dispatch_config(8, 1), combine_config(8, 1)] and Buffer.num_sms == default_sms

@@ -11,6 +11,7 @@ fp16 units in the last place (the tokens travel as fp32 on the ``torch`` transpo
 differs: ``support/megatron_parity.py``). Megatron's test builds on CUDA (``use_cpu_initialization=False``,
 ``.cuda()``); here the layer is made on the CPU, where the gloo ranks run.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,15 +32,30 @@ HIDDEN, SEQUENCE, MICRO_BATCH = 64, 32, 2
 
 def _config(kind: str, num_experts: int, tp: int, ep: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     extra = {} if kind in ("alltoall", "ep_plugin") else {"moe_flex_dispatcher_backend": kind}
     if kind == "ncclep":  # megatron-core >= 0.19: the receive buffer holds every row a rank can get here
         extra["moe_expert_rank_capacity_factor"] = float(tp * ep * 2)
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=num_experts,
-        use_cpu_initialization=True, moe_token_dispatcher_type=kind if not extra else "flex",
-        moe_router_load_balancing_type="aux_loss", moe_router_topk=2, moe_aux_loss_coeff=0.01,
-        moe_grouped_gemm=False, moe_ffn_hidden_size=256, add_bias_linear=False, tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep, sequence_parallel=tp > 1, fp16=True, params_dtype=torch.float16, **extra)
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_moe_experts=num_experts,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type=kind if not extra else "flex",
+        moe_router_load_balancing_type="aux_loss",
+        moe_router_topk=2,
+        moe_aux_loss_coeff=0.01,
+        moe_grouped_gemm=False,
+        moe_ffn_hidden_size=256,
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,
+        fp16=True,
+        params_dtype=torch.float16,
+        **extra,
+    )
 
 
 def _suite(tp: int, ep: int, backends: tuple[str, ...], seed: int) -> None:
@@ -49,6 +65,7 @@ def _suite(tp: int, ep: int, backends: tuple[str, ...], seed: int) -> None:
 
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.megatron.host import cuda_device_is_host, seed_model_parallel_rng
+
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     seed_model_parallel_rng(seed)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
@@ -85,5 +102,6 @@ def _suite(tp: int, ep: int, backends: tuple[str, ...], seed: int) -> None:
 @pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2)])
 def test_megatron_moe_layer_fp16_flex(tp: int, ep: int) -> None:
     from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
+
     backends = flex_backends_on_host(SERVED_FLEX_BACKENDS)
     spawn(_suite, tp * ep, args=(tp, ep, backends, int(time.time()) % 1000), backend="gloo", timeout_s=600)

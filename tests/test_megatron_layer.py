@@ -10,6 +10,7 @@ each token is run through each of its selected experts locally (all experts' wei
 backends served by the shims (``ncclep`` on megatron-core >= 0.19, ``deepepv2`` on Megatron-LM dev). Equality with
 Megatron's own ``alltoall`` (on CPU with host doubles for its CUDA streams) is tests/test_megatron_parity.py's.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,9 +31,9 @@ FLEX_KINDS = ("flex", "hybridep", "ncclep", "deepepv2")
 
 def _config(world: int, kind: str, capacity: float | None, overlap: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     # "flex": flex + deepep; "hybridep"/"ncclep"/"deepepv2": flex with that backend (all served by install()'s shims)
-    extra = {"moe_flex_dispatcher_backend": "deepep" if kind == "flex" else kind} \
-        if kind in FLEX_KINDS else {}
+    extra = {"moe_flex_dispatcher_backend": "deepep" if kind == "flex" else kind} if kind in FLEX_KINDS else {}
     if kind == "ncclep":  # megatron-core >= 0.19: sizes the receive buffer (generously: no overflow here)
         extra["moe_expert_rank_capacity_factor"] = float(world)
     kind = "flex" if kind in FLEX_KINDS else kind
@@ -41,13 +42,30 @@ def _config(world: int, kind: str, capacity: float | None, overlap: bool):
     if capacity is not None:
         extra.update(moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        expert_model_parallel_size=world, moe_token_dispatcher_type=kind, moe_router_score_function="sigmoid",
-        moe_router_num_groups=GROUPS, moe_router_group_topk=GROUP_TOPK, moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32", moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN, moe_shared_expert_intermediate_size=FFN,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        use_cpu_initialization=True, **extra)
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        expert_model_parallel_size=world,
+        moe_token_dispatcher_type=kind,
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=GROUPS,
+        moe_router_group_topk=GROUP_TOPK,
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_ffn_hidden_size=FFN,
+        ffn_hidden_size=FFN,
+        moe_shared_expert_intermediate_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        **extra,
+    )
 
 
 def _swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -61,6 +79,7 @@ def _param_grads(layer) -> dict[str, torch.Tensor]:
 
 def _check_case(world: int, kind: str, case: str, seed: int, device: torch.device) -> None:
     from moe_ep_plugin.megatron import compat
+
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed)
     capacity = 0.5 if case == "capacity" else None
@@ -87,6 +106,7 @@ def _check_case(world: int, kind: str, case: str, seed: int, device: torch.devic
 
     def keep_routing_map(module, inputs, outputs) -> None:
         seen.setdefault("routing_map", outputs[1].detach().clone())
+
     layer.router.register_forward_hook(keep_routing_map)
     postprocess = layer.token_dispatcher.dispatch_postprocess
 
@@ -94,6 +114,7 @@ def _check_case(world: int, kind: str, case: str, seed: int, device: torch.devic
         out = postprocess(h, p)
         seen["tokens_per_expert"] = out[1]
         return out
+
     layer.token_dispatcher.dispatch_postprocess = capture
 
     x_plugin = x.clone().requires_grad_(True)
@@ -107,7 +128,7 @@ def _check_case(world: int, kind: str, case: str, seed: int, device: torch.devic
     routing_map = seen["routing_map"]
     counts = routing_map.sum(0).to(torch.int64)
     dist.all_reduce(counts)
-    expected_tpe = counts[rank * num_local:(rank + 1) * num_local].cpu()
+    expected_tpe = counts[rank * num_local : (rank + 1) * num_local].cpu()
     tpe = seen["tokens_per_expert"]
     assert tpe.dtype == torch.int64 and tpe.device.type == "cpu", (tpe.dtype, tpe.device)
     if not (kind == "ncclep" and case == "capacity"):  # 0.19.2's ncclep manager dispatches dropped (zero-prob)
@@ -125,8 +146,11 @@ def _check_case(world: int, kind: str, case: str, seed: int, device: torch.devic
         weights.append((expert.linear_fc1.weight.detach().cpu(), expert.linear_fc2.weight.detach().cpu()))
     all_weights = [None] * world
     dist.all_gather_object(all_weights, weights)
-    ref_w = [(w1.to(device).requires_grad_(True), w2.to(device).requires_grad_(True))
-             for rank_weights in all_weights for w1, w2 in rank_weights]
+    ref_w = [
+        (w1.to(device).requires_grad_(True), w2.to(device).requires_grad_(True))
+        for rank_weights in all_weights
+        for w1, w2 in rank_weights
+    ]
     x_ref = x.clone().requires_grad_(True)
     probs, ref_map = layer.router(x_ref)
     assert torch.equal(ref_map, routing_map)
@@ -136,7 +160,7 @@ def _check_case(world: int, kind: str, case: str, seed: int, device: torch.devic
         acc = torch.zeros(HIDDEN, device=device)
         for e in range(EXPERTS):
             if ref_map[t, e]:
-                acc = acc + probs[t, e] * _swiglu_mlp(flat[t:t + 1], *ref_w[e])[0]
+                acc = acc + probs[t, e] * _swiglu_mlp(flat[t : t + 1], *ref_w[e])[0]
         rows.append(acc)
     ref = torch.stack(rows).view_as(x) if rows else torch.zeros_like(x)
     ref = ref + layer.shared_experts(x_ref)
@@ -166,6 +190,7 @@ def _suite(kinds: tuple[str, ...], cases: tuple[str, ...], seed: int, transport:
 
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.megatron.host import seed_model_parallel_rng
+
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
@@ -186,12 +211,16 @@ def _served(*kinds: str) -> tuple[str, ...]:
     """``kinds`` less the flex backends the installed megatron-core lacks (ncclep needs 0.19) or cannot build
     without CUDA (hybridep on >= 0.19, :func:`support.megatron_host.flex_backends_on_host`)."""
     from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
-    return tuple(k for k in flex_backends_on_host(kinds)
-                 if k not in ("hybridep", "ncclep") or k in SERVED_FLEX_BACKENDS)
+
+    return tuple(
+        k for k in flex_backends_on_host(kinds) if k not in ("hybridep", "ncclep") or k in SERVED_FLEX_BACKENDS
+    )
 
 
-@pytest.mark.parametrize("world,kinds", [(1, ("ep_plugin",)), (2, ("ep_plugin", "flex", "hybridep", "ncclep")),
-                                         (4, ("ep_plugin", "hybridep", "ncclep"))])
+@pytest.mark.parametrize(
+    "world,kinds",
+    [(1, ("ep_plugin",)), (2, ("ep_plugin", "flex", "hybridep", "ncclep")), (4, ("ep_plugin", "hybridep", "ncclep"))],
+)
 def test_moe_layer_matches_local_reference(world: int, kinds: tuple[str, ...]) -> None:
     kinds = _served(*kinds)
     cases = ("random", "uneven", "one_expert", "one_token", "capacity") if world > 1 else ("random", "capacity")
@@ -200,23 +229,33 @@ def test_moe_layer_matches_local_reference(world: int, kinds: tuple[str, ...]) -
 
 def _have_deepepv2() -> bool:
     from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
+
     return "deepepv2" in SERVED_FLEX_BACKENDS
 
 
-@pytest.mark.skipif(not _have_deepepv2(), reason="the installed megatron-core has no deepepv2 flex backend "
-                    "(Megatron-LM dev has: put a copy of its megatron/ first on PYTHONPATH, docs/compat.md)")
+@pytest.mark.skipif(
+    not _have_deepepv2(),
+    reason="the installed megatron-core has no deepepv2 flex backend "
+    "(Megatron-LM dev has: put a copy of its megatron/ first on PYTHONPATH, docs/compat.md)",
+)
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_flex_deepepv2(world: int) -> None:
     """Megatron-LM dev's ``flex`` + ``deepepv2`` (``_DeepepV2Manager`` on :mod:`moe_ep_plugin.megatron.deepepv2_shim`)
     equals the plain loop, and so ``alltoall``, with the ``ep_plugin`` dispatcher checked alongside."""
     cases = ("random", "uneven", "one_expert", "one_token", "capacity")
-    spawn(_suite, world, args=(("ep_plugin", "deepepv2"), cases, int(time.time()) % 1000), backend="gloo",
-          timeout_s=300)
+    spawn(
+        _suite, world, args=(("ep_plugin", "deepepv2"), cases, int(time.time()) % 1000), backend="gloo", timeout_s=300
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_moe_layer_on_gpus() -> None:
     """The same checks on 2 GPUs (transport ``auto``: the nvlink kernels when built, else NCCL), plus the shared
     expert overlapped with dispatch on Megatron's side stream (``moe_shared_expert_overlap``)."""
-    spawn(_suite, 2, args=(("ep_plugin", "flex"), ("random", "capacity", "shared_overlap"),
-                           int(time.time()) % 1000, "auto"), backend="nccl", timeout_s=300)
+    spawn(
+        _suite,
+        2,
+        args=(("ep_plugin", "flex"), ("random", "capacity", "shared_overlap"), int(time.time()) % 1000, "auto"),
+        backend="nccl",
+        timeout_s=300,
+    )

@@ -17,6 +17,7 @@ not exercised here is the concurrency of the two streams itself (a node's kernel
 tests/gpu/test_megatron_overlap_gpu.py runs the same model, inputs and checks (``support/megatron_overlap.py``)
 on Megatron's real CUDA streams and events.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,6 +41,7 @@ def _suite(etp: int, ep: int, seed: int) -> None:
 
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.megatron.host import cuda_device_is_host, seed_model_parallel_rng
+
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     seed_model_parallel_rng(seed)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))

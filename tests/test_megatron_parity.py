@@ -12,6 +12,7 @@ Megatron's ``alltoall`` runs on CPU with a device mapping: ``host.cuda_device_is
 through ``torch.cuda`` streams and come back as numpy split sizes, recompute saves the CUDA RNG state, and its
 expert-TP gather and reduce-scatter have per-rank sizes, which gloo does not take).
 """
+
 from __future__ import annotations
 
 import time
@@ -43,14 +44,16 @@ def _suite(tp: int, ep: int, seed: int) -> None:
 
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.megatron.host import cuda_device_is_host, seed_model_parallel_rng
+
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     seed_model_parallel_rng(seed)
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     try:
         with cuda_streams_are_host(), cuda_device_is_host():
             for i, (mode, dtype, recompute) in enumerate(CASES):
-                check_case(tp, ep, mode, dtype, recompute, seed + i, _flex_backends(tp, ep, mode, dtype),
-                           torch.device("cpu"))
+                check_case(
+                    tp, ep, mode, dtype, recompute, seed + i, _flex_backends(tp, ep, mode, dtype), torch.device("cpu")
+                )
     finally:
         ep_megatron.uninstall()
         ps.destroy_model_parallel()

@@ -1,6 +1,7 @@
 """``moe-ep-pretrain`` on CPU: 2 gloo ranks (EP2) train the smoke config with the GPU config's features (BF16
 parameters, FP8 dispatch, ep_plugin dispatcher); the loss falls, checkpoints are written, and a second run
 resumes from the last one instead of starting over."""
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from moe_ep_plugin.recipes.common import checkpoint  # noqa: E402
 
 def _megatron_version() -> str:
     import megatron.core
+
     return megatron.core.__version__
 
 
@@ -30,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _restore_megatron():
     yield
     import moe_ep_plugin.megatron as ep_megatron
+
     ep_megatron.uninstall()  # main() validates the YAML in this process, which installs the plugin
 
 
@@ -40,13 +43,15 @@ def _losses(path: str) -> list[tuple[int, float]]:
 
 def test_pretrain_trains_checkpoints_and_resumes(tmp_path, capfd) -> None:
     from moe_ep_plugin.recipes.megatron import pretrain
+
     with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
         raw = yaml.safe_load(f)
     raw["model"].update(dtype="bf16", num_layers=2, moe_layer_freq=[0, 1])
     raw["ep_plugin"]["fp8_dispatch"] = True
     raw["gpt"]["max_sequence_length"] = 32
-    raw["train"].update(seq_length=32, steps=8, warmup_steps=1, save_interval=4, log_interval=2,
-                        save_dir=str(tmp_path / "run"))
+    raw["train"].update(
+        seq_length=32, steps=8, warmup_steps=1, save_interval=4, log_interval=2, save_dir=str(tmp_path / "run")
+    )
     config = tmp_path / "smoke.yaml"
     config.write_text(yaml.safe_dump(raw))
 
@@ -55,25 +60,33 @@ def test_pretrain_trains_checkpoints_and_resumes(tmp_path, capfd) -> None:
     lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("step ")]
     assert [int(ln.split()[1].split("/")[0]) for ln in lines] == [1, 2, 4, 6, 8], lines
     for ln in lines:
-        assert re.fullmatch(r"step \d/8 \| loss \d+\.\d{4} \| lr \S+ \| grad norm \S+ \| [\d,]+ tok/s \| "
-                            r"[\d,]+ ms/step \| ETA \d+:\d\d:\d\d", ln), ln
+        assert re.fullmatch(
+            r"step \d/8 \| loss \d+\.\d{4} \| lr \S+ \| grad norm \S+ \| [\d,]+ tok/s \| "
+            r"[\d,]+ ms/step \| ETA \d+:\d\d:\d\d",
+            ln,
+        ), ln
     run = tmp_path / "run"
     assert [os.path.basename(d) for d in checkpoint.complete_checkpoints(str(run))] == ["step_0000004", "step_0000008"]
     for step in (4, 8):
-        assert sorted(os.listdir(run / f"step_{step:07d}")) == ["COMPLETE", "meta.json", "rank_00000.pt",
-                                                                "rank_00001.pt"]
+        assert sorted(os.listdir(run / f"step_{step:07d}")) == [
+            "COMPLETE",
+            "meta.json",
+            "rank_00000.pt",
+            "rank_00001.pt",
+        ]
     losses = _losses(str(run / "metrics.jsonl"))
     assert [s for s, _ in losses] == list(range(1, 9))
     assert losses[-1][1] < losses[0][1] - 0.5, losses
 
     assert pretrain.main([str(config), "--steps", "10"]) == 0
-    resumed = _losses(str(run / "metrics.jsonl"))[len(losses):]
+    resumed = _losses(str(run / "metrics.jsonl"))[len(losses) :]
     assert [s for s, _ in resumed] == [9, 10]  # continued from the step-8 checkpoint
     assert os.path.basename(checkpoint.newest(str(run))) == "step_0000010"
 
 
 def test_pretrain_rejects_bad_config(tmp_path, capsys) -> None:
     from moe_ep_plugin.recipes.megatron import pretrain
+
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"model": {"num_layers": 1}, "trainer": {}}))
     assert pretrain.main([str(config)]) == 2
@@ -85,13 +98,21 @@ def test_pretrain_with_expert_tensor_parallelism_keeps_replicas_equal(tmp_path) 
     # the gradient clipped every step, a grad norm that differed between the ranks would clip them differently and
     # the replicated weights would part; they must stay bit for bit equal.
     from moe_ep_plugin.recipes.megatron import pretrain
+
     with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
         raw = yaml.safe_load(f)
     raw["parallel"].update(expert_model_parallel_size=1, expert_tensor_parallel_size=2)
     raw["model"].update(num_layers=2, moe_layer_freq=[0, 1])
     raw["gpt"]["max_sequence_length"] = 32
-    raw["train"].update(seq_length=32, steps=4, warmup_steps=1, save_interval=4, log_interval=2, clip_grad=1.0e-3,
-                        save_dir=str(tmp_path / "run"))
+    raw["train"].update(
+        seq_length=32,
+        steps=4,
+        warmup_steps=1,
+        save_interval=4,
+        log_interval=2,
+        clip_grad=1.0e-3,
+        save_dir=str(tmp_path / "run"),
+    )
     config = tmp_path / "etp2.yaml"
     config.write_text(yaml.safe_dump(raw))
 
@@ -118,6 +139,7 @@ def _clip_factors(path: str) -> list[float]:
 @pytest.mark.parametrize("backend", ["deepep", "hybridep", "ncclep", "deepepv2"])
 def test_pretrain_runs_megatron_flex_backends_on_this_library(tmp_path, backend: str) -> None:
     from moe_ep_plugin.megatron.registration import SERVED_FLEX_BACKENDS
+
     if backend not in SERVED_FLEX_BACKENDS:  # ncclep: megatron-core >= 0.19; deepepv2: Megatron-LM dev
         pytest.skip(f"megatron-core {_megatron_version()} has no {backend} flex backend")
     if backend not in flex_backends_on_host((backend,)):
@@ -125,15 +147,18 @@ def test_pretrain_runs_megatron_flex_backends_on_this_library(tmp_path, backend:
     # Megatron's own flex dispatcher, its backend served by this library after install() (which the launcher runs
     # from the YAML): a few steps train on 2 gloo ranks.
     from moe_ep_plugin.recipes.megatron import pretrain
+
     with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
         raw = yaml.safe_load(f)
-    raw["model"].update(num_layers=2, moe_layer_freq=[0, 1], moe_token_dispatcher_type="flex",
-                        moe_flex_dispatcher_backend=backend)
+    raw["model"].update(
+        num_layers=2, moe_layer_freq=[0, 1], moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend
+    )
     if backend == "ncclep":  # sizes each rank's receive buffer: every routed row fits (no overflow)
         raw["model"]["moe_expert_rank_capacity_factor"] = 2.0
     raw["gpt"]["max_sequence_length"] = 32
-    raw["train"].update(seq_length=32, steps=4, warmup_steps=1, save_interval=0, log_interval=2,
-                        save_dir=str(tmp_path / "run"))
+    raw["train"].update(
+        seq_length=32, steps=4, warmup_steps=1, save_interval=0, log_interval=2, save_dir=str(tmp_path / "run")
+    )
     config = tmp_path / f"{backend}.yaml"
     config.write_text(yaml.safe_dump(raw))
 

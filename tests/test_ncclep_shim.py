@@ -4,6 +4,7 @@ loop: main's eager mode and its static mode's overflow accounting and replay (:f
 packed expert-major ``[C, H]`` rows with alignment, per-row probs, int32 device counts, the unweighted combine
 of weighted expert rows, gradients of tokens and weights, zero-copy receive buffers, ``num_local_tokens=None``,
 capacity overflow (an error on every rank, or counted drops with ``drop_on_overflow``), and misuse errors."""
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,9 @@ def _layout(idxs, rank: int, alignment: int):
     """Rank ``rank``'s packed rows: per local expert, ``(src, t, k)`` in source order, None padding."""
     rows = []
     for e in range(rank * LOCAL, (rank + 1) * LOCAL):
-        block = [(s, t, k) for s, idx in enumerate(idxs) for t in range(idx.shape[0]) for k in range(TOPK)
-                 if idx[t, k] == e]
+        block = [
+            (s, t, k) for s, idx in enumerate(idxs) for t in range(idx.shape[0]) for k in range(TOPK) if idx[t, k] == e
+        ]
         rows += block + [None] * (-len(block) % max(alignment, 1))
     return rows
 
@@ -44,8 +46,9 @@ def _round(shim, seed: int, alignment: int, capacity: int | None, zero_copy: boo
     buffer = shim.new_nccl_ep_buffer(TOPK, max_tokens, None if eager else cap, HIDDEN, LOCAL, alignment=alignment)
     recv = shim.alloc_ep_symm_buffer((cap, HIDDEN), torch.float32, dist.group.WORLD) if zero_copy else None
     recv_w = shim.alloc_ep_symm_buffer((cap,), torch.float32, dist.group.WORLD) if zero_copy else None
-    rows, tokens_per_expert, probs = shim.nccl_ep_dispatch(buffer, x, idx, w, recv_tokens=recv,
-                                                           recv_topk_weights=recv_w)
+    rows, tokens_per_expert, probs = shim.nccl_ep_dispatch(
+        buffer, x, idx, w, recv_tokens=recv, recv_topk_weights=recv_w
+    )
     mine = layouts[rank][:cap]
     assert rows.shape == (cap, HIDDEN) and probs.shape == (cap,) and tokens_per_expert.dtype == torch.int32
     all_w = gather_all(w.detach())
@@ -57,8 +60,13 @@ def _round(shim, seed: int, alignment: int, capacity: int | None, zero_copy: boo
     assert torch.equal(rows.detach(), want) and torch.equal(probs.detach(), want_p)
     ends, counts = 0, []
     for e in range(LOCAL):
-        real = sum(1 for s, i2 in enumerate(idxs) for t in range(i2.shape[0]) for k in range(TOPK)
-                   if i2[t, k] == rank * LOCAL + e)
+        real = sum(
+            1
+            for s, i2 in enumerate(idxs)
+            for t in range(i2.shape[0])
+            for k in range(TOPK)
+            if i2[t, k] == rank * LOCAL + e
+        )
         size = real + (-real % max(alignment, 1))
         counts.append(max(0, min(cap, ends + size) - min(cap, ends)))
         ends += size
@@ -97,18 +105,24 @@ def _round(shim, seed: int, alignment: int, capacity: int | None, zero_copy: boo
 
 def _suite(seed: int) -> None:
     from moe_ep_plugin.megatron import ncclep_shim as shim
+
     world = dist.get_world_size()
     group = dist.group.WORLD
     with pytest.raises(RuntimeError, match="ensure_nccl_ep_bootstrapped"):
         shim.new_nccl_ep_buffer(TOPK, 8, 64, HIDDEN, LOCAL)
     big = 8 * TOPK * world + 8 * LOCAL
-    shim.ensure_nccl_ep_bootstrapped(group, num_experts=LOCAL * world, max_tokens_per_rank=8,
-                                     recv_capacity_per_rank=big, hidden_dim=HIDDEN)
+    shim.ensure_nccl_ep_bootstrapped(
+        group, num_experts=LOCAL * world, max_tokens_per_rank=8, recv_capacity_per_rank=big, hidden_dim=HIDDEN
+    )
     for i, (alignment, zero_copy) in enumerate(((0, False), (4, True), (1, False))):
         assert _round(shim, seed + i, alignment, big, zero_copy) == 0
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        shim.nccl_ep_dispatch(shim.new_nccl_ep_buffer(TOPK, 8, big, HIDDEN, LOCAL),
-                              torch.zeros(9, HIDDEN), torch.zeros(9, TOPK, dtype=torch.int64), torch.zeros(9, TOPK))
+        shim.nccl_ep_dispatch(
+            shim.new_nccl_ep_buffer(TOPK, 8, big, HIDDEN, LOCAL),
+            torch.zeros(9, HIDDEN),
+            torch.zeros(9, TOPK, dtype=torch.int64),
+            torch.zeros(9, TOPK),
+        )
     with pytest.raises(ValueError, match="recv_capacity_per_rank"):
         shim.new_nccl_ep_buffer(TOPK, 8, big + 1, HIDDEN, LOCAL)
     # overflow: every rank sends all its tokens to expert 0 on rank 0 -> rank 0 overflows; all ranks raise
@@ -117,8 +131,9 @@ def _suite(seed: int) -> None:
     idx = torch.zeros(4, TOPK, dtype=torch.int64)
     idx[:, 1] = -1
     with pytest.raises(ValueError, match=r"recv_capacity_per_rank: rank\(s\) \[0\] received"):
-        shim.nccl_ep_dispatch(shim.new_nccl_ep_buffer(TOPK, 8, 3, HIDDEN, LOCAL), torch.ones(4, HIDDEN), idx,
-                              torch.ones(4, TOPK))
+        shim.nccl_ep_dispatch(
+            shim.new_nccl_ep_buffer(TOPK, 8, 3, HIDDEN, LOCAL), torch.ones(4, HIDDEN), idx, torch.ones(4, TOPK)
+        )
     # drop_on_overflow: rows past the capacity dropped and counted, combine leaves them out
     shim.nccl_ep_finalize()
     shim.ensure_nccl_ep_bootstrapped(group, LOCAL * world, 8, None, HIDDEN, num_topk=TOPK, drop_on_overflow=True)
@@ -143,13 +158,28 @@ def _main_contract(shim, seed: int) -> None:
     group = dist.group.WORLD
 
     def bootstrap(capacity: int | None) -> None:
-        shim.ensure_nccl_ep_bootstrapped(group, num_experts=LOCAL * world, max_tokens_per_rank=8,
-                                         recv_capacity_per_rank=capacity, hidden_dim=HIDDEN, num_topk=TOPK,
-                                         num_sms=0, zero_copy=False)
+        shim.ensure_nccl_ep_bootstrapped(
+            group,
+            num_experts=LOCAL * world,
+            max_tokens_per_rank=8,
+            recv_capacity_per_rank=capacity,
+            hidden_dim=HIDDEN,
+            num_topk=TOPK,
+            num_sms=0,
+            zero_copy=False,
+        )
 
     def new_buffer(capacity: int | None, **recipes):
-        return shim.new_nccl_ep_buffer(top_k=TOPK, max_tokens_per_rank=8, recv_capacity_per_rank=capacity,
-                                       hidden_dim=HIDDEN, num_local_experts=LOCAL, alignment=0, **recipes)
+        return shim.new_nccl_ep_buffer(
+            top_k=TOPK,
+            max_tokens_per_rank=8,
+            recv_capacity_per_rank=capacity,
+            hidden_dim=HIDDEN,
+            num_local_experts=LOCAL,
+            alignment=0,
+            **recipes,
+        )
+
     bootstrap(None)
     assert shim.is_nccl_ep_bootstrapped()
     for i, alignment in enumerate((0, 4, 1)):

@@ -8,6 +8,7 @@ addresses serve the bookkeeping as well as device ones) over a fake library (``t
 records every call and answers the one host read of a dispatch with counts the test chooses; ``permute``'s kernels go
 through the same fake. What the kernels compute is tests/gpu's business.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -98,12 +99,30 @@ def _inputs(weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return x, torch.tensor(TOPK, dtype=torch.int64), w
 
 
-def _args(x: torch.Tensor, topk_idx: torch.Tensor | None, weights: torch.Tensor | None,
-          handle: DispatchHandle | None = None, per_rank: torch.Tensor | None = None,
-          in_rank: torch.Tensor | None = None, num_experts: int = E) -> DispatchArgs:
-    return DispatchArgs(x=x, x_scales=None, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
-                        is_token_in_rank=in_rank, num_experts=num_experts, handle=handle, num_worst_tokens=0,
-                        wire_fp8=False, fp8_out=False, round_scale=False, config=CONFIG)
+def _args(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    handle: DispatchHandle | None = None,
+    per_rank: torch.Tensor | None = None,
+    in_rank: torch.Tensor | None = None,
+    num_experts: int = E,
+) -> DispatchArgs:
+    return DispatchArgs(
+        x=x,
+        x_scales=None,
+        topk_idx=topk_idx,
+        topk_weights=weights,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_experts=num_experts,
+        handle=handle,
+        num_worst_tokens=0,
+        wire_fp8=False,
+        fp8_out=False,
+        round_scale=False,
+        config=CONFIG,
+    )
 
 
 def _check_view(t: torch.Tensor, address: int, shape: tuple[int, ...]) -> None:
@@ -122,16 +141,35 @@ def _notify_experts_at(lib: FakeLib, num_ranks: int = R) -> At:
     return lambda i, offset=0: parts[i] + 4 * offset
 
 
-def _expert_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor | None, at: At, **fields: int
-                     ) -> dict[str, int]:
+def _expert_dispatch(
+    x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor | None, at: At, **fields: int
+) -> dict[str, int]:
     """The parameters of an expert-major pull dispatch of ``x`` (``at``: addresses in notify's allocation); the
     receive side and the guess come in ``fields``."""
-    return _params(library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
-                   topk_weights=0 if weights is None else weights.data_ptr(), rank_prefix_matrix=at(0),
-                   send_list=at(3), num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K, num_local_experts=L,
-                   list_stride=N, num_sms=24, num_send_warps=TUNING.pull_dispatch_send_warps,
-                   send_pos=at(2), expert_major=1, expert_pos=at(4), send_offset=at(1), expert_info=at(0, R * R),
-                   alignment=ALIGNMENT, pull=1, **fields)
+    return _params(
+        library.DispatchParams,
+        x=x.data_ptr(),
+        topk_idx=topk_idx.data_ptr(),
+        topk_weights=0 if weights is None else weights.data_ptr(),
+        rank_prefix_matrix=at(0),
+        send_list=at(3),
+        num_tokens=N,
+        hidden=H,
+        x_elem_bytes=2,
+        num_topk=K,
+        num_local_experts=L,
+        list_stride=N,
+        num_sms=24,
+        num_send_warps=TUNING.pull_dispatch_send_warps,
+        send_pos=at(2),
+        expert_major=1,
+        expert_pos=at(4),
+        send_offset=at(1),
+        expert_info=at(0, R * R),
+        alignment=ALIGNMENT,
+        pull=1,
+        **fields,
+    )
 
 
 def _permute_call(recv_x: int, recv_slot: int, n: int, num_rows: int, out_x: int, covered: int) -> tuple:
@@ -166,21 +204,51 @@ def test_fresh_dispatch_experts(fake: FakeLib) -> None:
     [permuted] = _calls(fake, "moe_ep_permute")
     covered = permuted[12]
     assert _calls(fake, "moe_ep_notify_experts") == [
-        (CTX, topk_idx.data_ptr(), N, K, E, ALIGNMENT, N, at(0), at(2), at(3), in_rank.data_ptr(), at(4), at(1),
-         at(0, R * R), _meta(weights), STREAM)]
+        (
+            CTX,
+            topk_idx.data_ptr(),
+            N,
+            K,
+            E,
+            ALIGNMENT,
+            N,
+            at(0),
+            at(2),
+            at(3),
+            in_rank.data_ptr(),
+            at(4),
+            at(1),
+            at(0, R * R),
+            _meta(weights),
+            STREAM,
+        )
+    ]
     # one host read: the rank prefix matrix and info together
     assert _calls(fake, "moe_ep_read_start") == [(CTX, at(0), 4 * (R * R + 3 + L), STREAM)]
     assert _calls(fake, "moe_ep_read_wait") == [(CTX,)]
     # the dispatch runs into the guessed 16 rows before the read; the permute takes the rows the read counted
-    assert dispatched == _expert_dispatch(x, topk_idx, weights, at, recv_x=recv_x, recv_src_idx=at(5),
-                                          recv_slot=at(6), expert_probs=probs, num_recv_rows=16, speculative_rows=1)
+    assert dispatched == _expert_dispatch(
+        x,
+        topk_idx,
+        weights,
+        at,
+        recv_x=recv_x,
+        recv_src_idx=at(5),
+        recv_slot=at(6),
+        expert_probs=probs,
+        num_recv_rows=16,
+        speculative_rows=1,
+    )
     assert _first(fake, "moe_ep_dispatch") < _first(fake, "moe_ep_read_wait") < _first(fake, "moe_ep_permute")
     assert permuted == _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), covered)[1]
     assert "moe_ep_barrier" not in {name for name, _ in fake.calls}  # nobody exceeded the guess
     assert 0 not in (recv_x, probs, covered)
     assert (tuple(result.x.shape), result.x.dtype, result.x_scales) == ((NUM_ROWS, H), torch.bfloat16, None)
-    assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (probs, (NUM_ROWS,),
-                                                                                         torch.float32)
+    assert (result.probs.data_ptr(), tuple(result.probs.shape), result.probs.dtype) == (
+        probs,
+        (NUM_ROWS,),
+        torch.float32,
+    )
     _check_view(handle.rank_prefix_matrix, at(0), (R, R))
     _check_view(handle.send_pos, at(2), (N, R))
     _check_view(handle.recv_src_idx, at(5), (NUM_RECV,))
@@ -191,19 +259,27 @@ def test_fresh_dispatch_experts(fake: FakeLib) -> None:
     assert (handle.num_experts, handle.rank, handle.num_ranks) == (E, ME, R)
     state = handle.transport_state
     assert (state.send_list.data_ptr(), state.send_list.shape[1], state.host_counts) == (at(3), N, COUNTS)
-    assert (state.expert.topk_idx is topk_idx, state.expert.expert_pos.data_ptr(),
-            state.expert.send_offset.data_ptr()) == (True, at(4), at(1))
+    assert (
+        state.expert.topk_idx is topk_idx,
+        state.expert.expert_pos.data_ptr(),
+        state.expert.send_offset.data_ptr(),
+    ) == (True, at(4), at(1))
     assert t._recv_guess == 16  # nobody received more than the guess
 
 
-@pytest.mark.parametrize("prefix, info, most", [
-    # only the peer received more than the guess of 8 (10 rows); this rank's 7 fit
-    ([6, 3, 10, 7], [7, 0, 16, 8, 8], 10),
-    # this rank received more (9 rows)
-    ([1, 5, 3, 9], INFO, 9),
-], ids=["peer-over-guess", "own-over-guess"])
-def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, prefix: list[int], info: list[int],
-                                                              most: int) -> None:
+@pytest.mark.parametrize(
+    "prefix, info, most",
+    [
+        # only the peer received more than the guess of 8 (10 rows); this rank's 7 fit
+        ([6, 3, 10, 7], [7, 0, 16, 8, 8], 10),
+        # this rank received more (9 rows)
+        ([1, 5, 3, 9], INFO, 9),
+    ],
+    ids=["peer-over-guess", "own-over-guess"],
+)
+def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(
+    fake: FakeLib, prefix: list[int], info: list[int], most: int
+) -> None:
     """When any rank received more rows than the guess, every rank waits at a barrier and dispatches again into
     buffers of exactly its received rows, and the guess grows to the most any rank received."""
     t = _transport(fake, guess=8)
@@ -213,20 +289,44 @@ def test_dispatch_experts_again_when_a_rank_exceeds_the_guess(fake: FakeLib, pre
     [(_, first, _), (_, second, _)] = _calls(fake, "moe_ep_dispatch")
     [permuted] = _calls(fake, "moe_ep_permute")
     assert len(_calls(fake, "moe_ep_read_wait")) == 1  # still one host read
-    assert first == _expert_dispatch(x, topk_idx, weights, at, recv_x=first["recv_x"], recv_src_idx=at(5),
-                                     recv_slot=at(6), expert_probs=first["expert_probs"], num_recv_rows=8,
-                                     speculative_rows=1)
+    assert first == _expert_dispatch(
+        x,
+        topk_idx,
+        weights,
+        at,
+        recv_x=first["recv_x"],
+        recv_src_idx=at(5),
+        recv_slot=at(6),
+        expert_probs=first["expert_probs"],
+        num_recv_rows=8,
+        speculative_rows=1,
+    )
     # again after a barrier (every rank's first kernel is done with the buffers), into exactly the rows received
-    assert second == _expert_dispatch(x, topk_idx, weights, at, recv_x=second["recv_x"],
-                                      recv_src_idx=handle.recv_src_idx.data_ptr(),
-                                      recv_slot=layout.recv_slot.data_ptr(), expert_probs=result.probs.data_ptr(),
-                                      num_recv_rows=num_recv)
+    assert second == _expert_dispatch(
+        x,
+        topk_idx,
+        weights,
+        at,
+        recv_x=second["recv_x"],
+        recv_src_idx=handle.recv_src_idx.data_ptr(),
+        recv_slot=layout.recv_slot.data_ptr(),
+        expert_probs=result.probs.data_ptr(),
+        num_recv_rows=num_recv,
+    )
     assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)]
     names = [name for name, _ in fake.calls]
-    assert names.index("moe_ep_read_wait") < names.index("moe_ep_barrier") < len(names) - 1 - names[::-1].index(
-        "moe_ep_dispatch") < names.index("moe_ep_permute")
-    assert permuted == _permute_call(second["recv_x"], layout.recv_slot.data_ptr(), num_recv, num_rows,
-                                     result.x.data_ptr(), permuted[12])[1]
+    assert (
+        names.index("moe_ep_read_wait")
+        < names.index("moe_ep_barrier")
+        < len(names) - 1 - names[::-1].index("moe_ep_dispatch")
+        < names.index("moe_ep_permute")
+    )
+    assert (
+        permuted
+        == _permute_call(
+            second["recv_x"], layout.recv_slot.data_ptr(), num_recv, num_rows, result.x.data_ptr(), permuted[12]
+        )[1]
+    )
     assert t._recv_guess == most
     assert (handle.num_recv_tokens, handle.num_recv_rows) == (num_recv, num_recv)
     assert (tuple(result.x.shape), tuple(result.probs.shape)) == ((num_rows, H), (num_rows,))
@@ -253,8 +353,9 @@ def test_cached_dispatch_experts(fake: FakeLib) -> None:
     names = {name for name, _ in fake.calls}
     assert "moe_ep_read_start" not in names and "moe_ep_notify_experts" not in names  # no host read, no notify
     assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)] and _first(fake, "moe_ep_barrier") == 0
-    assert dispatched == _expert_dispatch(x2, topk_idx, None, at, recv_x=recv_x, recv_src_idx=at(5),
-                                          recv_slot=at(6), num_recv_rows=NUM_RECV)
+    assert dispatched == _expert_dispatch(
+        x2, topk_idx, None, at, recv_x=recv_x, recv_src_idx=at(5), recv_slot=at(6), num_recv_rows=NUM_RECV
+    )
     assert permuted == _permute_call(recv_x, at(6), NUM_RECV, NUM_ROWS, result.x.data_ptr(), permuted[12])[1]
     assert result.handle is handle and result.probs is None and tuple(result.x.shape) == (NUM_ROWS, H)
     assert t._recv_guess == 16
@@ -273,15 +374,37 @@ def _combine_handle(lib: FakeLib, t: NVLinkTransport):
     return handle, at, y, expert_weights, sum(expected, [])
 
 
-def _combine(at: At, x: int, out: torch.Tensor, out_weights: torch.Tensor | None,
-             topk_weights: int, handle: DispatchHandle, num_sms: int = 24, **fields: int) -> dict[str, int]:
+def _combine(
+    at: At,
+    x: int,
+    out: torch.Tensor,
+    out_weights: torch.Tensor | None,
+    topk_weights: int,
+    handle: DispatchHandle,
+    num_sms: int = 24,
+    **fields: int,
+) -> dict[str, int]:
     """The parameters of a combine of the scenario's received rows at ``x``; the mode's fields in ``fields``. The
     summing order comes from the dispatch's own top-k ids (the handle keeps them)."""
-    return _params(library.CombineParams, x=x, topk_weights=topk_weights, rank_prefix_matrix=at(0), send_pos=at(2),
-                   out=out.data_ptr(), out_weights=0 if out_weights is None else out_weights.data_ptr(),
-                   num_tokens=N, hidden=H, elem_bytes=2, num_topk=K if out_weights is not None else 0,
-                   num_recv_rows=NUM_RECV, num_sms=num_sms, topk_idx=handle.topk_idx.data_ptr(), idx_topk=K,
-                   num_local_experts=L, **fields)
+    return _params(
+        library.CombineParams,
+        x=x,
+        topk_weights=topk_weights,
+        rank_prefix_matrix=at(0),
+        send_pos=at(2),
+        out=out.data_ptr(),
+        out_weights=0 if out_weights is None else out_weights.data_ptr(),
+        num_tokens=N,
+        hidden=H,
+        elem_bytes=2,
+        num_topk=K if out_weights is not None else 0,
+        num_recv_rows=NUM_RECV,
+        num_sms=num_sms,
+        topk_idx=handle.topk_idx.data_ptr(),
+        idx_topk=K,
+        num_local_experts=L,
+        **fields,
+    )
 
 
 def _unpermute_call(y: torch.Tensor, at: At, out: int) -> tuple:
@@ -291,11 +414,15 @@ def _unpermute_call(y: torch.Tensor, at: At, out: int) -> tuple:
 PUSH = dict(num_send_warps=TUNING.combine_send_warps, num_send_blocks=TUNING.combine_send_blocks)
 
 
-@pytest.mark.parametrize("min_bytes, pull_rows, asks", [
-    (TUNING.pull_combine_min_bytes, 1000, False),  # rows far below the pull threshold
-    (NUM_RECV * H * 2 + 1, 1000, False),  # one byte short of it
-    (0, NUM_RECV - 1, True),  # the most any rank received does not fit the region
-], ids=["below-threshold", "one-byte-short", "region-too-small"])
+@pytest.mark.parametrize(
+    "min_bytes, pull_rows, asks",
+    [
+        (TUNING.pull_combine_min_bytes, 1000, False),  # rows far below the pull threshold
+        (NUM_RECV * H * 2 + 1, 1000, False),  # one byte short of it
+        (0, NUM_RECV - 1, True),  # the most any rank received does not fit the region
+    ],
+    ids=["below-threshold", "one-byte-short", "region-too-small"],
+)
 def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, asks: bool) -> None:
     """Push: unpermute into a tensor, then the start barrier and the combine of that tensor."""
     t = _transport(fake, guess=16)
@@ -309,11 +436,16 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     assert unpermuted == _unpermute_call(y, at, recv_y)[1]
     assert combined == _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle, **PUSH)
     assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)] and _first(fake, "moe_ep_barrier") < _first(
-        fake, "moe_ep_combine")
+        fake, "moe_ep_combine"
+    )
     assert recv_y not in (0, t._rt.own_region)
     assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
     assert (tuple(out.shape), out.dtype, tuple(out_weights.shape), out_weights.dtype) == (
-        (N, H), torch.bfloat16, (N, K), torch.float32)
+        (N, H),
+        torch.bfloat16,
+        (N, K),
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("min_bytes", [0, NUM_RECV * H * 2], ids=["no-threshold", "at-threshold"])
@@ -327,8 +459,17 @@ def test_combine_experts_pull_into_own_region(fake: FakeLib, min_bytes: int) -> 
     region = t._rt.own_region
     [(_, combined, _)] = _calls(fake, "moe_ep_combine")
     assert _calls(fake, "moe_ep_unpermute") == [_unpermute_call(y, at, region)[1]]
-    assert combined == _combine(at, region, out, out_weights, combined["topk_weights"], handle,
-                                host_counts=combined["host_counts"], pull=1, x_in_region=1)
+    assert combined == _combine(
+        at,
+        region,
+        out,
+        out_weights,
+        combined["topk_weights"],
+        handle,
+        host_counts=combined["host_counts"],
+        pull=1,
+        x_in_region=1,
+    )
     # one barrier, the host's, before the own region is written: peers may still read it until then
     assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)]
     assert _first(fake, "moe_ep_barrier") < _first(fake, "moe_ep_unpermute") < _first(fake, "moe_ep_combine")
@@ -345,8 +486,17 @@ def test_combine_experts_pull_without_the_kernel(fake: FakeLib) -> None:
         out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=0))
     [(_, combined, _)] = _calls(fake, "moe_ep_combine")
     assert _calls(fake, "moe_ep_unpermute") == []
-    assert combined == _combine(at, t._rt.own_region, out, out_weights, combined["topk_weights"], handle,
-                                host_counts=combined["host_counts"], pull=1, x_in_region=1)
+    assert combined == _combine(
+        at,
+        t._rt.own_region,
+        out,
+        out_weights,
+        combined["topk_weights"],
+        handle,
+        host_counts=combined["host_counts"],
+        pull=1,
+        x_in_region=1,
+    )
     assert _calls(fake, "moe_ep_barrier") == [(CTX, STREAM)]
     slot = torch.tensor(RECV_SLOT)
     expected = torch.stack([sum((y[s].float() for s in row if s >= 0), torch.zeros(H)) for row in slot]).bfloat16()
@@ -369,10 +519,21 @@ def test_combine_experts_copy_engine_before_pull(fake: FakeLib, num_sms: int, be
     [(_, combined, _)] = _calls(fake, "moe_ep_combine")
     assert _calls(fake, "moe_ep_pull_rows") == []
     assert unpermuted == _unpermute_call(y, at, recv_y)[1]
-    assert combined == _combine(at, recv_y, out, out_weights, combined["topk_weights"], handle,
-                                host_counts=combined["host_counts"], copy_engine=1,
-                                copy_piece_rows=TUNING.copy_piece_rows, copy_streams=TUNING.copy_streams,
-                                num_sms=num_sms, num_send_warps=0, num_send_blocks=0)
+    assert combined == _combine(
+        at,
+        recv_y,
+        out,
+        out_weights,
+        combined["topk_weights"],
+        handle,
+        host_counts=combined["host_counts"],
+        copy_engine=1,
+        copy_piece_rows=TUNING.copy_piece_rows,
+        copy_streams=TUNING.copy_streams,
+        num_sms=num_sms,
+        num_send_warps=0,
+        num_send_blocks=0,
+    )
     assert recv_y not in (0, t._rt.own_region)
     assert fake.combine_memory == {"host_counts": COUNTS, "topk_weights": weights}
 
@@ -425,10 +586,14 @@ def test_a_refusing_rank_joins_the_notify_with_its_code(fake: FakeLib) -> None:
     assert fake.calls == []
 
 
-@pytest.mark.parametrize("guess, prefix, info", [
-    (16, PREFIX, [NUM_RECV, 0]),
-    (8, [6, 3, 10, 7], [7, 0]),  # the peer received 10 > 8 rows: both dispatch again
-], ids=["fits-guess", "peer-over-guess"])
+@pytest.mark.parametrize(
+    "guess, prefix, info",
+    [
+        (16, PREFIX, [NUM_RECV, 0]),
+        (8, [6, 3, 10, 7], [7, 0]),  # the peer received 10 > 8 rows: both dispatch again
+    ],
+    ids=["fits-guess", "peer-over-guess"],
+)
 def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list[int]) -> None:
     """The normal dispatch: notify (counts, out-of-range ids) → read start → speculative dispatch → read wait (and
     when a rank exceeded the guess, barrier → dispatch again); outputs and handle views at the launched addresses."""
@@ -448,32 +613,76 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
         return parts[i] + 4 * offset
 
     def dispatched(params: dict[str, int], rows: int, speculative: int) -> tuple:
-        return ("moe_ep_dispatch", (CTX, _params(
-            library.DispatchParams, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(),
-            rank_prefix_matrix=at(0), send_list=at(2), recv_x=params["recv_x"], recv_topk_idx=params["recv_topk_idx"],
-            recv_topk_weights=params["recv_topk_weights"], recv_src_idx=params["recv_src_idx"],
-            recv_expert_count=params["recv_expert_count"], num_tokens=N, hidden=H, x_elem_bytes=2, num_topk=K,
-            num_local_experts=L, list_stride=N, num_recv_rows=rows, num_sms=24,
-            num_send_warps=TUNING.pull_dispatch_send_warps, send_pos=at(1), alignment=1,
-            speculative_rows=speculative, pull=1), STREAM))
+        return (
+            "moe_ep_dispatch",
+            (
+                CTX,
+                _params(
+                    library.DispatchParams,
+                    x=x.data_ptr(),
+                    topk_idx=topk_idx.data_ptr(),
+                    topk_weights=weights.data_ptr(),
+                    rank_prefix_matrix=at(0),
+                    send_list=at(2),
+                    recv_x=params["recv_x"],
+                    recv_topk_idx=params["recv_topk_idx"],
+                    recv_topk_weights=params["recv_topk_weights"],
+                    recv_src_idx=params["recv_src_idx"],
+                    recv_expert_count=params["recv_expert_count"],
+                    num_tokens=N,
+                    hidden=H,
+                    x_elem_bytes=2,
+                    num_topk=K,
+                    num_local_experts=L,
+                    list_stride=N,
+                    num_recv_rows=rows,
+                    num_sms=24,
+                    num_send_warps=TUNING.pull_dispatch_send_warps,
+                    send_pos=at(1),
+                    alignment=1,
+                    speculative_rows=speculative,
+                    pull=1,
+                ),
+                STREAM,
+            ),
+        )
 
     launched = [("moe_ep_dispatch", call) for call in _calls(fake, "moe_ep_dispatch")]
     first, last = launched[0][1][1], launched[-1][1][1]
     assert _calls(fake, "moe_ep_notify_dispatch") == [
-        (CTX, per_rank.data_ptr(), notified[2], in_rank.data_ptr(), N, N, at(0), at(1), at(2), at(0, R * R),
-         _meta(weights), 0, E, STREAM)]
+        (
+            CTX,
+            per_rank.data_ptr(),
+            notified[2],
+            in_rank.data_ptr(),
+            N,
+            N,
+            at(0),
+            at(1),
+            at(2),
+            at(0, R * R),
+            _meta(weights),
+            0,
+            E,
+            STREAM,
+        )
+    ]
     # one host read (prefix matrix and info), waited for after the speculative launch into the guessed rows
     assert _calls(fake, "moe_ep_read_start") == [(CTX, at(0), 4 * (R * R + 2), STREAM)]
     assert len(_calls(fake, "moe_ep_read_wait")) == 1
     assert launched == [dispatched(first, guess, 1)] + [dispatched(last, num_recv, 0)] * again
     assert len(_calls(fake, "moe_ep_barrier")) == again  # the second launch waits for every rank's first
-    assert 0 not in (notified[2], *(last[name] for name in ("recv_x", "recv_topk_idx", "recv_topk_weights",
-                                                            "recv_src_idx", "recv_expert_count")))
-    for tensor, name, shape in ((result.recv_x, "recv_x", (num_recv, H)),
-                                (result.recv_topk_idx, "recv_topk_idx", (num_recv, K)),
-                                (result.recv_topk_weights, "recv_topk_weights", (num_recv, K)),
-                                (result.num_recv_tokens_per_expert, "recv_expert_count", (L,)),
-                                (handle.recv_src_idx, "recv_src_idx", (num_recv,))):
+    assert 0 not in (
+        notified[2],
+        *(last[name] for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")),
+    )
+    for tensor, name, shape in (
+        (result.recv_x, "recv_x", (num_recv, H)),
+        (result.recv_topk_idx, "recv_topk_idx", (num_recv, K)),
+        (result.recv_topk_weights, "recv_topk_weights", (num_recv, K)),
+        (result.num_recv_tokens_per_expert, "recv_expert_count", (L,)),
+        (handle.recv_src_idx, "recv_src_idx", (num_recv,)),
+    ):
         assert (tensor.data_ptr(), tuple(tensor.shape)) == (last[name], shape), name
     assert result.recv_scales is None
     _check_view(handle.rank_prefix_matrix, at(0), (R, R))
@@ -488,77 +697,104 @@ def test_fresh_dispatch(fake: FakeLib, guess: int, prefix: list[int], info: list
 
 # ---- plan: the decisions as plain functions ----
 
+
 def test_most_received_is_the_largest_column_sum() -> None:
     for r in (1, 2, 3, 4):
         counts = torch.randint(0, 50, (r * r,)).tolist()
         assert most_received(counts, r) == max(sum(counts[i * r + j] for i in range(r)) for j in range(r))
 
 
-@pytest.mark.parametrize("blocks, num_sms, expected", [(0, 24, 0), (10, 24, 10), (23, 24, 23), (24, 24, 0),
-                                                        (10, 8, 0)])
+@pytest.mark.parametrize("blocks, num_sms, expected", [(0, 24, 0), (10, 24, 10), (23, 24, 23), (24, 24, 0), (10, 8, 0)])
 def test_send_blocks_only_when_receivers_keep_blocks(blocks: int, num_sms: int, expected: int) -> None:
     assert send_blocks(blocks, num_sms) == expected
 
 
-@pytest.mark.parametrize("wire_fp8, fp8_out, expected", [
-    (False, False, (True, 6)),  # BF16 pulls
-    (True, True, (False, 11)),  # quantizing pushes (slower pulled)
-    (True, False, (False, 10)),  # quantizing with dequantizing receivers
-], ids=["bf16-pull", "quantize", "quantize-dequantize"])
+@pytest.mark.parametrize(
+    "wire_fp8, fp8_out, expected",
+    [
+        (False, False, (True, 6)),  # BF16 pulls
+        (True, True, (False, 11)),  # quantizing pushes (slower pulled)
+        (True, False, (False, 10)),  # quantizing with dequantizing receivers
+    ],
+    ids=["bf16-pull", "quantize", "quantize-dequantize"],
+)
 def test_dispatch_roles(wire_fp8: bool, fp8_out: bool, expected: tuple[bool, int]) -> None:
     assert dispatch_roles(TUNING, wire_fp8, fp8_out) == expected
 
 
 def test_dispatch_roles_follow_the_tuning() -> None:
-    tuning = dataclasses.replace(TUNING, dispatch_pull=False, quantizing_dispatch_pull=True,
-                                 pull_dispatch_send_warps=3)
+    tuning = dataclasses.replace(TUNING, dispatch_pull=False, quantizing_dispatch_pull=True, pull_dispatch_send_warps=3)
     assert dispatch_roles(tuning, False, False) == (False, 5)
     assert dispatch_roles(tuning, True, True) == (True, 3)
 
 
-@pytest.mark.parametrize("num_sms, most, row_bytes, capacity, expected, asks", [
-    (24, 100, 1 << 18, 1000, (True, False, 0, 0), True),  # 25 MiB of rows that fit: pull
-    (24, 100, 1 << 17, 1000, (False, False, 6, 10), False),  # 12.5 MiB: below 16 MiB, push
-    (24, 128, 1 << 17, 1000, (True, False, 0, 0), True),  # exactly 16 MiB: pull
-    (24, 100, 1 << 18, 99, (False, False, 6, 10), True),  # does not fit the own region: push
-    (24, None, 1 << 18, 1000, (False, False, 6, 10), False),  # counts not on the host: push
-    (18, 100, 1 << 18, 1000, (False, True, 0, 0), False),  # below 20 SMs: copy engines, before pull
-    (18, None, 1 << 18, 1000, (False, False, 6, 10), False),  # ... which need the counts too
-    (8, 100, 16, 1000, (False, True, 0, 0), False),  # 8 SMs: copy engines; 10 send blocks would not fit
-], ids=["pull", "push-small", "pull-at-threshold", "push-no-room", "push-no-counts", "copy-engine",
-        "copy-engine-no-counts", "copy-engine-8-sms"])
-def test_combine_roles(num_sms: int, most: int | None, row_bytes: int, capacity: int, expected: Roles,
-                       asks: bool) -> None:
+@pytest.mark.parametrize(
+    "num_sms, most, row_bytes, capacity, expected, asks",
+    [
+        (24, 100, 1 << 18, 1000, (True, False, 0, 0), True),  # 25 MiB of rows that fit: pull
+        (24, 100, 1 << 17, 1000, (False, False, 6, 10), False),  # 12.5 MiB: below 16 MiB, push
+        (24, 128, 1 << 17, 1000, (True, False, 0, 0), True),  # exactly 16 MiB: pull
+        (24, 100, 1 << 18, 99, (False, False, 6, 10), True),  # does not fit the own region: push
+        (24, None, 1 << 18, 1000, (False, False, 6, 10), False),  # counts not on the host: push
+        (18, 100, 1 << 18, 1000, (False, True, 0, 0), False),  # below 20 SMs: copy engines, before pull
+        (18, None, 1 << 18, 1000, (False, False, 6, 10), False),  # ... which need the counts too
+        (8, 100, 16, 1000, (False, True, 0, 0), False),  # 8 SMs: copy engines; 10 send blocks would not fit
+    ],
+    ids=[
+        "pull",
+        "push-small",
+        "pull-at-threshold",
+        "push-no-room",
+        "push-no-counts",
+        "copy-engine",
+        "copy-engine-no-counts",
+        "copy-engine-8-sms",
+    ],
+)
+def test_combine_roles(
+    num_sms: int, most: int | None, row_bytes: int, capacity: int, expected: Roles, asks: bool
+) -> None:
     asked: list = []
 
     def pull_capacity() -> int:
         asked.append(True)
         return capacity
+
     assert combine_roles(TUNING, num_sms, most, row_bytes, pull_capacity) == expected
     assert bool(asked) == asks  # the capacity (a library call) is asked only when the size would pull
 
 
 def test_combine_roles_follow_the_tuning() -> None:
-    off = dataclasses.replace(TUNING, copy_engine_combine_below_sms=0, combine_pull=False, combine_send_blocks=0,
-                              combine_send_warps=9)
+    off = dataclasses.replace(
+        TUNING, copy_engine_combine_below_sms=0, combine_pull=False, combine_send_blocks=0, combine_send_warps=9
+    )
     assert combine_roles(off, 8, 100, 1 << 20, lambda: 10**9) == (False, False, 9, 0)
 
 
-@pytest.mark.parametrize("field, value, error", [
-    ("dispatch_send_warps", 0, ValueError), ("dispatch_send_warps", 16, ValueError),
-    ("combine_send_blocks", -1, ValueError), ("copy_streams", 5, ValueError), ("copy_piece_rows", 0, ValueError),
-    ("combine_pull", 1, TypeError), ("pull_combine_min_bytes", 1.5, TypeError),
-])
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("dispatch_send_warps", 0, ValueError),
+        ("dispatch_send_warps", 16, ValueError),
+        ("combine_send_blocks", -1, ValueError),
+        ("copy_streams", 5, ValueError),
+        ("copy_piece_rows", 0, ValueError),
+        ("combine_pull", 1, TypeError),
+        ("pull_combine_min_bytes", 1.5, TypeError),
+    ],
+)
 def test_tuning_is_validated(field: str, value: object, error: type) -> None:
     with pytest.raises(error, match=f"NVLinkTuning.{field}"):
         NVLinkTuning(**{field: value})
 
 
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-2, ValueError), (7, ValueError), (24.0, TypeError),
-                                          (True, TypeError)])
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (-2, ValueError), (7, ValueError), (24.0, TypeError), (True, TypeError)]
+)
 def test_one_num_sms_rule(value: object, error: type) -> None:
     """Config and Buffer.set_num_sms reject the same SM counts (a positive even int), naming their argument."""
     from moe_ep_plugin import Buffer
+
     with pytest.raises(error, match="Config.num_sms"):
         Config(num_sms=value)
     with pytest.raises(error, match="new_num_sms"):

@@ -1,4 +1,5 @@
 """Expert-major slots, permute and unpermute (torch path) against plain loops over rows, columns and experts."""
+
 from __future__ import annotations
 
 import random
@@ -50,8 +51,9 @@ def reference_words(idx: torch.Tensor, num_local: int, alignment: int) -> list[i
     return [rows, invalid] + reference_slots(idx, num_local, alignment)[1]
 
 
-def reference_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, w: torch.Tensor, s: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_permute(
+    x: torch.Tensor, slot: torch.Tensor, num_rows: int, w: torch.Tensor, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out_x = torch.zeros(num_rows, x.shape[1], dtype=torch.uint8)
     out_w = torch.zeros(num_rows)
     out_s = torch.zeros(num_rows, s.shape[1])
@@ -79,16 +81,19 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("n,k,num_local,alignment,kind,dtype", [
-    (0, 2, 3, 1, "random", torch.float32),
-    (13, 1, 4, 1, "random", torch.bfloat16),
-    (17, 3, 4, 4, "random", torch.float32),
-    (9, 8, 8, 3, "random", torch.bfloat16),
-    (21, 4, 5, 16, "one_expert", torch.bfloat16),
-    (6, 2, 3, 2, "none", torch.float32),
-    (25, 6, 16, 1, "foreign", fp8.FP8_DTYPE),
-    (11, 8, 2, 128, "random", fp8.FP8_DTYPE),
-])
+@pytest.mark.parametrize(
+    "n,k,num_local,alignment,kind,dtype",
+    [
+        (0, 2, 3, 1, "random", torch.float32),
+        (13, 1, 4, 1, "random", torch.bfloat16),
+        (17, 3, 4, 4, "random", torch.float32),
+        (9, 8, 8, 3, "random", torch.bfloat16),
+        (21, 4, 5, 16, "one_expert", torch.bfloat16),
+        (6, 2, 3, 2, "none", torch.float32),
+        (25, 6, 16, 1, "foreign", fp8.FP8_DTYPE),
+        (11, 8, 2, 128, "random", fp8.FP8_DTYPE),
+    ],
+)
 def test_layout_matches_loops(n: int, k: int, num_local: int, alignment: int, kind: str, dtype: torch.dtype) -> None:
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
@@ -152,8 +157,16 @@ def reference_sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int
     return out.to(rows.dtype)
 
 
-@pytest.mark.parametrize("p,num_out,dtype", [(0, 3, torch.float32), (7, 0, torch.bfloat16), (50, 9, torch.bfloat16),
-                                             (90, 2, torch.float32), (40, 40, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "p,num_out,dtype",
+    [
+        (0, 3, torch.float32),
+        (7, 0, torch.bfloat16),
+        (50, 9, torch.bfloat16),
+        (90, 2, torch.float32),
+        (40, 40, torch.bfloat16),
+    ],
+)
 def test_sum_by_index_matches_a_loop(p: int, num_out: int, dtype: torch.dtype) -> None:
     """Rows summed per output row in ascending row order, fp32 from 0.0: outputs named by no row, by one, and by
     more than 32 rows (past unpermute's top-k bound); indices outside ``[0, num_out)`` add nothing."""

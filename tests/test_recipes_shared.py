@@ -1,4 +1,5 @@
 """The code all three recipes share: the learning-rate schedule, progress lines and checkpoints."""
+
 from __future__ import annotations
 
 import errno
@@ -20,8 +21,9 @@ def _reference_lr(step: int, lr: float, min_lr: float, warmup: int, steps: int) 
     return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * t)) / 2
 
 
-@pytest.mark.parametrize("lr, min_lr, warmup, steps", [(3e-3, 3e-4, 20, 300), (1.0, 0.0, 0, 10), (2.0, 2.0, 0, 5),
-                                                      (1.0, 0.1, 5, 5)])
+@pytest.mark.parametrize(
+    "lr, min_lr, warmup, steps", [(3e-3, 3e-4, 20, 300), (1.0, 0.0, 0, 10), (2.0, 2.0, 0, 5), (1.0, 0.1, 5, 5)]
+)
 def test_lr_schedule(lr, min_lr, warmup, steps) -> None:
     got = [schedule.lr_at(s, lr, min_lr, warmup, steps) for s in range(steps + 3)]
     assert got == [_reference_lr(s, lr, min_lr, warmup, steps) for s in range(steps + 3)]
@@ -78,8 +80,11 @@ def _damaged(root: str) -> None:
             whole = f.read()
         with open(path, "wb") as f:
             f.write(damage(whole))
-        with pytest.raises(ValueError, match=r"^output.resume: checkpoint step_0000003: .*rank_00000.pt is unreadable "
-                                             r"\(.*\); remove .*step_0000003 to resume from the checkpoint before it$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^output.resume: checkpoint step_0000003: .*rank_00000.pt is unreadable "
+            r"\(.*\); remove .*step_0000003 to resume from the checkpoint before it$",
+        ):
             checkpoint.load_rank_state(directory, "output.resume")
         with open(path, "wb") as f:
             f.write(whole)
@@ -104,8 +109,11 @@ def _disk_full(root: str) -> None:
 
     torch.save, real = full, torch.save
     try:
-        with pytest.raises(checkpoint.CheckpointWriteError, match=r"^checkpoint step 5: no space left on device "
-                                                                  r"writing .*step_0000005/rank_00000.pt$") as info:
+        with pytest.raises(
+            checkpoint.CheckpointWriteError,
+            match=r"^checkpoint step 5: no space left on device "
+            r"writing .*step_0000005/rank_00000.pt$",
+        ) as info:
             checkpoint.save(root, 5, {}, state={"w": torch.ones(2)})
         assert info.value.errno == errno.ENOSPC and isinstance(info.value, launch.OneLineError)
     finally:
@@ -125,6 +133,9 @@ def test_check_writable_probes_without_making_anything(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     for path in (blocker, blocker / "sub", blocker / "sub" / "deeper"):
-        with pytest.raises(ValueError, match=rf"^train.save_dir: '{path}' cannot be made: {blocker} is not a "
-                                             "directory$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^train.save_dir: '{path}' cannot be made: {blocker} is not a "
+            "directory$",
+        ):
             checkpoint.check_writable(str(path), "train.save_dir")

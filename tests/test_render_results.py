@@ -1,5 +1,6 @@
 """benchmarks/render_results.py on a small data file: the newest row per configuration and device wins, the ratio
 is computed from the two figures, predictions get a table of their own, and --check names the files that differ."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  
 import render_results  # noqa: E402
 
 
-def _row(benchmark: str, date: str, config: dict, plugin: float | None, stock: float | None, unit: str = "µs",
-         kind: str = "measured", device: str = "nvidia-h100-x1") -> dict:
-    return dict(benchmark=benchmark, date=date, device=device, commit="abc1234", command="python3 x.py",
-                configuration=config, plugin=plugin, stock=stock, unit=unit, kind=kind)
+def _row(
+    benchmark: str,
+    date: str,
+    config: dict,
+    plugin: float | None,
+    stock: float | None,
+    unit: str = "µs",
+    kind: str = "measured",
+    device: str = "nvidia-h100-x1",
+) -> dict:
+    return dict(
+        benchmark=benchmark,
+        date=date,
+        device=device,
+        commit="abc1234",
+        command="python3 x.py",
+        configuration=config,
+        plugin=plugin,
+        stock=stock,
+        unit=unit,
+        kind=kind,
+    )
 
 
 ROWS = [
@@ -51,9 +70,13 @@ def test_render_newest_rows_computed_ratios_and_predictions_apart(tmp_path: Path
     assert "| 16 | 3 | 4 | 0.75 |" in predicted and "| 16 |" not in measured
     table = readme.read_text(encoding="utf-8")
     assert table.startswith(f"# x\n\n{render_results.BEGIN}\n| benchmark |") and table.endswith(
-        f"{render_results.END}\n\nafter\n")
-    assert "| `trainer_ab` | ranks 1 | 2026-12-02, nvidia-h100-x1 | `abc1234` | 200,000 | 50,000 | tokens/s | 0.25 |" \
-        in table and "old" not in table
+        f"{render_results.END}\n\nafter\n"
+    )
+    assert (
+        "| `trainer_ab` | ranks 1 | 2026-12-02, nvidia-h100-x1 | `abc1234` | 200,000 | 50,000 | tokens/s | 0.25 |"
+        in table
+        and "old" not in table
+    )
 
 
 def test_check_names_the_files_that_differ(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -1,13 +1,18 @@
 """The package's shape, read from the source (``ast``): no function over 60 lines, no class over 400, no file over
-500 (each exception listed with its reason); a group of one rank handled in one place (``transports/local.py``,
+500, counted in logical lines (statements, however many physical lines the formatter breaks them into; each
+exception listed with its reason); a group of one rank handled in one place (``transports/local.py``,
 which the registry picks for it); ``ctypes`` only behind the kernel library's face; comments and docstrings of the
 package and ``csrc/`` name only paths that exist (or build outputs).
 """
+
 from __future__ import annotations
 
 import ast
+import bisect
+import io
 import os
 import re
+import tokenize
 
 from moe_ep_plugin.ops.library import LIB_PATH
 
@@ -19,16 +24,26 @@ MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_FILE_LINES = 60, 400, 500
 # (path suffix inside the package, qualified name) → why it is longer. A suffix, so that a module moving to another
 # folder keeps its entry; a function's lines include the closures it returns.
 LONG = {
-    ("transports/hierarchical.py", "HierarchicalTransport.dispatch"):
-        "the two stages' chunk pipeline and the closure that finishes it share the in-flight chunks",
-    ("transports/torch_transport.py", "TorchTransport.start_dispatch"):
-        "the all-to-alls are issued before the closure that unpacks them; both read the same metadata columns",
-    ("transports/torch_transport.py", "TorchTransport._start_layout"):
-        "the count exchange in flight while the send order is built, and the closure that reads it",
-    ("transports/low_latency_torch.py", "TorchLowLatency.dispatch"):
-        "DeepEP's fixed slot layout is built before the exchange and unpacked by the closure after it",
-    ("buffer.py", "Buffer._dispatch_args"):
-        "every DeepEP dispatch argument validated in one place, before any communication",
+    (
+        "transports/hierarchical.py",
+        "HierarchicalTransport.dispatch",
+    ): "the two stages' chunk pipeline and the closure that finishes it share the in-flight chunks",
+    (
+        "transports/torch_transport.py",
+        "TorchTransport.start_dispatch",
+    ): "the all-to-alls are issued before the closure that unpacks them; both read the same metadata columns",
+    (
+        "transports/torch_transport.py",
+        "TorchTransport._start_layout",
+    ): "the count exchange in flight while the send order is built, and the closure that reads it",
+    (
+        "transports/low_latency_torch.py",
+        "TorchLowLatency.dispatch",
+    ): "DeepEP's fixed slot layout is built before the exchange and unpacked by the closure after it",
+    (
+        "buffer.py",
+        "Buffer._dispatch_args",
+    ): "every DeepEP dispatch argument validated in one place, before any communication",
     ("buffer.py", "Buffer"): "DeepEP's Buffer API (normal and low-latency calls, streams, events) on one class",
     ("buffer.py", None): "DeepEP's Buffer API and its argument checks",
     ("megatron/pretrain.py", "_run"): "a recipe's main loop (the launcher's steps in order)",
@@ -77,15 +92,23 @@ def _definitions(tree: ast.AST, prefix: str = ""):
             yield from _definitions(node, prefix)
 
 
+def _logical_line_ends(source: str) -> list[int]:
+    """Sorted physical line numbers where a logical line ends: what the size caps count, so that where a formatter
+    breaks a long statement changes no count (a docstring is one line, comments none)."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return [tok.end[0] for tok in tokens if tok.type == tokenize.NEWLINE]
+
+
 def test_no_long_function_class_or_file() -> None:
     too_long = []
     for rel, source in SOURCES.items():
-        lines = source.count("\n")
+        ends = _logical_line_ends(source)
+        lines = len(ends)
         if lines > MAX_FILE_LINES and _exception(rel, None) is None:
             too_long.append(f"moe_ep_plugin/{rel}: {lines} lines > {MAX_FILE_LINES}")
         for name, node in _definitions(ast.parse(source, rel)):
             limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
-            length = node.end_lineno - node.lineno + 1
+            length = bisect.bisect_right(ends, node.end_lineno) - bisect.bisect_left(ends, node.lineno)
             if length > limit and _exception(rel, name) is None:
                 too_long.append(f"moe_ep_plugin/{rel}: {name} has {length} lines > {limit}")
     assert not too_long, "split these, or list each in LONG with its reason:\n" + "\n".join(too_long)
@@ -128,8 +151,13 @@ def test_one_rank_is_handled_by_the_local_transport_only() -> None:
 
 
 def test_the_check_sees_a_one_rank_branch() -> None:
-    for code in ("self.num_ranks == 1", "1 == num_ranks", "dist.get_world_size(g) > 1", "world < 2",
-                 "self.group_size != 1"):
+    for code in (
+        "self.num_ranks == 1",
+        "1 == num_ranks",
+        "dist.get_world_size(g) > 1",
+        "world < 2",
+        "self.group_size != 1",
+    ):
         assert _one_rank_test(ast.parse(code, mode="eval").body), code
     for code in ("len(parts) == 1", "topk == 1", "self.num_ranks == 4"):
         assert not _one_rank_test(ast.parse(code, mode="eval").body), code
@@ -139,8 +167,13 @@ def test_ctypes_only_behind_the_library_face() -> None:
     users = set()
     for rel, source in SOURCES.items():
         for node in ast.walk(ast.parse(source, rel)):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(name.split(".")[0] == "ctypes" for name in names):
                 users.add(rel)
     assert users <= set(CTYPES_HOMES), sorted(users - set(CTYPES_HOMES))

@@ -2,6 +2,7 @@
 moe_ep_plugin/handle.py defines them, combine's fp32 sum from the biases (or 0.0) in DeepEP V2's summing order
 (bit for bit, signed zeros included), cached FP8 dispatch, and the collectives each call makes (one count exchange
 per new layout; payload and metadata one all-to-all each; none of either in a cached dispatch or combine)."""
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,7 @@ from moe_ep_plugin.transports import torch_transport
 
 # Rank r's value in the order-sensitive columns: 1 + 2^24 rounds back to 2^24, so the sum over three ranks is 0,
 # 1 or 2^24 depending on the order the copies are added in.
-ORDER_VALUES = (1.0, 2.0 ** 24, -2.0 ** 24)
-
+ORDER_VALUES = (1.0, 2.0**24, -(2.0**24))
 
 
 def _record_collectives() -> list[str]:
@@ -63,8 +63,9 @@ def _suite(seed: int) -> None:
     xs, idxs, ws = zip(*gather_all((x, idx, w)), strict=False)
 
     calls.clear()
-    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w,
-                                                                  num_experts=num_experts)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=num_experts
+    )
     assert calls == ["all_gather", "all_to_all", "all_to_all"], calls
     rows, ref_idx, ref_w, ref_src, ref_counts = expected_dispatch(xs, idxs, ws, num_experts, rank, world)
     assert recv_x.shape == (len(rows), h) and counts == ref_counts
@@ -104,7 +105,7 @@ def _suite(seed: int) -> None:
     # combine: half the columns carry rank-scaled rows (which row goes where), half ORDER_VALUES (summation
     # order); rows of tokens with t % 3 == 0 are -0.0 everywhere, which must sum to +0.0 as from 0.0.
     y = recv_x.float() * (rank + 1)
-    y[:, h // 2:] = ORDER_VALUES[rank % 3]
+    y[:, h // 2 :] = ORDER_VALUES[rank % 3]
     y[handle.recv_src_idx % 3 == 0] = -0.0
     ys, srcs, recv_ws = zip(*gather_all((y, handle.recv_src_idx, recv_w)), strict=False)
     copies: list[dict[int, int]] = [{} for _ in range(n)]  # token -> {rank: row of its copy on that rank}

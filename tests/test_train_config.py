@@ -1,5 +1,6 @@
 """The trainer's YAML schema: shipped configs load, every key is documented, bad values name their key;
 plus the data windows and the command line's no-spawn paths."""
+
 import os
 import re
 
@@ -33,8 +34,12 @@ def test_deepseek_v3_proxy_has_the_deepseek_moe_dimensions_and_builds_on_meta():
     cfg = config.load(os.path.join(CONFIGS, "deepseek_v3_proxy.yaml"))
     m, e = cfg.model, cfg.moe
     assert (m.hidden_size, e.num_experts, e.topk, e.num_groups, e.group_topk) == (7168, 256, 8, 8, 4)
-    assert ((e.score_function, e.scaling_factor, e.num_shared_experts, e.expert_ffn_hidden_size)
-            == ("sigmoid", 2.5, 1, 2048))
+    assert (e.score_function, e.scaling_factor, e.num_shared_experts, e.expert_ffn_hidden_size) == (
+        "sigmoid",
+        2.5,
+        1,
+        2048,
+    )
     assert 1 <= m.num_dense_layers < m.num_layers <= 8 and m.ffn_hidden_size == 18432 and cfg.parallel.fp8_dispatch
     report = cli.dry_run(cfg)
     # Per rank of EP=8: 32 experts x 3 MoE blocks x (7168 x 2 x 2048 + 2048 x 7168) weights.
@@ -46,32 +51,35 @@ def test_ep2_h200_config_loads():
     assert cfg.parallel.nprocs == 2 and cfg.parallel.fp8_dispatch and cfg.model.hidden_size % 128 == 0
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["parallel.nprocs=4", "moe.num_experts=6", "moe.num_groups=1", "moe.group_topk=1"], "moe.num_experts"),
-    (["moe.topk=5"], "moe.topk"),                                  # 2 of 4 groups x 2 experts = 4 reachable
-    (["parallel.fp8_dispatch=true", "model.hidden_size=192"], "parallel.fp8_dispatch"),
-    (["model.hiden_size=64"], "model.hiden_size"),                 # unknown key
-    (["optim.lr=1"], "optim"),                                     # unknown section
-    (["train.steps=ten"], "train.steps"),
-    (["train.steps=true"], "train.steps"),                         # a bool is not an int
-    (["train.lr=0"], "train.lr"),
-    (["moe.num_groups=3"], "moe.num_groups"),
-    (["moe.group_topk=5", "moe.topk=8"], "moe.group_topk"),
-    (["moe.group_topk=2", "moe.topk=1"], "moe.group_topk"),
-    (["model.num_dense_layers=5"], "model.num_dense_layers"),
-    (["model.num_heads=3"], "model.num_heads"),
-    (["moe.score_function=softmax"], "moe.expert_bias"),           # the bias needs sigmoid
-    (["moe.score_function=relu"], "moe.score_function"),
-    (["model.dtype=fp16"], "model.dtype"),
-    (["parallel.transport=rdma"], "parallel.transport"),
-    (["parallel.device=cpu", "parallel.backend=nccl"], "parallel.backend"),
-    (["data.path=/no/such/file.txt"], "data.path"),
-    (["data.eval_fraction=0.7"], "data.eval_fraction"),
-    (["output.resume=/no/such/checkpoint"], "output.resume"),
-    (["parallel.transport=torch", "parallel.ranks_per_node=1"], "parallel.ranks_per_node"),  # no nodes to split
-    (["parallel.transport=nvlink", "parallel.ranks_per_node=2"], "parallel.ranks_per_node"),
-    ([f"output.dir={__file__}/run"], "output.dir"),                 # under a regular file: nobody can make it
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["parallel.nprocs=4", "moe.num_experts=6", "moe.num_groups=1", "moe.group_topk=1"], "moe.num_experts"),
+        (["moe.topk=5"], "moe.topk"),  # 2 of 4 groups x 2 experts = 4 reachable
+        (["parallel.fp8_dispatch=true", "model.hidden_size=192"], "parallel.fp8_dispatch"),
+        (["model.hiden_size=64"], "model.hiden_size"),  # unknown key
+        (["optim.lr=1"], "optim"),  # unknown section
+        (["train.steps=ten"], "train.steps"),
+        (["train.steps=true"], "train.steps"),  # a bool is not an int
+        (["train.lr=0"], "train.lr"),
+        (["moe.num_groups=3"], "moe.num_groups"),
+        (["moe.group_topk=5", "moe.topk=8"], "moe.group_topk"),
+        (["moe.group_topk=2", "moe.topk=1"], "moe.group_topk"),
+        (["model.num_dense_layers=5"], "model.num_dense_layers"),
+        (["model.num_heads=3"], "model.num_heads"),
+        (["moe.score_function=softmax"], "moe.expert_bias"),  # the bias needs sigmoid
+        (["moe.score_function=relu"], "moe.score_function"),
+        (["model.dtype=fp16"], "model.dtype"),
+        (["parallel.transport=rdma"], "parallel.transport"),
+        (["parallel.device=cpu", "parallel.backend=nccl"], "parallel.backend"),
+        (["data.path=/no/such/file.txt"], "data.path"),
+        (["data.eval_fraction=0.7"], "data.eval_fraction"),
+        (["output.resume=/no/such/checkpoint"], "output.resume"),
+        (["parallel.transport=torch", "parallel.ranks_per_node=1"], "parallel.ranks_per_node"),  # no nodes to split
+        (["parallel.transport=nvlink", "parallel.ranks_per_node=2"], "parallel.ranks_per_node"),
+        ([f"output.dir={__file__}/run"], "output.dir"),  # under a regular file: nobody can make it
+    ],
+)
 def test_impossible_values_are_errors_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=rf"^{re.escape(key)}:"):
         config.load(None, tuple(overrides))
@@ -103,18 +111,19 @@ def test_cli_reports_config_errors_without_launching(capsys):
 
 
 def test_windows_split_the_global_batch_across_ranks_independently_of_ep(tmp_path):
-    np.save(tmp_path / "ids.npy", np.arange(5000))                   # token i sits at position i
-    windows = TokenWindows(load_tokens(str(tmp_path / "ids.npy"), vocab_size=5000), seq_len=16, eval_fraction=0.1,
-                           seed=3)
+    np.save(tmp_path / "ids.npy", np.arange(5000))  # token i sits at position i
+    windows = TokenWindows(
+        load_tokens(str(tmp_path / "ids.npy"), vocab_size=5000), seq_len=16, eval_fraction=0.1, seed=3
+    )
     cpu = torch.device("cpu")
     whole_x, whole_y = windows.batch(5, 6, 0, 1, cpu)
     assert torch.equal(torch.cat([windows.batch(5, 2, r, 3, cpu)[0] for r in range(3)]), whole_x)
-    assert torch.equal(whole_x + 1, whole_y)                          # targets are the next tokens
-    assert int(whole_x[:, 0].max()) + 17 <= 4500                     # training windows stay out of the eval tail
+    assert torch.equal(whole_x + 1, whole_y)  # targets are the next tokens
+    assert int(whole_x[:, 0].max()) + 17 <= 4500  # training windows stay out of the eval tail
     eval_x, _ = windows.batch(0, 2, 0, 1, cpu, split="eval")
     assert int(eval_x.min()) >= 4500
-    assert torch.equal(eval_x, windows.batch(0, 2, 0, 1, cpu, split="eval")[0])   # fixed eval batches
-    assert not torch.equal(whole_x, windows.batch(6, 6, 0, 1, cpu)[0])            # fresh data every step
+    assert torch.equal(eval_x, windows.batch(0, 2, 0, 1, cpu, split="eval")[0])  # fixed eval batches
+    assert not torch.equal(whole_x, windows.batch(6, 6, 0, 1, cpu)[0])  # fresh data every step
     with pytest.raises(ValueError, match="^data.path: token ids must lie in"):
         load_tokens(str(tmp_path / "ids.npy"), vocab_size=4999)
 
@@ -132,7 +141,8 @@ def test_cli_list_keys_and_plot_from_csv(tmp_path, capsys):
     (tmp_path / "metrics.csv").write_text(
         "step,loss,lm_loss,aux_loss,eval_loss,lr,grad_norm,tokens_per_s,step_time_s,load_max_over_mean,"
         "load_max_over_mean_worst_layer,elapsed_s\n"
-        "1,5.5,5.4,0.1,,0.001,1.0,1000,0.1,2.0,3.0,0.1\n2,4.0,3.9,0.1,4.2,0.001,1.0,1100,0.1,1.5,2.0,0.2\n")
+        "1,5.5,5.4,0.1,,0.001,1.0,1000,0.1,2.0,3.0,0.1\n2,4.0,3.9,0.1,4.2,0.001,1.0,1100,0.1,1.5,2.0,0.2\n"
+    )
     (tmp_path / "expert_load.csv").write_text("block,expert,tokens\n1,0,10\n1,1,30\n2,0,20\n2,1,20\n")
     code = cli.main(["--plot", str(tmp_path)])
     try:

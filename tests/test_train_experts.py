@@ -4,6 +4,7 @@ On CPU torch's grouped matmul is the same per-expert matmul, so with the same we
 with ``moe.expert_compute: grouped`` equals the step with ``loop`` bit for bit (loss, counts, every gradient,
 the clipped norm). The FLOPs per token are checked against a count made from the built model's parameters.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -14,14 +15,29 @@ from moe_ep_plugin.recipes.train.trainer import Trainer
 
 
 def _config(impl: str, ep: int = 2) -> config.TrainerConfig:
-    return config.from_dict({
-        "model": {"hidden_size": 32, "num_layers": 3, "num_dense_layers": 1, "num_heads": 4, "ffn_hidden_size": 48,
-                  "seq_len": 16, "dtype": "float32"},
-        "moe": {"num_experts": 8, "expert_ffn_hidden_size": 16, "topk": 3, "num_groups": 4, "group_topk": 2,
-                "expert_compute": impl},
-        "parallel": {"nprocs": ep, "device": "cpu", "transport": "torch"},
-        "train": {"micro_batch_size": 3, "grad_clip": 0.5},
-    })
+    return config.from_dict(
+        {
+            "model": {
+                "hidden_size": 32,
+                "num_layers": 3,
+                "num_dense_layers": 1,
+                "num_heads": 4,
+                "ffn_hidden_size": 48,
+                "seq_len": 16,
+                "dtype": "float32",
+            },
+            "moe": {
+                "num_experts": 8,
+                "expert_ffn_hidden_size": 16,
+                "topk": 3,
+                "num_groups": 4,
+                "group_topk": 2,
+                "expert_compute": impl,
+            },
+            "parallel": {"nprocs": ep, "device": "cpu", "transport": "torch"},
+            "train": {"micro_batch_size": 3, "grad_clip": 0.5},
+        }
+    )
 
 
 def _step(impl: str):

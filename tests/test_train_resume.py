@@ -5,6 +5,7 @@ invocation resumes from that checkpoint and finishes. Every logged metric of all
 and each rank's final weights and optimizer state must be identical (CPU arithmetic is deterministic). A
 checkpoint of a different model is refused.
 """
+
 import csv
 import importlib.util
 import os
@@ -24,8 +25,10 @@ output: {log_interval: 1, checkpoint_interval: 0, keep_checkpoints: 1, progress_
 
 def _rows(run: str) -> list[dict]:
     with open(os.path.join(run, "metrics.csv"), newline="") as f:
-        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s", "elapsed_s")}
-                for r in csv.DictReader(f)]
+        return [
+            {k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s", "elapsed_s")}
+            for r in csv.DictReader(f)
+        ]
 
 
 def _final(run: str, rank: int) -> dict:

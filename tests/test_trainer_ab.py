@@ -5,6 +5,7 @@ On CPU torch's grouped matmul runs the same per-expert matmul as the loop (``moe
 variants' loss curves must be identical to the last bit, over every step and every repeat. The summary's figures
 are recomputed here from the per-step CSV the script writes (warm-up steps left out).
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,14 +21,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "trainer_ab.py")
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 # one rank, a few small steps, no eval; a made-up peak so the MFU column is computed on CPU too
-FAST = ["parallel.nprocs=1", "parallel.device=cpu", "train.steps=4", "train.micro_batch_size=2",
-        "train.eval_interval=0", "--set", "output.peak_tflops=0.001"]
+FAST = [
+    "parallel.nprocs=1",
+    "parallel.device=cpu",
+    "train.steps=4",
+    "train.micro_batch_size=2",
+    "train.eval_interval=0",
+    "--set",
+    "output.peak_tflops=0.001",
+]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, SCRIPT, TINY, *FAST, *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, SCRIPT, TINY, *FAST, *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def test_loop_and_grouped_train_identically_on_cpu(tmp_path) -> None:
@@ -73,8 +82,10 @@ def test_loop_and_grouped_train_identically_on_cpu(tmp_path) -> None:
     assert os.path.isfile(os.path.join(out, "loss_curves.png")) or "plot skipped" in log
 
 
-@pytest.mark.parametrize("extra", [["--warmup", "4"], ["--variants", "loop,loop"], ["--variants", "fast"],
-                                   ["--repeats", "0"], ["moe.num_experts=7"]])
+@pytest.mark.parametrize(
+    "extra",
+    [["--warmup", "4"], ["--variants", "loop,loop"], ["--variants", "fast"], ["--repeats", "0"], ["moe.num_experts=7"]],
+)
 def test_bad_arguments_are_config_errors(extra: list[str], tmp_path) -> None:
     proc = _run("--out", str(tmp_path), *extra)
     assert proc.returncode == 2 and proc.stderr.startswith("trainer_ab: config error:"), proc.stderr[-2000:]

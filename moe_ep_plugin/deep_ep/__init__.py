@@ -7,6 +7,7 @@
 ``import deep_ep`` resolves to this module only after an explicit opt-in: :func:`install.install_deep_ep` (also
 ``moe_ep_plugin.install_deep_ep``) or, for launch scripts, ``python -m moe_ep_plugin.deep_ep`` (docs/compat.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,5 +22,14 @@ from .utils import EventHandle, EventOverlap
 topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int32 is accepted too)
 __version__ = "2.6.0+moe_ep_plugin"  # the newest DeepEP API this module serves (docs/compat.md: what of it)
 
-__all__ = ["Buffer", "Config", "EPBuffer", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "topk_idx_t",
-           "utils"]
+__all__ = [
+    "Buffer",
+    "Config",
+    "EPBuffer",
+    "EPHandle",
+    "ElasticBuffer",
+    "EventHandle",
+    "EventOverlap",
+    "topk_idx_t",
+    "utils",
+]

@@ -5,6 +5,7 @@ and biases go to the Buffer as fp32 (exact: fp32 holds every BF16 value), so not
 final sum, nor, in the expanded combine, each rank's sum of its local experts' rows. The cost is the combine's
 bytes on the wire, twice those of BF16 rows (the kernels send the rows' dtype).
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ by local expert) is :meth:`moe_ep_plugin.Buffer.dispatch_experts`, and combine i
 - Queue pairs, service levels, hybrid/direct RDMA modes, NVLink connection checks and Engram/PP/AGRS regions are
   DeepEP's NCCL-GIN machinery: the arguments are validated and recorded, and mean nothing here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,13 +56,29 @@ class ElasticBuffer:
     # DeepEP 2.5 (EPBuffer) keeps topk_idx by reference and checks it was not modified.
     _reference_topk_idx = False
 
-    def __init__(self, group: dist.ProcessGroup, num_bytes: int | None = None, num_cpu_bytes: int = 0,
-                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
-                 use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
-                 allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
-                 num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
-                 explicitly_destroy: bool = False, *, transport: str = "auto",
-                 device: torch.device | str | None = None, ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_bytes: int | None = None,
+        num_cpu_bytes: int = 0,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        deterministic: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True,
+        sl_idx: int = 3,
+        num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: int = 300,
+        num_gpu_timeout_secs: int = 100,
+        explicitly_destroy: bool = False,
+        *,
+        transport: str = "auto",
+        device: torch.device | str | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
         """Make the buffer (collective over ``group``).
 
         Arguments:
@@ -82,17 +99,50 @@ class ElasticBuffer:
             num_cpu_timeout_secs: seconds a rank waits for its peers (the Buffer's ``timeout_s``).
             explicitly_destroy: :meth:`destroy` must be called (it is refused otherwise, as in DeepEP).
         """
-        self._setup(group, num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                    deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx,
-                    num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy, transport,
-                    device, ranks_per_node)
+        self._setup(
+            group,
+            num_bytes,
+            num_cpu_bytes,
+            num_max_tokens_per_rank,
+            hidden,
+            num_topk,
+            use_fp8_dispatch,
+            deterministic,
+            allow_hybrid_mode,
+            allow_multiple_reduction,
+            prefer_overlap_with_compute,
+            sl_idx,
+            num_allocated_qps,
+            num_cpu_timeout_secs,
+            num_gpu_timeout_secs,
+            explicitly_destroy,
+            transport,
+            device,
+            ranks_per_node,
+        )
 
-    def _setup(self, group: dist.ProcessGroup, num_bytes: int | None, num_cpu_bytes: int,
-               num_max_tokens_per_rank: int, hidden: int, num_topk: int, use_fp8_dispatch: bool,
-               deterministic: bool, allow_hybrid_mode: bool, allow_multiple_reduction: bool,
-               prefer_overlap_with_compute: bool, sl_idx: int | None, num_allocated_qps: int,
-               num_cpu_timeout_secs: float, num_gpu_timeout_secs: float, explicitly_destroy: bool, transport: str,
-               device: torch.device | str | None, ranks_per_node: int | None) -> None:
+    def _setup(
+        self,
+        group: dist.ProcessGroup,
+        num_bytes: int | None,
+        num_cpu_bytes: int,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int,
+        use_fp8_dispatch: bool,
+        deterministic: bool,
+        allow_hybrid_mode: bool,
+        allow_multiple_reduction: bool,
+        prefer_overlap_with_compute: bool,
+        sl_idx: int | None,
+        num_allocated_qps: int,
+        num_cpu_timeout_secs: float,
+        num_gpu_timeout_secs: float,
+        explicitly_destroy: bool,
+        transport: str,
+        device: torch.device | str | None,
+        ranks_per_node: int | None,
+    ) -> None:
         num_ranks = group_size(group)
         if num_bytes is not None:
             check_int("num_bytes", num_bytes, 0)
@@ -113,12 +163,24 @@ class ElasticBuffer:
         check_seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
         check_seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
         if num_bytes is None:
-            num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, max(hidden, 1), num_topk,
-                                                  use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+            num_bytes = self.get_buffer_size_hint(
+                group,
+                num_max_tokens_per_rank,
+                max(hidden, 1),
+                num_topk,
+                use_fp8_dispatch,
+                allow_hybrid_mode,
+                allow_multiple_reduction,
+            )
         self.num_bytes = num_bytes
         # what the Buffer is made with besides its size (EPBuffer.resize makes it again)
-        self._buffer_kw = dict(explicitly_destroy=self.explicitly_destroy, transport=transport,
-                               timeout_s=float(num_cpu_timeout_secs), device=device, ranks_per_node=ranks_per_node)
+        self._buffer_kw = dict(
+            explicitly_destroy=self.explicitly_destroy,
+            transport=transport,
+            timeout_s=float(num_cpu_timeout_secs),
+            device=device,
+            ranks_per_node=ranks_per_node,
+        )
         self.buffer = Buffer(group, num_nvl_bytes=num_bytes, **self._buffer_kw)
         self.group = group
         self.rank_idx = self.buffer.rank
@@ -132,9 +194,15 @@ class ElasticBuffer:
 
     # ---- sizing and tuning ----
     @staticmethod
-    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:
+    def get_buffer_size_hint(
+        group: dist.ProcessGroup,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+    ) -> int:
         """Peer-memory bytes for rows of ``hidden`` BF16 values (FP8 rows fit in the same), 2 MB aligned.
 
         Arguments:
@@ -150,9 +218,16 @@ class ElasticBuffer:
         """
         return buffer_size_hint(group_size(group), num_max_tokens_per_rank, hidden, num_topk)
 
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
-                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
-                                sm_write_gbs: float = 50) -> int:
+    def get_theoretical_num_sms(
+        self,
+        num_experts: int,
+        num_topk: int,
+        num_scaleout_topk: int = 0,
+        rdma_gbs: float = 0,
+        nvlink_gbs: float = 0,
+        sm_read_gbs: float = 200,
+        sm_write_gbs: float = 50,
+    ) -> int:
         """SMs that keep the NVLink busy under this library's kernels, for uniformly routed tokens.
 
         The model: each send block copies a token's row into every receiving peer's ring at ``sm_write_gbs``
@@ -174,8 +249,18 @@ class ElasticBuffer:
         Returns:
             An even SM count, at least ``MIN_NUM_SMS``, at most the device's SMs (on CUDA).
         """
-        return theoretical_num_sms(self.num_ranks, self.num_scaleup_ranks, self.buffer.device, num_experts, num_topk,
-                                   num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
+        return theoretical_num_sms(
+            self.num_ranks,
+            self.num_scaleup_ranks,
+            self.buffer.device,
+            num_experts,
+            num_topk,
+            num_scaleout_topk,
+            rdma_gbs,
+            nvlink_gbs,
+            sm_read_gbs,
+            sm_write_gbs,
+        )
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """0: this library opens no RDMA queue pairs (the network stage is NCCL's)."""
@@ -212,21 +297,35 @@ class ElasticBuffer:
     def destroy(self) -> None:
         """Release the buffer (collective); only with ``explicitly_destroy=True``, as in DeepEP."""
         if not self.explicitly_destroy:
-            raise ValueError("explicitly_destroy: this buffer was made with explicitly_destroy=False; it is "
-                             "released when dropped")
+            raise ValueError(
+                "explicitly_destroy: this buffer was made with explicitly_destroy=False; it is released when dropped"
+            )
         if not self.buffer.destroyed:
             self.buffer.destroy()
 
     # ---- dispatch ----
-    def dispatch(self, x: XInput, topk_idx: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None,
-                 cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
-                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None,
-                 num_sms: int = 0, num_qps: int = 0, previous_event: object | None = None,
-                 previous_event_before_epilogue: object | None = None, async_with_compute_stream: bool = False,
-                 allocate_on_comm_stream: bool = False, handle: EPHandle | None = None,
-                 do_handle_copy: bool = True, do_cpu_sync: bool | None = None, do_expand: bool = False,
-                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+    def dispatch(
+        self,
+        x: XInput,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: object | None = None,
+        previous_event_before_epilogue: object | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None,
+        do_handle_copy: bool = True,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+    ):
         """Send each token to the ranks of its experts.
 
         Arguments:
@@ -268,27 +367,82 @@ class ElasticBuffer:
             ``[rows, K]`` float32 (expanded: ``[rows]``; None without weights), the :class:`EPHandle`, and an
             ``EventOverlap`` (waitable; it holds an event only with ``async_with_compute_stream`` on CUDA).
         """
-        return self._dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-                              num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event,
-                              previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
-                              handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                              use_tma_aligned_col_major_sf)
+        return self._dispatch(
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats,
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            handle,
+            do_handle_copy,
+            do_cpu_sync,
+            do_expand,
+            do_zero_padding,
+            use_tma_aligned_col_major_sf,
+        )
 
-    def _dispatch(self, x: XInput, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                  stats: torch.Tensor | None, num_experts: int | None, num_max_tokens_per_rank: int | None,
-                  expert_alignment: int | None, num_sms: int, num_qps: int, previous_event: object,
-                  before_epilogue: object, async_with_compute_stream: bool, allocate_on_comm_stream: bool,
-                  handle: EPHandle | None, do_handle_copy: bool, do_cpu_sync: bool | None, do_expand: bool,
-                  do_zero_padding: bool, use_tma_aligned_col_major_sf: bool):
+    def _dispatch(
+        self,
+        x: XInput,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        stats: torch.Tensor | None,
+        num_experts: int | None,
+        num_max_tokens_per_rank: int | None,
+        expert_alignment: int | None,
+        num_sms: int,
+        num_qps: int,
+        previous_event: object,
+        before_epilogue: object,
+        async_with_compute_stream: bool,
+        allocate_on_comm_stream: bool,
+        handle: EPHandle | None,
+        do_handle_copy: bool,
+        do_cpu_sync: bool | None,
+        do_expand: bool,
+        do_zero_padding: bool,
+        use_tma_aligned_col_major_sf: bool,
+    ):
         def check() -> tuple[DispatchArgs, int]:
-            return (dispatch_args(self, x, topk_idx, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
-                                  num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                                  use_tma_aligned_col_major_sf), check_num_sms(num_sms))
+            return (
+                dispatch_args(
+                    self,
+                    x,
+                    topk_idx,
+                    stats,
+                    num_experts,
+                    num_max_tokens_per_rank,
+                    expert_alignment,
+                    num_qps,
+                    handle,
+                    do_handle_copy,
+                    do_cpu_sync,
+                    do_expand,
+                    do_zero_padding,
+                    use_tma_aligned_col_major_sf,
+                ),
+                check_num_sms(num_sms),
+            )
+
         # a fresh dispatch's refusal travels in the count exchange: every rank raises it (Buffer.refusing)
         args, sms = self.buffer.refusing("dispatch", handle, check)
         sms = sms or self.get_theoretical_num_sms(args.num_experts, max(args.num_topk, 1))
-        kw = stream_args(self.buffer, dispatch_config(sms, self.num_ranks), previous_event, before_epilogue,
-                         async_with_compute_stream, allocate_on_comm_stream)
+        kw = stream_args(
+            self.buffer,
+            dispatch_config(sms, self.num_ranks),
+            previous_event,
+            before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+        )
         if args.handle is not None:
             return self._cached_dispatch(x, topk_weights, args.handle, kw, args.sf_col_major)
         local = args.num_experts // self.num_ranks if args.num_experts % max(self.num_ranks, 1) == 0 else 0
@@ -296,59 +450,138 @@ class ElasticBuffer:
             return self._expand_dispatch(x, topk_idx, topk_weights, stats, args, sms, local, kw)
         return self._plain_dispatch(x, topk_idx, topk_weights, stats, args, sms, local, kw)
 
-    def _plain_dispatch(self, x: XInput, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-                        stats: torch.Tensor | None, args: DispatchArgs, sms: int, local: int, kw: dict):
+    def _plain_dispatch(
+        self,
+        x: XInput,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        stats: torch.Tensor | None,
+        args: DispatchArgs,
+        sms: int,
+        local: int,
+        kw: dict,
+    ):
         """The non-expanded dispatch: one row per (token, rank)."""
         alignment, t_max = args.alignment, args.t_max
         capacity = 0 if args.cpu_sync else self.num_ranks * t_max
         recv_x, recv_idx, recv_w, counts, inner, event = self.buffer.dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=args.num_experts,
-            expert_alignment=alignment, num_worst_tokens=capacity, **kw)
+            x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_experts=args.num_experts,
+            expert_alignment=alignment,
+            num_worst_tokens=capacity,
+            **kw,
+        )
 
         def epilogue() -> tuple:
-            meta, psum_rank = layout.source_metadata(inner, self.rank_idx, self.num_scaleout_ranks,
-                                                     self.num_scaleup_ranks, recv_idx.shape[0], args.num_topk, t_max,
-                                                     None)
+            meta, psum_rank = layout.source_metadata(
+                inner,
+                self.rank_idx,
+                self.num_scaleout_ranks,
+                self.num_scaleup_ranks,
+                recv_idx.shape[0],
+                args.num_topk,
+                t_max,
+                None,
+            )
             per_expert = layout.count_local(recv_idx, local)
             if stats is not None:
                 stats.add_(per_expert.to(torch.int32))
             aligned = (per_expert + alignment - 1) // alignment * alignment
             return meta, psum_rank, aligned.cumsum(0).to(torch.int32), layout.sf_layout(recv_x, args.sf_col_major)
+
         (meta, psum_rank, psum_expert, out_x), event = run_epilogue(self.buffer, event, epilogue)
         # without a CPU sync the count stays on the device (some transports know it, nvlink and local do not)
         num_recv = inner.num_recv_tokens if args.cpu_sync else recv_idx.shape[0]
-        ep_handle = make_handle(self, args, sms, topk_idx, num_recv, 0, counts, psum_rank, psum_expert, None, meta,
-                                inner, recv_idx, recv_idx.shape[0])
+        ep_handle = make_handle(
+            self,
+            args,
+            sms,
+            topk_idx,
+            num_recv,
+            0,
+            counts,
+            psum_rank,
+            psum_expert,
+            None,
+            meta,
+            inner,
+            recv_idx,
+            recv_idx.shape[0],
+        )
         return out_x, recv_idx, recv_w, ep_handle, event
 
-    def _expand_dispatch(self, x: XInput, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-                         stats: torch.Tensor | None, args: DispatchArgs, sms: int, local: int, kw: dict):
+    def _expand_dispatch(
+        self,
+        x: XInput,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        stats: torch.Tensor | None,
+        args: DispatchArgs,
+        sms: int,
+        local: int,
+        kw: dict,
+    ):
         """The expanded dispatch: rows grouped by local expert, one per (token, local expert)."""
         expert_x, expert_sf, probs, tokens_per_expert, inner, event = self.buffer.dispatch_experts(
-            x, topk_idx, topk_weights, args.num_experts, expert_alignment=args.alignment, **kw)
+            x, topk_idx, topk_weights, args.num_experts, expert_alignment=args.alignment, **kw
+        )
         expert_layout = inner.expert_layout
         rows = expert_layout.num_rows
-        out_rows = rows if args.cpu_sync else layout.expanded_capacity(rows, self.num_ranks, args.t_max,
-                                                                       args.num_topk, local, args.alignment)
+        out_rows = (
+            rows
+            if args.cpu_sync
+            else layout.expanded_capacity(rows, self.num_ranks, args.t_max, args.num_topk, local, args.alignment)
+        )
 
         def epilogue() -> tuple:
             slots = expert_layout.recv_slot
             starts, real = layout.expanded_blocks(tokens_per_expert, slots, local)
             if stats is not None:
                 stats.add_(real.to(torch.int32))
-            meta, psum_rank = layout.source_metadata(inner, self.rank_idx, self.num_scaleout_ranks,
-                                                     self.num_scaleup_ranks, slots.shape[0], args.num_topk,
-                                                     args.t_max, slots)
+            meta, psum_rank = layout.source_metadata(
+                inner,
+                self.rank_idx,
+                self.num_scaleout_ranks,
+                self.num_scaleup_ranks,
+                slots.shape[0],
+                args.num_topk,
+                args.t_max,
+                slots,
+            )
             recv_x = layout.pad_rows(expert_x if expert_sf is None else (expert_x, expert_sf), out_rows)
-            return (meta, psum_rank, (starts + real).to(torch.int32), real.to(torch.int32),
-                    layout.sf_layout(recv_x, args.sf_col_major), layout.pad_rows(probs, out_rows))
+            return (
+                meta,
+                psum_rank,
+                (starts + real).to(torch.int32),
+                real.to(torch.int32),
+                layout.sf_layout(recv_x, args.sf_col_major),
+                layout.pad_rows(probs, out_rows),
+            )
+
         (meta, psum_rank, psum_expert, real, out_x, out_probs), event = run_epilogue(self.buffer, event, epilogue)
-        ep_handle = make_handle(self, args, sms, topk_idx, inner.num_recv_tokens, rows, tokens_per_expert,
-                                psum_rank, psum_expert, real, meta, inner, None, out_rows)
+        ep_handle = make_handle(
+            self,
+            args,
+            sms,
+            topk_idx,
+            inner.num_recv_tokens,
+            rows,
+            tokens_per_expert,
+            psum_rank,
+            psum_expert,
+            real,
+            meta,
+            inner,
+            None,
+            out_rows,
+        )
         return out_x, None, out_probs, ep_handle, event
 
-    def _cached_dispatch(self, x: XInput, topk_weights: torch.Tensor | None, handle: EPHandle, kw: dict,
-                         sf_col_major: bool):
+    def _cached_dispatch(
+        self, x: XInput, topk_weights: torch.Tensor | None, handle: EPHandle, kw: dict, sf_col_major: bool
+    ):
         if handle.do_expand:
             expert_x, expert_sf, _, _, _, event = self.buffer.dispatch_experts(x, handle=handle.inner, **kw)
             recv_x = expert_x if expert_sf is None else (expert_x, expert_sf)
@@ -361,19 +594,28 @@ class ElasticBuffer:
         def epilogue() -> tuple:
             # the non-expanded form returns the fresh dispatch's local ids again, as DeepEP does
             recv_idx = None if handle.do_expand else layout.pad_rows(handle._recv_topk_idx, handle._out_rows).clone()
-            return (layout.sf_layout(layout.pad_rows(recv_x, handle._out_rows), sf_col_major), recv_idx,
-                    layout.pad_rows(recv_w, handle._out_rows))
+            return (
+                layout.sf_layout(layout.pad_rows(recv_x, handle._out_rows), sf_col_major),
+                recv_idx,
+                layout.pad_rows(recv_w, handle._out_rows),
+            )
+
         (out_x, recv_idx, out_w), event = run_epilogue(self.buffer, event, epilogue)
         return out_x, recv_idx, out_w, handle, event
 
-    def _cached_weights(self, topk_weights: torch.Tensor, handle: EPHandle, kw: dict,
-                        event: EventOverlap) -> tuple[torch.Tensor, EventOverlap]:
+    def _cached_weights(
+        self, topk_weights: torch.Tensor, handle: EPHandle, kw: dict, event: EventOverlap
+    ) -> tuple[torch.Tensor, EventOverlap]:
         """``topk_weights`` ``[T, K]`` float32 carried bit for bit in a cached handle's layout (as BF16 pairs)."""
         num_tokens, num_topk = handle.topk_idx.shape
-        if not (isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32
-                and topk_weights.shape == (num_tokens, num_topk)):
-            raise ValueError(f"topk_weights: expected a float32 tensor [{num_tokens}, {num_topk}] (the handle's "
-                             f"top-k shape)")
+        if not (
+            isinstance(topk_weights, torch.Tensor)
+            and topk_weights.dtype == torch.float32
+            and topk_weights.shape == (num_tokens, num_topk)
+        ):
+            raise ValueError(
+                f"topk_weights: expected a float32 tensor [{num_tokens}, {num_topk}] (the handle's top-k shape)"
+            )
         packed = run_prologue(self.buffer, kw, lambda: layout.pack_weights(topk_weights), (topk_weights,))
         if handle.do_expand:
             rows, _, _, _, _, weights_event = self.buffer.dispatch_experts(packed, handle=handle.inner, **kw)
@@ -381,14 +623,24 @@ class ElasticBuffer:
             rows, _, _, _, _, weights_event = self.buffer.dispatch(packed, handle=handle.inner, **kw)
         event = weights_event if weights_event.event is not None else event
         slots = handle.inner.expert_layout.recv_slot if handle.do_expand else None
-        return run_epilogue(self.buffer, event,
-                            lambda: layout.unpack_weights(rows, num_topk, handle._recv_topk_idx, slots))
+        return run_epilogue(
+            self.buffer, event, lambda: layout.unpack_weights(rows, num_topk, handle._recv_topk_idx, slots)
+        )
 
     # ---- combine ----
-    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
-                bias: Bias = None, num_sms: int = 0, num_qps: int = 0, previous_event: object | None = None,
-                previous_event_before_epilogue: object | None = None, async_with_compute_stream: bool = False,
-                allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: Bias = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: object | None = None,
+        previous_event_before_epilogue: object | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Sum the rows back to their tokens (the rows are not multiplied by any weight).
 
         Arguments:
@@ -409,20 +661,47 @@ class ElasticBuffer:
         Returns:
             ``(combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None, event)``.
         """
-        return self._combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
-                             previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream)
+        return self._combine(
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+        )
 
-    def _combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None, bias: Bias,
-                 num_sms: int, num_qps: int, previous_event: object, before_epilogue: object,
-                 async_with_compute_stream: bool, allocate_on_comm_stream: bool, out_dtype: torch.dtype | None = None):
+    def _combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None,
+        bias: Bias,
+        num_sms: int,
+        num_qps: int,
+        previous_event: object,
+        before_epilogue: object,
+        async_with_compute_stream: bool,
+        allocate_on_comm_stream: bool,
+        out_dtype: torch.dtype | None = None,
+    ):
         handle = check_handle(handle, self)
         check_int("num_qps", num_qps, 0)
         sms = check_num_sms(num_sms) or handle.num_sms
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise TypeError(f"x: expected a [rows, hidden] tensor, got {type(x).__name__}")
         widen = check_out_dtype(out_dtype, x)
-        kw = stream_args(self.buffer, combine_config(sms, self.num_ranks), previous_event, before_epilogue,
-                         async_with_compute_stream, allocate_on_comm_stream)
+        kw = stream_args(
+            self.buffer,
+            combine_config(sms, self.num_ranks),
+            previous_event,
+            before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+        )
         if x.shape[0] != handle._out_rows:
             raise ValueError(f"x: expected {handle._out_rows} rows (the dispatch's output), got {x.shape[0]}")
         if widen:

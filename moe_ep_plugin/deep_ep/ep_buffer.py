@@ -14,6 +14,7 @@ optional FP32 combine output, 128-element combine alignment and ``EPBuffer.lb_ge
 
 The argument names ``out_dtype`` and ``resize``'s are this library's (DeepEP's are not published): docs/compat.md.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,58 +44,147 @@ class EPBuffer(ElasticBuffer):
 
     _reference_topk_idx = True
 
-    def __init__(self, group: dist.ProcessGroup, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0,
-                 hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
-                 lb_allocation_plan_or_num_bytes: Any = 0, deterministic: bool = False,
-                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
-                 prefer_overlap_with_compute: bool = True, sl_idx: int | None = None, num_allocated_qps: int = 0,
-                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
-                 *, transport: str = "auto", device: torch.device | str | None = None,
-                 ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_bytes: int | None = None,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        lb_allocation_plan_or_num_bytes: Any = 0,
+        deterministic: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True,
+        sl_idx: int | None = None,
+        num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: int = 300,
+        num_gpu_timeout_secs: int = 100,
+        explicitly_destroy: bool = False,
+        *,
+        transport: str = "auto",
+        device: torch.device | str | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
         """Arguments as :class:`ElasticBuffer` (``lb_allocation_plan_or_num_bytes`` must be 0 or None)."""
         if lb_allocation_plan_or_num_bytes not in (0, None):
-            raise ValueError("lb_allocation_plan_or_num_bytes: DeepEP 2.5's expert load-balancing region "
-                             "(lb_prefetch_weights/lb_reduce_grads) is not served by moe_ep_plugin; pass 0")
-        self._setup(group, num_bytes, 0, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, deterministic,
-                    allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx,
-                    num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy, transport,
-                    device, ranks_per_node)
+            raise ValueError(
+                "lb_allocation_plan_or_num_bytes: DeepEP 2.5's expert load-balancing region "
+                "(lb_prefetch_weights/lb_reduce_grads) is not served by moe_ep_plugin; pass 0"
+            )
+        self._setup(
+            group,
+            num_bytes,
+            0,
+            num_max_tokens_per_rank,
+            hidden,
+            num_topk,
+            use_fp8_dispatch,
+            deterministic,
+            allow_hybrid_mode,
+            allow_multiple_reduction,
+            prefer_overlap_with_compute,
+            sl_idx,
+            num_allocated_qps,
+            num_cpu_timeout_secs,
+            num_gpu_timeout_secs,
+            explicitly_destroy,
+            transport,
+            device,
+            ranks_per_node,
+        )
 
-    def dispatch(self, x: XInput, topk_idx: torch.Tensor | None = None,  # type: ignore[override]
-                 topk_weights: torch.Tensor | None = None,
-                 cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
-                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None,
-                 num_sms: int = 0, num_qps: int = 0, previous_event: object | None = None,
-                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-                 handle: EPHandle | None = None, do_handle_copy: bool = False, do_cpu_sync: bool | None = None,
-                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
-                 defer_epilogue: bool = False):
+    def dispatch(
+        self,
+        x: XInput,
+        topk_idx: torch.Tensor | None = None,  # type: ignore[override]
+        topk_weights: torch.Tensor | None = None,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: object | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None,
+        do_handle_copy: bool = False,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+        defer_epilogue: bool = False,
+    ):
         """:meth:`ElasticBuffer.dispatch` in DeepEP 2.5's form (``defer_epilogue``: class docstring)."""
-        result = self._dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-                                num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event, None,
-                                async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy,
-                                do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+        result = self._dispatch(
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats,
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            previous_event,
+            None,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            handle,
+            do_handle_copy,
+            do_cpu_sync,
+            do_expand,
+            do_zero_padding,
+            use_tma_aligned_col_major_sf,
+        )
         if check_bool("defer_epilogue", defer_epilogue):
             return DeferredEpilogue(result[-1], result[:-1])
         return result
 
-    def combine(self, x: torch.Tensor, handle: EPHandle,  # type: ignore[override]
-                topk_weights: torch.Tensor | None = None, bias: Bias = None, num_sms: int = 0, num_qps: int = 0,
-                previous_event: object | None = None, async_with_compute_stream: bool = False,
-                allocate_on_comm_stream: bool = False, defer_epilogue: bool = False,
-                out_dtype: torch.dtype | None = None):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,  # type: ignore[override]
+        topk_weights: torch.Tensor | None = None,
+        bias: Bias = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: object | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        defer_epilogue: bool = False,
+        out_dtype: torch.dtype | None = None,
+    ):
         """:meth:`ElasticBuffer.combine` in DeepEP 2.5's form (``defer_epilogue``: class docstring).
 
         ``out_dtype`` (DeepEP 2.6's FP32 combine output): None returns ``x.dtype``; ``torch.float32`` returns the
         fp32 sum unrounded (``combined_x`` ``[T, H]`` float32; ``bias`` in ``x.dtype`` as always)."""
-        result = self._combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event, None,
-                               async_with_compute_stream, allocate_on_comm_stream, out_dtype)
+        result = self._combine(
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms,
+            num_qps,
+            previous_event,
+            None,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            out_dtype,
+        )
         if check_bool("defer_epilogue", defer_epilogue):
             return DeferredEpilogue(result[-1], result[:-1])
         return result
 
-    def resize(self, num_bytes: int | None = None, num_max_tokens_per_rank: int | None = None,
-               hidden: int | None = None, num_topk: int | None = None) -> None:
+    def resize(
+        self,
+        num_bytes: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        hidden: int | None = None,
+        num_topk: int | None = None,
+    ) -> None:
         """DeepEP 2.6's ``resize``: make the buffer again for other sizes (collective over the group), with the same
         group, transport, device and timeouts. Handles of earlier dispatches are refused afterwards.
 
@@ -112,34 +202,50 @@ class EPBuffer(ElasticBuffer):
         except (TypeError, ValueError) as exc:
             request, refusal = None, exc
         everyone: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(everyone, (request, None if refusal is None else f"{type(refusal).__name__}: "
-                                          f"{refusal}"), group=self.group)
+        dist.all_gather_object(
+            everyone, (request, None if refusal is None else f"{type(refusal).__name__}: {refusal}"), group=self.group
+        )
         refused = [rank for rank, (_, reason) in enumerate(everyone) if reason is not None]
         if refusal is not None:
             raise refusal
         if refused:
-            raise ValueError(f"resize: rank(s) {refused} refused the call (rank {refused[0]}: "
-                             f"{everyone[refused[0]][1]}); every rank raises, nothing was resized")
+            raise ValueError(
+                f"resize: rank(s) {refused} refused the call (rank {refused[0]}: "
+                f"{everyone[refused[0]][1]}); every rank raises, nothing was resized"
+            )
         sizes = [req[0] for req, _ in everyone]
         if len(set(sizes)) > 1:
-            raise ValueError(f"num_bytes: the ranks ask for different sizes {sizes} (rank order); pass the same on "
-                             "every rank; nothing was resized")
+            raise ValueError(
+                f"num_bytes: the ranks ask for different sizes {sizes} (rank order); pass the same on "
+                "every rank; nothing was resized"
+            )
         self.buffer.destroy()
         self.num_bytes, self.num_max_tokens_per_rank, self.hidden, self.num_topk = request
         self.buffer = Buffer(self.group, num_nvl_bytes=self.num_bytes, **self._buffer_kw)
 
-    def _resize_request(self, num_bytes: int | None, num_max_tokens_per_rank: int | None, hidden: int | None,
-                        num_topk: int | None) -> tuple[int, int, int, int]:
+    def _resize_request(
+        self, num_bytes: int | None, num_max_tokens_per_rank: int | None, hidden: int | None, num_topk: int | None
+    ) -> tuple[int, int, int, int]:
         """``resize``'s arguments checked on this rank → ``(num_bytes, num_max_tokens_per_rank, hidden, num_topk)``."""
         if self.buffer.destroyed:
             raise ValueError("resize: the buffer was destroyed; make a new one")
-        tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else check_int(
-            "num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        tokens = (
+            self.num_max_tokens_per_rank
+            if num_max_tokens_per_rank is None
+            else check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        )
         hidden = self.hidden if hidden is None else check_int("hidden", hidden, 0)
         num_topk = self.num_topk if num_topk is None else check_int("num_topk", num_topk, 0)
         if num_bytes is None:
-            num_bytes = self.get_buffer_size_hint(self.group, tokens, max(hidden, 1), num_topk, self.use_fp8_dispatch,
-                                                  self.allow_hybrid_mode, self.allow_multiple_reduction)
+            num_bytes = self.get_buffer_size_hint(
+                self.group,
+                tokens,
+                max(hidden, 1),
+                num_topk,
+                self.use_fp8_dispatch,
+                self.allow_hybrid_mode,
+                self.allow_multiple_reduction,
+            )
         return check_int("num_bytes", num_bytes, 0), tokens, hidden, num_topk
 
     def lb_get_redundancy_mapping(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -147,7 +253,8 @@ class EPBuffer(ElasticBuffer):
         raise NotImplementedError(
             "EPBuffer.lb_get_redundancy_mapping: not served by moe_ep_plugin. DeepEP 2.6 publishes its purpose "
             "(redundant-expert planning across scale-out EP groups) but not its arguments or result, and the "
-            "load-balancing calls it plans for (lb_prefetch_weights, lb_reduce_grads) are not served here")
+            "load-balancing calls it plans for (lb_prefetch_weights, lb_reduce_grads) are not served here"
+        )
 
 
 __all__ = ["EPBuffer", "EPHandle"]

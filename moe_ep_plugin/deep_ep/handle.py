@@ -1,5 +1,6 @@
 """DeepEP V2's ``EPHandle``: the layout of one ``ElasticBuffer.dispatch``, and the check that a handle may be
 reused by a buffer."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -39,13 +40,28 @@ class EPHandle:
       bookkeeping; this library's handle keeps its own in ``inner``).
     """
 
-    def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: list[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_expert: torch.Tensor,
-                 num_unaligned_recv_tokens_per_expert: torch.Tensor | None, recv_src_metadata: torch.Tensor,
-                 inner: DispatchHandle, recv_topk_idx: torch.Tensor | None, out_rows: int,
-                 owner: ElasticBuffer, topk_idx_version: int | None) -> None:
+    def __init__(
+        self,
+        *,
+        do_expand: bool,
+        num_experts: int,
+        expert_alignment: int,
+        num_max_tokens_per_rank: int,
+        num_sms: int,
+        topk_idx: torch.Tensor,
+        num_recv_tokens: int,
+        num_expanded_tokens: int,
+        num_recv_tokens_per_expert_list: list[int],
+        psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+        psum_num_recv_tokens_per_expert: torch.Tensor,
+        num_unaligned_recv_tokens_per_expert: torch.Tensor | None,
+        recv_src_metadata: torch.Tensor,
+        inner: DispatchHandle,
+        recv_topk_idx: torch.Tensor | None,
+        out_rows: int,
+        owner: ElasticBuffer,
+        topk_idx_version: int | None,
+    ) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -87,21 +103,46 @@ class EPHandle:
         return self._dst_slots
 
 
-def make_handle(owner: ElasticBuffer, args: DispatchArgs, sms: int, topk_idx: torch.Tensor, num_recv_tokens: int,
-                num_expanded: int, counts: list[int], psum_rank: torch.Tensor, psum_expert: torch.Tensor,
-                real: torch.Tensor | None, meta: torch.Tensor, inner: DispatchHandle, recv_idx: torch.Tensor | None,
-                out_rows: int) -> EPHandle:
+def make_handle(
+    owner: ElasticBuffer,
+    args: DispatchArgs,
+    sms: int,
+    topk_idx: torch.Tensor,
+    num_recv_tokens: int,
+    num_expanded: int,
+    counts: list[int],
+    psum_rank: torch.Tensor,
+    psum_expert: torch.Tensor,
+    real: torch.Tensor | None,
+    meta: torch.Tensor,
+    inner: DispatchHandle,
+    recv_idx: torch.Tensor | None,
+    out_rows: int,
+) -> EPHandle:
     """The :class:`EPHandle` of a fresh dispatch by ``owner`` with the resolved ``args``; it keeps a clone of
     ``topk_idx`` with ``args.do_handle_copy``, else the tensor and its version (checked by :func:`check_handle`;
     an inference-mode tensor has no version: DeepEP's test loop runs under ``torch.inference_mode()``)."""
     kept = topk_idx.clone() if args.do_handle_copy else topk_idx
-    return EPHandle(do_expand=args.do_expand, num_experts=args.num_experts, expert_alignment=args.alignment,
-                    num_max_tokens_per_rank=args.t_max, num_sms=sms, topk_idx=kept, num_recv_tokens=num_recv_tokens,
-                    num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=list(counts),
-                    psum_num_recv_tokens_per_scaleup_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
-                    num_unaligned_recv_tokens_per_expert=real, recv_src_metadata=meta, inner=inner,
-                    recv_topk_idx=recv_idx, out_rows=out_rows, owner=owner,
-                    topk_idx_version=None if args.do_handle_copy or topk_idx.is_inference() else topk_idx._version)
+    return EPHandle(
+        do_expand=args.do_expand,
+        num_experts=args.num_experts,
+        expert_alignment=args.alignment,
+        num_max_tokens_per_rank=args.t_max,
+        num_sms=sms,
+        topk_idx=kept,
+        num_recv_tokens=num_recv_tokens,
+        num_expanded_tokens=num_expanded,
+        num_recv_tokens_per_expert_list=list(counts),
+        psum_num_recv_tokens_per_scaleup_rank=psum_rank,
+        psum_num_recv_tokens_per_expert=psum_expert,
+        num_unaligned_recv_tokens_per_expert=real,
+        recv_src_metadata=meta,
+        inner=inner,
+        recv_topk_idx=recv_idx,
+        out_rows=out_rows,
+        owner=owner,
+        topk_idx_version=None if args.do_handle_copy or topk_idx.is_inference() else topk_idx._version,
+    )
 
 
 def check_handle(handle: object, owner: ElasticBuffer) -> EPHandle:
@@ -113,8 +154,9 @@ def check_handle(handle: object, owner: ElasticBuffer) -> EPHandle:
     if handle._owner_buffer is not owner.buffer:
         raise ValueError("handle: it was made before the buffer's resize(); dispatch again")
     if handle._topk_idx_version is not None and handle.topk_idx._version != handle._topk_idx_version:
-        raise ValueError("handle: its topk_idx (kept by reference, do_handle_copy=False) was modified after the "
-                         "dispatch")
+        raise ValueError(
+            "handle: its topk_idx (kept by reference, do_handle_copy=False) was modified after the dispatch"
+        )
     return handle
 
 

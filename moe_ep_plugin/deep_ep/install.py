@@ -7,6 +7,7 @@ Two ways in, both refusing to shadow a real, importable DeepEP unless told to:
   ``PYTHONPATH``. It holds a one-file ``deep_ep`` package that calls :func:`install_deep_ep` when imported
   (``MOE_EP_DEEP_EP_FORCE=1`` passes ``force=True``).
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -21,6 +22,7 @@ _NAMES = ("deep_ep", "deep_ep.utils")
 
 def _ours() -> ModuleType:
     from moe_ep_plugin import deep_ep
+
     return deep_ep
 
 
@@ -55,9 +57,11 @@ def install_deep_ep(force: bool = False) -> ModuleType:
         return ours
     origin = real_deep_ep_origin()
     if origin is not None and not force:
-        raise RuntimeError(f"install_deep_ep: a real deep_ep is importable ({origin}); moe_ep_plugin does not shadow "
-                           f"it silently. Uninstall it, or pass force=True (MOE_EP_DEEP_EP_FORCE=1 for the PYTHONPATH "
-                           f"switch) to use moe_ep_plugin.deep_ep instead")
+        raise RuntimeError(
+            f"install_deep_ep: a real deep_ep is importable ({origin}); moe_ep_plugin does not shadow "
+            f"it silently. Uninstall it, or pass force=True (MOE_EP_DEEP_EP_FORCE=1 for the PYTHONPATH "
+            f"switch) to use moe_ep_plugin.deep_ep instead"
+        )
     for name in [n for n in sys.modules if n == "deep_ep" or n.startswith("deep_ep.")]:
         del sys.modules[name]  # a forced install drops the real package's modules too
     sys.modules["deep_ep"] = ours

@@ -1,6 +1,7 @@
 """DeepEP V2's layouts built from this library's dispatch: per-expert counts, the expanded (expert-major) layout's
 blocks and capacity, ``recv_src_metadata``, rows padded to capacity, FP8 scales in TMA-aligned column-major form,
 and float32 weights carried bit for bit in a cached layout. All on the device, without a host read."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ def count_local(local_ids: torch.Tensor, num_local: int) -> torch.Tensor:
     return counts[:num_local]
 
 
-def expanded_blocks(tokens_per_expert: list[int], recv_slot: torch.Tensor,
-                    num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expanded_blocks(
+    tokens_per_expert: list[int], recv_slot: torch.Tensor, num_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ``([L] aligned start of each local expert's block, [L] its real (token, expert) pairs)`` of an
     expanded layout whose ``recv_slot`` ``[rows, K]`` holds each top-k column's row (-1: not local)."""
     starts = torch.tensor([0] + tokens_per_expert[:-1], dtype=torch.int64, device=recv_slot.device).cumsum(0)
@@ -35,9 +37,16 @@ def expanded_capacity(rows: int, num_ranks: int, t_max: int, num_topk: int, num_
     return max(rows, num_ranks * t_max * min(num_topk, max(num_local, 1)) + num_local * (alignment - 1))
 
 
-def source_metadata(inner: DispatchHandle, rank_idx: int, num_scaleout_ranks: int, num_scaleup_ranks: int,
-                    rows: int, num_topk: int, t_max: int,
-                    slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def source_metadata(
+    inner: DispatchHandle,
+    rank_idx: int,
+    num_scaleout_ranks: int,
+    num_scaleup_ranks: int,
+    rows: int,
+    num_topk: int,
+    t_max: int,
+    slots: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``recv_src_metadata`` ``[rows, 2 + K]`` int32 and ``psum_num_recv_tokens_per_scaleup_rank`` int32 of rank
     ``rank_idx``, from the handle's rank prefix matrix; ``slots`` ``[rows, K]``: the expanded rows (None: -1)."""
     column = inner.rank_prefix_matrix[:, rank_idx].long()  # inclusive prefix over source ranks
@@ -67,7 +76,7 @@ def pad_rows(t: XInput | None, rows: int) -> XInput | None:
     if t.shape[0] >= rows:
         return t
     out = t.new_zeros((rows,) + tuple(t.shape[1:]))
-    out[:t.shape[0]] = t
+    out[: t.shape[0]] = t
     return out
 
 
@@ -87,15 +96,16 @@ def pack_weights(topk_weights: torch.Tensor) -> torch.Tensor:
     copies rows, it never computes on them; rows of 16-byte multiples for every transport)."""
     num_tokens, num_topk = topk_weights.shape
     packed = torch.zeros(num_tokens, align(2 * num_topk, 8), dtype=torch.bfloat16, device=topk_weights.device)
-    packed[:, :2 * num_topk] = topk_weights.contiguous().view(torch.bfloat16)
+    packed[:, : 2 * num_topk] = topk_weights.contiguous().view(torch.bfloat16)
     return packed
 
 
-def unpack_weights(rows: torch.Tensor, num_topk: int, recv_topk_idx: torch.Tensor | None,
-                   recv_slot: torch.Tensor | None) -> torch.Tensor:
+def unpack_weights(
+    rows: torch.Tensor, num_topk: int, recv_topk_idx: torch.Tensor | None, recv_slot: torch.Tensor | None
+) -> torch.Tensor:
     """Dispatched :func:`pack_weights` rows back to float32: ``[rows, K]`` masked where ``recv_topk_idx`` is -1
     (not expanded), or ``[rows]`` each expanded row's own column picked through ``recv_slot`` ``[T', K]``."""
-    values = rows[:, :2 * num_topk].contiguous().view(torch.float32)  # [rows, K]
+    values = rows[:, : 2 * num_topk].contiguous().view(torch.float32)  # [rows, K]
     if recv_slot is None:
         return values.masked_fill(recv_topk_idx < 0, 0.0)
     slots = recv_slot.long()
@@ -109,5 +119,13 @@ def unpack_weights(rows: torch.Tensor, num_topk: int, recv_topk_idx: torch.Tenso
     return picked.masked_fill(~filled[:num_rows], 0.0)
 
 
-__all__ = ["count_local", "expanded_blocks", "expanded_capacity", "pack_weights", "pad_rows", "sf_layout",
-           "source_metadata", "unpack_weights"]
+__all__ = [
+    "count_local",
+    "expanded_blocks",
+    "expanded_capacity",
+    "pack_weights",
+    "pad_rows",
+    "sf_layout",
+    "source_metadata",
+    "unpack_weights",
+]

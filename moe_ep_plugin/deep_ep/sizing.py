@@ -1,5 +1,6 @@
 """The analytic model behind ``ElasticBuffer.get_buffer_size_hint`` and ``get_theoretical_num_sms``: peer-memory
 bytes of this library's chunked rings, and the SMs that keep the NVLink busy under its kernels."""
+
 from __future__ import annotations
 
 import math
@@ -32,9 +33,18 @@ def _check_bandwidths(rdma_gbs: float, nvlink_gbs: float, sm_read_gbs: float, sm
             raise ValueError(f"{name}: expected a positive bandwidth, got {value!r}")
 
 
-def theoretical_num_sms(num_ranks: int, num_scaleup_ranks: int, device: torch.device, num_experts: int,
-                        num_topk: int, num_scaleout_topk: int, rdma_gbs: float, nvlink_gbs: float,
-                        sm_read_gbs: float, sm_write_gbs: float) -> int:
+def theoretical_num_sms(
+    num_ranks: int,
+    num_scaleup_ranks: int,
+    device: torch.device,
+    num_experts: int,
+    num_topk: int,
+    num_scaleout_topk: int,
+    rdma_gbs: float,
+    nvlink_gbs: float,
+    sm_read_gbs: float,
+    sm_write_gbs: float,
+) -> int:
     """An even SM count for ``num_ranks`` ranks, ``num_scaleup_ranks`` of them per node, on ``device``
     (``ElasticBuffer.get_theoretical_num_sms`` documents the model and the other arguments)."""
     check_int("num_experts", num_experts, 1)

@@ -1,6 +1,7 @@
 """DeepEP V2's stream and event arguments (``previous_event``, ``previous_event_before_epilogue``,
 ``async_with_compute_stream``, ``allocate_on_comm_stream``) mapped onto the Buffer's, and the epilogue that runs
 after a Buffer call on the stream the call ran on."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,8 +15,9 @@ from .arguments import check_bool
 from .utils import EventHandle, as_event_overlap
 
 
-def join_events(device: torch.device, previous_event: object, before_epilogue: object,
-                on_comm: bool) -> EventOverlap | None:
+def join_events(
+    device: torch.device, previous_event: object, before_epilogue: object, on_comm: bool
+) -> EventOverlap | None:
     """The one event the Buffer waits for: ``previous_event``, ``previous_event_before_epilogue``, or a point
     after both; with ``on_comm`` (``allocate_on_comm_stream``) and neither, the current stream's point (DeepEP
     allows that pair; the Buffer asks for the event explicitly)."""
@@ -35,12 +37,17 @@ def join_events(device: torch.device, previous_event: object, before_epilogue: o
     return EventOverlap(joined)
 
 
-def stream_args(buffer: Buffer, config: Any, previous_event: object, before_epilogue: object, async_: object,
-                on_comm: object) -> dict:
+def stream_args(
+    buffer: Buffer, config: Any, previous_event: object, before_epilogue: object, async_: object, on_comm: object
+) -> dict:
     """The Buffer's ``config``/stream keywords of a call."""
     on_comm = check_bool("allocate_on_comm_stream", on_comm)
-    return dict(config=config, previous_event=join_events(buffer.device, previous_event, before_epilogue, on_comm),
-                async_finish=check_bool("async_with_compute_stream", async_), allocate_on_comm_stream=on_comm)
+    return dict(
+        config=config,
+        previous_event=join_events(buffer.device, previous_event, before_epilogue, on_comm),
+        async_finish=check_bool("async_with_compute_stream", async_),
+        allocate_on_comm_stream=on_comm,
+    )
 
 
 def run_prologue(buffer: Buffer, kw: dict, fn: Callable[[], Any], reads: tuple[torch.Tensor, ...]) -> Any:

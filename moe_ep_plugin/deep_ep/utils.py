@@ -1,5 +1,6 @@
 """``deep_ep.utils``: ``EventOverlap`` (this library's) and ``EventHandle`` (a point on the current stream), plus
 the deferred result DeepEP 2.5's ``defer_epilogue=True`` returns."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 ``moe_ep_plugin.install_deep_ep()`` and ``deepspeed.initialize`` in code of your own). Only the standard library
 at import: ``setup.py`` loads this file by path, before torch or DeepSpeed is installed.
 """
+
 from __future__ import annotations
 
 from importlib import metadata
@@ -12,8 +13,9 @@ from importlib import metadata
 # argument, and AutoEP (its auto_ep_presets/base.py) calls get(key, default): "_CanRecordRegistry.get() takes 2
 # positional arguments but 3 were given" inside deepspeed.initialize (read in the 5.23.0, 5.24.0 and 5.25.0 wheels).
 # Older transformers releases are not tested, so the range starts at 5.22.2.
-AUTOEP_TRANSFORMERS = {"0.19.8": (">=5.22.2,<5.23", "from 5.23.0 it fails inside deepspeed.initialize; older "
-                                                     "releases are not tested")}
+AUTOEP_TRANSFORMERS = {
+    "0.19.8": (">=5.22.2,<5.23", "from 5.23.0 it fails inside deepspeed.initialize; older releases are not tested")
+}
 DEEPSPEED_TESTED = "0.19.8"
 
 
@@ -32,8 +34,10 @@ def autoep_version_error(deepspeed_version: str, transformers_version: str) -> s
     if entry is None or Version(transformers_version) in SpecifierSet(entry[0]):
         return None
     wanted, outside = entry
-    return (f"DeepSpeed {deepspeed_version}'s AutoEP runs with transformers{wanted} ({outside}), but transformers "
-            f"{transformers_version} is installed: pip install 'transformers{wanted}'")
+    return (
+        f"DeepSpeed {deepspeed_version}'s AutoEP runs with transformers{wanted} ({outside}), but transformers "
+        f"{transformers_version} is installed: pip install 'transformers{wanted}'"
+    )
 
 
 def check_autoep_versions() -> None:

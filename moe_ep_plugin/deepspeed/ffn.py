@@ -10,6 +10,7 @@ chunks cut with host counts. The structure comes from a ``torch.fx`` trace of th
 anything else (more layers, gated units, dropout, norms, a ``Linear`` subclass, module hooks, a tuple output)
 keeps DeepSpeed's per-expert loop.
 """
+
 from __future__ import annotations
 
 import operator
@@ -23,10 +24,42 @@ from torch import nn
 from .. import experts
 
 # elementwise and stateless: one callable serves every expert
-_ACTIVATION_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU,
-                       nn.Softplus, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Identity)
-_ACTIVATION_FUNCTIONS = (F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.celu, F.selu, F.leaky_relu, F.softplus,
-                         F.sigmoid, F.tanh, F.hardswish, F.hardsigmoid, torch.relu, torch.sigmoid, torch.tanh)
+_ACTIVATION_MODULES = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.LeakyReLU,
+    nn.Softplus,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Identity,
+)
+_ACTIVATION_FUNCTIONS = (
+    F.relu,
+    F.relu6,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.elu,
+    F.celu,
+    F.selu,
+    F.leaky_relu,
+    F.softplus,
+    F.sigmoid,
+    F.tanh,
+    F.hardswish,
+    F.hardsigmoid,
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+)
 _ACTIVATION_METHODS = ("relu", "sigmoid", "tanh")
 
 Structure = tuple[str, Callable[[torch.Tensor], torch.Tensor], str]
@@ -106,8 +139,10 @@ class GroupedFFN:
             return None
         grouped = cls(local_experts, structure)
         for linears in (grouped.first, grouped.second):
-            if any(type(m) is not nn.Linear or _hooked(m) for m in linears) \
-                    or len({(m.weight.shape, m.bias is None) for m in linears}) != 1:
+            if (
+                any(type(m) is not nn.Linear or _hooked(m) for m in linears)
+                or len({(m.weight.shape, m.bias is None) for m in linears}) != 1
+            ):
                 return None
         return grouped
 
@@ -115,8 +150,10 @@ class GroupedFFN:
         """``expert_compute`` (``auto``/``grouped``/``loop``) → ``"grouped"`` or ``"loop"`` for ``rows``, decided
         before anything is stacked: on stand-ins of the stacked weights' dtype, device and ``[L, K, N]`` shape (a
         fresh stack is aligned whenever its widths are, which the check covers)."""
-        stand_ins = [m[0].weight.new_empty(()).expand(len(m), m[0].in_features, m[0].out_features)
-                     for m in (self.first, self.second)]
+        stand_ins = [
+            m[0].weight.new_empty(()).expand(len(m), m[0].in_features, m[0].out_features)
+            for m in (self.first, self.second)
+        ]
         return experts.resolve_impl(expert_compute, rows, *stand_ins, name="expert_compute")
 
     def __call__(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

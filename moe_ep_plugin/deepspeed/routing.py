@@ -4,6 +4,7 @@ Both produce the sparse form dispatch takes (S = tokens on this rank, K = top-k,
 ``topk_idx [S, K]`` int64 (-1 = route dropped), ``topk_weights [S, K]`` float32 (0 where dropped), plus
 DeepSpeed's ``l_aux`` (0-d, differentiable) and ``exp_counts [E]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,10 +30,10 @@ from .options import DeepSpeedOptions
 class Routes:
     """One forward's routing decision for the ``S`` tokens of this rank."""
 
-    topk_idx: torch.Tensor      # [S, K] int64, -1 = dropped by DeepSpeed's capacity limit
+    topk_idx: torch.Tensor  # [S, K] int64, -1 = dropped by DeepSpeed's capacity limit
     topk_weights: torch.Tensor  # [S, K] float32, 0 where dropped
-    l_aux: torch.Tensor         # 0-d float32 load-balancing loss
-    exp_counts: torch.Tensor    # [E] routes chosen per expert, counted before any capacity drop
+    l_aux: torch.Tensor  # 0-d float32 load-balancing loss
+    exp_counts: torch.Tensor  # [E] routes chosen per expert, counted before any capacity drop
 
 
 def topk_gate_routes(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None) -> Routes:
@@ -57,14 +58,29 @@ def topk_gate_routes(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor |
         return _topk_dropless(logits, gate.k)
     capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
     if gate.k == 1:
-        out = top1gating(logits, capacity_factor, gate.min_capacity, used_token, noisy, gate.drop_tokens,
-                         gate.use_rts, None, sparse_routes=True)
+        out = top1gating(
+            logits,
+            capacity_factor,
+            gate.min_capacity,
+            used_token,
+            noisy,
+            gate.drop_tokens,
+            gate.use_rts,
+            None,
+            sparse_routes=True,
+        )
     elif gate.k == 2:
-        out = top2gating(logits, capacity_factor, gate.min_capacity, gate.drop_tokens, None,
-                         gate.top2_2nd_expert_sampling, sparse_routes=True)
+        out = top2gating(
+            logits,
+            capacity_factor,
+            gate.min_capacity,
+            gate.drop_tokens,
+            None,
+            gate.top2_2nd_expert_sampling,
+            sparse_routes=True,
+        )
     else:
-        out = topkgating(logits, gate.k, capacity_factor, gate.min_capacity, gate.drop_tokens, None,
-                         sparse_routes=True)
+        out = topkgating(logits, gate.k, capacity_factor, gate.min_capacity, gate.drop_tokens, None, sparse_routes=True)
     l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = out
     return Routes(_token_major(indices, torch.int64), _token_major(gates, torch.float32), l_aux, exp_counts)
 
@@ -74,8 +90,7 @@ def _token_major(routes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(routes.shape[::-1], dtype=dtype, device=routes.device).copy_(routes.t())
 
 
-def _top1_dropless(logits: torch.Tensor, used_token: torch.Tensor | None, noisy: str | None,
-                   use_rts: bool) -> Routes:
+def _top1_dropless(logits: torch.Tensor, used_token: torch.Tensor | None, noisy: str | None, use_rts: bool) -> Routes:
     """``top1gating(drop_tokens=False)`` of fp32 ``logits [S, E]``: the same routes, weights, ``l_aux`` and
     ``exp_counts`` and the same random draws, without its capacity (DeepSpeed reads it on the host three times).
 
@@ -149,8 +164,9 @@ class GroupLimitedGate(torch.nn.Module):
     :meth:`update_expert_bias` after each optimizer step.
     """
 
-    def __init__(self, model_dim: int, num_experts: int, k: int, options: DeepSpeedOptions,
-                 wg: torch.nn.Linear | None = None) -> None:
+    def __init__(
+        self, model_dim: int, num_experts: int, k: int, options: DeepSpeedOptions, wg: torch.nn.Linear | None = None
+    ) -> None:
         super().__init__()
         self.wg = wg if wg is not None else torch.nn.Linear(model_dim, num_experts, bias=False)
         self.k = k
@@ -171,13 +187,18 @@ class GroupLimitedGate(torch.nn.Module):
         o = self.options
         logits = F.linear(x.float(), self.wg.weight.float())
         weights, idx = gating.group_limited_topk(
-            logits, self.k, score_function=o.score_function, use_pre_softmax=o.use_pre_softmax,
-            num_groups=o.num_groups, group_topk=o.group_topk, scaling_factor=o.scaling_factor,
-            expert_bias=self.expert_bias)
+            logits,
+            self.k,
+            score_function=o.score_function,
+            use_pre_softmax=o.use_pre_softmax,
+            num_groups=o.num_groups,
+            group_topk=o.group_topk,
+            scaling_factor=o.scaling_factor,
+            expert_bias=self.expert_bias,
+        )
         scores, routing_map = gating.aux_loss_scores(logits, self.k, score_function=o.score_function)
         # a rank without tokens contributes a zero loss (the switch loss averages over its tokens)
-        l_aux = gating.switch_aux_loss(scores, routing_map.sum(dim=0), topk=self.k,
-                                       total_num_tokens=max(x.shape[0], 1))
+        l_aux = gating.switch_aux_loss(scores, routing_map.sum(dim=0), topk=self.k, total_num_tokens=max(x.shape[0], 1))
         exp_counts = gating.tokens_per_expert(idx, self.num_experts, check_ids=False)
         if self.expert_bias is not None and self.training:
             self._pending_counts += exp_counts.float()

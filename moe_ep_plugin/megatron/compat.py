@@ -4,6 +4,7 @@
 ``functools.partial(MoELayer, submodules=MoESubmodules(...))``. Both keep the router class in
 ``MoESubmodules.router``, which is how the plugin swaps in :class:`PortableTopKRouter`.
 """
+
 from __future__ import annotations
 
 import functools

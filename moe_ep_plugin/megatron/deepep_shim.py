@@ -5,6 +5,7 @@ from ``megatron.core.transformer.moe.token_dispatcher`` at call time; :func:`moe
 binds them there (and in ``fused_a2a``), so configs written for DeepEP run unchanged on this library.
 The signatures and results are those of ``megatron.core.transformer.moe.fused_a2a``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,9 +37,15 @@ def _hidden_bytes(x: torch.Tensor) -> int:
     return x.size(1) * max(x.element_size(), 2)
 
 
-def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: torch.Tensor, num_experts: int,
-                   group: dist.ProcessGroup, async_finish: bool = False, allocate_on_comm_stream: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+def fused_dispatch(
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_probs: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """``x`` ``[T, H]`` BF16/FP32 (FP16 on the ``torch`` transport, carried as FP32), ``token_indices`` ``[T, K]``
     int64 global expert ids (-1 = none), ``token_probs`` ``[T, K]`` float32 → ``(recv_x [R, H] x.dtype, recv_indices
     [R, K] local ids / -1, recv_probs [R, K] float32, tokens_per_expert [L] int64 on CPU, handle)``. Differentiable in
@@ -54,14 +61,25 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
     rows = carried(x, _options, "x")
     buffer = get_buffer(group, _hidden_bytes(rows), _options.transport, _options.timeout_s, device=x.device)
     recv_x, recv_idx, recv_probs, counts, handle = ep_autograd.dispatch(
-        buffer, rows.contiguous(), token_indices, token_probs, num_experts, fp8_dispatch=_options.fp8_dispatch,
-        round_scale=_options.round_scale)
+        buffer,
+        rows.contiguous(),
+        token_indices,
+        token_probs,
+        num_experts,
+        fp8_dispatch=_options.fp8_dispatch,
+        round_scale=_options.round_scale,
+    )
     counts = torch.tensor(list(counts), dtype=torch.long, device="cpu")
     return as_token_dtype(recv_x, x.dtype), recv_idx, recv_probs, counts, (group, buffer, handle)
 
 
-def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: Any, async_finish: bool = False,
-                  allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused_combine(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    handle: Any,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ``[R, H]`` → ``(combined [T, H] x.dtype, None)``: each token's rows summed over the ranks it went to
     (in fp32)."""
     handle_group, buffer, dispatch_handle = handle

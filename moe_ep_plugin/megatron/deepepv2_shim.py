@@ -14,6 +14,7 @@ rows as blockwise E4M3 with float32 scales (UE8M0-rounded with ``round_scale``) 
 backward passes stay in the rows' dtype. Work runs on the current stream, so ``async_finish`` /
 ``allocate_on_comm_stream`` are accepted and need no event.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,8 +30,9 @@ from .options import as_token_dtype, carried
 _elastic_buffer: ElasticBuffer | None = None
 
 
-def get_elastic_buffer(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
-                       num_topk: int) -> ElasticBuffer:
+def get_elastic_buffer(
+    group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int
+) -> ElasticBuffer:
     """The shared :class:`ElasticBuffer` of ``group`` (collective when made): re-made when the group changes or its
     peer memory is too small for rows of ``hidden`` values. That size does not grow with the token count, so ranks
     passing different ``num_max_tokens_per_rank`` (Megatron passes each rank's own) decide alike; each dispatch
@@ -46,14 +48,21 @@ def get_elastic_buffer(group: dist.ProcessGroup, num_max_tokens_per_rank: int, h
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
     options = deepep_shim.current_options()
-    num_bytes = ElasticBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank=num_max_tokens_per_rank,
-                                                   hidden=hidden, num_topk=num_topk)
+    num_bytes = ElasticBuffer.get_buffer_size_hint(
+        group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk
+    )
     buf = _elastic_buffer
     if buf is None or buf.group is not group or buf.num_bytes < num_bytes:
-        _elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, num_max_tokens_per_rank=num_max_tokens_per_rank,
-                                        hidden=hidden, num_topk=num_topk, transport=options.transport,
-                                        num_cpu_timeout_secs=options.timeout_s,
-                                        ranks_per_node=options.ranks_per_node)
+        _elastic_buffer = ElasticBuffer(
+            group,
+            num_bytes=num_bytes,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            hidden=hidden,
+            num_topk=num_topk,
+            transport=options.transport,
+            num_cpu_timeout_secs=options.timeout_s,
+            ranks_per_node=options.ranks_per_node,
+        )
     return _elastic_buffer
 
 
@@ -74,12 +83,26 @@ def _forward_rows(x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.T
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, buffer: ElasticBuffer, x: torch.Tensor, token_indices: torch.Tensor,
-                token_probs: torch.Tensor, num_experts: int, num_max_tokens_per_rank: int, expert_alignment: int,
-                num_sms: int) -> tuple:
+    def forward(
+        ctx: Any,
+        buffer: ElasticBuffer,
+        x: torch.Tensor,
+        token_indices: torch.Tensor,
+        token_probs: torch.Tensor,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        expert_alignment: int,
+        num_sms: int,
+    ) -> tuple:
         recv_x, recv_idx, recv_probs, handle, _ = buffer.dispatch(
-            _forward_rows(x), topk_idx=token_indices, topk_weights=token_probs, num_experts=num_experts,
-            num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, num_sms=num_sms)
+            _forward_rows(x),
+            topk_idx=token_indices,
+            topk_weights=token_probs,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            expert_alignment=expert_alignment,
+            num_sms=num_sms,
+        )
         if isinstance(recv_x, tuple):
             recv_x = fp8.dequantize(*recv_x, dtype=x.dtype)
         ctx.buffer, ctx.handle = buffer, handle
@@ -88,10 +111,12 @@ class _Dispatch(torch.autograd.Function):
         return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
 
     @staticmethod
-    def backward(ctx: Any, grad_x: torch.Tensor, _grad_idx: Any, grad_probs: torch.Tensor, _grad_counts: Any,
-                 _grad_handle: Any) -> tuple:
-        grad_in, grad_in_probs, _ = ctx.buffer.combine(grad_x.contiguous(), handle=ctx.handle,
-                                                       topk_weights=grad_probs.float(), num_sms=ctx.handle.num_sms)
+    def backward(
+        ctx: Any, grad_x: torch.Tensor, _grad_idx: Any, grad_probs: torch.Tensor, _grad_counts: Any, _grad_handle: Any
+    ) -> tuple:
+        grad_in, grad_in_probs, _ = ctx.buffer.combine(
+            grad_x.contiguous(), handle=ctx.handle, topk_weights=grad_probs.float(), num_sms=ctx.handle.num_sms
+        )
         return None, grad_in, None, grad_in_probs, None, None, None, None
 
 
@@ -115,10 +140,18 @@ def _check_buffer(buffer: object) -> ElasticBuffer:
     return buffer
 
 
-def deepepv2_dispatch(buffer: ElasticBuffer, x: torch.Tensor, token_indices: torch.Tensor,
-                      token_probs: torch.Tensor, num_experts: int, num_max_tokens_per_rank: int,
-                      expert_alignment: int = 1, num_sms: int = 0, async_finish: bool = False,
-                      allocate_on_comm_stream: bool = False) -> tuple:
+def deepepv2_dispatch(
+    buffer: ElasticBuffer,
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_probs: torch.Tensor,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    expert_alignment: int = 1,
+    num_sms: int = 0,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> tuple:
     """Send each token to the ranks of its experts (DeepEP V2's non-expanded layout).
 
     Arguments:
@@ -141,14 +174,27 @@ def deepepv2_dispatch(buffer: ElasticBuffer, x: torch.Tensor, token_indices: tor
         raise ValueError(f"x: expected [tokens, hidden], got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(token_probs, torch.Tensor) or token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP V2), got {getattr(token_probs, 'dtype', None)}")
-    recv_x, *rest = _Dispatch.apply(_check_buffer(buffer), carried(x, deepep_shim.current_options(), "x").contiguous(),
-                                    token_indices, token_probs, num_experts, num_max_tokens_per_rank or 1,
-                                    expert_alignment, num_sms)
+    recv_x, *rest = _Dispatch.apply(
+        _check_buffer(buffer),
+        carried(x, deepep_shim.current_options(), "x").contiguous(),
+        token_indices,
+        token_probs,
+        num_experts,
+        num_max_tokens_per_rank or 1,
+        expert_alignment,
+        num_sms,
+    )
     return (as_token_dtype(recv_x, x.dtype), *rest)
 
 
-def deepepv2_combine(buffer: ElasticBuffer, x: torch.Tensor, handle: EPHandle, num_sms: int = 0,
-                     async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+def deepepv2_combine(
+    buffer: ElasticBuffer,
+    x: torch.Tensor,
+    handle: EPHandle,
+    num_sms: int = 0,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> tuple:
     """Sum the rows ``x`` ``[R, H]`` (one per received token, already weighted and reduced over local experts)
     back to their tokens: ``(combined [T, H], None)``, unweighted, differentiable in ``x``.
 
@@ -161,7 +207,7 @@ def deepepv2_combine(buffer: ElasticBuffer, x: torch.Tensor, handle: EPHandle, n
     """
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle: expected the handle of deepepv2_dispatch, got {type(handle).__name__}")
-    combined, combined_probs = _Combine.apply(_check_buffer(buffer),
-                                              carried(x, deepep_shim.current_options(), "x").contiguous(), handle,
-                                              num_sms)
+    combined, combined_probs = _Combine.apply(
+        _check_buffer(buffer), carried(x, deepep_shim.current_options(), "x").contiguous(), handle, num_sms
+    )
     return as_token_dtype(combined, x.dtype), combined_probs

@@ -29,6 +29,7 @@ Megatron's 1F1B EP-overlap schedule (``overlap_moe_expert_parallel_comm``) calls
 whose inputs are detached: tokens and probs reach the autograd functions only through the arguments, and what this
 object keeps between calls (routing map, counts, handle) carries no graph, so each node's backward stays inside it.
 """
+
 from __future__ import annotations
 
 import array
@@ -50,10 +51,17 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     """Megatron-Core ``MoETokenDispatcher`` over ``moe_ep_plugin.Buffer`` (built by ``MoELayer`` for
     ``moe_token_dispatcher_type: ep_plugin`` once :func:`moe_ep_plugin.megatron.install` ran)."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: Any,
-                 pg_collection: Any | None = None, options: PluginOptions | None = None) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config: Any,
+        pg_collection: Any | None = None,
+        options: PluginOptions | None = None,
+    ) -> None:
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
         self.options = options if options is not None else get_plugin_options(config)
@@ -61,11 +69,13 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise TypeError(f"options: expected PluginOptions, got {type(self.options).__name__}")
         check_fp16(config, self.options)
         if num_local_experts <= 0 or len(local_expert_indices) != num_local_experts:
-            raise ValueError(f"num_local_experts={num_local_experts} does not match local_expert_indices "
-                             f"{local_expert_indices}")
+            raise ValueError(
+                f"num_local_experts={num_local_experts} does not match local_expert_indices {local_expert_indices}"
+            )
         if config.num_moe_experts != num_local_experts * self.ep_size:
-            raise ValueError(f"num_moe_experts={config.num_moe_experts} != num_local_experts "
-                             f"{num_local_experts} x EP {self.ep_size}")
+            raise ValueError(
+                f"num_moe_experts={config.num_moe_experts} != num_local_experts {num_local_experts} x EP {self.ep_size}"
+            )
         self.num_local_experts = num_local_experts
         self.local_expert_indices = local_expert_indices
         self.num_experts = config.num_moe_experts
@@ -78,13 +88,16 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         group_rank = get_pg_rank(self.group)
         ep_rank = get_pg_rank(self.ep_group)
         if group_rank != ep_rank * self.tp_size + self.tp_rank:
-            raise ValueError(f"pg_collection.tp_ep: rank {group_rank} is not EP rank {ep_rank} x TP "
-                             f"{self.tp_size} + TP rank {self.tp_rank} (expert TP must be the fastest dimension)")
+            raise ValueError(
+                f"pg_collection.tp_ep: rank {group_rank} is not EP rank {ep_rank} x TP "
+                f"{self.tp_size} + TP rank {self.tp_rank} (expert TP must be the fastest dimension)"
+            )
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         if self.drop_and_pad and config.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         if getattr(config, "moe_router_padding_for_quantization", False):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
             self.alignment = max(1, get_align_size_for_quantization(config))
         self.shared_experts = None
         # The shared buffer of the last token_dispatch and what get_buffer was asked for it: reused while the key
@@ -115,13 +128,17 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = tokens.shape
         hidden = tokens.reshape(-1, self.hidden_shape[-1])
         if routing_map.shape != (hidden.shape[0], self.num_experts):
-            raise ValueError(f"routing_map: expected shape {(hidden.shape[0], self.num_experts)}, got "
-                             f"{tuple(routing_map.shape)}")
+            raise ValueError(
+                f"routing_map: expected shape {(hidden.shape[0], self.num_experts)}, got {tuple(routing_map.shape)}"
+            )
         if self.options.fp8_dispatch and hidden.shape[1] % 128:
             raise ValueError(f"fp8_dispatch needs hidden % 128 == 0, got hidden {hidden.shape[1]}")
         if self.drop_and_pad:  # the capacity of Megatron's router and alltoall, from this rank's token count
-            self._capacity = get_capacity(num_tokens=hidden.shape[0] * self.topk, num_experts=self.num_experts,
-                                          capacity_factor=self.config.moe_expert_capacity_factor)
+            self._capacity = get_capacity(
+                num_tokens=hidden.shape[0] * self.topk,
+                num_experts=self.num_experts,
+                capacity_factor=self.config.moe_expert_capacity_factor,
+            )
         if self.tp_size > 1:
             routing_map, probs = self._replicate_over_tp(routing_map), self._replicate_over_tp(probs)
         self._routing_map = routing_map  # the rest of the routing map's checks: token_dispatch, before any transfer
@@ -133,9 +150,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         """``[T, E]`` → ``[T, EP * TP * L]``: expert ``(p, l)``'s column repeated for each TP rank of EP rank ``p``
         (the TP x EP group's ranks ``p * TP + t``); differentiable (the gradient sums the TP copies)."""
         tokens = per_expert.shape[0]
-        return (per_expert.reshape(tokens, self.ep_size, 1, self.num_local_experts)
-                .expand(tokens, self.ep_size, self.tp_size, self.num_local_experts)
-                .reshape(tokens, self.ep_size * self.tp_size * self.num_local_experts))
+        return (
+            per_expert.reshape(tokens, self.ep_size, 1, self.num_local_experts)
+            .expand(tokens, self.ep_size, self.tp_size, self.num_local_experts)
+            .reshape(tokens, self.ep_size * self.tp_size * self.num_local_experts)
+        )
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Send every token once to each rank holding one of its experts, straight into that rank's expert-major
@@ -148,15 +167,23 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         hidden_states = carried(hidden_states, self.options, "hidden_states")
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         if self.drop_and_pad:
-            expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(hidden_states, probs,
-                                                                                       hidden_bytes)
+            expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(
+                hidden_states, probs, hidden_bytes
+            )
         else:
             self._buffer = self._get_buffer(hidden_bytes, hidden_states.device)
             expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-                self._buffer, hidden_states, self._routing_map, probs, self.topk * self.tp_size,
+                self._buffer,
+                hidden_states,
+                self._routing_map,
+                probs,
+                self.topk * self.tp_size,
                 self.num_experts * self.tp_size,
-                fp8_dispatch=self.options.fp8_dispatch, expert_alignment=self.alignment,
-                round_scale=self.options.round_scale, configs=self._configs)
+                fp8_dispatch=self.options.fp8_dispatch,
+                expert_alignment=self.alignment,
+                round_scale=self.options.round_scale,
+                configs=self._configs,
+            )
         expert_x = as_token_dtype(expert_x, dtype)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._routing_map = None
@@ -164,15 +191,21 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(expert_x)
         return expert_x, expert_probs
 
-    def _dispatch_padded(self, hidden_states: torch.Tensor, probs: torch.Tensor, hidden_bytes: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, list[int], Any]:
+    def _dispatch_padded(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, hidden_bytes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], Any]:
         """Drop-and-pad's dispatch (``drop_and_pad.dispatch``): every local expert gets its fixed rows."""
-        layout = drop_and_pad.pad_layout(self._routing_map, self._capacity, self.ep_size * self.tp_size,
-                                         self.alignment)
+        layout = drop_and_pad.pad_layout(self._routing_map, self._capacity, self.ep_size * self.tp_size, self.alignment)
         self._buffer = self._get_buffer(hidden_bytes, hidden_states.device, layout.num_pairs)
         expert_x, expert_probs, handle = drop_and_pad.dispatch(
-            self._buffer, hidden_states, probs, layout, fp8_dispatch=self.options.fp8_dispatch,
-            round_scale=self.options.round_scale, configs=self._configs)
+            self._buffer,
+            hidden_states,
+            probs,
+            layout,
+            fp8_dispatch=self.options.fp8_dispatch,
+            round_scale=self.options.round_scale,
+            configs=self._configs,
+        )
         self._pad = layout
         return expert_x, expert_probs, [layout.block] * layout.num_local, handle
 
@@ -187,8 +220,16 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         key = (hidden_bytes, num_sms, options, device, rows)
         buffer = self._shared_buffer
         if buffer is None or buffer.destroyed or key != self._shared_buffer_key:
-            buffer = get_buffer(self.group, hidden_bytes, options.transport, options.timeout_s, num_sms,
-                                options.ranks_per_node, device, rows)
+            buffer = get_buffer(
+                self.group,
+                hidden_bytes,
+                options.transport,
+                options.timeout_s,
+                num_sms,
+                options.ranks_per_node,
+                device,
+                rows,
+            )
             self._shared_buffer, self._shared_buffer_key = buffer, key
             self._configs = sm_configs(options.num_sms, buffer.group_size)
         return buffer

@@ -17,6 +17,7 @@ assumes); a rank receiving more rows than its count is an error of the dispatch.
 In a group of one rank the Buffer's ``local`` transport keeps the pairs (its dispatch with room for every row reads
 nothing either).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,17 +56,32 @@ def pad_layout(routing_map: torch.Tensor, capacity: int, group_size: int, alignm
     each expert's first ``C`` tokens as ``alltoall`` takes them. Device ops only (no host read)."""
     num_tokens, num_experts = routing_map.shape
     if not 0 < capacity <= num_tokens:
-        raise ValueError(f"moe_expert_capacity_factor: a capacity of {capacity} tokens per expert needs 1 to "
-                         f"{num_tokens} tokens (the tokens this rank holds)")
+        raise ValueError(
+            f"moe_expert_capacity_factor: a capacity of {capacity} tokens per expert needs 1 to "
+            f"{num_tokens} tokens (the tokens this rank holds)"
+        )
     order = routing_map.t().to(torch.int8).argsort(dim=1, descending=True, stable=True)
     rows = group_size * capacity
-    return PadLayout(order[:, :capacity].reshape(-1), num_tokens, num_experts, capacity, group_size,
-                     -(-rows // alignment) * alignment)
+    return PadLayout(
+        order[:, :capacity].reshape(-1),
+        num_tokens,
+        num_experts,
+        capacity,
+        group_size,
+        -(-rows // alignment) * alignment,
+    )
 
 
-def dispatch(buffer: Buffer, x: torch.Tensor, probs: torch.Tensor, layout: PadLayout, *,
-             fp8_dispatch: bool = False, round_scale: bool = False, configs: ep_autograd.Configs = None
-             ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+def dispatch(
+    buffer: Buffer,
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    layout: PadLayout,
+    *,
+    fp8_dispatch: bool = False,
+    round_scale: bool = False,
+    configs: ep_autograd.Configs = None,
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send every pair of ``layout`` to its expert's rank.
 
     Arguments:
@@ -87,13 +103,22 @@ def dispatch(buffer: Buffer, x: torch.Tensor, probs: torch.Tensor, layout: PadLa
     experts = torch.arange(layout.num_experts, device=x.device).unsqueeze(1).expand(-1, layout.capacity)
     experts = experts.reshape(-1, 1)
     recv_x, _, recv_probs, _, handle = ep_autograd.dispatch(
-        buffer, rows, experts, row_probs.unsqueeze(1), layout.num_experts, fp8_dispatch=fp8_dispatch,
-        round_scale=round_scale, configs=configs, num_worst_tokens=layout.num_pairs)
+        buffer,
+        rows,
+        experts,
+        row_probs.unsqueeze(1),
+        layout.num_experts,
+        fp8_dispatch=fp8_dispatch,
+        round_scale=round_scale,
+        configs=configs,
+        num_worst_tokens=layout.num_pairs,
+    )
     return _expert_major(recv_x, layout), _expert_major(recv_probs.squeeze(1), layout), handle
 
 
-def combine(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, layout: PadLayout, *,
-            configs: ep_autograd.Configs = None) -> torch.Tensor:
+def combine(
+    buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, layout: PadLayout, *, configs: ep_autograd.Configs = None
+) -> torch.Tensor:
     """Reverse of :func:`dispatch`: expert outputs ``y`` ``[L * block, H]`` BF16/FP32 → ``[T, H]`` ``y.dtype``, each
     token's pair rows summed in fp32 (expert order) and rounded once; padding rows are ignored."""
     # each pair row comes back to its sender unchanged (the fp32 sum of one copy)
@@ -116,7 +141,7 @@ def _expert_major(received: torch.Tensor, layout: PadLayout) -> torch.Tensor:
 def _received_order(y: torch.Tensor, layout: PadLayout) -> torch.Tensor:
     """Inverse of :func:`_expert_major` for ``[L * block, H]`` rows (the padding dropped)."""
     g, c = layout.group_size, layout.capacity
-    blocks = y.reshape(layout.num_local, layout.block, y.shape[1])[:, :g * c]
+    blocks = y.reshape(layout.num_local, layout.block, y.shape[1])[:, : g * c]
     return blocks.reshape(layout.num_local, g, c, y.shape[1]).transpose(0, 1).reshape(-1, y.shape[1])
 
 

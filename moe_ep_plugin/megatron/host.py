@@ -5,6 +5,7 @@ weights and expert-bias buffers, the rotary embedding's frequencies). Megatron's
 so for CPU runs (tests, the launcher's smoke configuration) the plugin executes those modules inside
 :func:`cuda_device_is_host`, where that call answers ``cpu``. With CUDA available it changes nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,7 @@ def seed_model_parallel_rng(seed: int) -> None:
     """Seed Megatron's model-parallel RNG tracker (dropout, expert init). Without CUDA the CUDA tracker cannot
     exist, so Megatron's own no-op tracker is installed and dropout draws from torch's host RNG."""
     from megatron.core import tensor_parallel
+
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -17,6 +17,7 @@ reads the host (HybridEP's non-blocking mode does not).
 FP8 dispatch (which Megatron's hybridep asserts off) comes from the plugin options (``PluginOptions.fp8_dispatch``):
 rows cross the wire as FP8 and arrive dequantized to BF16.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,8 +50,9 @@ def _configs(num_sms_dispatch: int | None, num_sms_combine: int | None, num_rank
     if first is None:
         return None
     second = num_sms_combine if num_sms_combine is not None else first
-    return dispatch_config(first if num_sms_dispatch is None else num_sms_dispatch, num_ranks), \
-        combine_config(second, num_ranks)
+    return dispatch_config(first if num_sms_dispatch is None else num_sms_dispatch, num_ranks), combine_config(
+        second, num_ranks
+    )
 
 
 def _topk_width(routing_map: torch.Tensor, group: dist.ProcessGroup) -> int:
@@ -63,12 +65,21 @@ def _topk_width(routing_map: torch.Tensor, group: dist.ProcessGroup) -> int:
     return max(1, int(width))
 
 
-def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, group: dist.ProcessGroup,
-                       num_local_experts: int, num_sms_dispatch_api: int | None = None,
-                       num_sms_combine_api: int | None = None, num_blocks_permute: int | None = None,
-                       num_blocks_unpermute: int | None = None, fused: bool = False,
-                       num_permuted_tokens: int | None = None, pad_multiple: int | None = None,
-                       num_sms_preprocessing_api: int | None = None):
+def hybrid_ep_dispatch(
+    x: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor,
+    group: dist.ProcessGroup,
+    num_local_experts: int,
+    num_sms_dispatch_api: int | None = None,
+    num_sms_combine_api: int | None = None,
+    num_blocks_permute: int | None = None,
+    num_blocks_unpermute: int | None = None,
+    fused: bool = False,
+    num_permuted_tokens: int | None = None,
+    pad_multiple: int | None = None,
+    num_sms_preprocessing_api: int | None = None,
+):
     """Dispatch ``x`` ``[T, H]`` (BF16/FP32; FP16 on the ``torch`` transport, carried as FP32) routed by
     ``routing_map`` ``[T, E]`` bool with ``probs`` ``[T, E]`` float32 (dense, 0 where not routed) straight into the
     expert-major layout.
@@ -95,20 +106,37 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
     num_ranks = dist.get_world_size(group)
     num_experts = num_local_experts * num_ranks
     if routing_map.dim() != 2 or routing_map.shape[1] != num_experts:
-        raise ValueError(f"routing_map: expected [tokens, {num_experts}] (num_local_experts={num_local_experts} "
-                         f"x {num_ranks} ranks), got {tuple(routing_map.shape)}")
+        raise ValueError(
+            f"routing_map: expected [tokens, {num_experts}] (num_local_experts={num_local_experts} "
+            f"x {num_ranks} ranks), got {tuple(routing_map.shape)}"
+        )
     for name, value in (("num_permuted_tokens", num_permuted_tokens), ("pad_multiple", pad_multiple)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
     options = deepep_shim.current_options()
     rows_in = carried(x, options, "x")
-    buffer = get_buffer(group, x.size(1) * max(rows_in.element_size(), 2), options.transport, options.timeout_s,
-                        ranks_per_node=options.ranks_per_node, device=x.device)
+    buffer = get_buffer(
+        group,
+        x.size(1) * max(rows_in.element_size(), 2),
+        options.transport,
+        options.timeout_s,
+        ranks_per_node=options.ranks_per_node,
+        device=x.device,
+    )
     topk = _topk_width(routing_map, group)
     configs = _configs(num_sms_dispatch_api, num_sms_combine_api, num_ranks)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-        buffer, rows_in, routing_map, probs, topk, num_experts, fp8_dispatch=options.fp8_dispatch,
-        expert_alignment=pad_multiple or 1, round_scale=options.round_scale, configs=configs)
+        buffer,
+        rows_in,
+        routing_map,
+        probs,
+        topk,
+        num_experts,
+        fp8_dispatch=options.fp8_dispatch,
+        expert_alignment=pad_multiple or 1,
+        round_scale=options.round_scale,
+        configs=configs,
+    )
     expert_x = as_token_dtype(expert_x, x.dtype)
     rows = sum(tokens_per_expert)
     overflow = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -121,12 +149,22 @@ def hybrid_ep_dispatch(x: torch.Tensor, routing_map: torch.Tensor, probs: torch.
     counts = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
     ends = counts.cumsum(0)
     clipped = (ends.clamp(max=budget) - (ends - counts).clamp(max=budget)).to(x.device)
-    return (fit_rows(expert_x, budget), fit_rows(expert_probs, budget), None, clipped,
-            (buffer, handle, rows, budget, configs, overflow))
+    return (
+        fit_rows(expert_x, budget),
+        fit_rows(expert_probs, budget),
+        None,
+        clipped,
+        (buffer, handle, rows, budget, configs, overflow),
+    )
 
 
-def hybrid_ep_combine(x: torch.Tensor, handle: Any, num_permuted_tokens: Any | None = None,
-                      pad_multiple: int | None = None, fused: bool = False) -> torch.Tensor:
+def hybrid_ep_combine(
+    x: torch.Tensor,
+    handle: Any,
+    num_permuted_tokens: Any | None = None,
+    pad_multiple: int | None = None,
+    fused: bool = False,
+) -> torch.Tensor:
     """Sum the expert rows ``x`` (the dispatch's layout: ``[P or M, H]``) back to their tokens → ``[T, H]`` x.dtype
     (summed in fp32; unweighted; rows dropped by the budget contribute nothing). ``num_permuted_tokens``/
     ``pad_multiple``/``fused`` are taken from the handle (accepted for Megatron's call). Differentiable (backward:
@@ -136,8 +174,10 @@ def hybrid_ep_combine(x: torch.Tensor, handle: Any, num_permuted_tokens: Any | N
     buffer, dispatch_handle, rows, budget, configs, _ = handle
     expected = rows if budget is None else budget
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != expected:
-        raise ValueError(f"x: expected [{expected}, hidden] (the dispatch's rows), got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
-    combined = ep_autograd.combine_experts(buffer, fit_rows(carried(x, deepep_shim.current_options(), "x"), rows),
-                                           dispatch_handle, configs=configs)
+        raise ValueError(
+            f"x: expected [{expected}, hidden] (the dispatch's rows), got {getattr(x, 'shape', type(x).__name__)}"
+        )
+    combined = ep_autograd.combine_experts(
+        buffer, fit_rows(carried(x, deepep_shim.current_options(), "x"), rows), dispatch_handle, configs=configs
+    )
     return as_token_dtype(combined, x.dtype)

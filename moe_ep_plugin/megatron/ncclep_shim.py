@@ -24,6 +24,7 @@ every GPU; main's MXFP8 recipes are refused naming them. Symmetric-memory buffer
 library's transports bring their own peer memory); zero-copy receive buffers are filled with the rows, and the
 returned tensor holds the same values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,10 +74,17 @@ class NcclEpBuffer:
     total_recv_tokens: torch.Tensor | None = None  # int64 [1] on the device: ``rows``, what TE's EpBuffer reports
 
 
-def ensure_nccl_ep_bootstrapped(ep_group: dist.ProcessGroup, num_experts: int, max_tokens_per_rank: int,
-                                recv_capacity_per_rank: int | None = None, hidden_dim: int = 0, num_sms: int = 0,
-                                zero_copy: bool = False, num_topk: int | None = None,
-                                drop_on_overflow: bool | None = None) -> None:
+def ensure_nccl_ep_bootstrapped(
+    ep_group: dist.ProcessGroup,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    recv_capacity_per_rank: int | None = None,
+    hidden_dim: int = 0,
+    num_sms: int = 0,
+    zero_copy: bool = False,
+    num_topk: int | None = None,
+    drop_on_overflow: bool | None = None,
+) -> None:
     """Set up the process-wide state once (collective on ``ep_group``: the shared Buffer); later calls are no-ops
     until :func:`nccl_ep_finalize`. Takes 0.19.2's call (positional up to ``zero_copy``) and main's (keywords, with
     ``num_topk``).
@@ -115,10 +123,19 @@ def ensure_nccl_ep_bootstrapped(ep_group: dist.ProcessGroup, num_experts: int, m
     options = deepep_shim.current_options()
     sms = num_sms or options.num_sms
     configs = None if not sms else (dispatch_config(sms, group_size), combine_config(sms, group_size))
-    buffer = get_buffer(ep_group, hidden_dim * 2, options.transport, options.timeout_s,
-                        ranks_per_node=options.ranks_per_node)
-    _state = _Bootstrap(ep_group, num_experts, max_tokens_per_rank, recv_capacity_per_rank, hidden_dim, configs,
-                        drop_on_overflow, buffer)
+    buffer = get_buffer(
+        ep_group, hidden_dim * 2, options.transport, options.timeout_s, ranks_per_node=options.ranks_per_node
+    )
+    _state = _Bootstrap(
+        ep_group,
+        num_experts,
+        max_tokens_per_rank,
+        recv_capacity_per_rank,
+        hidden_dim,
+        configs,
+        drop_on_overflow,
+        buffer,
+    )
 
 
 def is_nccl_ep_bootstrapped() -> bool:
@@ -147,41 +164,74 @@ def _bootstrapped() -> _Bootstrap:
 def alloc_ep_symm_buffer(shape: Any, dtype: torch.dtype, ep_group: dist.ProcessGroup) -> torch.Tensor:
     """A zero tensor of ``shape``/``dtype`` on the bootstrapped Buffer's device (``ep_group``'s device when not yet
     bootstrapped): the caller-owned receive buffers of the zero-copy path."""
-    device = _state.buffer.device if _state is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(ep_group) == "nccl" else
-        torch.device("cpu"))
+    device = (
+        _state.buffer.device
+        if _state is not None
+        else (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(ep_group) == "nccl"
+            else torch.device("cpu")
+        )
+    )
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def new_nccl_ep_buffer(top_k: int, max_tokens_per_rank: int, recv_capacity_per_rank: int | None, hidden_dim: int,
-                       num_local_experts: int, alignment: int = 0, dispatch_fwd_quant_recipe: Any = None,
-                       combine_bwd_quant_recipe: Any = None) -> NcclEpBuffer:
+def new_nccl_ep_buffer(
+    top_k: int,
+    max_tokens_per_rank: int,
+    recv_capacity_per_rank: int | None,
+    hidden_dim: int,
+    num_local_experts: int,
+    alignment: int = 0,
+    dispatch_fwd_quant_recipe: Any = None,
+    combine_bwd_quant_recipe: Any = None,
+) -> NcclEpBuffer:
     """The state of one dispatch/combine pair (TE makes a fresh ``EpBuffer`` per dispatch); the shapes must be the
     bootstrap's (``recv_capacity_per_rank`` None in eager mode). ``alignment`` (0 or 1: none) pads each expert's
     block of rows to a multiple of it. Main's quantization recipes (MXFP8 on the wire) are refused naming them: FP8
     dispatch comes from the plugin options here."""
-    for name, recipe in (("dispatch_fwd_quant_recipe", dispatch_fwd_quant_recipe),
-                         ("combine_bwd_quant_recipe", combine_bwd_quant_recipe)):
+    for name, recipe in (
+        ("dispatch_fwd_quant_recipe", dispatch_fwd_quant_recipe),
+        ("combine_bwd_quant_recipe", combine_bwd_quant_recipe),
+    ):
         if recipe is not None:
-            raise ValueError(f"{name}: TransformerEngine's quantized NCCL EP payloads (moe_dispatch_fwd_dtype / "
-                             f"moe_combine_bwd_dtype 'mxfp8') are not served; use ep_plugin.fp8_dispatch")
+            raise ValueError(
+                f"{name}: TransformerEngine's quantized NCCL EP payloads (moe_dispatch_fwd_dtype / "
+                f"moe_combine_bwd_dtype 'mxfp8') are not served; use ep_plugin.fp8_dispatch"
+            )
     state = _bootstrapped()
-    for name, value, bootstrap in (("max_tokens_per_rank", max_tokens_per_rank, state.max_tokens_per_rank),
-                                   ("recv_capacity_per_rank", recv_capacity_per_rank, state.recv_capacity_per_rank),
-                                   ("hidden_dim", hidden_dim, state.hidden_dim)):
+    for name, value, bootstrap in (
+        ("max_tokens_per_rank", max_tokens_per_rank, state.max_tokens_per_rank),
+        ("recv_capacity_per_rank", recv_capacity_per_rank, state.recv_capacity_per_rank),
+        ("hidden_dim", hidden_dim, state.hidden_dim),
+    ):
         if value != bootstrap:
             raise ValueError(f"{name}: {value!r} differs from the bootstrap's {bootstrap}")
     if num_local_experts * dist.get_world_size(state.group) != state.num_experts:
-        raise ValueError(f"num_local_experts: {num_local_experts} x the group's ranks is not the bootstrap's "
-                         f"{state.num_experts} experts")
+        raise ValueError(
+            f"num_local_experts: {num_local_experts} x the group's ranks is not the bootstrap's "
+            f"{state.num_experts} experts"
+        )
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 0:
         raise ValueError(f"alignment: expected an int >= 0, got {alignment!r}")
-    return NcclEpBuffer(positive_int(top_k, "top_k"), max_tokens_per_rank, recv_capacity_per_rank, hidden_dim,
-                        num_local_experts, alignment)
+    return NcclEpBuffer(
+        positive_int(top_k, "top_k"),
+        max_tokens_per_rank,
+        recv_capacity_per_rank,
+        hidden_dim,
+        num_local_experts,
+        alignment,
+    )
 
 
-def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                     recv_tokens: torch.Tensor | None = None, recv_topk_weights: torch.Tensor | None = None):
+def nccl_ep_dispatch(
+    buffer: NcclEpBuffer,
+    tokens: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    recv_tokens: torch.Tensor | None = None,
+    recv_topk_weights: torch.Tensor | None = None,
+):
     """Dispatch ``tokens`` ``[T, H]`` (BF16/FP32; FP16 on the ``torch`` transport, carried as FP32) to the experts
     ``topk_idx`` ``[T, K]`` (global ids, int64/int32) names, with ``topk_weights`` ``[T, K]`` float32.
 
@@ -198,18 +248,28 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] != buffer.hidden_dim:
         raise ValueError(f"tokens: expected [tokens, {buffer.hidden_dim}], got {getattr(tokens, 'shape', None)}")
     if tokens.shape[0] > buffer.max_tokens_per_rank:
-        raise ValueError(f"tokens: {tokens.shape[0]} tokens, more than max_tokens_per_rank="
-                         f"{buffer.max_tokens_per_rank} of the bootstrap")
+        raise ValueError(
+            f"tokens: {tokens.shape[0]} tokens, more than max_tokens_per_rank="
+            f"{buffer.max_tokens_per_rank} of the bootstrap"
+        )
     if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_weights: expected float32, got {getattr(topk_weights, 'dtype', None)}")
     if topk_idx.dim() != 2 or topk_idx.shape[1] != buffer.top_k:
-        raise ValueError(f"topk_idx: expected [tokens, {buffer.top_k}] (the buffer's top_k), got "
-                         f"{tuple(topk_idx.shape)}")
+        raise ValueError(
+            f"topk_idx: expected [tokens, {buffer.top_k}] (the buffer's top_k), got {tuple(topk_idx.shape)}"
+        )
     options = deepep_shim.current_options()
     rows, probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
-        state.buffer, carried(tokens, options, "tokens"), topk_idx, topk_weights, state.num_experts,
-        fp8_dispatch=options.fp8_dispatch, expert_alignment=max(buffer.alignment, 1),
-        round_scale=options.round_scale, configs=state.configs)
+        state.buffer,
+        carried(tokens, options, "tokens"),
+        topk_idx,
+        topk_weights,
+        state.num_experts,
+        fp8_dispatch=options.fp8_dispatch,
+        expert_alignment=max(buffer.alignment, 1),
+        round_scale=options.round_scale,
+        configs=state.configs,
+    )
     rows = as_token_dtype(rows, tokens.dtype)
     num_rows, capacity = sum(tokens_per_expert), buffer.recv_capacity_per_rank
     if capacity is None:  # eager mode: exactly the rows received
@@ -226,8 +286,9 @@ def nccl_ep_dispatch(buffer: NcclEpBuffer, tokens: torch.Tensor, topk_idx: torch
     for name, given, value in (("recv_tokens", recv_tokens, out), ("recv_topk_weights", recv_topk_weights, out_probs)):
         if given is not None:
             if given.shape != value.shape or given.dtype != value.dtype:
-                raise ValueError(f"{name}: expected {value.dtype} {list(value.shape)}, got {given.dtype} "
-                                 f"{list(given.shape)}")
+                raise ValueError(
+                    f"{name}: expected {value.dtype} {list(value.shape)}, got {given.dtype} {list(given.shape)}"
+                )
             given.copy_(value.detach())
     return out, kept, out_probs
 
@@ -238,13 +299,19 @@ def _raise_on_overflow(group: dist.ProcessGroup, num_rows: int, capacity: int, d
     dist.all_gather(counts, torch.tensor([num_rows], dtype=torch.int64, device=device), group=group)
     over = [(r, int(c)) for r, c in enumerate(counts) if int(c) > capacity]
     if over:
-        raise ValueError(f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received "
-                         f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds "
-                         f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)")
+        raise ValueError(
+            f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received "
+            f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds "
+            f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)"
+        )
 
 
-def nccl_ep_combine(buffer: NcclEpBuffer, expert_out: torch.Tensor, num_local_tokens: int | None = None,
-                    grad_out: torch.Tensor | None = None) -> torch.Tensor:
+def nccl_ep_combine(
+    buffer: NcclEpBuffer,
+    expert_out: torch.Tensor,
+    num_local_tokens: int | None = None,
+    grad_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sum the (already weighted) expert rows ``expert_out`` ``[C, H]`` (C as the dispatch returned) back to their
     tokens, unweighted:
     ``[num_local_tokens, H]`` in the original token order (None: ``max_tokens_per_rank`` rows, the ones past the
@@ -255,13 +322,15 @@ def nccl_ep_combine(buffer: NcclEpBuffer, expert_out: torch.Tensor, num_local_to
         raise ValueError("buffer: expected the buffer of a dispatch (nccl_ep_dispatch) not yet combined")
     capacity = buffer.rows if buffer.recv_capacity_per_rank is None else buffer.recv_capacity_per_rank
     if not isinstance(expert_out, torch.Tensor) or expert_out.shape != (capacity, buffer.hidden_dim):
-        raise ValueError(f"expert_out: expected [{capacity}, {buffer.hidden_dim}], got "
-                         f"{getattr(expert_out, 'shape', None)}")
+        raise ValueError(
+            f"expert_out: expected [{capacity}, {buffer.hidden_dim}], got {getattr(expert_out, 'shape', None)}"
+        )
     num_tokens = buffer.handle.num_tokens
     rows = buffer.max_tokens_per_rank if num_local_tokens is None else num_local_tokens
     if rows < num_tokens:
         raise ValueError(f"num_local_tokens: {rows} is fewer than the {num_tokens} tokens dispatched")
     carried_out = carried(expert_out, deepep_shim.current_options(), "expert_out")
-    combined = ep_autograd.combine_experts(state.buffer, fit_rows(carried_out, buffer.rows), buffer.handle,
-                                           configs=state.configs)
+    combined = ep_autograd.combine_experts(
+        state.buffer, fit_rows(carried_out, buffer.rows), buffer.handle, configs=state.configs
+    )
     return fit_rows(as_token_dtype(combined, expert_out.dtype), rows)

@@ -6,6 +6,7 @@ its fields; they travel as a validated :class:`PluginOptions` object (the option
 attached after construction (:func:`set_plugin_options`), which the YAML mapping does from its ``ep_plugin:``
 section.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,8 +17,17 @@ from ..plugin_options import PluginOptions
 
 PLUGIN_DISPATCHER_TYPE = "ep_plugin"
 CONFIG_ATTR = "moe_ep_plugin"
-__all__ = ["PLUGIN_DISPATCHER_TYPE", "CONFIG_ATTR", "PluginOptions", "set_plugin_options", "get_plugin_options",
-           "check_fp16", "fp16_served", "carried", "as_token_dtype"]
+__all__ = [
+    "PLUGIN_DISPATCHER_TYPE",
+    "CONFIG_ATTR",
+    "PluginOptions",
+    "set_plugin_options",
+    "get_plugin_options",
+    "check_fp16",
+    "fp16_served",
+    "carried",
+    "as_token_dtype",
+]
 FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
 
 
@@ -35,8 +45,9 @@ def carried(x: torch.Tensor, options: PluginOptions, name: str) -> torch.Tensor:
     if x.dtype != torch.float16:
         return x
     if not fp16_served(options):
-        raise TypeError(f"{name}: float16 needs ep_plugin.transport 'torch' (transport {options.transport!r} "
-                        f"carries {FP16_DTYPES})")
+        raise TypeError(
+            f"{name}: float16 needs ep_plugin.transport 'torch' (transport {options.transport!r} carries {FP16_DTYPES})"
+        )
     return x.float()
 
 
@@ -49,8 +60,10 @@ def as_token_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def check_fp16(config: Any, options: PluginOptions) -> None:
     """Refuse ``fp16: True`` at config time where ``options`` pick a kernel transport."""
     if getattr(config, "fp16", False) and not fp16_served(options):
-        raise ValueError(f"fp16: True needs ep_plugin.transport 'torch'; transport {options.transport!r} carries "
-                         f"{FP16_DTYPES} (use bf16: True)")
+        raise ValueError(
+            f"fp16: True needs ep_plugin.transport 'torch'; transport {options.transport!r} carries "
+            f"{FP16_DTYPES} (use bf16: True)"
+        )
     if getattr(config, "fp16", False) and options.fp8_dispatch:
         raise ValueError("fp16: True with ep_plugin.fp8_dispatch: FP8 dispatch takes bf16 tokens (use bf16: True)")
 
@@ -62,8 +75,9 @@ def set_plugin_options(config: Any, options: PluginOptions) -> None:
     if options.fp8_dispatch:
         hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
         if hidden % 128:
-            raise ValueError(f"ep_plugin.fp8_dispatch needs the dispatched hidden size to be a multiple of 128, "
-                             f"got {hidden}")
+            raise ValueError(
+                f"ep_plugin.fp8_dispatch needs the dispatched hidden size to be a multiple of 128, got {hidden}"
+            )
     check_fp16(config, options)
     setattr(config, CONFIG_ATTR, options)
 

@@ -24,6 +24,7 @@ After :func:`install`:
 
 Both steps are idempotent; :func:`uninstall` restores every original object.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,19 +43,31 @@ from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, check_fp16, get_plug
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
-_NCCLEP_NAMES = ("ensure_nccl_ep_bootstrapped", "new_nccl_ep_buffer", "nccl_ep_dispatch", "nccl_ep_combine",
-                 "alloc_ep_symm_buffer", "nccl_ep_finalize", "is_nccl_ep_bootstrapped")  # the last: main only
+_NCCLEP_NAMES = (
+    "ensure_nccl_ep_bootstrapped",
+    "new_nccl_ep_buffer",
+    "nccl_ep_dispatch",
+    "nccl_ep_combine",
+    "alloc_ep_symm_buffer",
+    "nccl_ep_finalize",
+    "is_nccl_ep_bootstrapped",
+)  # the last: main only
 _DEEPEPV2_NAMES = ("get_elastic_buffer", "deepepv2_dispatch", "deepepv2_combine")
 _HAVE_NCCLEP = hasattr(fused_a2a, "nccl_ep_dispatch")  # megatron-core >= 0.19
 # Megatron-LM dev: the names exist (None without DeepEP V2) wherever the deepepv2 backend does
 _HAVE_DEEPEPV2 = hasattr(fused_a2a, "deepepv2_dispatch")
-_SHIMS = ((deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms")),
-          (hybridep_shim, ("hybrid_ep_dispatch", "hybrid_ep_combine"))) + (
-    ((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ()) + (
-    ((deepepv2_shim, _DEEPEPV2_NAMES),) if _HAVE_DEEPEPV2 else ())
+_SHIMS = (
+    (
+        (deepep_shim, ("fused_dispatch", "fused_combine", "set_deepep_num_sms")),
+        (hybridep_shim, ("hybrid_ep_dispatch", "hybrid_ep_combine")),
+    )
+    + (((ncclep_shim, _NCCLEP_NAMES),) if _HAVE_NCCLEP else ())
+    + (((deepepv2_shim, _DEEPEPV2_NAMES),) if _HAVE_DEEPEPV2 else ())
+)
 # the flex backends install() serves on this megatron-core (ncclep, deepepv2 where the installed version has them)
-SERVED_FLEX_BACKENDS = ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ()) + (
-    ("deepepv2",) if _HAVE_DEEPEPV2 else ())
+SERVED_FLEX_BACKENDS = (
+    ("deepep", "hybridep") + (("ncclep",) if _HAVE_NCCLEP else ()) + (("deepepv2",) if _HAVE_DEEPEPV2 else ())
+)
 # Where Megatron's 1F1B EP-overlap schedule decides which node inputs it frees after forward (0.19: the common
 # schedule utilities; 0.16: the GPT fine-grained callables).
 _FREE_INPUT_MODULES = ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
@@ -65,13 +78,19 @@ _default_options = PluginOptions()
 def _check_version() -> None:
     version = getattr(megatron.core, "__version__", "unknown")
     if not version.startswith(SUPPORTED_MCORE):
-        raise RuntimeError(f"moe_ep_plugin.megatron supports megatron-core {', '.join(SUPPORTED_MCORE)}.x; "
-                           f"found {version}")
-    for module, name in ((moe_layer, "MoEFlexTokenDispatcher"), (token_dispatcher, "_DeepepManager"),
-                         (token_dispatcher, "fused_dispatch"), (fused_a2a, "fused_combine")):
+        raise RuntimeError(
+            f"moe_ep_plugin.megatron supports megatron-core {', '.join(SUPPORTED_MCORE)}.x; found {version}"
+        )
+    for module, name in (
+        (moe_layer, "MoEFlexTokenDispatcher"),
+        (token_dispatcher, "_DeepepManager"),
+        (token_dispatcher, "fused_dispatch"),
+        (fused_a2a, "fused_combine"),
+    ):
         if not hasattr(module, name):
-            raise RuntimeError(f"megatron-core {version}: {module.__name__}.{name} is missing; this layout is "
-                               f"not supported")
+            raise RuntimeError(
+                f"megatron-core {version}: {module.__name__}.{name} is missing; this layout is not supported"
+            )
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
@@ -104,6 +123,7 @@ def _wrap_moe_layer_init(original: Any) -> Any:
                 original(self, *args, **kwargs)
         finally:
             moe_layer.MoEFlexTokenDispatcher = flex
+
     __init__._moe_ep_plugin = True
     return __init__
 
@@ -123,6 +143,7 @@ def _wrap_post_init(original: Any) -> Any:
         set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
         _check_cuda_graph(self, "moe_token_dispatcher_type: ep_plugin", options)
         _check_batch_invariant(self)
+
     __post_init__._moe_ep_plugin = True
     return __post_init__
 
@@ -138,8 +159,10 @@ def _check_batch_invariant(config: Any) -> None:
         return
     for key in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"):
         if getattr(config, key, None) not in (None, False):
-            raise ValueError(f"{key}: batch_invariant_mode with moe_token_dispatcher_type: ep_plugin serves dropless "
-                             f"routing only (which tokens a capacity drops depends on the whole batch); unset {key}")
+            raise ValueError(
+                f"{key}: batch_invariant_mode with moe_token_dispatcher_type: ep_plugin serves dropless "
+                f"routing only (which tokens a capacity drops depends on the whole batch); unset {key}"
+            )
 
 
 def _check_cuda_graph(config: Any, dispatcher: str, options: PluginOptions | None = None) -> None:
@@ -157,13 +180,21 @@ def _check_cuda_graph(config: Any, dispatcher: str, options: PluginOptions | Non
         return
     if options is not None and config.moe_pad_expert_input_to_capacity and options.transport == "nvlink":
         return
-    what = (f"cuda_graph_impl: {impl!r}" if impl == "full_iteration" else
-            f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}")
-    fix = ("use moe_pad_expert_input_to_capacity (drop-and-pad) with ep_plugin.transport: nvlink, which reads "
-           "nothing on the host" if options is not None else
-           "use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink transport")
-    raise ValueError(f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its "
-                     f"counts (not capturable); capture attn, moe_router or moe_preprocess only, or {fix}")
+    what = (
+        f"cuda_graph_impl: {impl!r}"
+        if impl == "full_iteration"
+        else f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}"
+    )
+    fix = (
+        "use moe_pad_expert_input_to_capacity (drop-and-pad) with ep_plugin.transport: nvlink, which reads "
+        "nothing on the host"
+        if options is not None
+        else "use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink transport"
+    )
+    raise ValueError(
+        f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its "
+        f"counts (not capturable); capture attn, moe_router or moe_preprocess only, or {fix}"
+    )
 
 
 def _free_input_module() -> Any:
@@ -172,8 +203,10 @@ def _free_input_module() -> Any:
         module = importlib.import_module(name) if importlib.util.find_spec(name) else None
         if module is not None and hasattr(module, "should_free_input"):
             return module
-    raise RuntimeError(f"megatron-core {getattr(megatron.core, '__version__', '?')}: should_free_input is in none "
-                       f"of {', '.join(_FREE_INPUT_MODULES)}; this layout is not supported")
+    raise RuntimeError(
+        f"megatron-core {getattr(megatron.core, '__version__', '?')}: should_free_input is in none "
+        f"of {', '.join(_FREE_INPUT_MODULES)}; this layout is not supported"
+    )
 
 
 def _wrap_should_free_input(original: Any) -> Any:
@@ -184,12 +217,16 @@ def _wrap_should_free_input(original: Any) -> Any:
     them): for ``ep_plugin`` the ``moe_dispatch`` and ``mlp`` inputs are kept, as Megatron keeps ``hybridep``'s.
     Keeping them costs no memory, both tensors being saved for backward anyway. The ``moe_combine`` input may go:
     the plugin's combine saves none of it."""
+
     @functools.wraps(original)
     def should_free_input(name: str, is_moe: bool, config: Any, *args: Any) -> bool:
         if getattr(config, "moe_token_dispatcher_type", None) == PLUGIN_DISPATCHER_TYPE and name in (
-                "moe_dispatch", "mlp"):
+            "moe_dispatch",
+            "mlp",
+        ):
             return False
         return original(name, is_moe, config, *args)
+
     return should_free_input
 
 
@@ -199,21 +236,27 @@ def _check_flex(config: Any) -> None:
     a ValueError naming the key, at config time."""
     backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
     if backend not in SERVED_FLEX_BACKENDS:
-        raise ValueError(f"moe_flex_dispatcher_backend: {backend!r} is not served by moe_ep_plugin on megatron-core "
-                         f"{getattr(megatron.core, '__version__', '?')} (served: {', '.join(SERVED_FLEX_BACKENDS)})")
+        raise ValueError(
+            f"moe_flex_dispatcher_backend: {backend!r} is not served by moe_ep_plugin on megatron-core "
+            f"{getattr(megatron.core, '__version__', '?')} (served: {', '.join(SERVED_FLEX_BACKENDS)})"
+        )
     expert_tp = getattr(config, "expert_tensor_parallel_size", None) or 1
     if backend == "hybridep" and getattr(config, "moe_pad_expert_input_to_capacity", False) and expert_tp > 1:
         # Megatron's _HybridEPManager sizes the capacity from its TP x E experts while the router pads every expert
         # to the capacity of E: the row budget it passes is smaller than the rows sent, which would be dropped.
-        raise ValueError(f"moe_pad_expert_input_to_capacity with moe_flex_dispatcher_backend: 'hybridep' needs "
-                         f"expert_tensor_parallel_size 1, got {expert_tp} (Megatron's hybridep capacity counts TP "
-                         f"x experts); use moe_token_dispatcher_type: ep_plugin or alltoall")
+        raise ValueError(
+            f"moe_pad_expert_input_to_capacity with moe_flex_dispatcher_backend: 'hybridep' needs "
+            f"expert_tensor_parallel_size 1, got {expert_tp} (Megatron's hybridep capacity counts TP "
+            f"x experts); use moe_token_dispatcher_type: ep_plugin or alltoall"
+        )
     options = get_plugin_options(config, _default_options)
     check_fp16(config, options)  # the shims carry fp16 tokens as fp32 on the torch transport, as ep_plugin does
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:
-        raise ValueError(f"ep_plugin.fp8_dispatch: FP8 dispatch on the flex + {backend} path needs the dispatched "
-                         f"hidden size to be a multiple of 128, got {hidden}")
+        raise ValueError(
+            f"ep_plugin.fp8_dispatch: FP8 dispatch on the flex + {backend} path needs the dispatched "
+            f"hidden size to be a multiple of 128, got {hidden}"
+        )
 
 
 def is_installed() -> bool:

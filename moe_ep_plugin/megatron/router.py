@@ -6,6 +6,7 @@ unconditionally. Where CUDA is not available, this subclass runs the unchanged M
 routing math (group-limited sigmoid, expert bias, aux losses) is Megatron's own on CPU too. With CUDA it is
 exactly ``TopKRouter``.
 """
+
 from __future__ import annotations
 
 from typing import Any

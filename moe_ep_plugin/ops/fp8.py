@@ -5,6 +5,7 @@ For each token and each block of 128 channels: ``amax = max(|x|)`` in fp32, floo
 With ``round_scale`` the scale is the power of two ``2**ceil(log2(amax / 448))`` (UE8M0, what DeepGEMM and
 TransformerEngine's Float8BlockScaling expect) and ``q = fp8(x * (1 / scale))``, exact since 1/scale is a power of two.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Dispatch layout from top-k expert ids: pure tensor ops, no host sync, any device (or one kernel on CUDA)."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,9 @@ from ..event import current_stream_handle
 from . import library
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch_layout(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``topk_idx`` ``[N, K]`` int64 (-1 = none), experts laid out contiguously over ranks →
     ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``.
 
@@ -29,17 +31,29 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     return num_tokens_per_rank, per_expert[:num_experts].contiguous(), is_token_in_rank
 
 
-def kernel_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_dispatch_layout(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dispatch_layout` in one kernel (csrc/kernels/layout.cuh), same results, for a contiguous CUDA ``topk_idx``
     with the kernel library loaded (the nvlink transport's inputs)."""
     n, k = topk_idx.shape
     counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one memset
     per_rank, per_expert = counts[:num_ranks], counts[num_ranks:]
     in_rank = torch.empty(n, num_ranks, dtype=torch.bool, device=topk_idx.device)
-    library.check(library.load().moe_ep_get_dispatch_layout(
-        topk_idx.data_ptr(), n, k, num_experts, num_ranks, per_rank.data_ptr(), per_expert.data_ptr(),
-        in_rank.data_ptr(), current_stream_handle(topk_idx.get_device())), "get_dispatch_layout")
+    library.check(
+        library.load().moe_ep_get_dispatch_layout(
+            topk_idx.data_ptr(),
+            n,
+            k,
+            num_experts,
+            num_ranks,
+            per_rank.data_ptr(),
+            per_expert.data_ptr(),
+            in_rank.data_ptr(),
+            current_stream_handle(topk_idx.get_device()),
+        ),
+        "get_dispatch_layout",
+    )
     return per_rank, per_expert, in_rank
 
 
@@ -51,8 +65,10 @@ def count_invalid(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def invalid_ids_error(ranks: list[int], num_experts: int) -> ValueError:
     """The error every rank raises when the count exchange reports out-of-range expert ids on ``ranks``."""
-    return ValueError(f"topk_idx: expert ids must lie in [-1, {num_experts}); rank(s) {ranks} passed ids outside it "
-                      "(every rank raises at the count exchange; no dispatch result is returned)")
+    return ValueError(
+        f"topk_idx: expert ids must lie in [-1, {num_experts}); rank(s) {ranks} passed ids outside it "
+        "(every rank raises at the count exchange; no dispatch result is returned)"
+    )
 
 
 def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
@@ -62,8 +78,9 @@ def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     return torch.where(is_token_in_rank, running, torch.full_like(running, -1))
 
 
-def summing_order(topk_idx: torch.Tensor | None, num_experts: int, num_ranks: int, num_tokens: int,
-                  device: torch.device) -> torch.Tensor:
+def summing_order(
+    topk_idx: torch.Tensor | None, num_experts: int, num_ranks: int, num_tokens: int, device: torch.device
+) -> torch.Tensor:
     """``[N, R]`` int64: the ranks in the order combine adds a token's copies to its biases (DeepEP V2's): by the last
     top-k slot of ``topk_idx`` ``[N, K]`` naming one of the rank's experts, ranks named by no slot first in ascending
     order (ids outside ``[0, num_experts)`` name none). ``topk_idx`` None (a dispatch by layout alone): ascending.

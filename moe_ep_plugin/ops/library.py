@@ -4,6 +4,7 @@
 Loaded lazily on first use; nothing here imports CUDA or needs a GPU until a function is called. Only the modules
 of ``moe_ep_plugin.ops`` and the nvlink transport's runtime call it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,44 +40,115 @@ _i64 = ctypes.c_int64
 class DispatchParams(ctypes.Structure):
     """``moe_ep_dispatch_params``: pointers (0 = NULL) then int64 fields, in the header's order."""
 
-    _fields_ = [(name, _p) for name in (
-        "x", "x_scales", "topk_idx", "topk_weights", "rank_prefix_matrix", "send_list", "recv_x", "recv_scales",
-        "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_expert_count")] + [(name, _i64) for name in (
-            "num_tokens", "hidden", "x_elem_bytes", "num_topk", "num_local_experts", "list_stride", "num_recv_rows",
-            "wire_fp8", "fp8_in", "fp8_out", "round_scale", "num_sms", "num_send_warps")] + [
-        ("send_pos", _p), ("expert_major", _i64)] + [
-        (name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")] + [
-        (name, _i64) for name in ("alignment", "speculative_rows", "pull")]
+    _fields_ = (
+        [
+            (name, _p)
+            for name in (
+                "x",
+                "x_scales",
+                "topk_idx",
+                "topk_weights",
+                "rank_prefix_matrix",
+                "send_list",
+                "recv_x",
+                "recv_scales",
+                "recv_topk_idx",
+                "recv_topk_weights",
+                "recv_src_idx",
+                "recv_expert_count",
+            )
+        ]
+        + [
+            (name, _i64)
+            for name in (
+                "num_tokens",
+                "hidden",
+                "x_elem_bytes",
+                "num_topk",
+                "num_local_experts",
+                "list_stride",
+                "num_recv_rows",
+                "wire_fp8",
+                "fp8_in",
+                "fp8_out",
+                "round_scale",
+                "num_sms",
+                "num_send_warps",
+            )
+        ]
+        + [("send_pos", _p), ("expert_major", _i64)]
+        + [(name, _p) for name in ("expert_pos", "send_offset", "expert_info", "recv_slot", "expert_probs")]
+        + [(name, _i64) for name in ("alignment", "speculative_rows", "pull")]
+    )
 
 
 class CombineParams(ctypes.Structure):
     """``moe_ep_combine_params``."""
 
-    _fields_ = [(name, _p) for name in (
-        "x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")] + [
-        (name, _i64) for name in ("num_tokens", "hidden", "elem_bytes", "num_topk", "num_recv_rows", "num_sms",
-                                  "num_send_warps", "num_send_blocks", "copy_engine", "copy_piece_rows",
-                                  "copy_streams")] + [
-        ("host_counts", _p), ("pull", _i64), ("x_in_region", _i64), ("topk_idx", _p), ("idx_topk", _i64),
-        ("num_local_experts", _i64)]
+    _fields_ = (
+        [
+            (name, _p)
+            for name in ("x", "topk_weights", "rank_prefix_matrix", "send_pos", "bias0", "bias1", "out", "out_weights")
+        ]
+        + [
+            (name, _i64)
+            for name in (
+                "num_tokens",
+                "hidden",
+                "elem_bytes",
+                "num_topk",
+                "num_recv_rows",
+                "num_sms",
+                "num_send_warps",
+                "num_send_blocks",
+                "copy_engine",
+                "copy_piece_rows",
+                "copy_streams",
+            )
+        ]
+        + [
+            ("host_counts", _p),
+            ("pull", _i64),
+            ("x_in_region", _i64),
+            ("topk_idx", _p),
+            ("idx_topk", _i64),
+            ("num_local_experts", _i64),
+        ]
+    )
 
 
 class LLDispatchParams(ctypes.Structure):
     """``moe_ep_ll_dispatch_params`` (low-latency dispatch)."""
 
-    _fields_ = [(name, _p) for name in (
-        "x", "topk_idx", "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "wait_stats")] + [
-        (name, _i64) for name in (
-            "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "use_fp8", "round_scale", "use_ue8m0",
-            "buffer_set", "refusal")]
+    _fields_ = [
+        (name, _p)
+        for name in ("x", "topk_idx", "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "wait_stats")
+    ] + [
+        (name, _i64)
+        for name in (
+            "num_tokens",
+            "hidden",
+            "num_topk",
+            "num_experts",
+            "max_tokens",
+            "use_fp8",
+            "round_scale",
+            "use_ue8m0",
+            "buffer_set",
+            "refusal",
+        )
+    ]
 
 
 class LLCombineParams(ctypes.Structure):
     """``moe_ep_ll_combine_params`` (low-latency combine)."""
 
-    _fields_ = [(name, _p) for name in (
-        "x", "topk_idx", "topk_weights", "src_info", "layout_range", "out", "wait_stats")] + [(name, _i64) for name in (
-            "num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "buffer_set", "refusal")]
+    _fields_ = [
+        (name, _p) for name in ("x", "topk_idx", "topk_weights", "src_info", "layout_range", "out", "wait_stats")
+    ] + [
+        (name, _i64)
+        for name in ("num_tokens", "hidden", "num_topk", "num_experts", "max_tokens", "buffer_set", "refusal")
+    ]
 
 
 _lib: ctypes.CDLL | None = None
@@ -144,13 +216,29 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_ll_set_bytes.argtypes = [_i64, _i64, _i64]
     lib.moe_ep_ll_combine_buffer.restype = _p
     lib.moe_ep_ll_combine_buffer.argtypes = [_p, _i64, _i64, _i64, _i64]
-    for name in ("moe_ep_ipc_handle", "moe_ep_open_peers", "moe_ep_destroy", "moe_ep_get_dispatch_layout",
-                 "moe_ep_routing_map_topk", "moe_ep_notify_dispatch", "moe_ep_notify_experts", "moe_ep_barrier",
-                 "moe_ep_dispatch", "moe_ep_combine", "moe_ep_read_start",
-                 "moe_ep_read_wait", "moe_ep_expert_slots", "moe_ep_permute", "moe_ep_unpermute",
-                 "moe_ep_sum_segments",
-                 "moe_ep_ll_dispatch_send", "moe_ep_ll_dispatch_recv", "moe_ep_ll_combine_send",
-                 "moe_ep_ll_combine_recv", "moe_ep_ll_clean"):
+    for name in (
+        "moe_ep_ipc_handle",
+        "moe_ep_open_peers",
+        "moe_ep_destroy",
+        "moe_ep_get_dispatch_layout",
+        "moe_ep_routing_map_topk",
+        "moe_ep_notify_dispatch",
+        "moe_ep_notify_experts",
+        "moe_ep_barrier",
+        "moe_ep_dispatch",
+        "moe_ep_combine",
+        "moe_ep_read_start",
+        "moe_ep_read_wait",
+        "moe_ep_expert_slots",
+        "moe_ep_permute",
+        "moe_ep_unpermute",
+        "moe_ep_sum_segments",
+        "moe_ep_ll_dispatch_send",
+        "moe_ep_ll_dispatch_recv",
+        "moe_ep_ll_combine_send",
+        "moe_ep_ll_combine_recv",
+        "moe_ep_ll_clean",
+    ):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
     return lib

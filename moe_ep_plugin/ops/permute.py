@@ -9,6 +9,7 @@ names no local expert.
 CUDA tensors go through the kernels of ``csrc/kernels/permute.cuh`` when the kernel library loads, everything else
 through torch ops; both give the same bits. No host syncs. Not differentiable by themselves (``autograd.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,9 @@ DTYPE_CODES = {torch.float32: library.PERMUTE_FP32, torch.bfloat16: library.PERM
 _INT32_MAX = 2**31 - 1
 
 
-def expert_slots(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_slots(
+    recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``recv_topk_idx`` ``[N, K]`` int64 local expert ids (-1 = none; ids outside ``[0, L)`` count as none),
     ``num_local_experts`` L, ``alignment`` >= 1 → ``(recv_slot [N, K] int32, words [2 + L] int64)`` on its device,
     with no host sync. ``words``: the rows naming a local expert, the ids outside ``[-1, L)``, then the pairs of each
@@ -43,8 +45,9 @@ def expert_slots(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment:
     positive_int(alignment, "alignment", 1, _INT32_MAX)
     n, k = recv_topk_idx.shape
     if n * k + num_local * (alignment - 1) > _INT32_MAX:  # the most rows the layout can have
-        raise ValueError(f"recv_topk_idx: {n} x {k} entries over {num_local} experts aligned to {alignment} exceed "
-                         "int32 slots")
+        raise ValueError(
+            f"recv_topk_idx: {n} x {k} entries over {num_local} experts aligned to {alignment} exceed int32 slots"
+        )
     idx = recv_topk_idx.contiguous()
     if not (kernels_for(idx) and num_local <= _MAX_KERNEL_LOCAL_EXPERTS):
         return _torch_expert_slots(idx, num_local, alignment)
@@ -54,14 +57,29 @@ def expert_slots(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment:
     words = torch.empty(2 + num_local, dtype=torch.int64, device=idx.device)
     blocks = torch.cuda.get_device_properties(idx.device).multi_processor_count
     workspace = torch.empty(blocks * (num_local + 2), dtype=torch.int32, device=idx.device)
-    _launch(idx, "moe_ep_expert_slots", idx.data_ptr(), n, k, num_local, alignment, slot.data_ptr(), words.data_ptr(),
-            workspace.data_ptr(), blocks)
+    _launch(
+        idx,
+        "moe_ep_expert_slots",
+        idx.data_ptr(),
+        n,
+        k,
+        num_local,
+        alignment,
+        slot.data_ptr(),
+        words.data_ptr(),
+        workspace.data_ptr(),
+        blocks,
+    )
     return slot, words
 
 
-def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_weights: torch.Tensor | None = None,
-            recv_scales: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def permute(
+    recv_x: torch.Tensor,
+    recv_slot: torch.Tensor,
+    num_rows: int,
+    recv_weights: torch.Tensor | None = None,
+    recv_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``recv_x`` ``[>= N, H]`` (any dtype; FP8 moves as bytes), ``recv_slot`` ``[N, K]`` int32, ``num_rows`` M,
     ``recv_weights`` ``[N, K]`` float32, ``recv_scales`` ``[>= N, S]`` float32 → ``(x [M, H] recv_x.dtype,
     probs [M] float32 or None, scales [M, S] float32 or None)``.
@@ -87,14 +105,29 @@ def permute(recv_x: torch.Tensor, recv_slot: torch.Tensor, num_rows: int, recv_w
             return _torch_permute(x[:n], slot, num_rows, weights, None if scales is None else scales[:n])
     out_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     out_probs = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    out_scales = None if scales is None else torch.empty(num_rows, scales.shape[1], dtype=torch.float32,
-                                                         device=x.device)
+    out_scales = (
+        None if scales is None else torch.empty(num_rows, scales.shape[1], dtype=torch.float32, device=x.device)
+    )
     if num_rows == 0:  # nothing to write (and empty outputs may have null data pointers)
         return out_x, out_probs, out_scales
     covered = torch.empty(num_rows, dtype=torch.uint8, device=x.device)
-    _launch(x, "moe_ep_permute", x.data_ptr(), slot.data_ptr(), _ptr(weights), _ptr(scales), n, k,
-            x.shape[1] * x.element_size(), 0 if scales is None else scales.shape[1], num_rows, out_x.data_ptr(),
-            _ptr(out_probs), _ptr(out_scales), covered.data_ptr())
+    _launch(
+        x,
+        "moe_ep_permute",
+        x.data_ptr(),
+        slot.data_ptr(),
+        _ptr(weights),
+        _ptr(scales),
+        n,
+        k,
+        x.shape[1] * x.element_size(),
+        0 if scales is None else scales.shape[1],
+        num_rows,
+        out_x.data_ptr(),
+        _ptr(out_probs),
+        _ptr(out_scales),
+        covered.data_ptr(),
+    )
     return out_x, out_probs, out_scales
 
 
@@ -111,10 +144,16 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor, out: torch.Tensor | None
     if recv_slot.device != y.device:
         raise ValueError(f"recv_slot: expected a tensor on {y.device}, got {recv_slot.device}")
     shape = (recv_slot.shape[0], y.shape[1])
-    if out is not None and not (isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == y.dtype
-                                and out.device == y.device and out.is_contiguous()):
-        raise ValueError(f"out: expected a contiguous {list(shape)} {y.dtype} tensor on {y.device}, got "
-                         f"{_describe(out)}")
+    if out is not None and not (
+        isinstance(out, torch.Tensor)
+        and tuple(out.shape) == shape
+        and out.dtype == y.dtype
+        and out.device == y.device
+        and out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out: expected a contiguous {list(shape)} {y.dtype} tensor on {y.device}, got {_describe(out)}"
+        )
     y = y.contiguous()
     slot = recv_slot.contiguous()
     if not (1 <= slot.shape[1] <= _MAX_KERNEL_TOPK and _kernel_rows(y)):
@@ -123,8 +162,18 @@ def unpermute(y: torch.Tensor, recv_slot: torch.Tensor, out: torch.Tensor | None
         return result if out is None else out.copy_(result)
     if out is None:
         out = torch.empty(shape, dtype=y.dtype, device=y.device)
-    _launch(y, "moe_ep_unpermute", y.data_ptr(), slot.data_ptr(), slot.shape[0], slot.shape[1], y.shape[1],
-            y.shape[0], DTYPE_CODES[y.dtype], out.data_ptr())
+    _launch(
+        y,
+        "moe_ep_unpermute",
+        y.data_ptr(),
+        slot.data_ptr(),
+        slot.shape[0],
+        slot.shape[1],
+        y.shape[1],
+        y.shape[0],
+        DTYPE_CODES[y.dtype],
+        out.data_ptr(),
+    )
     return out
 
 
@@ -164,12 +213,23 @@ def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch
     counts.scatter_add_(0, key, torch.ones_like(key))
     offsets = torch.zeros(num_out + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts[:num_out], 0, out=offsets[1:])
-    _launch(rows, "moe_ep_sum_segments", rows.data_ptr(), order.data_ptr(), offsets.data_ptr(), num_out,
-            rows.shape[1], rows.shape[0], DTYPE_CODES[rows.dtype], out.data_ptr())
+    _launch(
+        rows,
+        "moe_ep_sum_segments",
+        rows.data_ptr(),
+        order.data_ptr(),
+        offsets.data_ptr(),
+        num_out,
+        rows.shape[1],
+        rows.shape[0],
+        DTYPE_CODES[rows.dtype],
+        out.data_ptr(),
+    )
     return out
 
 
 # --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---
+
 
 def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(recv_slot [N, K] int32, words [2 + L] int64)`` as :func:`expert_slots` returns them: a stable sort by expert
@@ -192,9 +252,9 @@ def _torch_expert_slots(idx: torch.Tensor, num_local: int, alignment: int) -> tu
     return slot.view(idx.shape), torch.cat([rows, invalid, aligned])
 
 
-def _torch_permute(x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: torch.Tensor | None,
-                   scales: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _torch_permute(
+    x: torch.Tensor, slot: torch.Tensor, num_rows: int, weights: torch.Tensor | None, scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every output row gathers its source row in one ``index_select`` (rows no slot names read an appended zero
     row): one pass over the output instead of one scatter of ``x`` per top-k column."""
     n, k = slot.shape
@@ -230,8 +290,9 @@ def _sum_slots(start: torch.Tensor | None, y: torch.Tensor, slot: torch.Tensor) 
     """fp32 ``[N, H]``: ``start`` (0.0 when None) plus the rows of ``y`` that ``slot``'s columns name, in column
     order; invalid slots add nothing."""
     m = y.shape[0]
-    out = (torch.zeros(slot.shape[0], y.shape[1], dtype=torch.float32, device=y.device) if start is None
-           else start.clone())
+    out = (
+        torch.zeros(slot.shape[0], y.shape[1], dtype=torch.float32, device=y.device) if start is None else start.clone()
+    )
     if m == 0:
         return out
     # y converted to fp32 once, with a zero row at m that invalid slots gather: two passes per column
@@ -260,6 +321,7 @@ def _dump_invalid(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 # --- kernels and validation helpers ---
+
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> object | None:
@@ -311,8 +373,12 @@ def _describe(t: object) -> str:
 def _check_slots(recv_slot: torch.Tensor, recv_x: torch.Tensor | None) -> None:
     """``recv_slot`` is ``[N, K]`` int32 with K >= 1 (N at most ``recv_x``'s rows, on its device, when given)."""
     rows = "N" if recv_x is None else f"<= {recv_x.shape[0]}"
-    if (not isinstance(recv_slot, torch.Tensor) or recv_slot.dim() != 2 or recv_slot.shape[1] < 1
-            or (recv_x is not None and recv_slot.shape[0] > recv_x.shape[0])):
+    if (
+        not isinstance(recv_slot, torch.Tensor)
+        or recv_slot.dim() != 2
+        or recv_slot.shape[1] < 1
+        or (recv_x is not None and recv_slot.shape[0] > recv_x.shape[0])
+    ):
         raise ValueError(f"recv_slot: expected [{rows}, K] with K >= 1, got {_describe(recv_slot)}")
     if recv_slot.dtype != torch.int32:
         raise TypeError(f"recv_slot: expected int32 (from expert_slots), got {recv_slot.dtype}")
@@ -320,13 +386,18 @@ def _check_slots(recv_slot: torch.Tensor, recv_x: torch.Tensor | None) -> None:
         raise ValueError(f"recv_slot: expected a tensor on {recv_x.device}, got {recv_slot.device}")
 
 
-def _check_float32(name: str, t: torch.Tensor | None, recv_x: torch.Tensor, rows: int,
-                   shape: tuple[int, int] | None) -> None:
+def _check_float32(
+    name: str, t: torch.Tensor | None, recv_x: torch.Tensor, rows: int, shape: tuple[int, int] | None
+) -> None:
     """``t`` is None or a float32 tensor on ``recv_x``'s device: exactly ``shape`` when given, else ``[>= rows, S]``."""
     if t is None:
         return
-    if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < rows
-            or (shape is not None and tuple(t.shape) != shape)):
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dim() != 2
+        or t.shape[0] < rows
+        or (shape is not None and tuple(t.shape) != shape)
+    ):
         expected = list(shape) if shape is not None else [f">= {rows}", "S"]
         raise ValueError(f"{name}: expected shape {expected}, got {_describe(t)}")
     if t.dtype != torch.float32:

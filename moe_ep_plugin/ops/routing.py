@@ -5,6 +5,7 @@ loads, everything else through four torch ops; both give the same ids and weight
 differentiable; ``topk_from_routing_map`` (no autograd) and ``topk_weights_grad`` are its two halves for a caller
 that folds the conversion into its own autograd function (the Megatron dispatcher's dispatch).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,7 @@ from ..event import current_stream_handle
 from . import library
 
 
-def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-hot ``routing_map`` ``[T, E]`` bool and ``probs`` ``[T, E]`` → ``(topk_idx [T, K] int64,
     topk_weights [T, K] float32)``; slots beyond a token's selected experts (dropped tokens) hold -1 and weight 0.
 
@@ -45,17 +45,22 @@ def check_routing_map(routing_map: object, probs: object, topk: object) -> None:
     """Raise ``ValueError`` naming the argument unless ``routing_map`` is a 2-D bool ``[T, E]`` tensor, ``probs`` a
     tensor of its shape and ``topk`` an int in ``[1, E]``."""
     if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
-        raise ValueError(f"routing_map: expected a 2-D bool [tokens, experts] tensor, got "
-                         f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} "
-                         f"{tuple(getattr(routing_map, 'shape', ()))}")
+        raise ValueError(
+            f"routing_map: expected a 2-D bool [tokens, experts] tensor, got "
+            f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} "
+            f"{tuple(getattr(routing_map, 'shape', ()))}"
+        )
     if not isinstance(probs, torch.Tensor) or probs.shape != routing_map.shape:
-        raise ValueError(f"probs: expected shape {tuple(routing_map.shape)}, got "
-                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+        raise ValueError(
+            f"probs: expected shape {tuple(routing_map.shape)}, got "
+            f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}"
+        )
     positive_int(topk, "topk", 1, routing_map.shape[1])
 
 
-def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_from_routing_map(
+    routing_map: torch.Tensor, probs: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`routing_map_to_topk` without autograd, of arguments :func:`check_routing_map` accepted: for callers
     that give ``probs`` its gradient themselves (:func:`topk_weights_grad`)."""
     if _ROUTING_KERNEL.usable(routing_map, probs):
@@ -64,8 +69,9 @@ def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: 
         return _torch_topk(routing_map, probs, topk)
 
 
-def topk_weights_grad(grad_weights: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *,
-                      masked: bool = True) -> torch.Tensor:
+def topk_weights_grad(
+    grad_weights: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, masked: bool = True
+) -> torch.Tensor:
     """The gradient of ``topk_from_routing_map``'s weights ``[T, K]`` float32 as the ``[T, E]`` float32 gradient of its
     probs (zero where no expert was selected). ``masked=False`` when ``grad_weights`` is already 0 wherever
     ``topk_idx`` is -1 (a combine's weights are): two kernels fewer."""
@@ -82,9 +88,19 @@ def _routing_kernel(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
     idx = torch.empty(n, topk, dtype=torch.int64, device=probs.device)
     weights = torch.empty(n, topk, dtype=torch.float32, device=probs.device)
     # The kernel reads the bool map as bytes through its pointer: no uint8 view needed.
-    library.check(library.load().moe_ep_routing_map_topk(
-        routing_map.data_ptr(), probs.data_ptr(), n, num_experts, topk, idx.data_ptr(), weights.data_ptr(),
-        current_stream_handle(probs.get_device())), "topk_from_routing_map")
+    library.check(
+        library.load().moe_ep_routing_map_topk(
+            routing_map.data_ptr(),
+            probs.data_ptr(),
+            n,
+            num_experts,
+            topk,
+            idx.data_ptr(),
+            weights.data_ptr(),
+            current_stream_handle(probs.get_device()),
+        ),
+        "topk_from_routing_map",
+    )
     return idx, weights
 
 
@@ -96,8 +112,12 @@ class _RoutingKernel:
         self._loaded: bool | None = None
 
     def usable(self, routing_map: torch.Tensor, probs: torch.Tensor) -> bool:
-        if not (routing_map.is_cuda and probs.dtype == torch.float32 and routing_map.is_contiguous()
-                and probs.is_contiguous()):
+        if not (
+            routing_map.is_cuda
+            and probs.dtype == torch.float32
+            and routing_map.is_contiguous()
+            and probs.is_contiguous()
+        ):
             return False
         if self._loaded is None:
             self._loaded = library.unavailable_reason() is None

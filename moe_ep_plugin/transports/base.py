@@ -3,6 +3,7 @@
 A transport only moves rows. Inputs reaching it are already validated (dtypes, shapes, devices, ranges),
 run on the right stream, and are contiguous.
 """
+
 from __future__ import annotations
 
 import abc
@@ -90,8 +91,14 @@ META_FIELDS = ("num_experts", "hidden", "x dtype", "top-k width", "topk_weights 
 def dispatch_meta(args: DispatchArgs) -> list[int]:
     """``len(META_FIELDS)`` ints describing ``args`` (a top-k width of 0: no top-k)."""
     k = args.topk_idx.shape[1] if args.topk_idx is not None else 0
-    return [args.num_experts, args.x.shape[1], permute.DTYPE_CODES[args.x.dtype], k, int(args.topk_weights is not None),
-            int(args.wire_fp8 or args.x_scales is not None)]
+    return [
+        args.num_experts,
+        args.x.shape[1],
+        permute.DTYPE_CODES[args.x.dtype],
+        k,
+        int(args.topk_weights is not None),
+        int(args.wire_fp8 or args.x_scales is not None),
+    ]
 
 
 def meta_mismatch(rows: list[list[int]]) -> ValueError | None:
@@ -101,22 +108,30 @@ def meta_mismatch(rows: list[list[int]]) -> ValueError | None:
         return None
     ranks = [r for r, row in enumerate(rows) if row != rows[0]]
     names = {code: str(dtype).removeprefix("torch.") for dtype, code in permute.DTYPE_CODES.items()}
-    shown = "; ".join(META_FIELDS[f] + ": " + ", ".join(
-        f"rank {r} {names.get(row[f], row[f]) if f == 2 else row[f]}" for r, row in enumerate(rows)) for f in fields)
+    shown = "; ".join(
+        META_FIELDS[f]
+        + ": "
+        + ", ".join(f"rank {r} {names.get(row[f], row[f]) if f == 2 else row[f]}" for r, row in enumerate(rows))
+        for f in fields
+    )
     return metadata_error(fields, ranks, f" ({shown})")
 
 
 def metadata_error(fields: list[int], ranks: list[int], values: str = "") -> ValueError:
     """The error every rank raises when ranks passed dispatches that differ in ``META_FIELDS[fields]``."""
-    return ValueError(f"dispatch: the ranks disagree on {', '.join(META_FIELDS[f] for f in fields)}: rank(s) {ranks} "
-                      f"differ from rank 0{values}; every rank raises before any row moves")
+    return ValueError(
+        f"dispatch: the ranks disagree on {', '.join(META_FIELDS[f] for f in fields)}: rank(s) {ranks} "
+        f"differ from rank 0{values}; every rank raises before any row moves"
+    )
 
 
 def layout_error(ranks: list[int]) -> ValueError:
     """The error every rank raises when the layout tensors of ``ranks`` contradict their top-k (or themselves)."""
-    return ValueError(f"num_tokens_per_rank/is_token_in_rank: on rank(s) {ranks} they contradict topk_idx (or "
-                      "num_tokens_per_rank is not is_token_in_rank.sum(0)); pass get_dispatch_layout's outputs, or "
-                      "only topk_idx and num_experts; every rank raises before any row moves")
+    return ValueError(
+        f"num_tokens_per_rank/is_token_in_rank: on rank(s) {ranks} they contradict topk_idx (or "
+        "num_tokens_per_rank is not is_token_in_rank.sum(0)); pass get_dispatch_layout's outputs, or "
+        "only topk_idx and num_experts; every rank raises before any row moves"
+    )
 
 
 def layout_contradiction(args: DispatchArgs) -> torch.Tensor:
@@ -139,8 +154,10 @@ def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
-    out[:t.shape[0]] = t
+    out[: t.shape[0]] = t
     return out
+
+
 # A call one rank refuses (bad input on that rank only) must not leave its peers waiting for it: the refusing rank
 # joins the call's first exchange with the error's class and then its message, so every rank raises the cause.
 REFUSABLE = (ValueError, TypeError, RuntimeError)
@@ -157,8 +174,8 @@ def refusal_code(exc: BaseException | None) -> int:
 def refusal_words(exc: BaseException | None, device: torch.device) -> torch.Tensor:
     """``[REFUSAL_WORDS]`` int64 holding ``str(exc)`` (zeros without ``exc``)."""
     raw = bytearray(8 * REFUSAL_WORDS)
-    text = b"" if exc is None else str(exc).encode()[:len(raw)]
-    raw[:len(text)] = text
+    text = b"" if exc is None else str(exc).encode()[: len(raw)]
+    raw[: len(text)] = text
     return torch.frombuffer(raw, dtype=torch.int64).to(device)
 
 
@@ -166,10 +183,12 @@ def refusal_error(what: str, codes: list[int], words: list[list[int]]) -> Except
     """The error every rank raises when the ranks with a non-zero ``codes[r]`` refused ``what``; ``words[r]``:
     their ``refusal_words``. Of the first refusing rank's class."""
     ranks = [r for r, code in enumerate(codes) if code]
-    causes = "; ".join(f"rank {r}: " + array.array("q", words[r]).tobytes().rstrip(b"\0").decode(errors="replace")
-                       for r in ranks)
-    return REFUSABLE[codes[ranks[0]] - 1](f"{what}: rank(s) {ranks} refused the call ({causes}); every rank raises, "
-                                          "nothing was sent")
+    causes = "; ".join(
+        f"rank {r}: " + array.array("q", words[r]).tobytes().rstrip(b"\0").decode(errors="replace") for r in ranks
+    )
+    return REFUSABLE[codes[ranks[0]] - 1](
+        f"{what}: rank(s) {ranks} refused the call ({causes}); every rank raises, nothing was sent"
+    )
 
 
 def refused(call: str, exc: Exception) -> Exception:
@@ -180,8 +199,10 @@ def refused(call: str, exc: Exception) -> Exception:
 
 def negative_counts_error(ranks: list[int]) -> ValueError:
     """The error every rank raises when the ``num_tokens_per_rank`` of ``ranks`` hold negative counts."""
-    return ValueError(f"num_tokens_per_rank: counts must be >= 0; rank(s) {ranks} passed negative ones (pass "
-                      "get_dispatch_layout's outputs); every rank raises before any row moves")
+    return ValueError(
+        f"num_tokens_per_rank: counts must be >= 0; rank(s) {ranks} passed negative ones (pass "
+        "get_dispatch_layout's outputs); every rank raises before any row moves"
+    )
 
 
 def bias_sum(bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -230,8 +251,9 @@ class Transport(abc.ABC):
         # Not abstract: a transport without peers keeps this no-op.
         return None
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``topk_idx`` ``[N, K]`` int64 → ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool)``. Default: plain torch ops on the tensor's device (no communication)."""
         return dispatch_layout(topk_idx, num_experts, self.num_ranks)
@@ -246,8 +268,14 @@ class Transport(abc.ABC):
         """Send row ``t`` of ``x`` once to every rank with ``is_token_in_rank[t, r]``; see ``DispatchResult``."""
 
     @abc.abstractmethod
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reverse of dispatch: ``x`` ``[N_recv, H]`` → ``[N, H]``: per token, fp32 from its ``bias`` rows
         (``[N, H]``, in order), plus its copies in ``ops.layout.summing_order`` (DeepEP V2's), cast to ``x.dtype``;
         ``topk_weights`` ``[N_recv, K]`` summed over the copies in fp32."""
@@ -259,9 +287,14 @@ class Transport(abc.ABC):
         result = self.dispatch(args)
         return lambda: result
 
-    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                      bias: tuple[torch.Tensor, ...], config: Config
-                      ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+    def start_combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`combine` in two steps, as :meth:`start_dispatch`; this default runs the whole combine at once."""
         result = self.combine(x, handle, topk_weights, bias, config)
         return lambda: result
@@ -280,12 +313,19 @@ class Transport(abc.ABC):
             recv_slot, _ = permute.expert_slots(result.recv_topk_idx, len(tokens_per_expert), alignment)
             handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, sum(tokens_per_expert), alignment)
         layout = handle.expert_layout
-        x, probs, scales = permute.permute(result.recv_x, layout.recv_slot, layout.num_rows,
-                                           result.recv_topk_weights, result.recv_scales)
+        x, probs, scales = permute.permute(
+            result.recv_x, layout.recv_slot, layout.num_rows, result.recv_topk_weights, result.recv_scales
+        )
         return ExpertDispatchResult(x, scales, probs, handle)
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_experts(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        expert_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reverse of :meth:`dispatch_experts`: ``y`` ``[M, H]`` BF16/FP32 → ``([N, H] y.dtype, [N, K] float32
         or None)``.
 

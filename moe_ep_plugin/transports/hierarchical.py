@@ -30,6 +30,7 @@ partials over nodes in fp32 from the biases and rounds once:
 ``combined[t] = round(bias + Σ_m round(Σ_{r on node m} x_r[t]))``, both sums in ``summing_order`` (ranks of a node
 by the last top-k slot naming them, nodes likewise): DeepEP V2's hybrid combine. Weights are summed the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,7 @@ from .torch_transport import TorchTransport
 _LAYOUT_SOURCES = ("ranks_per_node", "LOCAL_WORLD_SIZE", "hostname")
 
 
-def node_ids(group: dist.ProcessGroup, ranks_per_node: int | None, device: torch.device,
-             timeout_s: float) -> list[int]:
+def node_ids(group: dist.ProcessGroup, ranks_per_node: int | None, device: torch.device, timeout_s: float) -> list[int]:
     """The node of every rank of ``group`` (group rank order): ``ranks_per_node`` when given (emulated nodes),
     else torchrun's ``LOCAL_WORLD_SIZE`` (global ranks are node-contiguous under torchrun), else the hostnames.
 
@@ -65,8 +65,13 @@ def node_ids(group: dist.ProcessGroup, ranks_per_node: int | None, device: torch
     before any subgroup is made."""
     num_ranks = dist.get_world_size(group)
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    source, value, error = (0, ranks_per_node, None) if ranks_per_node is not None else \
-        (1, local_world, None) if local_world is not None else (2, 0, None)
+    source, value, error = (
+        (0, ranks_per_node, None)
+        if ranks_per_node is not None
+        else (1, local_world, None)
+        if local_world is not None
+        else (2, 0, None)
+    )
     if source == 0:
         try:  # the error travels to every rank in the exchange below, so it is kept, not raised here
             if num_ranks % positive_int(value, "ranks_per_node"):
@@ -80,15 +85,19 @@ def node_ids(group: dist.ProcessGroup, ranks_per_node: int | None, device: torch
     host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
     word = [source, value if error is None else -1, host]
     exchange = TorchTransport(group, device if dist.get_backend(group) == "nccl" else torch.device("cpu"), timeout_s)
-    rows = exchange._start_count_exchange(torch.tensor(word, dtype=torch.int64, device=exchange.device),
-                                          "node layout exchange")[1]().tolist()
+    rows = exchange._start_count_exchange(
+        torch.tensor(word, dtype=torch.int64, device=exchange.device), "node layout exchange"
+    )[1]().tolist()
     differ = [r for r, row in enumerate(rows) if row[:2] != rows[0][:2]]
     if differ:
-        shown = ", ".join(f"rank {r} " + ("hostnames" if src == 2 else f"{_LAYOUT_SOURCES[src]}="
-                                                                           f"{v if v >= 0 else 'invalid'}")
-                          for r, (src, v, _) in enumerate(rows))
-        raise ValueError(f"ranks_per_node: the ranks disagree on the node layout: rank(s) {differ} differ from rank 0 "
-                         f"({shown}); every rank raises before any subgroup is made")
+        shown = ", ".join(
+            f"rank {r} " + ("hostnames" if src == 2 else f"{_LAYOUT_SOURCES[src]}={v if v >= 0 else 'invalid'}")
+            for r, (src, v, _) in enumerate(rows)
+        )
+        raise ValueError(
+            f"ranks_per_node: the ranks disagree on the node layout: rank(s) {differ} differ from rank 0 "
+            f"({shown}); every rank raises before any subgroup is made"
+        )
     if error is not None:
         raise ValueError(error)
     if source == 2:
@@ -104,8 +113,9 @@ def ranks_per_node_of(nodes: list[int]) -> int:
     num_nodes = len(set(nodes))
     per_node = len(nodes) // num_nodes
     if len(nodes) % num_nodes or nodes != [r // per_node for r in range(len(nodes))]:
-        raise ValueError(f"the EP group's ranks must fill their nodes evenly and in order (rank r on node r // P); "
-                         f"got nodes {nodes}")
+        raise ValueError(
+            f"the EP group's ranks must fill their nodes evenly and in order (rank r on node r // P); got nodes {nodes}"
+        )
     return per_node
 
 
@@ -131,7 +141,7 @@ def split_by_node(group: dist.ProcessGroup, nodes: list[int], timeout_s: float) 
     per_node = ranks_per_node_of(nodes)
     rank, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
     node, local = divmod(rank, per_node)
-    node_ranks, rail_ranks = ranks[node * per_node:(node + 1) * per_node], ranks[local::per_node]
+    node_ranks, rail_ranks = ranks[node * per_node : (node + 1) * per_node], ranks[local::per_node]
     timeout = timedelta(seconds=timeout_s)  # a member that never arrives is an error after timeout_s, not a hang
     node_group = dist.new_group(node_ranks, timeout=timeout, use_local_synchronization=True)
     rail_group = dist.new_group(rail_ranks, timeout=timeout, use_local_synchronization=True)
@@ -167,16 +177,24 @@ class HierarchicalTransport(Transport):
 
     name = "hierarchical"
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, split: NodeSplit,
-                 intra: Transport, rail: Transport) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        timeout_s: float,
+        split: NodeSplit,
+        intra: Transport,
+        rail: Transport,
+    ) -> None:
         super().__init__(group, device, timeout_s)
         self.ranks_per_node, self.num_nodes = split.ranks_per_node, split.num_nodes
         self.node, self.local_rank = split.node, split.local_rank
         self.node_ranks, self.rail_ranks = split.node_ranks, split.rail_ranks
         self.intra, self.rail = intra, rail
         # The count exchange over the whole group (host tensors on gloo, device ones on NCCL).
-        self.whole = TorchTransport(group, device if dist.get_backend(group) == "nccl" else torch.device("cpu"),
-                                    timeout_s)
+        self.whole = TorchTransport(
+            group, device if dist.get_backend(group) == "nccl" else torch.device("cpu"), timeout_s
+        )
 
     def destroy(self) -> None:
         for stage in (self.intra, self.rail):
@@ -200,9 +218,11 @@ class HierarchicalTransport(Transport):
         try:
             return fn(*args)
         except TimeoutError as exc:
-            raise TimeoutError(f"moe_ep_plugin[hierarchical] rank {self.rank}/{self.num_ranks} (node {self.node}, "
-                               f"local {self.local_rank}): the {what} stage stalled waiting on global ranks {peers}: "
-                               f"{exc}") from exc
+            raise TimeoutError(
+                f"moe_ep_plugin[hierarchical] rank {self.rank}/{self.num_ranks} (node {self.node}, "
+                f"local {self.local_rank}): the {what} stage stalled waiting on global ranks {peers}: "
+                f"{exc}"
+            ) from exc
 
     def _exchange_counts(self, args: DispatchArgs) -> tuple[torch.Tensor, list[int]]:
         """All-gather over the whole group: each rank's per-rank counts, out-of-range id count, token count, call
@@ -211,13 +231,28 @@ class HierarchicalTransport(Transport):
         call, passed bad ids or disagrees (so ranks that would run different numbers of chunk collectives never
         start them)."""
         x, topk = args.x, args.topk_idx
-        signature = [x.shape[1], _DTYPE_CODES.get(x.dtype, -1), 0 if topk is None else topk.shape[1],
-                     args.num_experts, int(args.wire_fp8), int(args.fp8_out), int(args.topk_weights is not None),
-                     args.config.hierarchical_chunks]
-        invalid = (torch.zeros(1, dtype=torch.int64, device="cpu") if topk is None
-                   else count_invalid(topk, args.num_experts).cpu())
-        local = torch.cat([args.num_tokens_per_rank.to(torch.int64).cpu(), invalid.to(torch.int64),
-                           torch.tensor([x.shape[0]] + signature + [0], dtype=torch.int64, device="cpu")])
+        signature = [
+            x.shape[1],
+            _DTYPE_CODES.get(x.dtype, -1),
+            0 if topk is None else topk.shape[1],
+            args.num_experts,
+            int(args.wire_fp8),
+            int(args.fp8_out),
+            int(args.topk_weights is not None),
+            args.config.hierarchical_chunks,
+        ]
+        invalid = (
+            torch.zeros(1, dtype=torch.int64, device="cpu")
+            if topk is None
+            else count_invalid(topk, args.num_experts).cpu()
+        )
+        local = torch.cat(
+            [
+                args.num_tokens_per_rank.to(torch.int64).cpu(),
+                invalid.to(torch.int64),
+                torch.tensor([x.shape[0]] + signature + [0], dtype=torch.int64, device="cpu"),
+            ]
+        )
         gathered = self._gather_counts(local)
         r = self.num_ranks
         negative = (gathered[:, :r] < 0).any(1).tolist()
@@ -226,21 +261,32 @@ class HierarchicalTransport(Transport):
         bad = gathered[:, r].tolist()
         if any(bad):
             raise invalid_ids_error([i for i, b in enumerate(bad) if b], args.num_experts)
-        signatures = gathered[:, r + 2:-1]
+        signatures = gathered[:, r + 2 : -1]
         if not bool((signatures == signatures[0]).all()):
-            names = ["hidden", "dtype", "top-k width", "num_experts", "fp8_dispatch", "fp8_out", "topk_weights given",
-                     "Config.hierarchical_chunks"]
+            names = [
+                "hidden",
+                "dtype",
+                "top-k width",
+                "num_experts",
+                "fp8_dispatch",
+                "fp8_out",
+                "topk_weights given",
+                "Config.hierarchical_chunks",
+            ]
             differ = [names[j] for j in range(len(names)) if not bool((signatures[:, j] == signatures[0, j]).all())]
-            raise ValueError(f"dispatch: the EP ranks disagree on {differ} (per rank: "
-                             f"{signatures[:, [names.index(d) for d in differ]].tolist()}); every rank must pass the "
-                             "same hidden size, dtype, top-k width, number of experts, FP8 options and chunks")
+            raise ValueError(
+                f"dispatch: the EP ranks disagree on {differ} (per rank: "
+                f"{signatures[:, [names.index(d) for d in differ]].tolist()}); every rank must pass the "
+                "same hidden size, dtype, top-k width, number of experts, FP8 options and chunks"
+            )
         return gathered[:, :r], gathered[:, r + 1].tolist()
 
     def _gather_counts(self, local: torch.Tensor, refusal: Exception | None = None) -> torch.Tensor:
         """All-gather ``local`` (``_COUNT_WORDS`` + R int64 words, the refusal code last) over the whole group →
         ``[R, C]`` on the host; raises the refusal on every rank alike when any rank refused the call."""
-        read = self.whole._start_count_exchange(local.to(self.whole.device), "the dispatch count exchange over the "
-                                                "whole EP group")[1]
+        read = self.whole._start_count_exchange(
+            local.to(self.whole.device), "the dispatch count exchange over the whole EP group"
+        )[1]
         gathered = self._stage("count exchange", dist.get_process_group_ranks(self.group), read).cpu()
         self.whole._check_refusals("dispatch", gathered[:, -1].tolist(), refusal)
         return gathered
@@ -258,11 +304,16 @@ class HierarchicalTransport(Transport):
         rows = handle.num_recv_tokens
         prefix = handle.rank_prefix_matrix[:, self.node].to(torch.int64)  # rail rank = node index
         from_node = prefix - torch.cat([prefix.new_zeros(1), prefix[:-1]])
-        node = torch.repeat_interleave(torch.arange(self.num_nodes, device=prefix.device), from_node,
-                                       output_size=rows)
+        node = torch.repeat_interleave(torch.arange(self.num_nodes, device=prefix.device), from_node, output_size=rows)
         rank = node * self.ranks_per_node + self.local_rank
-        starts = torch.tensor([_bounds(num_tokens[m * self.ranks_per_node + self.local_rank], num_chunks)[chunk]
-                               for m in range(self.num_nodes)], dtype=torch.int64, device=prefix.device)
+        starts = torch.tensor(
+            [
+                _bounds(num_tokens[m * self.ranks_per_node + self.local_rank], num_chunks)[chunk]
+                for m in range(self.num_nodes)
+            ],
+            dtype=torch.int64,
+            device=prefix.device,
+        )
         packed = torch.zeros(rows, 4, dtype=torch.int32, device=prefix.device)
         packed[:, 0] = handle.recv_src_idx.to(torch.int64) + starts.index_select(0, node)
         packed[:, 1] = rank
@@ -294,10 +345,20 @@ class HierarchicalTransport(Transport):
             else:
                 weights = None if args.topk_weights is None else args.topk_weights[a:b]
                 rail_args = DispatchArgs(
-                    x=x[a:b], x_scales=scales, topk_idx=args.topk_idx[a:b], topk_weights=weights,
-                    num_tokens_per_rank=in_node[a:b].sum(0, dtype=torch.int32), is_token_in_rank=in_node[a:b],
-                    num_experts=args.num_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
-                    round_scale=False, config=args.config)
+                    x=x[a:b],
+                    x_scales=scales,
+                    topk_idx=args.topk_idx[a:b],
+                    topk_weights=weights,
+                    num_tokens_per_rank=in_node[a:b].sum(0, dtype=torch.int32),
+                    is_token_in_rank=in_node[a:b],
+                    num_experts=args.num_experts,
+                    handle=None,
+                    num_worst_tokens=0,
+                    wire_fp8=False,
+                    fp8_out=False,
+                    round_scale=False,
+                    config=args.config,
+                )
             finish = self._stage(_RAIL_DISPATCH, self.rail_ranks, self.rail.start_dispatch, rail_args)
             return lambda: self._stage(_RAIL_DISPATCH, self.rail_ranks, finish)
 
@@ -309,14 +370,29 @@ class HierarchicalTransport(Transport):
                 return self._stage(_NODE_DISPATCH, self.node_ranks, self.intra.dispatch, node_args), None
             per_rank, per_expert, in_rank = self.intra.get_dispatch_layout(rail.recv_topk_idx, node_experts)
             node_args = DispatchArgs(
-                x=rail.recv_x, x_scales=rail.recv_scales, topk_idx=rail.recv_topk_idx,
-                topk_weights=rail.recv_topk_weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                num_experts=node_experts, handle=None, num_worst_tokens=0, wire_fp8=False, fp8_out=False,
-                round_scale=False, config=args.config, num_tokens_per_expert=per_expert)
+                x=rail.recv_x,
+                x_scales=rail.recv_scales,
+                topk_idx=rail.recv_topk_idx,
+                topk_weights=rail.recv_topk_weights,
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_experts=node_experts,
+                handle=None,
+                num_worst_tokens=0,
+                wire_fp8=False,
+                fp8_out=False,
+                round_scale=False,
+                config=args.config,
+                num_tokens_per_expert=per_expert,
+            )
             node = self._stage(_NODE_DISPATCH, self.node_ranks, self.intra.dispatch, node_args)
             packed = self._sources(i, num_chunks, rail, num_tokens)
-            fwd = self._stage("intra-node (node group) source-index", self.node_ranks, self.intra.dispatch,
-                              _cached_args(packed.view(torch.bfloat16), None, node.handle, args.config))
+            fwd = self._stage(
+                "intra-node (node group) source-index",
+                self.node_ranks,
+                self.intra.dispatch,
+                _cached_args(packed.view(torch.bfloat16), None, node.handle, args.config),
+            )
             return node, fwd.recv_x.view(torch.int32)[:, :2]
 
         # The pipeline: chunk i + 1's rail exchange is in flight while chunk i's node stage runs.
@@ -341,18 +417,30 @@ class HierarchicalTransport(Transport):
             in_rank = args.is_token_in_rank
             num_recv = to_flat.shape[0]
             handle = DispatchHandle(
-                rank_prefix_matrix=counts.cumsum(0).to(torch.int32).to(self.device), is_token_in_rank=in_rank,
-                send_pos=send_positions(in_rank), recv_src_idx=src[:, 0].index_select(0, to_flat).contiguous(),
-                num_tokens=x.shape[0], num_recv_tokens=num_recv, num_experts=args.num_experts, rank=self.rank,
-                num_ranks=self.num_ranks, num_recv_rows=max(num_recv, args.num_worst_tokens), topk_idx=args.topk_idx,
+                rank_prefix_matrix=counts.cumsum(0).to(torch.int32).to(self.device),
+                is_token_in_rank=in_rank,
+                send_pos=send_positions(in_rank),
+                recv_src_idx=src[:, 0].index_select(0, to_flat).contiguous(),
+                num_tokens=x.shape[0],
+                num_recv_tokens=num_recv,
+                num_experts=args.num_experts,
+                rank=self.rank,
+                num_ranks=self.num_ranks,
+                num_recv_rows=max(num_recv, args.num_worst_tokens),
+                topk_idx=args.topk_idx,
                 transport_state=_HierState(
                     [_Chunk(bounds[i], bounds[i + 1], rails[i].handle, nodes[i].handle) for i in range(num_chunks)],
-                    to_flat, to_node))
+                    to_flat,
+                    to_node,
+                ),
+            )
         state: _HierState = handle.transport_state
         num_recv, rows = handle.num_recv_tokens, handle.num_recv_rows
         if rows < num_recv:
-            raise ValueError(f"num_worst_tokens={args.num_worst_tokens} is smaller than the {num_recv} rows rank "
-                             f"{self.rank} receives")
+            raise ValueError(
+                f"num_worst_tokens={args.num_worst_tokens} is smaller than the {num_recv} rows rank "
+                f"{self.rank} receives"
+            )
 
         recv_x = _reordered(_cat([n.recv_x for n in nodes]), state.to_flat, rows, 0)
         recv_scales = None
@@ -380,14 +468,28 @@ class HierarchicalTransport(Transport):
         topk = torch.where(args.is_token_in_rank, first, -1)
         result = self.dispatch(dataclasses.replace(args, topk_idx=topk, layout_given=False))
         # every rank agreed on num_experts in the dispatch's count exchange: the [E] counts line up
-        counts = self.whole._start_count_exchange(args.num_tokens_per_expert.to(torch.int64).to(self.whole.device),
-                                                  "the per-expert count exchange")[1]()
-        mine = counts[:, self.rank * num_local:(self.rank + 1) * num_local].sum(0)
-        return DispatchResult(result.recv_x, result.recv_scales, None, None, mine.to(torch.int32).to(self.device),
-                              result.handle, mine.tolist())
+        counts = self.whole._start_count_exchange(
+            args.num_tokens_per_expert.to(torch.int64).to(self.whole.device), "the per-expert count exchange"
+        )[1]()
+        mine = counts[:, self.rank * num_local : (self.rank + 1) * num_local].sum(0)
+        return DispatchResult(
+            result.recv_x,
+            result.recv_scales,
+            None,
+            None,
+            mine.to(torch.int32).to(self.device),
+            result.handle,
+            mine.tolist(),
+        )
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         state: _HierState = handle.transport_state
         num_recv = handle.num_recv_tokens
         x_node = x[:num_recv].index_select(0, state.to_node)
@@ -399,12 +501,27 @@ class HierarchicalTransport(Transport):
             hi = lo + chunk.node_handle.num_recv_tokens
             # One partial per (token, node), rounded to x.dtype: the bytes that cross the network.
             partial, partial_w = self._stage(
-                "intra-node (node group) combine", self.node_ranks, self.intra.combine, x_node[lo:hi],
-                chunk.node_handle, None if w_node is None else w_node[lo:hi], (), config)
+                "intra-node (node group) combine",
+                self.node_ranks,
+                self.intra.combine,
+                x_node[lo:hi],
+                chunk.node_handle,
+                None if w_node is None else w_node[lo:hi],
+                (),
+                config,
+            )
             if pending is not None:
                 done.append(self._stage(_RAIL_COMBINE, self.rail_ranks, pending))
-            pending = self._stage(_RAIL_COMBINE, self.rail_ranks, self.rail.start_combine, partial, chunk.rail_handle,
-                                  partial_w, tuple(b[chunk.start:chunk.end] for b in bias), config)
+            pending = self._stage(
+                _RAIL_COMBINE,
+                self.rail_ranks,
+                self.rail.start_combine,
+                partial,
+                chunk.rail_handle,
+                partial_w,
+                tuple(b[chunk.start : chunk.end] for b in bias),
+                config,
+            )
             lo = hi
         done.append(self._stage(_RAIL_COMBINE, self.rail_ranks, pending))
         combined_w = None if topk_weights is None else _cat([w for _, w in done])
@@ -418,12 +535,25 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, fp8.FP8_DTYPE: 2}
 _COUNT_WORDS = 11  # words of the count exchange beyond the R per-rank counts: ids, tokens, signature (8), refusal
 
 
-def _cached_args(x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
-                 config: Config) -> DispatchArgs:
+def _cached_args(
+    x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, config: Config
+) -> DispatchArgs:
     """A sub-stage replay of ``handle``'s layout: rows (and FP8 scales) only."""
-    return DispatchArgs(x=x, x_scales=x_scales, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
-                        is_token_in_rank=None, num_experts=handle.num_experts, handle=handle, num_worst_tokens=0,
-                        wire_fp8=False, fp8_out=False, round_scale=False, config=config)
+    return DispatchArgs(
+        x=x,
+        x_scales=x_scales,
+        topk_idx=None,
+        topk_weights=None,
+        num_tokens_per_rank=None,
+        is_token_in_rank=None,
+        num_experts=handle.num_experts,
+        handle=handle,
+        num_worst_tokens=0,
+        wire_fp8=False,
+        fp8_out=False,
+        round_scale=False,
+        config=config,
+    )
 
 
 def _bounds(num_tokens: int, num_chunks: int) -> list[int]:
@@ -447,5 +577,5 @@ def _reordered(t: torch.Tensor, to_flat: torch.Tensor, rows: int, fill: float) -
     FP8 rows move as bytes (not every device indexes float8 types)."""
     data = t.view(torch.uint8) if t.dtype == fp8.FP8_DTYPE else t
     out = data.new_full((rows,) + tuple(data.shape[1:]), fill)
-    out[:to_flat.shape[0]] = data.index_select(0, to_flat)
+    out[: to_flat.shape[0]] = data.index_select(0, to_flat)
     return out.view(t.dtype)

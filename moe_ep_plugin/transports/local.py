@@ -14,6 +14,7 @@ can then capture.
 Low-latency mode at one rank is :class:`LocalLowLatency`: the collectives form's layout and results made by gathers,
 with no exchange and no host read (a CUDA graph can capture it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -71,8 +72,9 @@ class LocalTransport(Transport):
         if self.num_ranks != 1:
             raise ValueError(f"group: the local transport serves a group of one rank, got {self.num_ranks}")
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if permute.kernels_for(topk_idx):
             return kernel_dispatch_layout(topk_idx.contiguous(), num_experts, 1)
         return dispatch_layout(topk_idx, num_experts, 1)
@@ -100,13 +102,17 @@ class LocalTransport(Transport):
             received = torch.arange(n, device=in_rank.device) < in_rank[:, 0].sum()
             src = torch.argsort((~in_rank[:, 0]).to(torch.uint8), stable=True)
         else:
-            invalid = (count_invalid(topk, args.num_experts).to(torch.int64) if topk is not None
-                       else per_expert.new_zeros(1))
-            num_recv, counts = self._read(torch.cat([in_rank[:, 0].sum(dtype=torch.int64).reshape(1), invalid,
-                                                     per_expert]), args)
+            invalid = (
+                count_invalid(topk, args.num_experts).to(torch.int64) if topk is not None else per_expert.new_zeros(1)
+            )
+            num_recv, counts = self._read(
+                torch.cat([in_rank[:, 0].sum(dtype=torch.int64).reshape(1), invalid, per_expert]), args
+            )
             if 0 < args.num_worst_tokens < num_recv:
-                raise ValueError(f"num_worst_tokens: smaller than the rows a rank receives (rank 0: {num_recv} rows, "
-                                 f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves")
+                raise ValueError(
+                    f"num_worst_tokens: smaller than the rows a rank receives (rank 0: {num_recv} rows, "
+                    f"num_worst_tokens={args.num_worst_tokens}); every rank raises before any row moves"
+                )
             rows = max(num_recv, args.num_worst_tokens)
             src = _received(in_rank[:, 0], num_recv)
         handle = _handle(in_rank, src, args, rows, _LocalState(src, received=received))
@@ -121,8 +127,9 @@ class LocalTransport(Transport):
             if args.topk_weights is not None:
                 weights = args.topk_weights.index_select(0, src)
                 recv_topk_weights = padded(torch.where(valid, weights, 0.0), rows, 0)
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32),
-                              handle, counts)
+        return DispatchResult(
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert.to(torch.int32), handle, counts
+        )
 
     def _read(self, words: torch.Tensor, args: DispatchArgs) -> tuple[int, list[int]]:
         """The one host read of a fresh dispatch: ``words`` ``[2 + C]`` int64 on the device (received rows, ids
@@ -171,16 +178,28 @@ class LocalTransport(Transport):
         return ExpertDispatchResult(rows, scales, probs, handle)
 
     # ---- combine ----
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # send_pos [N, 1]: each token's received row, -1 when it was not sent: the one copy unpermute sums
         _state(handle)
         slot = handle.send_pos
         combined = permute.unpermute_onto(bias_sum(bias), x, slot).to(x.dtype) if bias else permute.unpermute(x, slot)
         return combined, None if topk_weights is None else permute.unpermute(topk_weights, slot)
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_experts(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        expert_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One ``unpermute`` over every token's slots: a token's sum over its experts is its combined row (the
         fp32 sum of one copy rounds back to itself), 0 for a token without experts; with ``bias``, the biases plus
         that row in fp32, rounded once more (as the other transports' combine of it)."""
@@ -220,8 +239,9 @@ class LocalLowLatency(TorchLowLatency):
         present = present[:, :num_experts]
         count = present.sum(0)
         # row_of[t, e]: token t's row in the flat [E * M] blocks, E * M (the spare row) where it names no e
-        row_of = torch.where(present.bool(), torch.arange(num_experts, device=x.device) * m + present.cumsum(0) - 1,
-                             num_experts * m)
+        row_of = torch.where(
+            present.bool(), torch.arange(num_experts, device=x.device) * m + present.cumsum(0) - 1, num_experts * m
+        )
         src = torch.full((num_experts * m + 1,), n, dtype=torch.int64, device=x.device)
         src.scatter_(0, row_of.reshape(-1), torch.arange(n, device=x.device).repeat_interleave(num_experts))
         src = src[:-1]  # [E * M]: the token of each row, n for padding
@@ -245,13 +265,23 @@ class LocalLowLatency(TorchLowLatency):
         recv_x = recv[:-1].view(rows.dtype)
         recv_scales = None if recv_scales is None else recv_scales[:-1]
         src_info = torch.where(src < n, src, -1).to(torch.int32).view(num_experts, m)
-        handle = LowLatencyHandle(src_info, count.view(num_experts, 1), m, hidden, num_experts, n, idx.shape[1], 0, 1,
-                                  row_of)
-        return DispatchOutput(recv_x.view(num_experts, m, hidden), recv_scales, count.to(torch.int32), handle,
-                              lambda: 0)
+        handle = LowLatencyHandle(
+            src_info, count.view(num_experts, 1), m, hidden, num_experts, n, idx.shape[1], 0, 1, row_of
+        )
+        return DispatchOutput(
+            recv_x.view(num_experts, m, hidden), recv_scales, count.to(torch.int32), handle, lambda: 0
+        )
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int) -> Callable[[], int]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool,
+        out: torch.Tensor,
+        buffer_set: int,
+    ) -> Callable[[], int]:
         self._check_ids(topk_idx, handle.num_experts)
         if zero_copy:
             x = self.combine_buffer(handle, buffer_set)
@@ -263,8 +293,9 @@ class LocalLowLatency(TorchLowLatency):
             # a pair naming no expert reads some row (the last at most) and adds nothing
             rows = row_of.gather(1, e.clamp(0, handle.num_experts - 1).unsqueeze(1)).squeeze(1)
             rows = rows.clamp(max=y.shape[0] - 1)
-            acc = torch.where((e >= 0).unsqueeze(1), acc + topk_weights[:, k:k + 1] * y.index_select(0, rows).float(),
-                              acc)
+            acc = torch.where(
+                (e >= 0).unsqueeze(1), acc + topk_weights[:, k : k + 1] * y.index_select(0, rows).float(), acc
+            )
         out.copy_(acc)
         return lambda: 0
 
@@ -297,8 +328,9 @@ def _received(in_rank: torch.Tensor, num_recv: int) -> torch.Tensor:
     return torch.argsort((~in_rank).to(torch.uint8), stable=True)[:num_recv]
 
 
-def _handle(in_rank: torch.Tensor, src: torch.Tensor, args: DispatchArgs, rows: int, state: _LocalState
-            ) -> DispatchHandle:
+def _handle(
+    in_rank: torch.Tensor, src: torch.Tensor, args: DispatchArgs, rows: int, state: _LocalState
+) -> DispatchHandle:
     """The handle of dispatch ``args`` that received ``src``'s tokens (``in_rank`` ``[N, 1]`` bool) into ``rows``
     rows (after a dispatch that read nothing: ``state.received`` marks them, and the count stays on the device)."""
     num_tokens = in_rank.shape[0]
@@ -312,13 +344,24 @@ def _handle(in_rank: torch.Tensor, src: torch.Tensor, args: DispatchArgs, rows: 
     # every token sent: token t is row t, so the send positions are the received tokens themselves
     send_pos = recv_src.view(num_tokens, 1) if num_recv == num_tokens else send_positions(in_rank)
     return DispatchHandle(
-        rank_prefix_matrix=prefix, is_token_in_rank=in_rank, send_pos=send_pos, recv_src_idx=recv_src,
-        num_tokens=num_tokens, num_recv_tokens=num_recv, num_experts=args.num_experts, rank=0, num_ranks=1,
-        num_recv_rows=rows, topk_idx=args.topk_idx, transport_state=state)
+        rank_prefix_matrix=prefix,
+        is_token_in_rank=in_rank,
+        send_pos=send_pos,
+        recv_src_idx=recv_src,
+        num_tokens=num_tokens,
+        num_recv_tokens=num_recv,
+        num_experts=args.num_experts,
+        rank=0,
+        num_ranks=1,
+        num_recv_rows=rows,
+        topk_idx=args.topk_idx,
+        transport_state=state,
+    )
 
 
-def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArgs
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _sent_rows(
+    x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArgs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``x`` (of ``args.x``) as a sender puts them on the wire and a receiver keeps them: quantized with
     ``wire_fp8`` (and dequantized back unless ``fp8_out``); FP8 input keeps its scales ``x_scales``."""
     if not args.wire_fp8:
@@ -329,8 +372,9 @@ def _sent_rows(x: torch.Tensor, x_scales: torch.Tensor | None, args: DispatchArg
     return fp8.dequantize(q, scales, x.dtype), None
 
 
-def _rows(args: DispatchArgs, src: torch.Tensor, rows: int, received: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _rows(
+    args: DispatchArgs, src: torch.Tensor, rows: int, received: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(recv_x [rows, H], recv_scales [rows, H/128] or None)``: the rows of tokens ``src``, zero rows after (and
     where ``received`` ``[len(src)]`` bool is False)."""
     if received is not None:
@@ -341,8 +385,11 @@ def _rows(args: DispatchArgs, src: torch.Tensor, rows: int, received: torch.Tens
         x, scales = _sent_rows(args.x, args.x_scales, args)
         x, _, scales = permute.permute(x, slot, rows, None, scales)
         return x, scales
-    x = args.x.index_select(0, src) if args.x.dtype != fp8.FP8_DTYPE else \
-        args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
+    x = (
+        args.x.index_select(0, src)
+        if args.x.dtype != fp8.FP8_DTYPE
+        else args.x.view(torch.uint8).index_select(0, src).view(fp8.FP8_DTYPE)
+    )
     scales = None if args.x_scales is None else args.x_scales.index_select(0, src)
     x, scales = _sent_rows(x, scales, args)
     return padded(x, rows, 0), None if scales is None else padded(scales, rows, 0)

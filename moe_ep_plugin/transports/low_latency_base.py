@@ -3,6 +3,7 @@ dispatch's outputs, and the interface every low-latency transport implements (do
 
 R = EP ranks, M = ``num_max_dispatch_tokens_per_rank``, H = hidden, E = experts, L = E / R local experts.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,9 @@ class LowLatencyHandle:
     received: bool = False  # the dispatch's data has arrived (its hook ran, or there was none)
 
     def __getitem__(self, i: int) -> Any:
-        return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden,
-                self.num_experts)[i]
+        return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)[
+            i
+        ]
 
     def __len__(self) -> int:
         return 5
@@ -87,9 +89,16 @@ class LowLatencyTransport(Protocol):
 
     def dispatch(self, req: DispatchRequest) -> DispatchOutput: ...
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int
-                ) -> Callable[[], int | torch.Tensor]: ...
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool,
+        out: torch.Tensor,
+        buffer_set: int,
+    ) -> Callable[[], int | torch.Tensor]: ...
 
     def combine_buffer(self, handle: LowLatencyHandle, buffer_set: int) -> torch.Tensor: ...
 

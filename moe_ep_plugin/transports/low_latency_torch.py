@@ -12,6 +12,7 @@ unpacks: rows of local expert ``l`` are packed by source rank, then source token
 kernels pack sources in arrival order), and combine sums ``topk_weights[t, k] * y`` over ``k`` ascending in fp32
 from 0, rounding to BF16 once.
 """
+
 from __future__ import annotations
 
 import time
@@ -73,6 +74,7 @@ class TorchLowLatency:
             start = time.perf_counter()
             self.base._wait(work, what)
             return received, elapsed_ns(start)
+
         return finish
 
     # ---- dispatch ----
@@ -99,20 +101,23 @@ class TorchLowLatency:
         finish_exchange = self._exchange(send.view(num_ranks, -1), "low_latency_dispatch")
 
         rows = num_ranks * m
-        recv_x = torch.zeros(num_local, rows, hidden, dtype=fp8.FP8_DTYPE if req.use_fp8 else torch.bfloat16,
-                             device=dev)
+        recv_x = torch.zeros(
+            num_local, rows, hidden, dtype=fp8.FP8_DTYPE if req.use_fp8 else torch.bfloat16, device=dev
+        )
         recv_scales = None
         if req.use_fp8:
             # Column-major in the last two dims, as DeepEP returns them (for TMA loads of a grouped GEMM).
             cols = hidden // (fp8.BLOCK * 4) if req.use_ue8m0 else hidden // fp8.BLOCK
-            recv_scales = torch.zeros(num_local, cols, rows, dtype=torch.int32 if req.use_ue8m0 else torch.float32,
-                                      device=dev).transpose(1, 2)
+            recv_scales = torch.zeros(
+                num_local, cols, rows, dtype=torch.int32 if req.use_ue8m0 else torch.float32, device=dev
+            ).transpose(1, 2)
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=dev)
         src_info = torch.full((num_local, rows), -1, dtype=torch.int32, device=dev)
         layout_range = torch.zeros(num_local, num_ranks, dtype=torch.int64, device=dev)
         state = _State()
-        handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts, n, idx.shape[1], self.rank,
-                                  num_ranks, state)
+        handle = LowLatencyHandle(
+            src_info, layout_range, m, hidden, num_experts, n, idx.shape[1], self.rank, num_ranks, state
+        )
 
         def finish() -> int:
             received, waited = finish_exchange()
@@ -129,7 +134,7 @@ class TorchLowLatency:
             token = slot_in_expert % m
             state.slots = (source * num_local + expert) * m + token
             data = received.view(-1, _PRESENT + row_bytes)[state.slots, _PRESENT:]
-            recv_x.view(-1, hidden).view(torch.uint8)[state.rows] = data[:, :hidden * recv_x.element_size()]
+            recv_x.view(-1, hidden).view(torch.uint8)[state.rows] = data[:, : hidden * recv_x.element_size()]
             src_info.view(-1)[state.rows] = token.to(torch.int32)
             if recv_scales is not None:
                 got = data[:, hidden:].contiguous().view(torch.float32)
@@ -139,6 +144,7 @@ class TorchLowLatency:
                 dense[state.rows] = got
                 recv_scales.copy_(dense.view(num_local, rows, -1))
             return waited
+
         return DispatchOutput(recv_x, recv_scales, recv_count, handle, finish)
 
     # ---- combine ----
@@ -150,15 +156,22 @@ class TorchLowLatency:
             self._combine_buffers[buffer_set] = buf
         return buf
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: LowLatencyHandle, zero_copy: bool, out: torch.Tensor, buffer_set: int) -> Callable[[], int]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool,
+        out: torch.Tensor,
+        buffer_set: int,
+    ) -> Callable[[], int]:
         m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         agree(self.base, CALLS[1], m, hidden, num_experts, topk_idx=topk_idx)
         if zero_copy:
             x = self.combine_buffer(handle, buffer_set)
         state: _State = handle.transport_state
-        send = torch.zeros(self.num_ranks * handle.num_local_experts * m, hidden, dtype=torch.bfloat16,
-                           device=x.device)
+        send = torch.zeros(self.num_ranks * handle.num_local_experts * m, hidden, dtype=torch.bfloat16, device=x.device)
         send[state.slots] = x.reshape(-1, hidden)[state.rows]
         finish_exchange = self._exchange(send.view(self.num_ranks, -1), "low_latency_combine")
         n = handle.num_tokens
@@ -171,9 +184,10 @@ class TorchLowLatency:
             for k in range(topk_idx.shape[1]):
                 e = topk_idx[:, k]
                 y = by_expert[e.clamp_min(0), tokens].float()
-                acc = torch.where((e >= 0).unsqueeze(1), acc + topk_weights[:, k:k + 1] * y, acc)
+                acc = torch.where((e >= 0).unsqueeze(1), acc + topk_weights[:, k : k + 1] * y, acc)
             out.copy_(acc)
             return waited
+
         return finish
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -183,19 +197,37 @@ class TorchLowLatency:
                 buf.zero_()
 
 
-def agree(exchange: TorchTransport, call: str, m: int, hidden: int, num_experts: int,
-          flags: tuple[bool, bool, bool] = (False, False, False), topk_idx: torch.Tensor | None = None,
-          refusal: Exception | None = None) -> None:
+def agree(
+    exchange: TorchTransport,
+    call: str,
+    m: int,
+    hidden: int,
+    num_experts: int,
+    flags: tuple[bool, bool, bool] = (False, False, False),
+    topk_idx: torch.Tensor | None = None,
+    refusal: Exception | None = None,
+) -> None:
     """All-gather the header of ``call`` (one of ``CALLS``) over ``exchange``'s group: its shapes, ``flags``
     (``use_fp8``, ``round_scale``, ``use_ue8m0``), how many ``topk_idx`` entries lie outside ``[-1, num_experts)``
     and whether this rank refused the call. Raises the same error on every rank if a rank refused (``refusal``: its
     bad input; the messages follow in a second exchange), ranks differ in the call or its shapes, or any rank passed
     such ids."""
     device = exchange.device
-    bad = count_invalid(topk_idx, num_experts).to(torch.int64) if topk_idx is not None else \
-        torch.zeros(1, dtype=torch.int64, device=device)
-    header = torch.cat([torch.tensor([CALLS.index(call) + 1, m, hidden, num_experts, *flags, refusal_code(refusal)],
-                                     dtype=torch.int64, device=device), bad])
+    bad = (
+        count_invalid(topk_idx, num_experts).to(torch.int64)
+        if topk_idx is not None
+        else torch.zeros(1, dtype=torch.int64, device=device)
+    )
+    header = torch.cat(
+        [
+            torch.tensor(
+                [CALLS.index(call) + 1, m, hidden, num_experts, *flags, refusal_code(refusal)],
+                dtype=torch.int64,
+                device=device,
+            ),
+            bad,
+        ]
+    )
     table = exchange._start_count_exchange(header, f"{call} header exchange")[1]().tolist()
     exchange._check_refusals(call, [row[len(_FIELDS)] for row in table], refusal)
     for i, name in enumerate(_FIELDS):
@@ -203,10 +235,12 @@ def agree(exchange: TorchTransport, call: str, m: int, hidden: int, num_experts:
         if len(set(values)) > 1:
             if i == 0:
                 named = [CALLS[v - 1] if 0 < v <= len(CALLS) else v for v in values]
-                raise ValueError(f"{call}: ranks are in different low-latency calls: {named} (every rank raises; "
-                                 "nothing was sent)")
-            raise ValueError(f"{name}: ranks disagree in {call}: {values} by rank (every rank raises; nothing was "
-                             "sent)")
+                raise ValueError(
+                    f"{call}: ranks are in different low-latency calls: {named} (every rank raises; nothing was sent)"
+                )
+            raise ValueError(
+                f"{name}: ranks disagree in {call}: {values} by rank (every rank raises; nothing was sent)"
+            )
     bad_ranks = [r for r, row in enumerate(table) if row[-1]]
     if bad_ranks:
         raise invalid_ids_error(bad_ranks, num_experts)

@@ -12,6 +12,7 @@ Nothing after the count exchange waits on the host: on NCCL the collectives are 
 the function that completes them: the hierarchical transport's chunk pipeline runs its node stage in between.
 Design and timings: docs/torch_transport.md.
 """
+
 from __future__ import annotations
 
 import time
@@ -74,9 +75,11 @@ class TorchTransport(Transport):
     name = "torch"
 
     def _timeout_error(self, what: str, exc: Exception | None) -> TimeoutError:
-        return TimeoutError(f"moe_ep_plugin[{self.name}] rank {self.rank}/{self.num_ranks}: {what} did not complete "
-                            f"within {self.timeout_s:g} s (a peer rank never joined or failed)"
-                            + (f": {exc}" if exc is not None else ""))
+        return TimeoutError(
+            f"moe_ep_plugin[{self.name}] rank {self.rank}/{self.num_ranks}: {what} did not complete "
+            f"within {self.timeout_s:g} s (a peer rank never joined or failed)"
+            + (f": {exc}" if exc is not None else "")
+        )
 
     def _wait(self, work: dist.Work, what: str) -> None:
         """CPU (gloo): the host waits for ``work`` at most ``timeout_s``."""
@@ -85,8 +88,9 @@ class TorchTransport(Transport):
         except Exception as exc:  # gloo reports a timeout as RuntimeError/DistBackendError
             raise self._timeout_error(what, exc) from exc
 
-    def _start_all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                          what: str) -> Callable[[], None]:
+    def _start_all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str
+    ) -> Callable[[], None]:
         """Issue rows of ``inp`` (grouped by destination) → ``out`` (grouped by source), both contiguous; the
         returned function completes the exchange, and work queued before calling it overlaps the transfer."""
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
@@ -97,8 +101,9 @@ class TorchTransport(Transport):
             return work.wait
         return lambda: self._wait(work, what)
 
-    def _start_count_exchange(self, local: torch.Tensor, what: str = "dispatch count exchange"
-                              ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    def _start_count_exchange(
+        self, local: torch.Tensor, what: str = "dispatch count exchange"
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """All-gather every rank's ``local`` ``[C]`` int64 counts → ``([R, C]`` on the device, valid in stream
         order; a function that waits at most ``timeout_s`` and returns the matrix on the host``)``. Work queued
         between the two overlaps the exchange; ``what`` names it in the timeout error."""
@@ -109,6 +114,7 @@ class TorchTransport(Transport):
             def finish_cpu() -> torch.Tensor:
                 self._wait(work, what)
                 return gathered
+
             return gathered, finish_cpu
         _all_gather_single(gathered.view(-1), local, group=self.group)  # stream-ordered, the host goes on
         host = torch.empty(gathered.shape, dtype=torch.int64, device="cpu", pin_memory=True)
@@ -124,6 +130,7 @@ class TorchTransport(Transport):
                     raise self._timeout_error(what, None)
                 time.sleep(1e-5)
             return host
+
         return gathered, finish_cuda
 
     def _check_refusals(self, what: str, codes: list[int], refusal: Exception | None) -> None:
@@ -162,19 +169,23 @@ class TorchTransport(Transport):
         if topk is not None:
             valid = (topk >= 0) & (topk < num_experts)
             per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk.device)
-            per_expert.scatter_add_(0, torch.where(valid, topk, num_experts).reshape(-1),
-                                    valid.reshape(-1).to(torch.int64))
+            per_expert.scatter_add_(
+                0, torch.where(valid, topk, num_experts).reshape(-1), valid.reshape(-1).to(torch.int64)
+            )
             per_expert = per_expert[:num_experts]
             invalid = count_invalid(topk, num_experts).to(torch.int64)
         else:  # no top-k: the caller's per-expert counts are what the receivers count
             per_expert = args.num_tokens_per_expert.to(torch.int64)
             invalid = per_rank.new_zeros(1)
         inline = num_experts <= INLINE_EXPERTS
-        checks = [per_rank, invalid, layout_contradiction(args),
-                  torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64,
-                               device=per_rank.device),
-                  per_expert if inline else per_expert.new_zeros(0), per_expert.new_zeros(
-                      (INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS) + 1)]  # + 1: no refusal
+        checks = [
+            per_rank,
+            invalid,
+            layout_contradiction(args),
+            torch.tensor([args.num_worst_tokens] + dispatch_meta(args), dtype=torch.int64, device=per_rank.device),
+            per_expert if inline else per_expert.new_zeros(0),
+            per_expert.new_zeros((INLINE_EXPERTS - num_experts if inline else INLINE_EXPERTS) + 1),
+        ]  # + 1: no refusal
         gathered, read_counts = self._start_count_exchange(torch.cat(checks))
         start = num_ranks + 3 + len(META_FIELDS)  # where the inline per-expert counts begin
 
@@ -207,13 +218,23 @@ class TorchTransport(Transport):
             expert_counts = gathered_experts[:, local_experts].sum(0)
             send_counts, recv_counts = counts[me, :num_ranks].tolist(), counts[:num_ranks, me].tolist()
             num_recv = sum(recv_counts)
-            state = _TorchState(order[:sum(send_counts)], combine_slot, send_counts, recv_counts)
+            state = _TorchState(order[: sum(send_counts)], combine_slot, send_counts, recv_counts)
             handle = DispatchHandle(
-                rank_prefix_matrix=rank_prefix_matrix, is_token_in_rank=in_rank, send_pos=send_pos,
-                recv_src_idx=torch.empty(0, dtype=torch.int32, device=in_rank.device), num_tokens=n,
-                num_recv_tokens=num_recv, num_experts=num_experts, rank=me, num_ranks=num_ranks,
-                num_recv_rows=max(num_recv, args.num_worst_tokens), topk_idx=topk, transport_state=state)
+                rank_prefix_matrix=rank_prefix_matrix,
+                is_token_in_rank=in_rank,
+                send_pos=send_pos,
+                recv_src_idx=torch.empty(0, dtype=torch.int32, device=in_rank.device),
+                num_tokens=n,
+                num_recv_tokens=num_recv,
+                num_experts=num_experts,
+                rank=me,
+                num_ranks=num_ranks,
+                num_recv_rows=max(num_recv, args.num_worst_tokens),
+                topk_idx=topk,
+                transport_state=state,
+            )
             return handle, expert_counts.to(torch.int32), host_experts[:, local_experts].sum(0).tolist()
+
         return finish
 
     def _check_exchanged(self, rows: list[list[int]], num_experts: int) -> None:
@@ -221,7 +242,7 @@ class TorchTransport(Transport):
         disagree on ``dispatch_meta``, out-of-range expert ids, a contradicting layout, or a rank receiving more
         rows than its ``num_worst_tokens``."""
         r = self.num_ranks
-        error = meta_mismatch([row[r + 3:r + 3 + len(META_FIELDS)] for row in rows])
+        error = meta_mismatch([row[r + 3 : r + 3 + len(META_FIELDS)] for row in rows])
         if error is not None:
             raise error
         bad = [i for i, row in enumerate(rows) if row[r]]
@@ -236,9 +257,11 @@ class TorchTransport(Transport):
         received = [sum(row[j] for row in rows) for j in range(r)]
         short = [(j, received[j], rows[j][r + 2]) for j in range(r) if 0 < rows[j][r + 2] < received[j]]
         if short:
-            raise ValueError("num_worst_tokens: smaller than the rows a rank receives (" + ", ".join(
-                f"rank {j}: {got} rows, num_worst_tokens={worst}" for j, got, worst in short)
-                + "); every rank raises before any row moves")
+            raise ValueError(
+                "num_worst_tokens: smaller than the rows a rank receives ("
+                + ", ".join(f"rank {j}: {got} rows, num_worst_tokens={worst}" for j, got, worst in short)
+                + "); every rank raises before any row moves"
+            )
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.start_dispatch(args)()
@@ -274,13 +297,27 @@ class TorchTransport(Transport):
         wire = x.view(torch.uint8) if x.dtype == fp8.FP8_DTYPE else x
         received = wire.new_empty(rows, wire.shape[1])
         received[num_recv:].zero_()
-        waits = [self._start_all_to_all(received[:num_recv], wire.index_select(0, state.send_idx),
-                                        state.recv_counts, state.send_counts, "dispatch")]
+        waits = [
+            self._start_all_to_all(
+                received[:num_recv],
+                wire.index_select(0, state.send_idx),
+                state.recv_counts,
+                state.send_counts,
+                "dispatch",
+            )
+        ]
         recv_meta = None
         if meta is not None:
             recv_meta = meta.new_empty(num_recv, meta.shape[1])
-            waits.append(self._start_all_to_all(recv_meta, meta.index_select(0, state.send_idx), state.recv_counts,
-                                                state.send_counts, "dispatch metadata"))
+            waits.append(
+                self._start_all_to_all(
+                    recv_meta,
+                    meta.index_select(0, state.send_idx),
+                    state.recv_counts,
+                    state.send_counts,
+                    "dispatch metadata",
+                )
+            )
 
         def finish() -> DispatchResult:
             for wait in waits:
@@ -294,12 +331,12 @@ class TorchTransport(Transport):
                 col = 1
             if args.topk_idx is not None:
                 k, num_local = args.topk_idx.shape[1], handle.num_local_experts
-                local = recv_meta[:, col:col + k] - self.rank * num_local  # -1 (no expert) stays negative
+                local = recv_meta[:, col : col + k] - self.rank * num_local  # -1 (no expert) stays negative
                 is_local = (local >= 0) & (local < num_local)
                 recv_topk_idx = padded(torch.where(is_local, local, -1).to(torch.int64), rows, -1)
                 col += k
                 if args.topk_weights is not None:
-                    weights = torch.where(is_local, recv_meta[:, col:col + k].view(torch.float32), 0.0)
+                    weights = torch.where(is_local, recv_meta[:, col : col + k].view(torch.float32), 0.0)
                     recv_topk_weights = padded(weights, rows, 0)
                     col += k
             recv_scales = None
@@ -307,24 +344,38 @@ class TorchTransport(Transport):
                 recv_scales = padded(recv_meta[:, col:].view(torch.float32).contiguous(), rows, 0)
                 if args.wire_fp8 and not args.fp8_out:
                     recv_x, recv_scales = fp8.dequantize(recv_x, recv_scales, args.x.dtype), None
-            return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle,
-                                  host_counts)
+            return DispatchResult(
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle, host_counts
+            )
+
         return finish
 
-    def _start_return_rows(self, rows: torch.Tensor, state: _TorchState, what: str
-                           ) -> tuple[torch.Tensor, Callable[[], None]]:
+    def _start_return_rows(
+        self, rows: torch.Tensor, state: _TorchState, what: str
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
         """Issue sending received rows ``[N_recv, C]`` back to their sources → (``[S, C]`` in send order, valid
         once the returned function has run)."""
         back = rows.new_empty(state.send_idx.shape[0], rows.shape[1])
         return back, self._start_all_to_all(back, rows, state.send_counts, state.recv_counts, what)
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.start_combine(x, handle, topk_weights, bias, config)()
 
-    def start_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                      bias: tuple[torch.Tensor, ...], config: Config
-                      ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+    def start_combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
         """Both all-to-alls issued; the returned function waits for them and sums."""
         state: _TorchState = handle.transport_state
         num_recv = handle.num_recv_tokens
@@ -346,4 +397,5 @@ class TorchTransport(Transport):
                 wait_w()
                 combined_weights = permute.unpermute(back_w, state.combine_slot)
             return combined, combined_weights
+
         return finish

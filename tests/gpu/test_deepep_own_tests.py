@@ -11,6 +11,7 @@ since DeepEP's own start-up is NCCL with one process per GPU through its compile
 an MPS daemon for their kernels to run side by side (docs/gpu_testing.md). Skips without a GPU, the kernel library
 or ``MOE_EP_DEEPEP_SRC``, naming which.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,13 @@ CASES = [
     pytest.param("elastic/test_ep.py", ["--skip-perf-test", "--do-cpu-sync", "0"], id="elastic-no_cpu_sync"),
 ]
 
-pytestmark = [*NEEDS_KERNELS, pytest.mark.skipif(
-    not os.path.isfile(os.path.join(SOURCE, "tests", "legacy", "test_intranode.py")),
-    reason="set MOE_EP_DEEPEP_SRC to a DeepEP checkout (its tests/ and deep_ep/utils/)")]
+pytestmark = [
+    *NEEDS_KERNELS,
+    pytest.mark.skipif(
+        not os.path.isfile(os.path.join(SOURCE, "tests", "legacy", "test_intranode.py")),
+        reason="set MOE_EP_DEEPEP_SRC to a DeepEP checkout (its tests/ and deep_ep/utils/)",
+    ),
+]
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=lambda r: f"{r}ranks")

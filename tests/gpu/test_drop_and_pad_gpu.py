@@ -6,6 +6,7 @@ Megatron dispatcher's drop-and-pad is this path (tests/gpu/test_megatron_parity_
 With one GPU, 2 ranks share it (gloo group, ``Buffer(device=...)``): correct, not timeable; with more, one rank per
 GPU (up to 4). A group of one rank (the ``local`` transport) is captured too. Skips without a GPU or the kernel library.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,16 @@ pytestmark = NEEDS_KERNELS
 TOKENS, HIDDEN, EXPERTS_PER_RANK, CAPACITY = 512, 1024, 8, 96
 
 
-def _step(buffer: Buffer, world: int, x: torch.Tensor, probs: torch.Tensor, rmap: torch.Tensor,
-          scale: torch.Tensor, grad_out: torch.Tensor, grad_probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _step(
+    buffer: Buffer,
+    world: int,
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    rmap: torch.Tensor,
+    scale: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_probs: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """Forward and backward of one drop-and-pad layer whose experts scale their rows."""
     layout = drop_and_pad.pad_layout(rmap, CAPACITY, world, 128)
     expert_x, expert_probs, handle = drop_and_pad.dispatch(buffer, x, probs, layout, fp8_dispatch=True)
@@ -87,8 +96,9 @@ def _capture(world: int) -> None:
         for name, a, b in zip(names, static, eager, strict=True):
             assert torch.equal(a, b), f"rank {rank}: graph replay {name} differs from the eager call"
     # the same call on the CPU (the torch transport over gloo; local at one rank) gives the same bits
-    cpu_inputs = [t.detach().cpu().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                  for t in inputs]
+    cpu_inputs = [
+        t.detach().cpu().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs
+    ]
     cpu_inputs[0] = Buffer(transport="torch")
     for name, a, b in zip(names, eager, _step(*cpu_inputs), strict=True):
         assert torch.equal(a.cpu(), b), f"rank {rank}: {name} differs from the CPU transport's"

@@ -6,6 +6,7 @@ per-expert lists exactly, combine on exact grid values). Also the async per-expe
 counts from notify. Ranks share one GPU over a gloo group (``Buffer(device="cuda:0")``), as tests/gpu/test_nvlink.py
 does with one GPU. Skips without a GPU or without the built kernel library.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -67,8 +68,18 @@ def _fp8_rows_sent_not_kept() -> None:
     state = rounds.State()
     failures = []
     for i, (hidden, entry) in enumerate(itertools.product((384, 640), rounds.ENTRIES)):
-        rnd = rounds.Round(seed=900 + i, entry=entry, mode="sync", form="fp8 tuple", hidden=hidden, topk=3,
-                           experts_per_rank=4, tokens=[37, 5][:world], routing="one_expert", alignment=1)
+        rnd = rounds.Round(
+            seed=900 + i,
+            entry=entry,
+            mode="sync",
+            form="fp8 tuple",
+            hidden=hidden,
+            topk=3,
+            experts_per_rank=4,
+            tokens=[37, 5][:world],
+            routing="one_expert",
+            alignment=1,
+        )
         errors = rounds.run(buffer, rnd, state, rank, world)
         if errors:
             failures.append(f"{rnd.describe()}: {errors}")
@@ -94,8 +105,11 @@ def _async_counts_at_deepep_shape() -> None:
     want = [sum(int((i == rank * local + le).sum()) for i in everyone) for le in range(local)]
     for fp8_dispatch in (False, True):
         sync = buffer.dispatch(x, topk_idx=idx, num_experts=num_experts, fp8_dispatch=fp8_dispatch)[3]
-        for mode in (dict(async_finish=True), dict(previous_event=buffer.capture(), async_finish=True),
-                     dict(previous_event=buffer.capture(), allocate_on_comm_stream=True)):
+        for mode in (
+            dict(async_finish=True),
+            dict(previous_event=buffer.capture(), async_finish=True),
+            dict(previous_event=buffer.capture(), allocate_on_comm_stream=True),
+        ):
             out = buffer.dispatch(x, topk_idx=idx, num_experts=num_experts, fp8_dispatch=fp8_dispatch, **mode)
             out[-1].current_stream_wait()
             assert sync == want and out[3] == want, (fp8_dispatch, mode)
@@ -118,11 +132,14 @@ def _disagreeing_ranks(field: str) -> None:
     odd = rank == world - 1
     x = torch.randn(64, 256).bfloat16().cuda()
     idx = routing("random", 64, 4, 8 * world, torch.Generator().manual_seed(rank)).cuda()
-    call = {"hidden": lambda b: b.dispatch(x[:, :128] if odd else x, topk_idx=idx, num_experts=8 * world),
-            "top-k width": lambda b: b.dispatch(x, topk_idx=idx[:, :2] if odd else idx, num_experts=8 * world),
-            "x dtype": lambda b: b.dispatch_experts(x.float() if odd else x, idx, None, 8 * world),
-            "num_experts": lambda b: b.dispatch(x, topk_idx=idx, num_experts=(16 if odd else 8) * world,
-                                                num_worst_tokens=64 * world)}[field]
+    call = {
+        "hidden": lambda b: b.dispatch(x[:, :128] if odd else x, topk_idx=idx, num_experts=8 * world),
+        "top-k width": lambda b: b.dispatch(x, topk_idx=idx[:, :2] if odd else idx, num_experts=8 * world),
+        "x dtype": lambda b: b.dispatch_experts(x.float() if odd else x, idx, None, 8 * world),
+        "num_experts": lambda b: b.dispatch(
+            x, topk_idx=idx, num_experts=(16 if odd else 8) * world, num_worst_tokens=64 * world
+        ),
+    }[field]
     buffer = _buffer()
     with pytest.raises(ValueError, match=rf"disagree on {field}: rank\(s\) \[{world - 1}\] differ from rank 0"):
         call(buffer)

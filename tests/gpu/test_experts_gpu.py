@@ -3,6 +3,7 @@ against the per-expert loop, forward and every gradient, with experts without ro
 ``[L, K, N]`` (the trainer's) or a transposed view of stacked ``nn.Linear`` weights ``[L, N, K]`` (the DeepSpeed
 layer's, whose weight gradient is computed as ``grad_y^T x``). The grouped forward and backward make no host sync.
 Skips without an SM90+ GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,12 +34,16 @@ def _operands(rows: int, linear_layout: bool, gen: torch.Generator) -> tuple[lis
 
     def weight(k: int, n: int) -> torch.Tensor:
         if linear_layout:  # nn.Linear's [N, K] per expert, stacked, seen as [L, K, N]
-            return (torch.randn(L, n, k, generator=gen) / k ** 0.5).cuda().bfloat16().transpose(1, 2)
-        return (torch.randn(L, k, n, generator=gen) / k ** 0.5).cuda().bfloat16()
+            return (torch.randn(L, n, k, generator=gen) / k**0.5).cuda().bfloat16().transpose(1, 2)
+        return (torch.randn(L, k, n, generator=gen) / k**0.5).cuda().bfloat16()
 
-    tensors = (torch.randn(rows, H, generator=gen).cuda().bfloat16(), weight(H, FFN),
-               torch.randn(L, FFN, generator=gen).cuda().bfloat16(), weight(FFN, H),
-               torch.randn(L, H, generator=gen).cuda().bfloat16())
+    tensors = (
+        torch.randn(rows, H, generator=gen).cuda().bfloat16(),
+        weight(H, FFN),
+        torch.randn(L, FFN, generator=gen).cuda().bfloat16(),
+        weight(FFN, H),
+        torch.randn(L, H, generator=gen).cuda().bfloat16(),
+    )
     return counts, tensors, torch.randn(rows, H, generator=gen).cuda().bfloat16()
 
 

@@ -5,6 +5,7 @@ compared with the CPU hierarchical transport (torch stages over gloo) on the sam
 tests/test_hierarchical.py proves against the plain-loop reference. Skips without a GPU or the kernel library.
 Written without a GPU to run it on (2026-12-01): not yet run; the chunked (``Config.hierarchical_chunks``)
 checks were added 2026-12-02, also not yet run."""
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,9 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
     w = torch.rand(n, k, generator=gen)
     dev = torch.device("cuda", 0)
     ref = cpu.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=2)
-    got = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=num_experts,
-                       expert_alignment=2)
+    got = gpu.dispatch(
+        x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=num_experts, expert_alignment=2
+    )
     for a, b in zip(got[:3], ref[:3], strict=False):
         assert torch.equal(a.cpu(), b)
     assert got[3] == ref[3]
@@ -73,8 +75,14 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
     assert torch.equal(out.cpu(), ref_out) and torch.equal(out_w.cpu(), ref_w)
     # chunked (some chunks empty on the nvlink kernels): the same rows, handle and sums; the cached replay too
     config = Config(hierarchical_chunks=3)
-    chunked = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=num_experts,
-                           expert_alignment=2, config=config)
+    chunked = gpu.dispatch(
+        x.to(dev),
+        topk_idx=idx.to(dev),
+        topk_weights=w.to(dev),
+        num_experts=num_experts,
+        expert_alignment=2,
+        config=config,
+    )
     for a, b in zip(chunked[:3], ref[:3], strict=False):
         assert torch.equal(a.cpu(), b)
     assert chunked[3] == ref[3] and torch.equal(chunked[4].recv_src_idx.cpu(), ref[4].recv_src_idx)
@@ -82,14 +90,13 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
     chunked_out, chunked_w, _ = gpu.combine(y.to(dev), chunked[4], topk_weights=chunked[2], config=config)
     assert torch.equal(chunked_out.cpu(), ref_out) and torch.equal(chunked_w.cpu(), ref_w)
     # FP8 on the wire, cached dispatch, worst-case sized outputs
-    (q, s), *_ = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), num_experts=num_experts, fp8_dispatch=True,
-                              fp8_out=True)
+    (q, s), *_ = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), num_experts=num_experts, fp8_dispatch=True, fp8_out=True)
     ref_q, ref_s = fp8.quantize(ref[0])
     assert torch.equal(q.view(torch.uint8).cpu(), ref_q.view(torch.uint8)) and torch.equal(s.cpu(), ref_s)
     again, *_ = gpu.dispatch(x.to(dev), handle=got[4])
     assert torch.equal(again.cpu(), ref[0])
     worst = gpu.dispatch(x.to(dev), topk_idx=idx.to(dev), num_experts=num_experts, num_worst_tokens=64)[0]
-    assert worst.shape[0] == 64 and torch.equal(worst[:ref[0].shape[0]].cpu(), ref[0])
+    assert worst.shape[0] == 64 and torch.equal(worst[: ref[0].shape[0]].cpu(), ref[0])
     # expert-major and autograd through it
     ex, _, probs, tpe, eh, _ = gpu.dispatch_experts(x.to(dev), idx.to(dev), w.to(dev), num_experts)
     rx, _, rprobs, rtpe, rh, _ = cpu.dispatch_experts(x, idx, w, num_experts)
@@ -103,8 +110,9 @@ def _case(gpu: Buffer, cpu: Buffer, seed: int, kind: str, n: int) -> None:
 
 def _suite(seed: int) -> None:
     gpu, cpu = _buffers()
-    for i, (kind, n) in enumerate((("random", 7 + dist.get_rank()), ("one_node", 5),
-                                   ("random", 0 if dist.get_rank() == 1 else 6))):
+    for i, (kind, n) in enumerate(
+        (("random", 7 + dist.get_rank()), ("one_node", 5), ("random", 0 if dist.get_rank() == 1 else 6))
+    ):
         _case(gpu, cpu, seed + i, kind, n)
     gpu.destroy()
 

@@ -9,6 +9,7 @@ With two or more GPUs every rank has its own GPU and the reference runs on NCCL;
 share it (gloo group, ``Buffer(device="cuda:0")``) and the reference runs on the CPU. EP1 is the ``local``
 transport's one-rank form (gathers, no exchange: graph-capturable) on the GPU against the same form on the CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,14 @@ def _buffers(m: int, hidden: int, num_experts: int, timeout_s: float = 60.0) -> 
     world = dist.get_world_size()
     hint = Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts)
     shared = dist.get_backend() != "nccl"
-    nv = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, transport="nvlink",
-                timeout_s=timeout_s, device="cuda:0" if shared else None)
+    nv = Buffer(
+        dist.group.WORLD,
+        num_rdma_bytes=hint,
+        low_latency_mode=True,
+        transport="nvlink",
+        timeout_s=timeout_s,
+        device="cuda:0" if shared else None,
+    )
     ref = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, transport="torch", timeout_s=timeout_s)
     return nv, ref
 
@@ -96,8 +103,9 @@ def _cases() -> None:
             x, idx, w = _inputs(n, hidden, k, num_experts, gen, dev)
             opts = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
             stats = torch.zeros(local, dtype=torch.int32, device=dev)
-            gx, gc, gh, _, g_hook = nv.low_latency_dispatch(x, idx, m, num_experts, return_recv_hook=hook,
-                                                            cumulative_local_expert_recv_stats=stats, **opts)
+            gx, gc, gh, _, g_hook = nv.low_latency_dispatch(
+                x, idx, m, num_experts, return_recv_hook=hook, cumulative_local_expert_recv_stats=stats, **opts
+            )
             if hook:
                 g_hook()
             wx, wc, wh, _, _ = ref.low_latency_dispatch(x.to(ref_dev), idx.to(ref_dev), m, num_experts, **opts)
@@ -111,8 +119,9 @@ def _cases() -> None:
             if mode == 2:
                 src = nv.get_next_low_latency_combine_buffer(gh)
                 src.copy_(y.to(dev))
-            got, _, c_hook = nv.low_latency_combine(src, idx, w, gh, zero_copy=mode == 2, return_recv_hook=hook,
-                                                    out=out)
+            got, _, c_hook = nv.low_latency_combine(
+                src, idx, w, gh, zero_copy=mode == 2, return_recv_hook=hook, out=out
+            )
             if hook:
                 c_hook()
             want, _, _ = ref.low_latency_combine(y.to(ref_dev), idx.to(ref_dev), w.to(ref_dev), wh)
@@ -133,8 +142,17 @@ def _cases() -> None:
         nv.destroy()
 
 
-def _graph_replay(nv: Buffer, ref: Buffer, m: int, hidden: int, num_experts: int, k: int, gen: torch.Generator,
-                  dev: torch.device, ref_dev: torch.device) -> None:
+def _graph_replay(
+    nv: Buffer,
+    ref: Buffer,
+    m: int,
+    hidden: int,
+    num_experts: int,
+    k: int,
+    gen: torch.Generator,
+    dev: torch.device,
+    ref_dev: torch.device,
+) -> None:
     """dispatch (FP8) -> expert stand-in (dequantize, times 2) -> combine captured once, replayed on new inputs."""
     x, idx, w = _inputs(m, hidden, k, num_experts, gen, dev)
 
@@ -199,8 +217,13 @@ def _refusing_peer(timeout_s: float) -> None:
     start = time.monotonic()
     nv, _ = _buffers(m, hidden, num_experts, timeout_s=timeout_s)
     with pytest.raises(ValueError, match=refused.format("low_latency_dispatch") + rf" \(rank 1: x: {m + 1} tokens"):
-        nv.low_latency_dispatch(torch.cat([x, x[:1]]) if bad else x, torch.cat([idx, idx[:1]]) if bad else idx, m,
-                                num_experts, use_fp8=False)
+        nv.low_latency_dispatch(
+            torch.cat([x, x[:1]]) if bad else x,
+            torch.cat([idx, idx[:1]]) if bad else idx,
+            m,
+            num_experts,
+            use_fp8=False,
+        )
     with pytest.raises(ValueError, match=refused.format("clean_low_latency_buffer") + r" \(rank 1: num_experts"):
         nv.clean_low_latency_buffer(m, hidden, 0 if bad else num_experts)
     nv.low_latency_dispatch(x, idx, m, num_experts, use_fp8=False)  # laid out now, and still usable

@@ -18,6 +18,7 @@ visible; EP 2, TP 1. ``test_config_and_layer_on_the_host`` checks without a GPU 
 accepted (and refused on the ``torch`` transport), the layer gets a whole-layer manager, and the eager copy runs
 on the ``torch`` transport. Skips naming what is missing: a GPU, the kernel library, or what megatron-core lacks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,14 @@ def _megatron_gap() -> str | None:
     import megatron.core
     from megatron.core.transformer import cuda_graphs, transformer_layer
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    needed = ((cuda_graphs, "CudaGraphManager"), (cuda_graphs, "create_cudagraphs"),
-              (cuda_graphs, "delete_cuda_graphs"), (transformer_layer, "MoETransformerLayer"))
+    needed = (
+        (cuda_graphs, "CudaGraphManager"),
+        (cuda_graphs, "create_cudagraphs"),
+        (cuda_graphs, "delete_cuda_graphs"),
+        (transformer_layer, "MoETransformerLayer"),
+    )
     missing = [f"{m.__name__}.{name}" for m, name in needed if not hasattr(m, name)]
     missing += [] if "cuda_graph_impl" in fields else ["TransformerConfig.cuda_graph_impl"]
     return f"megatron-core {megatron.core.__version__} has no {', '.join(missing)}" if missing else None
@@ -65,6 +71,7 @@ pytestmark = NEEDS_MEGATRON_GRAPHS
 def _region_key() -> str:
     """The config key naming the captured regions: ``cuda_graph_modules`` (0.19), ``cuda_graph_scope`` (0.16)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     return "cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope"
 
@@ -73,16 +80,36 @@ def _config(graphed: bool) -> Any:
     """The layer's config, BF16, drop-and-pad; ``graphed``: Megatron's local graphs over the ``moe`` region.
     Dropout off (a captured draw is not the eager one), unfused bias-dropout-add."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     graphs = {"cuda_graph_impl": "local", _region_key(): ["moe"], "cuda_graph_warmup_steps": WARMUP_STEPS}
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        expert_model_parallel_size=EP, expert_tensor_parallel_size=1, moe_token_dispatcher_type="ep_plugin",
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-        moe_expert_capacity_factor=CAPACITY_FACTOR, moe_pad_expert_input_to_capacity=True,
-        moe_token_drop_policy="probs", moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, params_dtype=torch.bfloat16, bf16=True,
-        use_cpu_initialization=True, **(graphs if graphed else {}))
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        expert_model_parallel_size=EP,
+        expert_tensor_parallel_size=1,
+        moe_token_dispatcher_type="ep_plugin",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_expert_capacity_factor=CAPACITY_FACTOR,
+        moe_pad_expert_input_to_capacity=True,
+        moe_token_drop_policy="probs",
+        moe_ffn_hidden_size=FFN,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=True,
+        **(graphs if graphed else {}),
+    )
 
 
 def _layer(config: Any, seed: int) -> torch.nn.Module:
@@ -92,9 +119,12 @@ def _layer(config: Any, seed: int) -> torch.nn.Module:
     from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
 
     from moe_ep_plugin.megatron import compat
+
     torch.manual_seed(seed)
-    spec = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-        mlp=compat.local_moe_spec(EXPERTS), mlp_bda=get_bias_dropout_add))
+    spec = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(mlp=compat.local_moe_spec(EXPERTS), mlp_bda=get_bias_dropout_add),
+    )
     return build_module(spec, config=config, layer_number=1)
 
 
@@ -121,6 +151,7 @@ def _counted(owner: Any, name: str, counter: dict[str, int], key: str) -> None:
     def call(*args: Any, **kwargs: Any) -> Any:
         counter[key] += 1
         return method(*args, **kwargs)
+
     setattr(owner, name, call)
 
 
@@ -132,6 +163,7 @@ def _graphed_matches_eager(seed: int, shared_gpu: bool) -> None:
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.buffer_cache import destroy_buffers
     from moe_ep_plugin.megatron.dispatcher import EPPluginTokenDispatcher
+
     if shared_gpu:
         torch.cuda.set_device(0)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -172,8 +204,10 @@ def _graphed_matches_eager(seed: int, shared_gpu: bool) -> None:
         assert calls["token_dispatch"] == traced, f"rank {rank}: the dispatcher ran eagerly during a replay"
         dist.barrier()
         if rank == 0:
-            print(f"ok Megatron's local graph of the ep_plugin drop-and-pad layer: {REPLAYS} replays equal eager",
-                  flush=True)
+            print(
+                f"ok Megatron's local graph of the ep_plugin drop-and-pad layer: {REPLAYS} replays equal eager",
+                flush=True,
+            )
     finally:
         cuda_graphs.delete_cuda_graphs()
         ep_megatron.uninstall()
@@ -183,8 +217,12 @@ def _graphed_matches_eager(seed: int, shared_gpu: bool) -> None:
 
 LAYOUTS = [
     pytest.param(True, "gloo", marks=NEEDS_KERNELS, id="2-ranks-sharing-cuda0"),
-    pytest.param(False, "nccl", marks=[*NEEDS_KERNELS, pytest.mark.skipif(
-        GPUS < EP, reason=f"needs {EP} CUDA GPUs, {GPUS} visible")], id="one-rank-per-gpu"),
+    pytest.param(
+        False,
+        "nccl",
+        marks=[*NEEDS_KERNELS, pytest.mark.skipif(GPUS < EP, reason=f"needs {EP} CUDA GPUs, {GPUS} visible")],
+        id="one-rank-per-gpu",
+    ),
 ]
 
 
@@ -212,6 +250,7 @@ def _host_checks(seed: int) -> None:
     from moe_ep_plugin.buffer_cache import destroy_buffers
     from moe_ep_plugin.megatron.dispatcher import EPPluginTokenDispatcher
     from moe_ep_plugin.megatron.host import seed_model_parallel_rng
+
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP, expert_tensor_parallel_size=1)
     seed_model_parallel_rng(seed)
     manager = cuda_graphs.CudaGraphManager

@@ -17,6 +17,7 @@ use. Deterministic algorithms are on (``CUBLAS_WORKSPACE_CONFIG`` set), so scatt
 same order in the plain and the scheduled run. Skips without a GPU, and the shared layout without the kernel
 library, naming the reason.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,6 +55,7 @@ def _suite(etp: int, ep: int, seed: int, shared_gpu: bool) -> None:
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.buffer_cache import destroy_buffers
     from moe_ep_plugin.megatron.host import seed_model_parallel_rng
+
     if shared_gpu:
         torch.cuda.set_device(0)
     device = torch.device("cuda", torch.cuda.current_device())

@@ -9,6 +9,7 @@ TP x EP 1x2, 1x4 and 2x2 (expert TP = TP, sequence parallel), BF16 only: the ker
 copies over gloo (``support.megatron_host.tp_collectives_through_host``); the plugin's dispatch over the TP x EP
 group runs on the kernels. Skips without a GPU or the kernel library, naming the reason.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,6 +38,7 @@ def _suite(tp: int, ep: int, seed: int) -> None:
     import moe_ep_plugin.megatron as ep_megatron
     from moe_ep_plugin.buffer_cache import destroy_buffers
     from moe_ep_plugin.megatron.host import seed_model_parallel_rng
+
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)

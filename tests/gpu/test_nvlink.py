@@ -10,6 +10,7 @@ With two or more GPUs every rank has its own GPU and the reference runs on NCCL.
 share it (gloo group, ``Buffer(device=...)``; NCCL refuses two ranks on one GPU) and the reference runs on the
 CPU: the kernels' peer paths (IPC mappings, flags, pushes and pulls) are exercised, their speed is not.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,6 +51,7 @@ class _OnCpu:
 
         def on_cpu(*args, **kwargs):
             return method(*map(_cpu, args), **{k: _cpu(v) for k, v in kwargs.items()})
+
         return on_cpu
 
 
@@ -79,6 +81,7 @@ def _settled() -> None:
 def _reference_buffer(timeout_s: float):
     ref = Buffer(dist.group.WORLD, transport="torch", timeout_s=timeout_s)
     return ref if dist.get_backend() == "nccl" else _OnCpu(ref)
+
 
 # tokens on rank r, hidden, top-k, experts per rank, routing; fresh random data every run.
 CASES = [
@@ -163,8 +166,15 @@ def _case_inputs(case: dict, mode: tuple, device: torch.device):
     if (fp8_dispatch or fp8_input) and h % 128:
         return None
     num_experts = case["experts_per_rank"] * dist.get_world_size()
-    return (n, h, k, num_experts, _make_x(mode, n, h, device), _routing(case["routing"], n, k, num_experts, device),
-            torch.rand(n, k, device=device))
+    return (
+        n,
+        h,
+        k,
+        num_experts,
+        _make_x(mode, n, h, device),
+        _routing(case["routing"], n, k, num_experts, device),
+        torch.rand(n, k, device=device),
+    )
 
 
 # _suite: every combine that fits pulls (by default small ones push)
@@ -172,18 +182,27 @@ PULL_ALL = NVLinkTuning(pull_combine_min_bytes=0)
 # _variants' tunings, built here so that collecting this file (also without a GPU) fails on a field that is gone
 PULL_QUANTIZED = dataclasses.replace(PULL_ALL, quantizing_dispatch_pull=True)
 PUSH = dataclasses.replace(PULL_ALL, dispatch_pull=False, combine_pull=False, copy_engine_combine_below_sms=0)
-COPY_ENGINE = [dataclasses.replace(PUSH, copy_engine_combine_below_sms=1000, copy_piece_rows=8, copy_streams=streams)
-               for streams in (1, 4)]
+COPY_ENGINE = [
+    dataclasses.replace(PUSH, copy_engine_combine_below_sms=1000, copy_piece_rows=8, copy_streams=streams)
+    for streams in (1, 4)
+]
 WARP_COMBINE = dataclasses.replace(PUSH, combine_send_blocks=0)
-ONE_WARP = dataclasses.replace(PUSH, dispatch_send_warps=1, quantizing_dispatch_send_warps=1,
-                               dequantizing_dispatch_send_warps=1, combine_send_warps=1)
+ONE_WARP = dataclasses.replace(
+    PUSH,
+    dispatch_send_warps=1,
+    quantizing_dispatch_send_warps=1,
+    dequantizing_dispatch_send_warps=1,
+    combine_send_warps=1,
+)
 
 
 def _configs(tuning: NVLinkTuning) -> tuple[Config, Config]:
     """The default dispatch and combine Configs at ``Buffer.num_sms``, carrying ``tuning``."""
     world = dist.get_world_size()
-    return (dataclasses.replace(Buffer.get_dispatch_config(world), nvlink=tuning),
-            dataclasses.replace(Buffer.get_combine_config(world), nvlink=tuning))
+    return (
+        dataclasses.replace(Buffer.get_dispatch_config(world), nvlink=tuning),
+        dataclasses.replace(Buffer.get_combine_config(world), nvlink=tuning),
+    )
 
 
 def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, tuning: NVLinkTuning = PULL_ALL) -> None:
@@ -201,8 +220,16 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, tuning: NVLink
     ref_layout = ref.get_dispatch_layout(idx, num_experts)
     for i in (0, 2, 3):
         _same(f"{tag} layout[{i}]", layout[i], ref_layout[i])
-    kw = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-              topk_idx=idx, topk_weights=w, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    kw = dict(
+        num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2],
+        topk_idx=idx,
+        topk_weights=w,
+        fp8_dispatch=fp8_dispatch,
+        fp8_out=fp8_out,
+        round_scale=round_scale,
+    )
     out = nv.dispatch(x, config=dcfg, **kw)
     expect = ref.dispatch(x, **kw)
     for i, part in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
@@ -219,12 +246,16 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, tuning: NVLink
         dtype = out[0].dtype
         y = torch.randn(handle.num_recv_rows, h, device=device).to(dtype)
         bias = torch.randn(n, h, device=device).to(dtype)
-        _same_sums(f"{tag} combine", nv.combine(y, handle, topk_weights=out[2], bias=bias, config=ccfg),
-                   ref.combine(y, ref_handle, topk_weights=expect[2], bias=bias))
+        _same_sums(
+            f"{tag} combine",
+            nv.combine(y, handle, topk_weights=out[2], bias=bias, config=ccfg),
+            ref.combine(y, ref_handle, topk_weights=expect[2], bias=bias),
+        )
 
     # cached layout (no top-k): same rows
-    cached = nv.dispatch(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
-                         config=dcfg)
+    cached = nv.dispatch(
+        x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale, config=dcfg
+    )
     _same(f"{tag} cached recv_x", cached[0], out[0])
 
     # num_worst_tokens: fixed rows, no host sync; the prefix is the exact result, the rest is padding
@@ -243,8 +274,9 @@ def _check_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, tuning: NVLink
         print(f"ok {tag}", flush=True)
 
 
-def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignment: int,
-                       tuning: NVLinkTuning = PULL_ALL) -> None:
+def _check_expert_case(
+    nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignment: int, tuning: NVLinkTuning = PULL_ALL
+) -> None:
     """dispatch_experts / combine_experts on nvlink (layout from the notify kernel) equal the torch transport's
     composed path bit for bit."""
     rank = dist.get_rank()
@@ -256,8 +288,15 @@ def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignme
         return
     n, h, k, num_experts, x, idx, w = inputs
     tag = f"experts {name} n={n} h={h} k={k} E={num_experts} align={alignment}"
-    kw = dict(topk_idx=idx, topk_weights=w, num_experts=num_experts, expert_alignment=alignment,
-              fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale)
+    kw = dict(
+        topk_idx=idx,
+        topk_weights=w,
+        num_experts=num_experts,
+        expert_alignment=alignment,
+        fp8_dispatch=fp8_dispatch,
+        fp8_out=fp8_out,
+        round_scale=round_scale,
+    )
     out = nv.dispatch_experts(x, config=dcfg, **kw)
     expect = ref.dispatch_experts(x, **kw)
     for i, part in enumerate(("expert_x", "expert_scales", "expert_probs")):
@@ -273,11 +312,14 @@ def _check_expert_case(nv: Buffer, ref: Buffer, case: dict, mode: tuple, alignme
         # write straight into the own region (x_in_region); with expert weights (copied to the region's weights
         # area) and without (Megatron's token_combine passes none).
         for weights in (ew, None):
-            _same_sums(f"{tag} combine_experts weights={weights is not None}",
-                       nv.combine_experts(y, handle, expert_weights=weights, config=ccfg),
-                       ref.combine_experts(y, ref_handle, expert_weights=weights))
-    cached = nv.dispatch_experts(x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale,
-                                 config=dcfg)
+            _same_sums(
+                f"{tag} combine_experts weights={weights is not None}",
+                nv.combine_experts(y, handle, expert_weights=weights, config=ccfg),
+                ref.combine_experts(y, ref_handle, expert_weights=weights),
+            )
+    cached = nv.dispatch_experts(
+        x, handle=handle, fp8_dispatch=fp8_dispatch, fp8_out=fp8_out, round_scale=round_scale, config=dcfg
+    )
     _same(f"{tag} cached expert_x", cached[0], out[0])
     _settled()
     if rank == 0:
@@ -310,8 +352,9 @@ def _graph_replay(nv: Buffer, cached: bool) -> None:
         if cached:
             recv_x, _, _, _, handle, _ = nv.dispatch(x, handle=first, fp8_dispatch=True)
             return recv_x, nv.combine(recv_x, handle)[0]
-        recv_x, _, recv_w, _, handle, _ = nv.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
-                                                      num_worst_tokens=worst, fp8_dispatch=True)
+        recv_x, _, recv_w, _, handle, _ = nv.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_experts=num_experts, num_worst_tokens=worst, fp8_dispatch=True
+        )
         combined, combined_w, _ = nv.combine(recv_x, handle, topk_weights=recv_w)
         return recv_x, combined, combined_w
 
@@ -435,8 +478,11 @@ def _single_rank() -> None:
     idx = _routing("random", n, k, num_experts, device)
     handle = nv.dispatch_experts(x, idx, None, num_experts)[4]
     ref_handle = ref.dispatch_experts(x, idx, None, num_experts)[4]
-    _same("layout handle replayed with FP8", nv.dispatch_experts(x, handle=handle, fp8_dispatch=True)[0],
-          ref.dispatch_experts(x, handle=ref_handle, fp8_dispatch=True)[0])
+    _same(
+        "layout handle replayed with FP8",
+        nv.dispatch_experts(x, handle=handle, fp8_dispatch=True)[0],
+        ref.dispatch_experts(x, handle=ref_handle, fp8_dispatch=True)[0],
+    )
     _settled()
     torch.cuda.synchronize()
     nv.destroy()
@@ -481,10 +527,12 @@ def _refusing_peer(timeout_s: float) -> None:
     cases = [
         (TypeError, "x: expected dtype", lambda nv: nv.dispatch(x.half() if bad else x, topk_idx=idx, num_experts=4)),
         (TypeError, "x: expected dtype", lambda nv: nv.dispatch_experts(x.half() if bad else x, idx, None, 4)),
-        (ValueError, "topk_idx: expected shape",
-         lambda nv: nv.dispatch_experts(x, idx[:3] if bad else idx, None, 4)),
-        (TypeError, "topk_idx: expected dtype", lambda nv: nv.get_dispatch_layout(idx.float(), 4) if bad else
-         nv.dispatch(x, topk_idx=idx, num_experts=4)),
+        (ValueError, "topk_idx: expected shape", lambda nv: nv.dispatch_experts(x, idx[:3] if bad else idx, None, 4)),
+        (
+            TypeError,
+            "topk_idx: expected dtype",
+            lambda nv: nv.get_dispatch_layout(idx.float(), 4) if bad else nv.dispatch(x, topk_idx=idx, num_experts=4),
+        ),
     ]
     for cls, cause, call in cases:
         nv = _nvlink_buffer(timeout_s)

@@ -6,6 +6,7 @@ the local experts, and the shapes the kernels refuse (rows not a multiple of 16 
 > 1024 local experts), which must fall back to torch with the same bits. Outputs land in freshly poisoned
 memory, so padding rows that the kernel forgot to zero show up. Skips without a GPU or the built kernel library.
 """
+
 from __future__ import annotations
 
 import random
@@ -39,9 +40,9 @@ CASES = [
     (257, 3, 5, 1, 1028, torch.float32, "foreign", 0),
     (64, 5, 7, 16, 96, torch.float32, "none", 0),
     (4096, 8, 128, 1, 7168, torch.bfloat16, "random", 0),
-    (50, 4, 4, 16, 100, torch.bfloat16, "random", 0),       # 200-byte rows: torch path
-    (50, 4, 4, 1, 256, torch.bfloat16, "random", 1),        # rows start 2 bytes off 16-byte alignment: torch path
-    (200, 8, 1500, 16, 128, torch.float32, "random", 0),   # more local experts than the slot kernel keeps
+    (50, 4, 4, 16, 100, torch.bfloat16, "random", 0),  # 200-byte rows: torch path
+    (50, 4, 4, 1, 256, torch.bfloat16, "random", 1),  # rows start 2 bytes off 16-byte alignment: torch path
+    (200, 8, 1500, 16, 128, torch.float32, "random", 0),  # more local experts than the slot kernel keeps
 ]
 
 
@@ -56,8 +57,9 @@ def _same(name: str, a: torch.Tensor | None, b: torch.Tensor | None, seed: int) 
     assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     if not torch.equal(_bits(a).cpu(), _bits(b).cpu()):
         rows = (_bits(a).cpu() != _bits(b).cpu()).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten()
-        raise AssertionError(f"{name} (seed {seed}): {rows.numel()} of {a.shape[0]} rows differ, "
-                             f"first {rows[:5].tolist()}")
+        raise AssertionError(
+            f"{name} (seed {seed}): {rows.numel()} of {a.shape[0]} rows differ, first {rows[:5].tolist()}"
+        )
 
 
 def _poison(num_bytes: int) -> None:
@@ -75,8 +77,9 @@ def _with_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k,num_local,alignment,hidden,dtype,kind,offset", CASES)
-def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hidden: int, dtype: torch.dtype,
-                             kind: str, offset: int) -> None:
+def test_kernels_match_torch(
+    n: int, k: int, num_local: int, alignment: int, hidden: int, dtype: torch.dtype, kind: str, offset: int
+) -> None:
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     idx_cpu = routing(kind, n, k, num_local, gen)
@@ -88,8 +91,9 @@ def test_kernels_match_torch(n: int, k: int, num_local: int, alignment: int, hid
     s_cpu = torch.rand(n, hidden // 128 + 1, generator=gen)
     out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     # Wide exponent range, so the fixed summation order shows in the rounded bits.
-    y_cpu = (torch.randn(num_rows, hidden, generator=gen) * torch.rand(num_rows, 1, generator=gen).pow(8) * 1e4
-             ).to(out_dtype)
+    y_cpu = (torch.randn(num_rows, hidden, generator=gen) * torch.rand(num_rows, 1, generator=gen).pow(8) * 1e4).to(
+        out_dtype
+    )
     idx, w, s, y = idx_cpu.cuda(), w_cpu.cuda(), s_cpu.cuda(), y_cpu.cuda()
     x = _with_offset(x_cpu.cuda(), offset)
 
@@ -142,13 +146,16 @@ def test_kernels_on_a_side_stream_and_second_device() -> None:
     assert torch.equal(back.cpu(), P.unpermute(P.permute(x, slot_cpu, sum(counts))[0], slot_cpu))
 
 
-@pytest.mark.parametrize("p,num_out,hidden,dtype", [
-    (0, 5, 256, torch.bfloat16),
-    (6000, 300, 7168, torch.bfloat16),
-    (3000, 64, 1028, torch.float32),
-    (700, 0, 256, torch.bfloat16),
-    (100, 10, 100, torch.bfloat16),  # 200-byte rows: torch path
-])
+@pytest.mark.parametrize(
+    "p,num_out,hidden,dtype",
+    [
+        (0, 5, 256, torch.bfloat16),
+        (6000, 300, 7168, torch.bfloat16),
+        (3000, 64, 1028, torch.float32),
+        (700, 0, 256, torch.bfloat16),
+        (100, 10, 100, torch.bfloat16),  # 200-byte rows: torch path
+    ],
+)
 def test_sum_by_index_kernel_matches_torch_and_cpu(p: int, num_out: int, hidden: int, dtype: torch.dtype) -> None:
     """Output rows named by no row, by one and by hundreds (a third of the rows go to output 0), and indices
     outside ``[0, num_out)``: the kernel's bits equal the torch path's on the GPU and on the CPU."""

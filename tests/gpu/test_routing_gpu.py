@@ -3,6 +3,7 @@
 Each token's selected experts must come out in ascending order with their probs, -1 / 0 past them, and the
 gradient must reach exactly the selected probs. Skips without a GPU or without the built kernel library.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,10 @@ from moe_ep_plugin.ops import library
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.cuda.is_available() and library.unavailable_reason() is not None,
-                       reason=f"kernel library unavailable: {library.unavailable_reason()}"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and library.unavailable_reason() is not None,
+        reason=f"kernel library unavailable: {library.unavailable_reason()}",
+    ),
 ]
 
 
@@ -29,7 +32,7 @@ def test_routing_map_to_topk_kernel_matches_plain_loop(tokens: int, experts: int
     routing_map[::7] = False  # dropped tokens
     if tokens > 3:  # a token with fewer than K selected experts
         routing_map[3] = False
-        routing_map[3, :topk - 1] = True
+        routing_map[3, : topk - 1] = True
     probs = torch.rand(tokens, experts, device=device, requires_grad=True)
     idx, weights = routing_map_to_topk(routing_map, probs, topk)
     want_idx, want_w = [], []

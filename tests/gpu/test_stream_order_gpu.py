@@ -12,6 +12,7 @@ makes on a stream its kernels do not wait for runs late, after the kernels read 
 Ranks share ``cuda:0`` over gloo (2 and 4), or one rank per GPU where several are visible. Skips without a GPU or
 the kernel library.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,33 +56,48 @@ def _cached_weights_case() -> None:
     device = _device()
     torch.cuda.set_device(device)
     shared = dist.get_backend() != "nccl"
-    buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=_TOKENS, hidden=_HIDDEN, num_topk=_TOPK,
-                        transport="nvlink", device=device if shared else None)
+    buf = ElasticBuffer(
+        dist.group.WORLD,
+        num_max_tokens_per_rank=_TOKENS,
+        hidden=_HIDDEN,
+        num_topk=_TOPK,
+        transport="nvlink",
+        device=device if shared else None,
+    )
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     failures = []
     for do_expand, prev, async_, on_comm in itertools.product((False, True), (0, 1), (0, 1), (0, 1)):
         x = torch.randn(_TOKENS, _HIDDEN, generator=gen).to(device, torch.bfloat16)
         topk_idx, weights = _routing(gen, device)
-        _, _, fresh_w, handle, event = buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
-                                                    num_experts=_EXPERTS, do_expand=do_expand)
+        _, _, fresh_w, handle, event = buf.dispatch(
+            x, topk_idx=topk_idx, topk_weights=weights, num_experts=_EXPERTS, do_expand=do_expand
+        )
         torch.cuda.synchronize()
         # new weights for the cached call (what a backward carries); the fresh dispatch's reference of them
         new_w = torch.rand(_TOKENS, _TOPK, generator=gen).to(device) + 0.5
-        _, _, expected, _, _ = buf.dispatch(x, topk_idx=topk_idx, topk_weights=new_w, num_experts=_EXPERTS,
-                                            do_expand=do_expand)
+        _, _, expected, _, _ = buf.dispatch(
+            x, topk_idx=topk_idx, topk_weights=new_w, num_experts=_EXPERTS, do_expand=do_expand
+        )
         torch.cuda.synchronize()
         previous = buf.capture() if prev else None
         torch.cuda._sleep(_BUSY_CYCLES)  # the current stream busy: work queued on it after the event runs late
-        _, _, got, _, event = buf.dispatch(x, handle=handle, topk_weights=new_w, do_expand=do_expand,
-                                           previous_event=previous,
-                                           async_with_compute_stream=bool(async_),
-                                           allocate_on_comm_stream=bool(on_comm))
+        _, _, got, _, event = buf.dispatch(
+            x,
+            handle=handle,
+            topk_weights=new_w,
+            do_expand=do_expand,
+            previous_event=previous,
+            async_with_compute_stream=bool(async_),
+            allocate_on_comm_stream=bool(on_comm),
+        )
         if async_:
             event.current_stream_wait()
         torch.cuda.synchronize()
         if not torch.equal(got, expected):
-            failures.append(f"do_expand={do_expand} previous_event={prev} async={async_} on_comm={on_comm}: "
-                            f"{int((got != expected).sum())} of {got.numel()} weights differ")
+            failures.append(
+                f"do_expand={do_expand} previous_event={prev} async={async_} on_comm={on_comm}: "
+                f"{int((got != expected).sum())} of {got.numel()} weights differ"
+            )
         del fresh_w
     dist.barrier()
     assert not failures, f"rank {dist.get_rank()}: " + "; ".join(failures)
@@ -107,13 +123,15 @@ def _two_streams_case() -> None:
         # the first pair on a busy current stream, the second pair on another stream, each synchronous
         torch.cuda._sleep(_BUSY_CYCLES // (round_ + 1))
         got = []
-        first_x, _, _, _, first_handle, _ = buf.dispatch(xs[0], topk_idx=routes[0][0], topk_weights=routes[0][1],
-                                                         num_experts=_EXPERTS)
+        first_x, _, _, _, first_handle, _ = buf.dispatch(
+            xs[0], topk_idx=routes[0][0], topk_weights=routes[0][1], num_experts=_EXPERTS
+        )
         first_combined, _, _ = buf.combine(first_x, first_handle)
         got.append((first_x, first_combined))
         with torch.cuda.stream(other):
-            second_x, _, _, _, second_handle, _ = buf.dispatch(xs[1], topk_idx=routes[1][0],
-                                                               topk_weights=routes[1][1], num_experts=_EXPERTS)
+            second_x, _, _, _, second_handle, _ = buf.dispatch(
+                xs[1], topk_idx=routes[1][0], topk_weights=routes[1][1], num_experts=_EXPERTS
+            )
             second_combined, _, _ = buf.combine(second_x, second_handle)
             got.append((second_x, second_combined))
         torch.cuda.synchronize()

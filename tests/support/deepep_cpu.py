@@ -10,6 +10,7 @@ the CPU, and the few stand-ins for CUDA the files need where there is none:
   (``bench_kineto``, whose per-kernel CUDA profile has no CPU counterpart). Only the perf parts call them.
 
 ``torch.cuda.is_available()`` stays ``False``, so the library takes its CPU paths (gloo between the ranks)."""
+
 from __future__ import annotations
 
 import datetime
@@ -60,9 +61,17 @@ def bench(fn, num_warmups: int = 50, num_tests: int = 50, post_fn=None, flush_l2
     return sum(times) / len(times), min(times), max(times)
 
 
-def bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False, trace_path=None,
-                 flush_l2: bool = True, barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1,
-                 barrier=None):
+def bench_kineto(
+    fn,
+    kernel_names,
+    num_tests: int = 30,
+    suppress_kineto_output: bool = False,
+    trace_path=None,
+    flush_l2: bool = True,
+    barrier_comm_profiling: bool = False,
+    num_kernels_per_period: int = 1,
+    barrier=None,
+):
     """DeepEP's ``bench_kineto`` reads each named CUDA kernel's time from a kineto profile, which cannot run
     without CUDA: ``fn`` is not run (its checks ran already in the files' correctness part; test_low_latency.py's
     profiled ``fn`` also multiplies two 8192² matrices) and each name gets 1 s, per period when there are several,
@@ -80,9 +89,13 @@ def shrink_testing(testing: ModuleType) -> None:
 def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int, int, dist.ProcessGroup]:
     """Joins rank ``local_rank`` of ``num_local_ranks`` on the CPU → ``(rank, world size, the group of all)``."""
     deepep_envs._local_rank[:] = [local_rank]  # dist_print's once_in_node reads it
-    dist.init_process_group("gloo", init_method="file://" + os.environ["MOE_EP_DEEPEP_RENDEZVOUS"],
-                            world_size=num_local_ranks, rank=local_rank,
-                            timeout=datetime.timedelta(seconds=float(os.environ.get("MOE_EP_DEEPEP_TIMEOUT_S", 300))))
+    dist.init_process_group(
+        "gloo",
+        init_method="file://" + os.environ["MOE_EP_DEEPEP_RENDEZVOUS"],
+        world_size=num_local_ranks,
+        rank=local_rank,
+        timeout=datetime.timedelta(seconds=float(os.environ.get("MOE_EP_DEEPEP_TIMEOUT_S", 300))),
+    )
     nccl_like_collectives()
     torch.set_default_dtype(torch.bfloat16)
     CudaToCpu().__enter__()  # for the rest of this rank: init_dist is its first call, the rank ends with the test

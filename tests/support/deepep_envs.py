@@ -5,6 +5,7 @@ the default dtype and device, seeds derived from one global seed — over gloo w
 refuses two ranks on one GPU. The library's Buffer then runs its ``nvlink`` kernels between the ranks (MPS lets
 their kernels run side by side). Two of the collectives DeepEP's tests and references call take on gloo what they
 take on NCCL (``nccl_like_collectives``)."""
+
 from __future__ import annotations
 
 import datetime
@@ -60,18 +61,31 @@ def nccl_like_collectives() -> None:
         rows = output.view(-1, *input.shape[1:])
         return gather(_as_bytes(rows), _as_bytes(input.contiguous()), group=group, async_op=async_op)
 
-    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                          input_split_sizes=None, group=None, async_op: bool = False):
+    def all_to_all_single(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes=None,
+        input_split_sizes=None,
+        group=None,
+        async_op: bool = False,
+    ):
         if input.dim() == 0:
             return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-        work = all_to_all(_as_bytes(out), _as_bytes(input.contiguous()), output_split_sizes, input_split_sizes,
-                          group=group, async_op=async_op)
+        work = all_to_all(
+            _as_bytes(out),
+            _as_bytes(input.contiguous()),
+            output_split_sizes,
+            input_split_sizes,
+            group=group,
+            async_op=async_op,
+        )
         if out is not output:
             if work is not None:
                 work.wait()
             output.copy_(out)
         return work
+
     all_gather_into_tensor._nccl_like = True
     dist.all_gather_into_tensor, dist.all_to_all_single = all_gather_into_tensor, all_to_all_single
 
@@ -79,9 +93,13 @@ def nccl_like_collectives() -> None:
 def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int, int, dist.ProcessGroup]:
     """Joins rank ``local_rank`` of ``num_local_ranks`` (one node) → ``(rank, world size, the group of all)``."""
     _local_rank[:] = [local_rank]
-    dist.init_process_group("gloo", init_method="file://" + os.environ["MOE_EP_DEEPEP_RENDEZVOUS"],
-                            world_size=num_local_ranks, rank=local_rank,
-                            timeout=datetime.timedelta(seconds=float(os.environ.get("MOE_EP_DEEPEP_TIMEOUT_S", 300))))
+    dist.init_process_group(
+        "gloo",
+        init_method="file://" + os.environ["MOE_EP_DEEPEP_RENDEZVOUS"],
+        world_size=num_local_ranks,
+        rank=local_rank,
+        timeout=datetime.timedelta(seconds=float(os.environ.get("MOE_EP_DEEPEP_TIMEOUT_S", 300))),
+    )
     nccl_like_collectives()
     torch.cuda.set_device(0)
     torch.set_default_dtype(torch.bfloat16)

@@ -8,6 +8,7 @@ Checked each round, on every rank without communication:
   ``combined[t] = x[t] * n(t)`` is exact in BF16, with ``n(t)`` the ranks token ``t`` went to (not expanded) or
   its valid top-k entries (expanded).
 """
+
 from __future__ import annotations
 
 import random
@@ -38,17 +39,28 @@ class Round:
 
     def describe(self) -> str:
         prev, async_, on_comm = self.mode
-        return (f"seed={self.seed} do_expand={self.do_expand} do_cpu_sync={self.cpu_sync} previous_event={prev} "
-                f"async={async_} allocate_on_comm_stream={on_comm} busy={self.busy} tokens={self.tokens} "
-                f"hidden={self.hidden} topk={self.topk} experts/rank={self.experts_per_rank}")
+        return (
+            f"seed={self.seed} do_expand={self.do_expand} do_cpu_sync={self.cpu_sync} previous_event={prev} "
+            f"async={async_} allocate_on_comm_stream={on_comm} busy={self.busy} tokens={self.tokens} "
+            f"hidden={self.hidden} topk={self.topk} experts/rank={self.experts_per_rank}"
+        )
 
 
 def draw(seed: int, max_tokens: int) -> Round:
     """The round of ``seed`` (rank-independent; each rank's token count is drawn from it and its rank)."""
     r = random.Random(seed)
-    return Round(seed=seed, do_expand=r.random() < 0.5, cpu_sync=r.random() < 0.5, mode=r.choice(MODES),
-                 busy=r.random() < 0.5, tokens=r.randint(0, max_tokens), hidden=r.choice((256, 512, 1024)),
-                 topk=r.randint(1, 8), experts_per_rank=r.choice((1, 2, 4, 8)), alignment=r.choice((1, 4, 128)))
+    return Round(
+        seed=seed,
+        do_expand=r.random() < 0.5,
+        cpu_sync=r.random() < 0.5,
+        mode=r.choice(MODES),
+        busy=r.random() < 0.5,
+        tokens=r.randint(0, max_tokens),
+        hidden=r.choice((256, 512, 1024)),
+        topk=r.randint(1, 8),
+        experts_per_rank=r.choice((1, 2, 4, 8)),
+        alignment=r.choice((1, 4, 128)),
+    )
 
 
 def _inputs(rnd: Round, rank: int, world: int, device: torch.device):
@@ -56,8 +68,11 @@ def _inputs(rnd: Round, rank: int, world: int, device: torch.device):
     tokens = rnd.tokens if rank == 0 else torch.randint(0, rnd.tokens + 1, (1,), generator=gen).item()
     experts = rnd.experts_per_rank * world
     topk = min(rnd.topk, experts)
-    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices if tokens else \
-        torch.zeros(0, topk, dtype=torch.int64)
+    idx = (
+        torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+        if tokens
+        else torch.zeros(0, topk, dtype=torch.int64)
+    )
     idx[torch.rand(tokens, topk, generator=gen) < 0.15] = -1
 
     def rows() -> torch.Tensor:
@@ -65,8 +80,8 @@ def _inputs(rnd: Round, rank: int, world: int, device: torch.device):
 
     def weights() -> torch.Tensor:
         return torch.rand(tokens, topk, generator=gen) + 0.5
-    return (idx.to(device), rows().to(device), weights().to(device), rows().to(device), weights().to(device),
-            experts)
+
+    return (idx.to(device), rows().to(device), weights().to(device), rows().to(device), weights().to(device), experts)
 
 
 def _call(buf, rnd: Round, **kw) -> tuple:
@@ -74,8 +89,13 @@ def _call(buf, rnd: Round, **kw) -> tuple:
     previous = buf.capture() if prev else None
     if rnd.busy and buf.buffer.device.type == "cuda":
         torch.cuda._sleep(2_000_000)  # the current stream busy while the call is issued
-    out = buf.dispatch(num_sms=NUM_SMS, previous_event=previous, async_with_compute_stream=bool(async_),
-                       allocate_on_comm_stream=bool(on_comm), **kw)
+    out = buf.dispatch(
+        num_sms=NUM_SMS,
+        previous_event=previous,
+        async_with_compute_stream=bool(async_),
+        allocate_on_comm_stream=bool(on_comm),
+        **kw,
+    )
     if async_:
         out[-1].current_stream_wait()
     return out
@@ -84,8 +104,9 @@ def _call(buf, rnd: Round, **kw) -> tuple:
 def run(buf, rnd: Round, rank: int, world: int) -> list[str]:
     """Run ``rnd`` on the ``ElasticBuffer`` ``buf``; returns what mismatched (empty: all exact)."""
     idx, x, w, x2, w2, experts = _inputs(rnd, rank, world, buf.buffer.device)
-    common = dict(num_experts=experts, do_expand=rnd.do_expand, expert_alignment=rnd.alignment,
-                  do_cpu_sync=rnd.cpu_sync)
+    common = dict(
+        num_experts=experts, do_expand=rnd.do_expand, expert_alignment=rnd.alignment, do_cpu_sync=rnd.cpu_sync
+    )
     _, _, _, handle, _ = _call(buf, rnd, x=x, topk_idx=idx, topk_weights=w, **common)
     cached_x, _, cached_w, _, _ = _call(buf, rnd, x=x2, handle=handle, topk_weights=w2, do_expand=rnd.do_expand)
     fresh_x, _, fresh_w, fresh_handle, _ = _call(buf, rnd, x=x2, topk_idx=idx, topk_weights=w2, **common)
@@ -102,8 +123,11 @@ def run(buf, rnd: Round, rank: int, world: int) -> list[str]:
         copies = valid.sum(1)
     else:
         ranks = torch.where(valid, idx // local, -1)
-        copies = torch.stack([(ranks == r).any(1) for r in range(world)], 1).sum(1) if idx.shape[0] else \
-            torch.zeros(0, dtype=torch.int64, device=idx.device)
+        copies = (
+            torch.stack([(ranks == r).any(1) for r in range(world)], 1).sum(1)
+            if idx.shape[0]
+            else torch.zeros(0, dtype=torch.int64, device=idx.device)
+        )
     want = (x2.float() * copies[:, None]).to(torch.bfloat16)
     if not torch.equal(combined, want):
         errors.append(f"combine differs from the plain loop in {int((combined != want).any(1).sum())} tokens")

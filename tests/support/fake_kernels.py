@@ -8,6 +8,7 @@ The fake kernels compute nothing; what they write is what the host itself reads 
 a dispatch brings ``read_values`` and an expert-major dispatch fills ``recv_slot`` with -1 (no local expert), so
 the host's indexing (``slot_weights``) stays in bounds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,6 +57,7 @@ class FakeLib:
             if self.record:  # host arrays (notify's meta words) as lists, copied at the call
                 self.calls.append((name, tuple(list(a) if isinstance(a, ctypes.Array) else a for a in args)))
             return 0
+
         setattr(self, name, call)  # found on the instance from now on: no __getattr__ per call
         return call
 
@@ -63,8 +65,9 @@ class FakeLib:
         if self.record:
             self.calls.append((name, args))
 
-    def moe_ep_routing_map_topk(self, routing_map: int, probs: int, n: int, num_experts: int, topk: int, idx: int,
-                                weights: int, stream: int) -> int:
+    def moe_ep_routing_map_topk(
+        self, routing_map: int, probs: int, n: int, num_experts: int, topk: int, idx: int, weights: int, stream: int
+    ) -> int:
         self._record("moe_ep_routing_map_topk", (routing_map, probs, n, num_experts, topk, idx, weights, stream))
         assert self.routing_answer is not None, "set routing_answer before the routing-map kernel runs"
         answer_idx, answer_weights = self.routing_answer
@@ -81,7 +84,7 @@ class FakeLib:
     def moe_ep_read_wait(self, ctx: int) -> int:
         self._record("moe_ep_read_wait", (ctx,))
         assert self._read_ints is not None, "read_wait without read_start"
-        self.read_buffer[:self._read_ints] = self.read_values[:self._read_ints]
+        self.read_buffer[: self._read_ints] = self.read_values[: self._read_ints]
         self._read_ints = None
         return 0
 
@@ -105,8 +108,12 @@ class FakeLib:
         r = self.num_ranks
         self.combine_memory = {
             "host_counts": list((ctypes.c_int32 * (r * r)).from_address(p.host_counts)) if p.host_counts else None,
-            "topk_weights": (list((ctypes.c_float * (p.num_recv_rows * p.num_topk)).from_address(p.topk_weights))
-                             if p.topk_weights else None)}
+            "topk_weights": (
+                list((ctypes.c_float * (p.num_recv_rows * p.num_topk)).from_address(p.topk_weights))
+                if p.topk_weights
+                else None
+            ),
+        }
         return 0
 
 
@@ -125,10 +132,13 @@ def routing_kernel_installed(lib: FakeLib) -> Iterator[FakeLib]:
     """While inside: ``ops.routing``'s one-kernel path serves CPU float32 probs too, through ``lib`` (which writes
     its ``routing_answer``), as it serves CUDA probs on the GPU machine."""
     from moe_ep_plugin.ops import routing
+
     with contextlib.ExitStack() as stack:
-        for target, name, value in ((routing._ROUTING_KERNEL, "usable", lambda routing_map, probs: True),
-                                    (routing.library, "load", lambda: lib),
-                                    (routing, "current_stream_handle", _stream_of)):
+        for target, name, value in (
+            (routing._ROUTING_KERNEL, "usable", lambda routing_map, probs: True),
+            (routing.library, "load", lambda: lib),
+            (routing, "current_stream_handle", _stream_of),
+        ):
             stack.enter_context(mock.patch.object(target, name, value))
         yield lib
 
@@ -138,12 +148,14 @@ def installed(lib: FakeLib) -> Iterator[FakeLib]:
     """While inside: ``permute``'s launches reach ``lib`` and take CPU tensors, and the stream queries of both
     modules answer ``STREAM``. Restores what it replaced on exit."""
     with contextlib.ExitStack() as stack:
-        for target, name, value in ((runtime, "current_stream_handle", _stream_of),
-                                    (permute, "current_stream_handle", _stream_of),
-                                    (permute, "_kernels", lambda: lib),
-                                    (permute, "kernels_for", lambda t: True),
-                                    # permute._launch: already on the tensor's device
-                                    (torch.cuda, "current_device", lambda: -1)):
+        for target, name, value in (
+            (runtime, "current_stream_handle", _stream_of),
+            (permute, "current_stream_handle", _stream_of),
+            (permute, "_kernels", lambda: lib),
+            (permute, "kernels_for", lambda t: True),
+            # permute._launch: already on the tensor's device
+            (torch.cuda, "current_device", lambda: -1),
+        ):
             stack.enter_context(mock.patch.object(target, name, value))
         yield lib
 
@@ -154,7 +166,7 @@ class FakeRuntime(NVLinkRuntime):
     ``group``: the process group its host exchanges run over (the low-latency form's agreement), if any."""
 
     def own_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.own_memory[:rows * hidden * dtype.itemsize].view(dtype).view(rows, hidden)
+        return self.own_memory[: rows * hidden * dtype.itemsize].view(dtype).view(rows, hidden)
 
     def __init__(self, lib: FakeLib, rank: int, num_ranks: int, group: object = None) -> None:
         self.group, self.rank, self.num_ranks, self.timeout_s = group, rank, num_ranks, 5.0

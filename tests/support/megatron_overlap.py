@@ -3,6 +3,7 @@ against the same layer run plainly: the model, config and reference the CPU test
 host doubles for the schedule's streams and events) and the GPU test (tests/gpu/test_megatron_overlap_gpu.py,
 Megatron's real CUDA streams and events) share. Needs ``megatron-core``; the caller initializes model parallelism
 and installs the plugin."""
+
 from __future__ import annotations
 
 import types
@@ -12,23 +13,40 @@ import torch
 import torch.distributed as dist
 
 HIDDEN, HEADS, EXPERTS, TOPK, FFN = 16, 2, 8, 2, 16
-RELATIVE_TOLERANCE = 2 ** -6  # four BF16 units in the last place, as tests/test_megatron_parity.py measured
+RELATIVE_TOLERANCE = 2**-6  # four BF16 units in the last place, as tests/test_megatron_parity.py measured
 DISPATCHER_CLASSES = {"alltoall": "MoEAlltoAllTokenDispatcher", "ep_plugin": "EPPluginTokenDispatcher"}
 
 
 def config(kind: str, etp: int, ep: int):
     """A BF16 ``TransformerConfig`` with the overlap flag on; ``kind`` is a dispatcher type or a flex backend."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     extra = {"moe_flex_dispatcher_backend": kind} if kind in ("deepep", "hybridep") else {}
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         moe_token_dispatcher_type="flex" if extra else kind,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-        moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True, overlap_moe_expert_parallel_comm=True,
-        **extra)
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_ffn_hidden_size=FFN,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=True,
+        overlap_moe_expert_parallel_comm=True,
+        **extra,
+    )
 
 
 def build_layer(kind: str, etp: int, ep: int, seed: int, device: torch.device):
@@ -39,6 +57,7 @@ def build_layer(kind: str, etp: int, ep: int, seed: int, device: torch.device):
     from megatron.core.transformer.spec_utils import build_module
 
     from moe_ep_plugin.megatron import compat
+
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS)
     assert compat.use_router([spec]) == 1
     torch.manual_seed(seed)
@@ -73,16 +92,17 @@ class Streams:
     each model chunk's schedule plan has one), and ``settle``, called before a node's output is read on the
     current stream (on CUDA: wait for the communication stream, where the last node of a layer ends)."""
 
-    def __init__(self, comp: object, comm: object, new_event: Callable[[], object],
-                 settle: Callable[[], None]) -> None:
+    def __init__(self, comp: object, comm: object, new_event: Callable[[], object], settle: Callable[[], None]) -> None:
         self.comp, self.comm, self.new_event, self.settle = comp, comm, new_event, settle
 
 
-def scheduled(layer, xs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor],
-              streams: Streams) -> dict[str, torch.Tensor]:
+def scheduled(
+    layer, xs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor], streams: Streams
+) -> dict[str, torch.Tensor]:
     """The two micro-batches through Megatron's schedule plan as ``combined_1f1b`` runs them: a forward; b forward
     with a backward; b backward. The same keys as :func:`plain`."""
     from megatron.core.models.common.model_chunk_schedule_plan import ModelChunkState, TransformerLayerSchedulePlan
+
     plans, inputs = [], [x.clone().requires_grad_(True) for x in xs]
     # megatron-core >= 0.19 (whose first node is pre_dispatch_computation) takes stream getters, 0.16 streams
     getters = hasattr(TransformerLayerSchedulePlan, "pre_dispatch_computation")
@@ -109,8 +129,7 @@ def scheduled(layer, xs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tenso
     return result
 
 
-def check_kinds(kinds: Sequence[str], etp: int, ep: int, seed: int, device: torch.device,
-                streams: Streams) -> None:
+def check_kinds(kinds: Sequence[str], etp: int, ep: int, seed: int, device: torch.device, streams: Streams) -> None:
     """For each dispatcher ``kind`` (the first is the reference) on this rank: the scheduled layer equals the plain
     one bitwise (outputs, input gradients, every parameter gradient), and equals the first kind's scheduled results
     within :data:`RELATIVE_TOLERANCE`. Uneven token counts over ranks and micro-batches; BF16."""

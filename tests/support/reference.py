@@ -1,4 +1,5 @@
 """Plain-loop references for dispatch and combine, computed from every rank's inputs (gathered)."""
+
 from __future__ import annotations
 
 import torch
@@ -57,7 +58,7 @@ def routing(kind: str, n: int, k: int, num_experts: int, gen: torch.Generator) -
     idx = torch.full((n, k), -1, dtype=torch.int64)
     for t in range(n):
         picked = torch.randperm(num_experts, generator=gen)[:k]
-        idx[t, :picked.numel()] = picked
+        idx[t, : picked.numel()] = picked
     if kind == "sparse" and n:
         idx[torch.rand(n, k, generator=gen) < 0.5] = -1
     elif n:
@@ -65,8 +66,9 @@ def routing(kind: str, n: int, k: int, num_experts: int, gen: torch.Generator) -
     return idx
 
 
-def _dense_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
-              straight_through_fp8: bool = False) -> torch.Tensor:
+def _dense_moe(
+    x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, straight_through_fp8: bool = False
+) -> torch.Tensor:
     """out[t] = Σ_k w[t, k] · (x[t] @ experts[idx[t, k]]) (-1 skipped), token by token; with
     ``straight_through_fp8`` the forward sees x through the FP8 quantizer and the gradient passes straight."""
     if straight_through_fp8 and x.shape[0]:
@@ -81,8 +83,14 @@ def _dense_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: tor
     return torch.stack(rows) if rows else torch.zeros(0, experts.shape[2])
 
 
-def dense_reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g: torch.Tensor, experts: torch.Tensor,
-                    straight_through_fp8: bool):
+def dense_reference(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    experts: torch.Tensor,
+    straight_through_fp8: bool,
+):
     """Single-process truth for an EP layer: every rank's ``(x, idx, w, g)`` gathered, ``Σ (dense_moe · g)``
     backpropagated (``experts`` ``[E, H, H]``). Returns this rank's ``(out, grad x, grad w, grad of all experts)``
     (zeros for untouched leaves)."""

@@ -6,6 +6,7 @@ so the reference needs no communication. Combine inputs are each received row sn
 [-4, 4] (``_grid``): any sum of up to 32 of them is exact in BF16, so combine is checked bit for bit whatever
 order a transport sums in.
 """
+
 from __future__ import annotations
 
 import random
@@ -21,8 +22,15 @@ from .settle import settle
 
 MODES = ("sync", "async", "previous_event", "previous_event+async", "allocate_on_comm_stream")
 FORMS = ("bf16", "fp32", "fp8 tuple", "fp8 in send path", "fp8 in send path, fp8 out")
-ENTRIES = ("dispatch", "dispatch with layout", "dispatch without top-k", "cached dispatch", "num_worst_tokens",
-           "dispatch_experts", "cached dispatch_experts")
+ENTRIES = (
+    "dispatch",
+    "dispatch with layout",
+    "dispatch without top-k",
+    "cached dispatch",
+    "num_worst_tokens",
+    "dispatch_experts",
+    "cached dispatch_experts",
+)
 ROUTINGS = ("random", "sparse", "one_expert")
 
 
@@ -42,8 +50,10 @@ class Round:
     alignment: int
 
     def describe(self) -> str:
-        return (f"seed={self.seed} entry={self.entry!r} mode={self.mode!r} form={self.form!r} hidden={self.hidden} "
-                f"topk={self.topk} experts/rank={self.experts_per_rank} tokens={self.tokens} routing={self.routing}")
+        return (
+            f"seed={self.seed} entry={self.entry!r} mode={self.mode!r} form={self.form!r} hidden={self.hidden} "
+            f"topk={self.topk} experts/rank={self.experts_per_rank} tokens={self.tokens} routing={self.routing}"
+        )
 
 
 @dataclass
@@ -57,17 +67,32 @@ class State:
     extra: dict = field(default_factory=dict)
 
 
-def draw(seed: int, world: int, entry: str | None = None, mode: str | None = None, form: str | None = None,
-         topk: int | None = None) -> Round:
+def draw(
+    seed: int,
+    world: int,
+    entry: str | None = None,
+    mode: str | None = None,
+    form: str | None = None,
+    topk: int | None = None,
+) -> Round:
     """A random round (``entry``/``mode``/``form``/``topk`` fixed when given)."""
     rng = random.Random(seed)
     form = form or rng.choice(FORMS)
     fp8_form = form.startswith("fp8")
     hidden = rng.choice((128, 256, 384, 1024) if fp8_form else (64, 128, 200, 256, 512))
     tokens = [rng.choice((0, rng.randint(1, 8), rng.randint(1, 64), rng.randint(64, 300))) for _ in range(world)]
-    return Round(seed, entry or rng.choice(ENTRIES), mode or rng.choice(MODES), form, hidden,
-                 topk or rng.randint(1, 8), rng.choice((1, 2, 4, 8)), tokens, rng.choice(ROUTINGS),
-                 rng.choice((1, 1, 4, 16)))
+    return Round(
+        seed,
+        entry or rng.choice(ENTRIES),
+        mode or rng.choice(MODES),
+        form,
+        hidden,
+        topk or rng.randint(1, 8),
+        rng.choice((1, 2, 4, 8)),
+        tokens,
+        rng.choice(ROUTINGS),
+        rng.choice((1, 1, 4, 16)),
+    )
 
 
 def _inputs(rnd: Round, src: int, world: int, device: torch.device):
@@ -143,11 +168,20 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
     if rnd.entry == "cached dispatch_experts" and state.expert_round is None:
         rnd.entry = "dispatch_experts"
     cached = rnd.entry.startswith("cached")
-    layout_round = (state.handle_round if rnd.entry == "cached dispatch" else
-                    state.expert_round if rnd.entry == "cached dispatch_experts" else rnd)
+    layout_round = (
+        state.handle_round
+        if rnd.entry == "cached dispatch"
+        else state.expert_round
+        if rnd.entry == "cached dispatch_experts"
+        else rnd
+    )
     if cached:  # the routing of the round the handle came from, new rows
-        rnd.tokens, rnd.topk, rnd.experts_per_rank, rnd.routing = (layout_round.tokens, layout_round.topk,
-                                                                  layout_round.experts_per_rank, layout_round.routing)
+        rnd.tokens, rnd.topk, rnd.experts_per_rank, rnd.routing = (
+            layout_round.tokens,
+            layout_round.topk,
+            layout_round.experts_per_rank,
+            layout_round.routing,
+        )
     everyone = [_inputs(rnd, src, world, device) for src in range(world)]
     if cached:  # the layout's routing (drawn from the earlier round's seed)
         for src in range(world):
@@ -155,8 +189,9 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
             everyone[src] = (everyone[src][0],) + old[1:]
     x, idx, w, in_rank_random, per_expert = everyone[rank]
     num_experts, local = rnd.experts_per_rank * world, rnd.experts_per_rank
-    no_topk = rnd.entry == "dispatch without top-k" or (rnd.entry == "cached dispatch"
-                                                         and layout_round.entry == "dispatch without top-k")
+    no_topk = rnd.entry == "dispatch without top-k" or (
+        rnd.entry == "cached dispatch" and layout_round.entry == "dispatch without top-k"
+    )
     fp8_send = rnd.form.startswith("fp8 in send path")
     opts = dict(fp8_dispatch=fp8_send, fp8_out=rnd.form.endswith("fp8 out"))
     mode = _mode(buffer, rnd.mode)
@@ -181,7 +216,7 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
 
     def expected_row(src: int, t: int):
         r_ = received[src]
-        return (r_[0][t:t + 1], r_[1][t:t + 1]) if isinstance(r_, tuple) else r_[t:t + 1]
+        return (r_[0][t : t + 1], r_[1][t : t + 1]) if isinstance(r_, tuple) else r_[t : t + 1]
 
     def stacked(parts: list):
         if not parts:
@@ -195,8 +230,11 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
         if cached:
             out = _wait(buffer.dispatch_experts(xd, handle=state.expert_handle, **opts, **mode))
         else:
-            out = _wait(buffer.dispatch_experts(xd, idx.to(device), w.to(device), num_experts,
-                                                expert_alignment=rnd.alignment, **opts, **mode))
+            out = _wait(
+                buffer.dispatch_experts(
+                    xd, idx.to(device), w.to(device), num_experts, expert_alignment=rnd.alignment, **opts, **mode
+                )
+            )
             state.expert_handle, state.expert_round = out[4], rnd
         expert_x, expert_scales, probs, tokens_per_expert, handle = out[:5]
         alignment = handle.expert_layout.alignment
@@ -221,8 +259,11 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
         ew = torch.rand(y.shape[0], generator=torch.Generator().manual_seed(rnd.seed)).to(device)
         combined, combined_w, _ = _wait(buffer.combine_experts(y, handle, ew, **_mode(buffer, rnd.mode)))
         snapped = _grid(plain_rows(rnd, everyone[rank][0]))
-        ref = torch.stack([snapped[t] * sum(1 for e in idx_lists[rank][t] if e >= 0)
-                           for t in range(x_rows(x))]) if x_rows(x) else None
+        ref = (
+            torch.stack([snapped[t] * sum(1 for e in idx_lists[rank][t] if e >= 0) for t in range(x_rows(x))])
+            if x_rows(x)
+            else None
+        )
         if ref is not None:
             check("combine_experts", torch.equal(combined.cpu().float(), ref))
         check("combine_experts weights shape", combined_w is not None and tuple(combined_w.shape) == tuple(idx.shape))
@@ -233,23 +274,51 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
         out = _wait(buffer.dispatch(xd, handle=state.handle, **kw))
     elif no_topk:
         counts_r = in_rank_random.sum(0, dtype=torch.int32)
-        out = _wait(buffer.dispatch(xd, num_tokens_per_rank=counts_r.to(device),
-                                    is_token_in_rank=in_rank_random.to(device),
-                                    num_tokens_per_expert=per_expert.to(device), expert_alignment=rnd.alignment, **kw))
+        out = _wait(
+            buffer.dispatch(
+                xd,
+                num_tokens_per_rank=counts_r.to(device),
+                is_token_in_rank=in_rank_random.to(device),
+                num_tokens_per_expert=per_expert.to(device),
+                expert_alignment=rnd.alignment,
+                **kw,
+            )
+        )
     elif rnd.entry == "dispatch with layout":
         per_rank, _, per_exp, in_rank, _ = _wait(buffer.get_dispatch_layout(idx.to(device), num_experts, **mode))
         check("layout", per_exp.cpu().tolist() == [int((idx == e).sum()) for e in range(num_experts)])
-        out = _wait(buffer.dispatch(xd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                    num_tokens_per_expert=per_exp, topk_idx=idx.to(device), topk_weights=w.to(device),
-                                    expert_alignment=rnd.alignment, **opts, **_mode(buffer, rnd.mode)))
+        out = _wait(
+            buffer.dispatch(
+                xd,
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_exp,
+                topk_idx=idx.to(device),
+                topk_weights=w.to(device),
+                expert_alignment=rnd.alignment,
+                **opts,
+                **_mode(buffer, rnd.mode),
+            )
+        )
     else:
         worst = 0
         if rnd.entry == "num_worst_tokens":
-            most = max(sum(1 for src in range(world) for t in range(rnd.tokens[src]) if sent_to(src, t, d))
-                       for d in range(world))
+            most = max(
+                sum(1 for src in range(world) for t in range(rnd.tokens[src]) if sent_to(src, t, d))
+                for d in range(world)
+            )
             worst = most + rnd.seed % 5 + 1
-        out = _wait(buffer.dispatch(xd, topk_idx=idx.to(device), topk_weights=w.to(device), num_experts=num_experts,
-                                    expert_alignment=rnd.alignment, num_worst_tokens=worst, **kw))
+        out = _wait(
+            buffer.dispatch(
+                xd,
+                topk_idx=idx.to(device),
+                topk_weights=w.to(device),
+                num_experts=num_experts,
+                expert_alignment=rnd.alignment,
+                num_worst_tokens=worst,
+                **kw,
+            )
+        )
     recv_x, recv_idx, recv_w, counts, handle = out[:5]
     if not cached:
         state.handle, state.handle_round = handle, rnd
@@ -270,16 +339,22 @@ def _run(buffer: Buffer, rnd: Round, state: State, rank: int, world: int) -> lis
         summed = [sum(int(everyone[s][4][rank * local + le]) for s in range(world)) for le in range(local)]
         check("no top-k: counts", counts == [(c + rnd.alignment - 1) // rnd.alignment * rnd.alignment for c in summed])
     else:
-        want_idx = [[e - rank * local if e >= 0 and e // local == rank else -1 for e in everyone[s][1][t].tolist()]
-                    for s, t in rows]
+        want_idx = [
+            [e - rank * local if e >= 0 and e // local == rank else -1 for e in everyone[s][1][t].tolist()]
+            for s, t in rows
+        ]
         check("recv_topk_idx", recv_idx[:n_recv].cpu().tolist() == want_idx)
-        want_w = [[float(everyone[s][2][t, k]) if want_idx[i][k] >= 0 else 0.0 for k in range(rnd.topk)]
-                  for i, (s, t) in enumerate(rows)]
+        want_w = [
+            [float(everyone[s][2][t, k]) if want_idx[i][k] >= 0 else 0.0 for k in range(rnd.topk)]
+            for i, (s, t) in enumerate(rows)
+        ]
         check("recv_topk_weights", recv_w[:n_recv].cpu().tolist() == want_w)
         if rnd.entry != "num_worst_tokens":
             ref_counts = [sum(r_.count(le) for r_ in want_idx) for le in range(local)]
-            check("num_recv_tokens_per_expert_list",
-                  counts == [(c + rnd.alignment - 1) // rnd.alignment * rnd.alignment for c in ref_counts])
+            check(
+                "num_recv_tokens_per_expert_list",
+                counts == [(c + rnd.alignment - 1) // rnd.alignment * rnd.alignment for c in ref_counts],
+            )
         check("recv_src_idx", handle.recv_src_idx[:n_recv].cpu().tolist() == [t for _, t in rows])
     # combine: every token's copies (one per rank it went to), snapped to the grid, summed exactly
     rows_x = recv_x if not isinstance(recv_x, tuple) else fp8.dequantize(*recv_x)

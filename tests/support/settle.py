@@ -1,6 +1,7 @@
 """Wait for a Buffer's kernels and raise what they recorded: a kernel that timed out records the error and traps, so
 the wait fails with a bare CUDA error, and one that found ranks disagreeing leaves its outputs unwritten; a check must
 fail as the recorded error (naming the rank), not as either."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ Before any rank starts, :func:`pick_resume` checks every file of the checkpoint 
 back to the newest complete one before it that passes); a write that fails (a full disk) leaves no file that looks
 whole and raises one line naming the file.
 """
+
 from __future__ import annotations
 
 import errno
@@ -103,8 +104,10 @@ def verify(directory: str, key: str) -> dict[str, Any]:
     for rank in range(meta["world_size"]):
         path = rank_file(directory, rank)
         if not os.path.isfile(path):
-            raise DamagedCheckpoint(f"{key}: checkpoint {os.path.basename(directory)}: {path} is missing (the file "
-                                    f"of rank {rank}); remove {directory} to resume from the checkpoint before it")
+            raise DamagedCheckpoint(
+                f"{key}: checkpoint {os.path.basename(directory)}: {path} is missing (the file "
+                f"of rank {rank}); remove {directory} to resume from the checkpoint before it"
+            )
         try:
             with zipfile.ZipFile(path) as archive:
                 bad = archive.testzip()
@@ -127,8 +130,10 @@ def pick_resume(directory: str | None, key: str, fallback_key: str, fallback: bo
         return directory, None
     except DamagedCheckpoint as exc:
         if not fallback:
-            raise DamagedCheckpoint(f"{exc} ({fallback_key}: true resumes from the newest complete checkpoint "
-                                    "before it that passes instead)") from exc
+            raise DamagedCheckpoint(
+                f"{exc} ({fallback_key}: true resumes from the newest complete checkpoint "
+                "before it that passes instead)"
+            ) from exc
         skipped = [str(exc)]
     name = os.path.basename(os.path.normpath(directory))
     for older in reversed(complete_checkpoints(os.path.dirname(os.path.normpath(directory)))):
@@ -139,25 +144,33 @@ def pick_resume(directory: str | None, key: str, fallback_key: str, fallback: bo
         except DamagedCheckpoint as exc:
             skipped.append(str(exc))
             continue
-        return older, f"{fallback_key}: resuming from {older}, the newest complete checkpoint that passes the check; " \
-                      f"skipped: {' | '.join(skipped)}"
+        return (
+            older,
+            f"{fallback_key}: resuming from {older}, the newest complete checkpoint that passes the check; "
+            f"skipped: {' | '.join(skipped)}",
+        )
     raise DamagedCheckpoint(f"{skipped[0]}; {fallback_key}: no complete checkpoint before it passes the check")
 
 
 def _unreadable(key: str, directory: str, path: str, exc: BaseException) -> str:
     """The one-line error of a damaged file of the checkpoint ``directory``: never train from it."""
-    return (f"{key}: checkpoint {os.path.basename(directory)}: {path} is unreadable ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); remove {directory} to resume from the "
-            "checkpoint before it")
+    return (
+        f"{key}: checkpoint {os.path.basename(directory)}: {path} is unreadable ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); remove {directory} to resume from the "
+        "checkpoint before it"
+    )
 
 
-def check_matches(meta: dict[str, Any], directory: str, config: dict[str, Any], keys: Iterable[str],
-                  world: int, world_key: str) -> None:
+def check_matches(
+    meta: dict[str, Any], directory: str, config: dict[str, Any], keys: Iterable[str], world: int, world_key: str
+) -> None:
     """Raise ``ValueError`` naming the key when ``config`` (nested sections) differs from the checkpoint's in
     any of the dotted ``keys``, or the EP size does (expert shards cannot be re-split)."""
     if meta["world_size"] != world:
-        raise ValueError(f"{world_key}: the checkpoint {directory} was saved by {meta['world_size']} ranks, this run "
-                         f"has {world} (expert shards cannot be re-split)")
+        raise ValueError(
+            f"{world_key}: the checkpoint {directory} was saved by {meta['world_size']} ranks, this run "
+            f"has {world} (expert shards cannot be re-split)"
+        )
     for key in keys:
         saved, current = meta["config"], config
         for part in key.split("."):
@@ -179,8 +192,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(root: str, step: int, config: dict[str, Any], group: dist.ProcessGroup | None = None,
-         state: dict[str, Any] | None = None, write: Callable[[str], None] | None = None, keep: int = 0) -> str:
+def save(
+    root: str,
+    step: int,
+    config: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+    state: dict[str, Any] | None = None,
+    write: Callable[[str], None] | None = None,
+    keep: int = 0,
+) -> str:
     """Collective: this rank's ``state`` goes to its file (or ``write(directory)`` writes its part), then rank 0
     marks the checkpoint complete and keeps only the newest ``keep`` (0: all). Returns the directory."""
     group = group if group is not None else dist.group.WORLD

@@ -1,5 +1,6 @@
 """Progress lines of every recipe: when a step is logged, its ``step N/TOTAL | ... | ...`` line, and the token
 rate, time per step and time left since the last logged step."""
+
 from __future__ import annotations
 
 import time

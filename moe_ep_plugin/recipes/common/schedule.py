@@ -1,4 +1,5 @@
 """The learning-rate schedule of every recipe (the trainer, the Megatron-Core launcher, the DeepSpeed example)."""
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 Every error names the dotted key (``moe.num_experts: ...``): unknown sections and keys, wrong types, and the
 dataclasses' own checks. The trainer, the DeepSpeed example and the Megatron-Core launcher all read their YAML here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,7 +104,7 @@ def apply_overrides(raw: dict, overrides: typing.Iterable[str]) -> dict:
         for i, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"{'.'.join(parents[:i + 1])}: expected a mapping of keys, got {node!r}")
+                raise ValueError(f"{'.'.join(parents[: i + 1])}: expected a mapping of keys, got {node!r}")
         node[name] = _parse(text, f"override {item!r}")
     return raw
 

@@ -8,6 +8,7 @@ adds no auxiliary loss). ``autoep.comm_backend: deepep`` is served by this libra
 ``moe_ep_plugin.install_deep_ep()`` (the explicit opt-in that makes DeepSpeed's ``import deep_ep`` find
 ``moe_ep_plugin.deep_ep``); ``comm`` is AutoEP's own all-to-all, the baseline.
 """
+
 from __future__ import annotations
 
 import deepspeed
@@ -28,8 +29,10 @@ def verdict(comm: list[float], deepep: list[float]) -> tuple[bool, str]:
     """Whether ``deepep``'s per-step losses are within :data:`LOSS_TOLERANCE` of ``comm``'s, and the PASS/FAIL line."""
     diff = max(abs(a - b) for a, b in zip(comm, deepep, strict=True))
     ok = diff <= LOSS_TOLERANCE
-    return ok, (f"{'PASS' if ok else 'FAIL'}: autoep deepep (this library) vs comm: largest per-step loss difference "
-                f"{diff:.2e} over {len(comm)} steps, tolerance {LOSS_TOLERANCE:g} (different BF16 summation orders)")
+    return ok, (
+        f"{'PASS' if ok else 'FAIL'}: autoep deepep (this library) vs comm: largest per-step loss difference "
+        f"{diff:.2e} over {len(comm)} steps, tolerance {LOSS_TOLERANCE:g} (different BF16 summation orders)"
+    )
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
@@ -44,10 +47,17 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
             return logits, logits.new_zeros((), dtype=torch.float32)
 
     m = cfg.model
-    config = MixtralConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                           num_hidden_layers=m.num_layers, num_attention_heads=cfg.autoep.num_attention_heads,
-                           num_key_value_heads=cfg.autoep.num_attention_heads, num_local_experts=cfg.moe.num_experts,
-                           num_experts_per_tok=cfg.moe.k, max_position_embeddings=m.seq_len)
+    config = MixtralConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=cfg.autoep.num_attention_heads,
+        num_key_value_heads=cfg.autoep.num_attention_heads,
+        num_local_experts=cfg.moe.num_experts,
+        num_experts_per_tok=cfg.moe.k,
+        max_position_embeddings=m.seq_len,
+    )
     torch.manual_seed(cfg.train.seed)
     return TinyMixtral(config).to(cfg.train.torch_dtype())
 
@@ -55,18 +65,26 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
 def deepspeed_section(cfg: RunConfig) -> dict:
     """The ``expert_parallel`` section and the optimizer DeepSpeed builds (AutoEP shards the experts inside
     ``deepspeed.initialize``, after which a client optimizer would hold the replaced parameters)."""
-    return {"expert_parallel": {"enabled": True, "autoep_size": cfg.moe.ep_size, "preset_model": PRESET,
-                                "comm_backend": cfg.autoep.comm_backend,
-                                "use_grouped_mm": cfg.autoep.use_grouped_mm,
-                                "comm_max_tokens_per_rank": cfg.train.micro_batch_size * cfg.model.seq_len},
-            "optimizer": {"type": "AdamW", "params": {"lr": cfg.train.lr, "weight_decay": 0.0, "torch_adam": True}}}
+    return {
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": cfg.moe.ep_size,
+            "preset_model": PRESET,
+            "comm_backend": cfg.autoep.comm_backend,
+            "use_grouped_mm": cfg.autoep.use_grouped_mm,
+            "comm_max_tokens_per_rank": cfg.train.micro_batch_size * cfg.model.seq_len,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.train.lr, "weight_decay": 0.0, "torch_adam": True}},
+    }
 
 
 def _gloo_barrier(original):
     """``deepspeed.comm.barrier`` that drops ``device_ids=[None]`` (a CPU tensor's device index), which gloo
     rejects; every other call is passed on unchanged."""
+
     def barrier(*args, device_ids=None, **kwargs):
         return original(*args, device_ids=None if device_ids == [None] else device_ids, **kwargs)
+
     barrier.moe_ep_plugin_gloo = True
     return barrier
 

@@ -13,6 +13,7 @@ A file maps sections to keys::
 Missing keys take their defaults; an unknown section or key, a wrong type or an impossible combination raises
 ``ValueError`` starting with the dotted key (``moe.ep_size: ...``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,7 @@ class ModelConfig:
 
     vocab_size: int = 256
     hidden_size: int = 128
-    ffn_hidden_size: int = 256   # inner width of each expert's GELU MLP
+    ffn_hidden_size: int = 256  # inner width of each expert's GELU MLP
     num_layers: int = 2
     seq_len: int = 64
 
@@ -63,7 +64,7 @@ class MoEConfig(DeepSpeedOptions):
     noisy_gate_policy: str | None = None
     use_residual: bool = False
     top2_2nd_expert_sampling: bool = True
-    aux_loss_coeff: float = 0.01     # loss += coeff * sum of the layers' l_aux
+    aux_loss_coeff: float = 0.01  # loss += coeff * sum of the layers' l_aux
 
     def plugin_options(self) -> DeepSpeedOptions:
         return DeepSpeedOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DeepSpeedOptions)})
@@ -71,8 +72,9 @@ class MoEConfig(DeepSpeedOptions):
     def stock(self) -> MoEConfig:
         """The same DeepSpeed arguments with the plugin's options at their defaults (for dispatcher: deepspeed)."""
         defaults = DeepSpeedOptions()
-        return dataclasses.replace(self, **{f.name: getattr(defaults, f.name)
-                                            for f in dataclasses.fields(DeepSpeedOptions)})
+        return dataclasses.replace(
+            self, **{f.name: getattr(defaults, f.name) for f in dataclasses.fields(DeepSpeedOptions)}
+        )
 
 
 @dataclass
@@ -80,36 +82,43 @@ class AutoEPConfig:
     """``dispatcher: autoep``: DeepSpeed's ``expert_parallel`` section (``enabled``, ``autoep_size`` = ``moe.ep_size``,
     ``preset_model: mixtral``, ``comm_max_tokens_per_rank`` = the tokens of a micro-batch are set by the example)."""
 
-    comm_backend: str = "deepep"   # deepep: DeepEP's API served by moe_ep_plugin | comm: AutoEP's own all-to-all
-    use_grouped_mm: bool = False   # AutoEP's experts as torch._grouped_mm (else its per-expert loop)
-    num_attention_heads: int = 4   # the Mixtral's attention heads (key/value heads alike)
+    comm_backend: str = "deepep"  # deepep: DeepEP's API served by moe_ep_plugin | comm: AutoEP's own all-to-all
+    use_grouped_mm: bool = False  # AutoEP's experts as torch._grouped_mm (else its per-expert loop)
+    num_attention_heads: int = 4  # the Mixtral's attention heads (key/value heads alike)
 
 
 # DeepSpeed MoE layer arguments AutoEP's Mixtral blocks do not take (dropless top-k softmax routing, no aux loss)
-_AUTOEP_REFUSED_MOE = {"capacity_factor": "capacity", "eval_capacity_factor": "capacity",
-                       "min_capacity": "capacity", "drop_tokens": "token dropping",
-                       "noisy_gate_policy": "noisy gating", "use_residual": "residual MoE",
-                       "use_rts": "random token selection", "top2_2nd_expert_sampling": "second-expert sampling"}
+_AUTOEP_REFUSED_MOE = {
+    "capacity_factor": "capacity",
+    "eval_capacity_factor": "capacity",
+    "min_capacity": "capacity",
+    "drop_tokens": "token dropping",
+    "noisy_gate_policy": "noisy gating",
+    "use_residual": "residual MoE",
+    "use_rts": "random token selection",
+    "top2_2nd_expert_sampling": "second-expert sampling",
+}
 
 
 @dataclass
 class TrainConfig:
     steps: int = 30
-    micro_batch_size: int = 8          # sequences per rank per step
-    lr: float = 3e-3                   # peak learning rate (AdamW)
-    min_lr: float | None = None     # cosine decay to this at train.steps; null = lr (constant after warm-up)
-    lr_warmup_steps: int = 0           # linear warm-up steps (recipes.common.schedule, as every recipe)
+    micro_batch_size: int = 8  # sequences per rank per step
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    min_lr: float | None = None  # cosine decay to this at train.steps; null = lr (constant after warm-up)
+    lr_warmup_steps: int = 0  # linear warm-up steps (recipes.common.schedule, as every recipe)
     seed: int = 1234
-    dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     log_interval: int = 10
-    warmup_steps: int = 5              # steps left out of the step-time median
-    nprocs: int = 2                    # ranks to spawn when not started by torchrun
+    warmup_steps: int = 5  # steps left out of the step-time median
+    nprocs: int = 2  # ranks to spawn when not started by torchrun
     checkpoint_dir: str | None = None  # save a DeepSpeed checkpoint here at the end (step_NNNNNNN/, COMPLETE)
 
     def lr_at(self, step: int) -> float:
         """The shared schedule's LR of 0-based ``step``."""
-        return schedule.lr_at(step, self.lr, self.lr if self.min_lr is None else self.min_lr, self.lr_warmup_steps,
-                              self.steps)
+        return schedule.lr_at(
+            step, self.lr, self.lr if self.min_lr is None else self.min_lr, self.lr_warmup_steps, self.steps
+        )
 
     def torch_dtype(self) -> torch.dtype:
         """The activation dtype: ``auto`` is BF16 when CUDA is available, else FP32."""
@@ -129,10 +138,15 @@ class RunConfig:
 
 
 # keys of the DeepSpeed config the train section owns
-_OWNED_DS_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "train_batch_size":
-                  "train.micro_batch_size", "gradient_accumulation_steps": "train.micro_batch_size",
-                  "bf16": "train.dtype", "fp16": "train.dtype", "optimizer": "train.lr (a torch AdamW is used)",
-                  "expert_parallel": "dispatcher: autoep and the autoep section"}
+_OWNED_DS_KEYS = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.micro_batch_size",
+    "bf16": "train.dtype",
+    "fp16": "train.dtype",
+    "optimizer": "train.lr (a torch AdamW is used)",
+    "expert_parallel": "dispatcher: autoep and the autoep section",
+}
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
@@ -148,8 +162,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     m = cfg.moe
     _validate_moe_values(m)
     if m.fp8_dispatch and cfg.model.hidden_size % fp8.BLOCK:
-        raise ValueError(f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, "
-                         f"got {cfg.model.hidden_size}")
+        raise ValueError(
+            f"model.hidden_size: moe.fp8_dispatch needs a multiple of {fp8.BLOCK}, got {cfg.model.hidden_size}"
+        )
     options = m.plugin_options()
     try:  # the layer's own checks, before any rank starts
         check_moe_args(cfg.model.hidden_size, m.num_experts, m.ep_size, m.k, m.drop_tokens, False, False, options)
@@ -158,23 +173,30 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     ranks = world_size if world_size is not None else cfg.train.nprocs
     if ranks % m.ep_size:
         raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks")
-    changed = [f.name for f in dataclasses.fields(DeepSpeedOptions)
-               if (f.name != "transport" or cfg.dispatcher == "autoep")
-               and getattr(options, f.name) != getattr(DeepSpeedOptions(), f.name)]
+    changed = [
+        f.name
+        for f in dataclasses.fields(DeepSpeedOptions)
+        if (f.name != "transport" or cfg.dispatcher == "autoep")
+        and getattr(options, f.name) != getattr(DeepSpeedOptions(), f.name)
+    ]
     if cfg.dispatcher != "plugin" and changed:
         raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
     if cfg.dispatcher == "autoep":
         _validate_autoep(cfg)
     if not cfg.train.lr > 0 or cfg.train.lr_warmup_steps < 0:
-        raise ValueError(f"train.lr: expected > 0 with train.lr_warmup_steps >= 0, got {cfg.train.lr} and "
-                         f"{cfg.train.lr_warmup_steps}")
+        raise ValueError(
+            f"train.lr: expected > 0 with train.lr_warmup_steps >= 0, got {cfg.train.lr} and "
+            f"{cfg.train.lr_warmup_steps}"
+        )
     if cfg.train.min_lr is not None and not 0 <= cfg.train.min_lr <= cfg.train.lr:
         raise ValueError(f"train.min_lr: expected 0 <= min_lr <= train.lr={cfg.train.lr}, got {cfg.train.min_lr}")
     if cfg.train.dtype not in DTYPES:
         raise ValueError(f"train.dtype: expected one of {DTYPES}, got {cfg.train.dtype!r}")
     if m.fp8_dispatch and cfg.train.torch_dtype() != torch.bfloat16:
-        raise ValueError(f"train.dtype: moe.fp8_dispatch quantizes BF16 activations; '{cfg.train.dtype}' gives "
-                         f"{cfg.train.torch_dtype()} here (use bfloat16)")
+        raise ValueError(
+            f"train.dtype: moe.fp8_dispatch quantizes BF16 activations; '{cfg.train.dtype}' gives "
+            f"{cfg.train.torch_dtype()} here (use bfloat16)"
+        )
     if not isinstance(cfg.deepspeed, dict):
         raise ValueError(f"deepspeed: expected a mapping (DeepSpeed's JSON config), got {type(cfg.deepspeed).__name__}")
     for key, owner in _OWNED_DS_KEYS.items():
@@ -185,8 +207,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         raise ValueError(f"deepspeed.zero_optimization: expected a mapping such as {{stage: 2}}, got {zero!r}")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
-        raise ValueError("deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, "
-                         f"got {stage}")
+        raise ValueError(
+            f"deepspeed.zero_optimization.stage: DeepSpeed MoE layers run with ZeRO 0, 1 or 2, got {stage}"
+        )
     if cfg.train.checkpoint_dir:
         checkpoint.check_writable(cfg.train.checkpoint_dir, "train.checkpoint_dir")
     return cfg
@@ -209,31 +232,42 @@ def _validate_autoep(cfg: RunConfig) -> None:
     """What ``dispatcher: autoep`` can run: AutoEP's backends, the Mixtral's shape, the dtype DeepEP's API takes."""
     a = cfg.autoep
     if a.comm_backend not in AUTOEP_BACKENDS:
-        raise ValueError(f"autoep.comm_backend: expected one of {AUTOEP_BACKENDS} (deepep: served by moe_ep_plugin, "
-                         f"comm: AutoEP's all-to-all), got {a.comm_backend!r}")
+        raise ValueError(
+            f"autoep.comm_backend: expected one of {AUTOEP_BACKENDS} (deepep: served by moe_ep_plugin, "
+            f"comm: AutoEP's all-to-all), got {a.comm_backend!r}"
+        )
     positive_int(a.num_attention_heads, "autoep.num_attention_heads")
     if cfg.model.hidden_size % a.num_attention_heads:
-        raise ValueError(f"autoep.num_attention_heads: {a.num_attention_heads} does not divide model.hidden_size="
-                         f"{cfg.model.hidden_size}")
+        raise ValueError(
+            f"autoep.num_attention_heads: {a.num_attention_heads} does not divide model.hidden_size="
+            f"{cfg.model.hidden_size}"
+        )
     defaults = MoEConfig()
     for key, what in _AUTOEP_REFUSED_MOE.items():
         if getattr(cfg.moe, key) != getattr(defaults, key):
-            raise ValueError(f"moe.{key}: AutoEP's Mixtral blocks have no {what}; leave it out with "
-                             f"dispatcher: autoep")
+            raise ValueError(f"moe.{key}: AutoEP's Mixtral blocks have no {what}; leave it out with dispatcher: autoep")
     if cfg.moe.aux_loss_coeff:
-        raise ValueError("moe.aux_loss_coeff: AutoEP's Mixtral blocks add no auxiliary loss (DeepSpeed refuses "
-                         "load_balance_coeff); set 0 with dispatcher: autoep")
+        raise ValueError(
+            "moe.aux_loss_coeff: AutoEP's Mixtral blocks add no auxiliary loss (DeepSpeed refuses "
+            "load_balance_coeff); set 0 with dispatcher: autoep"
+        )
     if a.comm_backend == "deepep":
         if cfg.train.torch_dtype() != torch.bfloat16:
-            raise ValueError(f"train.dtype: autoep.comm_backend 'deepep' dispatches bfloat16 only (DeepSpeed checks); "
-                             f"'{cfg.train.dtype}' gives {cfg.train.torch_dtype()} here (use bfloat16)")
+            raise ValueError(
+                f"train.dtype: autoep.comm_backend 'deepep' dispatches bfloat16 only (DeepSpeed checks); "
+                f"'{cfg.train.dtype}' gives {cfg.train.torch_dtype()} here (use bfloat16)"
+            )
         origin = real_deep_ep_origin()
         if origin is not None:
-            raise ValueError(f"autoep.comm_backend: 'deepep' is served by moe_ep_plugin through install_deep_ep(), "
-                             f"which does not shadow the real deep_ep importable at {origin}")
+            raise ValueError(
+                f"autoep.comm_backend: 'deepep' is served by moe_ep_plugin through install_deep_ep(), "
+                f"which does not shadow the real deep_ep importable at {origin}"
+            )
     if importlib.util.find_spec("transformers") is None:
-        raise ValueError("dispatcher: 'autoep' needs transformers (AutoEP replaces Hugging Face MoE blocks; the "
-                         f"example builds a tiny Mixtral): pip install '{autoep_requirements()[1]}'")
+        raise ValueError(
+            "dispatcher: 'autoep' needs transformers (AutoEP replaces Hugging Face MoE blocks; the "
+            f"example builds a tiny Mixtral): pip install '{autoep_requirements()[1]}'"
+        )
     try:
         check_autoep_versions()
     except RuntimeError as exc:
@@ -245,12 +279,15 @@ def compare_configs(cfg: RunConfig, world_size: int | None = None) -> dict[str, 
     the plugin's layer; with ``dispatcher: autoep``, AutoEP's ``comm`` backend vs its ``deepep`` one on this
     library."""
     if cfg.dispatcher == "autoep":
-        runs = {f"autoep {backend}": dataclasses.replace(cfg, autoep=dataclasses.replace(cfg.autoep,
-                                                                                         comm_backend=backend))
-                for backend in ("comm", "deepep")}
+        runs = {
+            f"autoep {backend}": dataclasses.replace(cfg, autoep=dataclasses.replace(cfg.autoep, comm_backend=backend))
+            for backend in ("comm", "deepep")
+        }
     else:
-        runs = {"deepspeed": dataclasses.replace(cfg, dispatcher="deepspeed", moe=cfg.moe.stock()),
-                "plugin": dataclasses.replace(cfg, dispatcher="plugin")}
+        runs = {
+            "deepspeed": dataclasses.replace(cfg, dispatcher="deepspeed", moe=cfg.moe.stock()),
+            "plugin": dataclasses.replace(cfg, dispatcher="plugin"),
+        }
     return {name: validate(run, world_size) for name, run in runs.items()}
 
 
@@ -264,9 +301,11 @@ def parse_config(data: Any, world_size: int | None = None) -> RunConfig:
     check_sections(data, ("dispatcher", *sections, "deepspeed"))
     if "autoep" in data and data.get("dispatcher", "plugin") != "autoep":
         raise ValueError("autoep: this section is read with dispatcher: autoep only")
-    cfg = RunConfig(dispatcher=data.get("dispatcher", "plugin"),
-                    deepspeed=data.get("deepspeed", RunConfig().deepspeed),
-                    **{name: build_section(name, cls, data.get(name)) for name, cls in sections.items()})
+    cfg = RunConfig(
+        dispatcher=data.get("dispatcher", "plugin"),
+        deepspeed=data.get("deepspeed", RunConfig().deepspeed),
+        **{name: build_section(name, cls, data.get(name)) for name, cls in sections.items()},
+    )
     return validate(cfg, world_size)
 
 

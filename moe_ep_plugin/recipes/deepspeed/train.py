@@ -9,6 +9,7 @@ from ln(vocab) within a few dozen steps. The optimizer is a plain ``torch.optim.
 parameter groups, and on CPU DeepSpeed's shared-memory allreduce op is switched off (:func:`init_deepspeed_comm`):
 no DeepSpeed op is compiled, on CPU or GPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,10 +81,21 @@ def build_moe(cfg: RunConfig) -> torch.nn.Module:
     """One MoE layer of the configured dispatcher, constructed with DeepSpeed's argument names."""
     m = cfg.moe
     expert = ExpertMLP(cfg.model.hidden_size, cfg.model.ffn_hidden_size)
-    args = dict(hidden_size=cfg.model.hidden_size, expert=expert, num_experts=m.num_experts, ep_size=m.ep_size,
-                k=m.k, capacity_factor=m.capacity_factor, eval_capacity_factor=m.eval_capacity_factor,
-                min_capacity=m.min_capacity, use_residual=m.use_residual, noisy_gate_policy=m.noisy_gate_policy,
-                drop_tokens=m.drop_tokens, use_rts=m.use_rts, top2_2nd_expert_sampling=m.top2_2nd_expert_sampling)
+    args = dict(
+        hidden_size=cfg.model.hidden_size,
+        expert=expert,
+        num_experts=m.num_experts,
+        ep_size=m.ep_size,
+        k=m.k,
+        capacity_factor=m.capacity_factor,
+        eval_capacity_factor=m.eval_capacity_factor,
+        min_capacity=m.min_capacity,
+        use_residual=m.use_residual,
+        noisy_gate_policy=m.noisy_gate_policy,
+        drop_tokens=m.drop_tokens,
+        use_rts=m.use_rts,
+        top2_2nd_expert_sampling=m.top2_2nd_expert_sampling,
+    )
     if cfg.dispatcher == "deepspeed":
         return deepspeed.moe.layer.MoE(**args)
     return MoE(**args, **dataclasses.asdict(m.plugin_options()))
@@ -132,11 +144,13 @@ def initialize(model: torch.nn.Module, cfg: RunConfig) -> deepspeed.DeepSpeedEng
     """``deepspeed.initialize`` with AdamW over DeepSpeed's MoE parameter groups (AutoEP: DeepSpeed's AdamW, built
     after AutoEP has sharded the experts)."""
     if cfg.dispatcher == "autoep":
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=deepspeed_config(cfg))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=deepspeed_config(cfg)
+        )
         return engine
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"})
+        {"params": list(model.parameters()), "name": "parameters"}
+    )
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
     return engine
@@ -170,18 +184,19 @@ def _sync(device: torch.device) -> None:
 class TrainResult:
     """What one training run measured."""
 
-    losses: list[float]          # per step, averaged over all ranks
-    step_times_s: list[float]    # per step, slowest rank
-    tokens_per_step: int         # over all ranks
-    transport: str = ""          # what moved the tokens
+    losses: list[float]  # per step, averaged over all ranks
+    step_times_s: list[float]  # per step, slowest rank
+    tokens_per_step: int  # over all ranks
+    transport: str = ""  # what moved the tokens
 
     def median_step_s(self, warmup: int) -> float:
         times = self.step_times_s[warmup:] or self.step_times_s
         return statistics.median(times)
 
 
-def train_steps(engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: int, num_steps: int,
-                log: bool = False) -> TrainResult:
+def train_steps(
+    engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: int, num_steps: int, log: bool = False
+) -> TrainResult:
     """Run steps ``first_step ..`` of the synthetic task; losses are all-rank means, times the slowest rank's."""
     device = engine.device
     losses, times = [], []
@@ -205,11 +220,24 @@ def train_steps(engine: deepspeed.DeepSpeedEngine, cfg: RunConfig, first_step: i
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         losses.append(float(stats[0]) / dist.get_world_size())
         times.append(float(elapsed[0]))
-        if log and dist.get_rank() == 0 and progress.due(step + 1, first_step + num_steps, cfg.train.log_interval,
-                                                         first_step):
-            print(progress.line(step + 1, first_step + num_steps, [
-                f"loss {losses[-1]:.4f}", f"lr {cfg.train.lr_at(step):.2e}", f"{1e3 * times[-1]:.2f} ms/step",
-                f"dispatcher {cfg.dispatcher}"]), flush=True)
+        if (
+            log
+            and dist.get_rank() == 0
+            and progress.due(step + 1, first_step + num_steps, cfg.train.log_interval, first_step)
+        ):
+            print(
+                progress.line(
+                    step + 1,
+                    first_step + num_steps,
+                    [
+                        f"loss {losses[-1]:.4f}",
+                        f"lr {cfg.train.lr_at(step):.2e}",
+                        f"{1e3 * times[-1]:.2f} ms/step",
+                        f"dispatcher {cfg.dispatcher}",
+                    ],
+                ),
+                flush=True,
+            )
     tokens = cfg.train.micro_batch_size * cfg.model.seq_len * dist.get_world_size()
     return TrainResult(losses, times, tokens)
 
@@ -222,9 +250,12 @@ def train(cfg: RunConfig) -> TrainResult:
     result = train_steps(engine, cfg, 0, cfg.train.steps, log=True)
     result.transport = _transport(cfg)
     if cfg.train.checkpoint_dir:
-        checkpoint.save(cfg.train.checkpoint_dir, cfg.train.steps, dataclasses.asdict(cfg),
-                        write=lambda directory: engine.save_checkpoint(os.path.dirname(directory),
-                                                                       tag=os.path.basename(directory)))
+        checkpoint.save(
+            cfg.train.checkpoint_dir,
+            cfg.train.steps,
+            dataclasses.asdict(cfg),
+            write=lambda directory: engine.save_checkpoint(os.path.dirname(directory), tag=os.path.basename(directory)),
+        )
     engine.destroy()  # release the optimizer's state before the next engine or the end of the process group
     return result
 
@@ -235,8 +266,11 @@ def _transport(cfg: RunConfig) -> str:
         return "padded all_to_all"
     if cfg.dispatcher == "autoep":
         # the package DeepSpeed's ``import deep_ep`` found (the table says whether this library served it)
-        return "all_to_all" if cfg.autoep.comm_backend == "comm" else \
-            f"deep_ep={sys.modules['deep_ep'].__name__.split('.')[0]}"
+        return (
+            "all_to_all"
+            if cfg.autoep.comm_backend == "comm"
+            else f"deep_ep={sys.modules['deep_ep'].__name__.split('.')[0]}"
+        )
     return "+".join(cached_transports()) + (" fp8" if cfg.moe.fp8_dispatch else "")
 
 
@@ -261,15 +295,19 @@ def format_table(cfg: RunConfig, results: dict[str, TrainResult]) -> str:
     """Step time (median after ``train.warmup_steps``), throughput, speed-up over the first row, losses."""
     w = cfg.train.warmup_steps
     base = next(iter(results.values())).median_step_s(w)
-    lines = [f"world {dist.get_world_size()}, EP {cfg.moe.ep_size}, E {cfg.moe.num_experts}, k {cfg.moe.k}, "
-             f"H {cfg.model.hidden_size}, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
-             f"{cfg.train.torch_dtype()}, median over steps {w}..{cfg.train.steps - 1}",
-             f"{'dispatcher':<14}{'transport':<23}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
-             f"{'last loss':>11}"]
+    lines = [
+        f"world {dist.get_world_size()}, EP {cfg.moe.ep_size}, E {cfg.moe.num_experts}, k {cfg.moe.k}, "
+        f"H {cfg.model.hidden_size}, tokens/rank/step {cfg.train.micro_batch_size * cfg.model.seq_len}, "
+        f"{cfg.train.torch_dtype()}, median over steps {w}..{cfg.train.steps - 1}",
+        f"{'dispatcher':<14}{'transport':<23}{'step ms':>10}{'tokens/s':>12}{'speedup':>9}{'first loss':>12}"
+        f"{'last loss':>11}",
+    ]
     for name, r in results.items():
         t = r.median_step_s(w)
-        lines.append(f"{name:<14}{r.transport:<23}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
-                     f"{r.losses[0]:>12.4f}{r.losses[-1]:>11.4f}")
+        lines.append(
+            f"{name:<14}{r.transport:<23}{1e3 * t:>10.2f}{r.tokens_per_step / t:>12.0f}{base / t:>8.2f}x"
+            f"{r.losses[0]:>12.4f}{r.losses[-1]:>11.4f}"
+        )
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ gradients (parameters with ``allreduce=False``) are summed over the expert-data-
 same data-parallel size, since every rank's tokens already reached them through dispatch. One pipeline stage
 (``pipeline_model_parallel_size: 1``): Megatron's pipeline schedules allocate on CUDA unconditionally.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ from ..common.yaml_sections import config_error, read_yaml
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-ep-pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="pretraining YAML (see configs/megatron_*.yaml)")
-    p.add_argument("--nprocs", type=int, default=None,
-                   help="ranks to start when not under torchrun (default: TP x PP x EP of the YAML)")
+    p.add_argument(
+        "--nprocs",
+        type=int,
+        default=None,
+        help="ranks to start when not under torchrun (default: TP x PP x EP of the YAML)",
+    )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--save-dir", default=None, help="override train.save_dir")
     return p
@@ -51,7 +56,7 @@ def _flat_all_reduce(grads: list[torch.Tensor], group: Any) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -59,10 +64,12 @@ def reduce_gradients(model: torch.nn.Module) -> None:
     """Megatron's data-parallel gradient reduction (see module docstring), plus the sequence-parallel
     all-reduce of replicated (norm) weights over the TP group."""
     from megatron.core import parallel_state as ps
+
     params = [p for p in model.parameters() if p.grad is not None]
     if ps.get_tensor_model_parallel_world_size() > 1:
-        _flat_all_reduce([p.grad for p in params if getattr(p, "sequence_parallel", False)],
-                         ps.get_tensor_model_parallel_group())
+        _flat_all_reduce(
+            [p.grad for p in params if getattr(p, "sequence_parallel", False)], ps.get_tensor_model_parallel_group()
+        )
     dense = [p.grad for p in params if getattr(p, "allreduce", True)]
     expert = [p.grad for p in params if not getattr(p, "allreduce", True)]
     _flat_all_reduce(dense, ps.get_data_parallel_group())
@@ -76,6 +83,7 @@ def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """L2 norm of the whole model's gradient: TP-split tensors summed over TP, expert tensors over expert TP x EP
     (a tensor replicated over a TP group counted once), so every rank gets the same norm and clip factor."""
     from megatron.core import parallel_state as ps
+
     device = next(model.parameters()).device
     dense_sq = torch.zeros((), dtype=torch.float32, device=device)
     expert_sq = torch.zeros((), dtype=torch.float32, device=device)
@@ -101,20 +109,32 @@ def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
     from .model import moe_routers
+
     for router in moe_routers(model):
         if router.enable_expert_bias:
             with torch.no_grad():
-                router.expert_bias.copy_(get_updated_expert_bias(router.local_tokens_per_expert, router.expert_bias,
-                                                                 rate))
+                router.expert_bias.copy_(
+                    get_updated_expert_bias(router.local_tokens_per_expert, router.expert_bias, rate)
+                )
                 router.local_tokens_per_expert.zero_()
 
 
-def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    config: dict[str, Any]) -> None:
+def save_checkpoint(
+    directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]
+) -> None:
     """Collective: every rank writes its own shard; rank 0 then marks the step complete
     (``recipes.common.checkpoint``)."""
-    checkpoint.save(directory, step, config, state={"step": step, "model": model.state_dict(),
-                                                    "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
+    checkpoint.save(
+        directory,
+        step,
+        config,
+        state={
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": checkpoint.rng_state(),
+        },
+    )
 
 
 def resume_checkpoint(train: Any, world: int, world_key: str) -> str | None:
@@ -123,8 +143,9 @@ def resume_checkpoint(train: Any, world: int, world_key: str) -> str | None:
     damaged one, printed); None when there is none. Raises ``ValueError`` naming the key and the file."""
     root = train.load_dir or train.save_dir
     key = "train.load_dir" if train.load_dir else "train.save_dir"
-    found, note = checkpoint.pick_resume(checkpoint.newest(root) if root else None, key, "train.resume_fallback",
-                                         train.resume_fallback)
+    found, note = checkpoint.pick_resume(
+        checkpoint.newest(root) if root else None, key, "train.resume_fallback", train.resume_fallback
+    )
     if note is not None:
         print(f"moe-ep-pretrain: {note}", flush=True)
     if found is not None:
@@ -144,14 +165,17 @@ def load_checkpoint(found: str, model: torch.nn.Module, optimizer: torch.optim.O
 def _optimizer(model: torch.nn.Module, train: Any) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=(train.adam_beta1, train.adam_beta2),
+    )
 
 
 def _lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch (``inputs``/``targets`` ``[B, S]``)."""
     from ...megatron.host import cuda_device_is_host
+
     seq = inputs.shape[1]
     positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=inputs.device), 1)[None, None]
@@ -173,28 +197,38 @@ def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
     train, par = cfg.train, cfg.parallel
     saved_config = {"yaml": read_yaml(path), "overrides": overrides}
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    ps.initialize_model_parallel(par.get("tensor_model_parallel_size", 1), 1,
-                                 expert_model_parallel_size=par.get("expert_model_parallel_size", 1),
-                                 expert_tensor_parallel_size=par.get("expert_tensor_parallel_size"))
+    ps.initialize_model_parallel(
+        par.get("tensor_model_parallel_size", 1),
+        1,
+        expert_model_parallel_size=par.get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=par.get("expert_tensor_parallel_size"),
+    )
     seed_model_parallel_rng(train.seed)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     num_micro = train.global_batch_size // (train.micro_batch_size * dp)
     model = build_gpt_model(cfg, device)
     optimizer = _optimizer(model, train)
-    data = TokenWindows(load_tokens(cfg.data.path, cfg.gpt.vocab_size), train.seq_length, cfg.data.eval_fraction,
-                        cfg.data.seed)
+    data = TokenWindows(
+        load_tokens(cfg.data.path, cfg.gpt.vocab_size), train.seq_length, cfg.data.eval_fraction, cfg.data.seed
+    )
     start = load_checkpoint(resume, model, optimizer) if resume is not None else 0
     is_logger = dist.get_rank() == 0
     num_params = sum(p.numel() for p in model.parameters())
     if is_logger:
-        print(f"moe-ep-pretrain: world {dist.get_world_size()} (TP {ps.get_tensor_model_parallel_world_size()}, EP "
-              f"{ps.get_expert_model_parallel_world_size()}, DP {dp}), dispatcher "
-              f"{cfg.transformer.moe_token_dispatcher_type}, {num_params / 1e6:.2f}M params on rank 0, "
-              f"{num_micro} micro-batches/step, device {device.type}, from step {start}", flush=True)
+        print(
+            f"moe-ep-pretrain: world {dist.get_world_size()} (TP {ps.get_tensor_model_parallel_world_size()}, EP "
+            f"{ps.get_expert_model_parallel_world_size()}, DP {dp}), dispatcher "
+            f"{cfg.transformer.moe_token_dispatcher_type}, {num_params / 1e6:.2f}M params on rank 0, "
+            f"{num_micro} micro-batches/step, device {device.type}, from step {start}",
+            flush=True,
+        )
     if train.save_dir:
         os.makedirs(train.save_dir, exist_ok=True)
-    metrics = open(os.path.join(train.save_dir, "metrics.jsonl"), "a", encoding="utf-8") if (
-        is_logger and train.save_dir) else None
+    metrics = (
+        open(os.path.join(train.save_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        if (is_logger and train.save_dir)
+        else None
+    )
     model.train()
     rate, first_loss = progress.TokenRate(train.global_batch_size * train.seq_length, start), None
     for step in range(start, train.steps):
@@ -222,13 +256,25 @@ def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
         first_loss = step_loss if first_loss is None else first_loss
         done = step + 1
         if is_logger and progress.due(done, train.steps, train.log_interval, start):
-            print(progress.line(done, train.steps, [f"loss {step_loss:.4f}", f"lr {_lr(step, train):.2e}",
-                                                    f"grad norm {float(grad_norm):.3f}",
-                                                    f"{rate.mark(done):,.0f} tok/s", *rate.pace(train.steps)]),
-                  flush=True)
+            print(
+                progress.line(
+                    done,
+                    train.steps,
+                    [
+                        f"loss {step_loss:.4f}",
+                        f"lr {_lr(step, train):.2e}",
+                        f"grad norm {float(grad_norm):.3f}",
+                        f"{rate.mark(done):,.0f} tok/s",
+                        *rate.pace(train.steps),
+                    ],
+                ),
+                flush=True,
+            )
         if metrics is not None:
-            metrics.write(json.dumps({"step": done, "loss": step_loss, "lr": _lr(step, train),
-                                      "grad_norm": float(grad_norm)}) + "\n")
+            metrics.write(
+                json.dumps({"step": done, "loss": step_loss, "lr": _lr(step, train), "grad_norm": float(grad_norm)})
+                + "\n"
+            )
             metrics.flush()
         if train.save_dir and train.save_interval and done % train.save_interval == 0:
             save_checkpoint(train.save_dir, done, model, optimizer, saved_config)
@@ -241,8 +287,10 @@ def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
             eval_loss = _lm_loss(model, inputs, targets)
         dist.all_reduce(eval_loss, group=ps.get_data_parallel_group())
         if is_logger:
-            print(f"done: first loss {first_loss:.4f}, last loss {step_loss:.4f}, eval loss "
-                  f"{float(eval_loss) / dp:.4f}", flush=True)
+            print(
+                f"done: first loss {first_loss:.4f}, last loss {step_loss:.4f}, eval loss {float(eval_loss) / dp:.4f}",
+                flush=True,
+            )
     if is_logger and start >= train.steps:
         print(f"nothing to train: the checkpoint is at step {start} of {train.steps}", flush=True)
     if metrics is not None:
@@ -259,17 +307,22 @@ def check_world(cfg: Any, world: int, world_key: str) -> None:
     if world < 1 or world % tp:
         raise ValueError(f"{world_key}: {world} ranks are not a multiple of parallel.tensor_model_parallel_size={tp}")
     if world % (ep * etp):
-        raise ValueError(f"{world_key}: {world} ranks are not a multiple of parallel.expert_model_parallel_size x "
-                         f"expert_tensor_parallel_size = {ep * etp}")
+        raise ValueError(
+            f"{world_key}: {world} ranks are not a multiple of parallel.expert_model_parallel_size x "
+            f"expert_tensor_parallel_size = {ep * etp}"
+        )
     dp = world // tp
     if train.global_batch_size % (train.micro_batch_size * dp):
-        raise ValueError(f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
-                         f"train.micro_batch_size x data-parallel size = {train.micro_batch_size} x {dp}")
+        raise ValueError(
+            f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x data-parallel size = {train.micro_batch_size} x {dp}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .yaml_config import load_pretrain_config
+
     overrides: dict[str, Any] = {}
     if args.steps is not None:
         overrides["steps"] = args.steps
@@ -284,20 +337,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launch.under_torchrun():
             nprocs, world_key = int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
         else:
-            nprocs = args.nprocs or (par.get("tensor_model_parallel_size", 1)
-                                     * par.get("expert_model_parallel_size", 1))
+            nprocs = args.nprocs or (
+                par.get("tensor_model_parallel_size", 1) * par.get("expert_model_parallel_size", 1)
+            )
             world_key = "--nprocs" if args.nprocs else "parallel (TP x EP)"
         check_world(cfg, nprocs, world_key)
         if cfg.train.save_dir:
             checkpoint.check_writable(cfg.train.save_dir, "--save-dir" if args.save_dir else "train.save_dir")
-        TokenWindows(load_tokens(cfg.data.path, cfg.gpt.vocab_size), cfg.train.seq_length, cfg.data.eval_fraction,
-                     cfg.data.seed, "train.seq_length")
+        TokenWindows(
+            load_tokens(cfg.data.path, cfg.gpt.vocab_size),
+            cfg.train.seq_length,
+            cfg.data.eval_fraction,
+            cfg.data.seed,
+            "train.seq_length",
+        )
         resume = resume_checkpoint(cfg.train, nprocs, world_key)
     except (TypeError, ValueError) as exc:
         return config_error("moe-ep-pretrain", exc)
     timeout_s = cfg.plugin.timeout_s if cfg.plugin is not None else DEFAULT_TIMEOUT_S
-    return launch.run_ranks("moe-ep-pretrain", _run, nprocs, (os.path.abspath(args.config), overrides, resume),
-                            timeout_s=timeout_s)
+    return launch.run_ranks(
+        "moe-ep-pretrain", _run, nprocs, (os.path.abspath(args.config), overrides, resume), timeout_s=timeout_s
+    )
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

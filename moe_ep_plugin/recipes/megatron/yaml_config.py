@@ -16,6 +16,7 @@ names it:
 - ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
 - ``train``, ``data``: the launcher's own options (:class:`TrainOptions`, :class:`DataOptions`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,13 +28,25 @@ import torch
 from ...megatron.options import PLUGIN_DISPATCHER_TYPE, PluginOptions, set_plugin_options
 from ..common.yaml_sections import build_section, check_sections, coerce, optional_inner, read_yaml
 
-PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                 "expert_tensor_parallel_size", "sequence_parallel")
+PARALLEL_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "sequence_parallel",
+)
 SECTIONS = ("parallel", "model", "ep_plugin", "gpt", "train", "data")
-_ACTIVATIONS = {"gelu": (torch.nn.functional.gelu, False), "silu": (torch.nn.functional.silu, False),
-                "swiglu": (torch.nn.functional.silu, True), "geglu": (torch.nn.functional.gelu, True)}
-_DTYPES = {"fp32": (torch.float32, False, False), "bf16": (torch.bfloat16, True, False),
-           "fp16": (torch.float16, False, True)}
+_ACTIVATIONS = {
+    "gelu": (torch.nn.functional.gelu, False),
+    "silu": (torch.nn.functional.silu, False),
+    "swiglu": (torch.nn.functional.silu, True),
+    "geglu": (torch.nn.functional.gelu, True),
+}
+_DTYPES = {
+    "fp32": (torch.float32, False, False),
+    "bf16": (torch.bfloat16, True, False),
+    "fp16": (torch.float16, False, True),
+}
 _SMS_KEYS = ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms", "moe_hybridep_num_sms")
 
 
@@ -114,8 +127,10 @@ def _check_shape(kwargs: dict[str, Any]) -> None:
             raise ValueError(f"model.{key}: expected an int >= 1, got {kwargs.get(key)!r}")
     hidden, heads, groups = kwargs["hidden_size"], kwargs["num_attention_heads"], kwargs.get("num_query_groups")
     if kwargs.get("kv_channels") is None and hidden % heads:
-        raise ValueError(f"model.num_attention_heads: model.hidden_size={hidden} is not a multiple of {heads} heads "
-                         f"(or set model.kv_channels)")
+        raise ValueError(
+            f"model.num_attention_heads: model.hidden_size={hidden} is not a multiple of {heads} heads "
+            f"(or set model.kv_channels)"
+        )
     if groups is not None and (groups < 1 or heads % groups):
         raise ValueError(f"model.num_query_groups: {groups} does not divide model.num_attention_heads={heads}")
     freq = kwargs.get("moe_layer_freq")
@@ -134,8 +149,10 @@ def _check_experts(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"model.moe_router_topk: top-{topk} needs 1 <= topk <= model.num_moe_experts={experts}")
     ep = kwargs.get("expert_model_parallel_size", 1)
     if experts % ep:
-        raise ValueError(f"model.num_moe_experts: {experts} experts cannot be split evenly over "
-                         f"parallel.expert_model_parallel_size={ep} ranks")
+        raise ValueError(
+            f"model.num_moe_experts: {experts} experts cannot be split evenly over "
+            f"parallel.expert_model_parallel_size={ep} ranks"
+        )
     groups, group_topk = kwargs.get("moe_router_num_groups"), kwargs.get("moe_router_group_topk")
     if groups is not None and (groups < 1 or experts % groups):
         raise ValueError(f"model.moe_router_num_groups: {groups} groups do not divide model.num_moe_experts={experts}")
@@ -148,8 +165,10 @@ def _check_no_cuda_graphs(kwargs: dict[str, Any]) -> None:
     graph-safe RNG tracker, so Megatron's CUDA-graph settings would be built but never captured."""
     impl = kwargs.get("cuda_graph_impl", "none")
     if impl != "none":
-        raise ValueError(f"model.cuda_graph_impl: {impl!r} is not served by moe-ep-pretrain, whose training loop "
-                         f"runs eagerly; use 'none' (Megatron's own training loop drives its CUDA graphs)")
+        raise ValueError(
+            f"model.cuda_graph_impl: {impl!r} is not served by moe-ep-pretrain, whose training loop "
+            f"runs eagerly; use 'none' (Megatron's own training loop drives its CUDA graphs)"
+        )
     for key in ("enable_cuda_graph", "external_cuda_graph"):
         if kwargs.get(key):
             raise ValueError(f"model.{key}: not served by moe-ep-pretrain, whose training loop runs eagerly")
@@ -157,11 +176,11 @@ def _check_no_cuda_graphs(kwargs: dict[str, Any]) -> None:
 
 def _config_class(model: dict[str, Any]) -> type:
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
     return MLATransformerConfig if model.get("multi_latent_attention") else TransformerConfig
 
 
-def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
-                             plugin: PluginOptions | None) -> Any:
+def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any], plugin: PluginOptions | None) -> Any:
     """``model`` + ``parallel`` sections (and the plugin options) → a validated Megatron config object."""
     model = dict(model)
     clash = sorted(set(model) & set(PARALLEL_KEYS))
@@ -212,13 +231,16 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any],
     # and refuses any other backend at config time, naming the key.
     serves_plugin = dispatcher in (PLUGIN_DISPATCHER_TYPE, "flex")
     if plugin is not None and not serves_plugin:
-        raise ValueError(f"ep_plugin: options given but model.moe_token_dispatcher_type is {dispatcher!r}; use "
-                         f"{PLUGIN_DISPATCHER_TYPE!r} or flex")
+        raise ValueError(
+            f"ep_plugin: options given but model.moe_token_dispatcher_type is {dispatcher!r}; use "
+            f"{PLUGIN_DISPATCHER_TYPE!r} or flex"
+        )
     sms = {k: model[k] for k in _SMS_KEYS if model.get(k) is not None}
     if plugin is not None and plugin.num_sms is not None and any(v != plugin.num_sms for v in sms.values()):
         raise ValueError(f"ep_plugin.num_sms={plugin.num_sms} conflicts with model {sms}")
     if serves_plugin:
         from ...megatron.registration import install
+
         install(plugin)  # idempotent; makes this config's options the defaults of the DeepEP shim
     try:
         config = cls(**kwargs)
@@ -246,13 +268,16 @@ def load_pretrain_config(source: str | dict[str, Any]) -> PretrainConfig:
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if train.seq_length > gpt.max_sequence_length:
-        raise ValueError(f"train.seq_length={train.seq_length} exceeds gpt.max_sequence_length="
-                         f"{gpt.max_sequence_length}")
+        raise ValueError(
+            f"train.seq_length={train.seq_length} exceeds gpt.max_sequence_length={gpt.max_sequence_length}"
+        )
     for name in ("steps", "seq_length", "micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(train, name) <= 0:
             raise ValueError(f"train.{name} must be positive, got {getattr(train, name)}")
     if train.global_batch_size % train.micro_batch_size:
-        raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
-                         f"train.micro_batch_size={train.micro_batch_size}")
+        raise ValueError(
+            f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={train.micro_batch_size}"
+        )
     transformer = build_transformer_config(_section(raw, "model"), parallel, plugin)
     return PretrainConfig(parallel=parallel, transformer=transformer, gpt=gpt, plugin=plugin, train=train, data=data)

@@ -2,6 +2,7 @@
 
 Entry points: the ``moe-ep-train`` console script (:mod:`.cli`), :func:`config.load` and :class:`trainer.Trainer`.
 """
+
 from .config import TrainerConfig, load
 from .trainer import Trainer, run
 

@@ -13,6 +13,7 @@ runs eagerly. Then the decoded positions run again eagerly, each MoE block besid
 (``BLOCK_TOLERANCE``); with a graph, this pass's logits must equal the replay's bit for bit. Last, the whole
 sequence goes through the model's normal-mode forward and the decoded logits are compared (``LOGIT_TOLERANCE``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,12 @@ from .model import Attention, MoEMLP, MoETransformer, _rotate
 # configs/ep2_h200.yaml at hidden 2048): float32 with the BF16 wire 3-4e-3 (the wire and the combine round to BF16);
 # with the FP8 wire 1.7-2.4e-2 (the low-latency path quantizes BF16-rounded rows, the normal one float32 rows, so
 # some FP8 values round the other way); a BF16 model 6.6e-3. Dropping one local expert's output gives 0.39-0.9.
-BLOCK_TOLERANCE = {(torch.float32, False): 1e-2, (torch.float32, True): 6e-2, (torch.bfloat16, False): 3e-2,
-                   (torch.bfloat16, True): 6e-2}
+BLOCK_TOLERANCE = {
+    (torch.float32, False): 1e-2,
+    (torch.float32, True): 6e-2,
+    (torch.bfloat16, False): 3e-2,
+    (torch.bfloat16, True): 6e-2,
+}
 # End to end the logits agree only where both paths round alike to BF16 (float32 model, BF16 wire: 1.1-1.2e-3 on
 # CPU and H200). Elsewhere a rounding difference in one block flips a near-tie in a later router, and the logits
 # then differ by as much as dropping an expert (configs/ep2_h200.yaml: 0.11 with the FP8 wire, 0.21 in BF16, 0.17
@@ -38,8 +43,14 @@ BLOCK_TOLERANCE = {(torch.float32, False): 1e-2, (torch.float32, True): 6e-2, (t
 LOGIT_TOLERANCE = {(torch.float32, False): 2e-3}
 
 
-def cached_attention(attn: Attention, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def cached_attention(
+    attn: Attention,
+    x: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
     """One new token per sequence: ``x [B, 1, H]`` at position ``pos`` (``[1]`` int64 on the device) → ``[B, 1, H]``,
     its key and value written into ``cache`` (``[B, heads, S_max, D]`` each); positions after ``pos`` are masked."""
     b, _, h = x.shape
@@ -60,8 +71,9 @@ def low_latency_moe(layer: MoEMLP, x: torch.Tensor, buffer: Buffer, max_tokens: 
     tokens = x.reshape(b, h)
     weights, idx, _ = layer.route(tokens, b)
     # the dispatch wire the normal-mode forward uses too (parallel.fp8_dispatch), so the two differ in rounding only
-    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(tokens.bfloat16(), idx, max_tokens, layer.num_experts,
-                                                          use_fp8=layer.fp8_dispatch)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
+        tokens.bfloat16(), idx, max_tokens, layer.num_experts, use_fp8=layer.fp8_dispatch
+    )
     experts = layer.experts
     if layer.fp8_dispatch:
         q, scales = recv_x  # [L, R*M, H] e4m3, [L, R*M, H/128] float32
@@ -87,8 +99,10 @@ class Decoder:
         dev = model.head.weight.device
         dtype = model.head.weight.dtype
         shape = (batch, m.num_heads, m.seq_len, m.hidden_size // m.num_heads)
-        self.caches = [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
-                       for _ in model.blocks]
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
+            for _ in model.blocks
+        ]
         self.ids = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(batch, m.vocab_size, dtype=torch.float32, device=dev)
@@ -117,8 +131,9 @@ class Decoder:
         return worst
 
 
-def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool
-           ) -> tuple[float, float]:
+def decode(
+    cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool
+) -> tuple[float, float]:
     """Feed a random prompt, decode ``new_tokens`` greedily, compare with the normal-mode forward; returns
     ``(MoE block difference, logit difference)``, each relative to the largest value. Rank 0 prints every rank's
     row and a PASS/FAIL line; every rank raises when any rank is above ``BLOCK_TOLERANCE``, or above
@@ -128,8 +143,9 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
     dtype = trainer.resolve_dtype(cfg, device)
     m = cfg.model
     if prompt_len + new_tokens > m.seq_len:
-        raise ValueError(f"--prompt-len + --new-tokens: at most model.seq_len={m.seq_len} positions, "
-                         f"got {prompt_len + new_tokens}")
+        raise ValueError(
+            f"--prompt-len + --new-tokens: at most model.seq_len={m.seq_len} positions, got {prompt_len + new_tokens}"
+        )
     buffer = _low_latency_buffer(cfg, batch, world, dtype, cuda_graph)
     model = MoETransformer(cfg, rank, world)
     model.initialize(cfg.train.seed)
@@ -148,25 +164,39 @@ def decode(cfg: config.TrainerConfig, batch: int, prompt_len: int, new_tokens: i
     with torch.no_grad():
         reference, _ = model(ids[:, :-1])  # normal mode (dispatch_experts) on the same Buffer
     logits = float((got - reference).abs().max() / reference.abs().max())
-    _report(block, logits, replay, dtype, cfg.parallel.fp8_dispatch, graph is not None,
-            (batch, prompt_len, new_tokens), device)
+    _report(
+        block,
+        logits,
+        replay,
+        dtype,
+        cfg.parallel.fp8_dispatch,
+        graph is not None,
+        (batch, prompt_len, new_tokens),
+        device,
+    )
     return block, logits
 
 
-def _low_latency_buffer(cfg: config.TrainerConfig, batch: int, world: int, dtype: torch.dtype,
-                        cuda_graph: bool) -> Buffer:
+def _low_latency_buffer(
+    cfg: config.TrainerConfig, batch: int, world: int, dtype: torch.dtype, cuda_graph: bool
+) -> Buffer:
     """The Buffer of both modes: normal-mode peer memory for ``dtype`` rows, low-latency slots for ``batch``
     tokens per rank; ``cuda_graph`` needs the nvlink transport."""
     m = cfg.model
     hidden_bytes = m.hidden_size * max(dtype.itemsize, 2)
-    buffer = Buffer(num_nvl_bytes=trainer.nvl_bytes_hint(world, hidden_bytes),
-                    num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(batch, m.hidden_size, world,
-                                                                         cfg.moe.num_experts),
-                    low_latency_mode=True, num_qps_per_rank=cfg.moe.num_experts // world,
-                    transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s)
+    buffer = Buffer(
+        num_nvl_bytes=trainer.nvl_bytes_hint(world, hidden_bytes),
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(batch, m.hidden_size, world, cfg.moe.num_experts),
+        low_latency_mode=True,
+        num_qps_per_rank=cfg.moe.num_experts // world,
+        transport=cfg.parallel.transport,
+        timeout_s=cfg.parallel.timeout_s,
+    )
     if cuda_graph and buffer.transport_name != "nvlink":
-        raise ValueError("--cuda-graph: needs the nvlink transport's low-latency kernels (the collective form reads "
-                         "its header on the host)")
+        raise ValueError(
+            "--cuda-graph: needs the nvlink transport's low-latency kernels (the collective form reads "
+            "its header on the host)"
+        )
     return buffer
 
 
@@ -180,8 +210,9 @@ def _capture(decoder: Decoder) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _generate(decoder: Decoder, graph: torch.cuda.CUDAGraph | None, ids: torch.Tensor, prompt_len: int,
-              positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _generate(
+    decoder: Decoder, graph: torch.cuda.CUDAGraph | None, ids: torch.Tensor, prompt_len: int, positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed ``ids [B, prompt_len]`` one position at a time (the graph's replay, else an eager step), appending the
     greedy token from the prompt's last position on → ``(ids [B, positions + 1], logits [B, positions, vocab])``."""
     decoded = []
@@ -207,42 +238,61 @@ def _rerun_checked(decoder: Decoder, ids: torch.Tensor, positions: int) -> tuple
     return block, torch.stack(eager, dim=1)
 
 
-def _report(block: float, logits: float, replay: float, dtype: torch.dtype, wire: bool, graph: bool,
-            shape: tuple[int, int, int], device: torch.device) -> None:
+def _report(
+    block: float,
+    logits: float,
+    replay: float,
+    dtype: torch.dtype,
+    wire: bool,
+    graph: bool,
+    shape: tuple[int, int, int],
+    device: torch.device,
+) -> None:
     """Every rank's row on rank 0, which prints one table in rank order and the verdict; every rank raises alike.
     ``shape``: ``(sequences, prompt length, new tokens)``."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = torch.tensor([block, logits, replay], dtype=torch.float64,
-                        device=device if dist.get_backend() == "nccl" else "cpu")
+    mine = torch.tensor(
+        [block, logits, replay], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu"
+    )
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
     failures = [f for r, row in enumerate(rows) for f in _failures(r, *row.tolist(), dtype, wire, graph)]
     if rank == 0:
         batch, prompt_len, new_tokens = shape
-        print(f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'MoE block':>9} {'logits':>8} "
-              f"{'replay-eager':>12}")
+        print(
+            f"{'rank':>4} {'seqs':>4} {'prompt':>6} {'new':>4} {'graph':>5} {'MoE block':>9} {'logits':>8} "
+            f"{'replay-eager':>12}"
+        )
         for r, row in enumerate(rows):
             b, lg, rp = row.tolist()
-            print(f"{r:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph):>5} {b:>9.2e} "
-                  f"{lg:>8.2e} {rp:>12.2e}")
-        print("FAIL: " + "; ".join(failures) if failures else
-              f"PASS: {world} ranks, every MoE block within {BLOCK_TOLERANCE[dtype, wire]:g} of its normal-mode "
-              "forward" + (f", logits within {LOGIT_TOLERANCE[dtype, wire]:g}" if (dtype, wire) in LOGIT_TOLERANCE
-                           else ""), flush=True)
+            print(f"{r:>4} {batch:>4} {prompt_len:>6} {new_tokens:>4} {str(graph):>5} {b:>9.2e} {lg:>8.2e} {rp:>12.2e}")
+        print(
+            "FAIL: " + "; ".join(failures)
+            if failures
+            else f"PASS: {world} ranks, every MoE block within {BLOCK_TOLERANCE[dtype, wire]:g} of its normal-mode "
+            "forward"
+            + (f", logits within {LOGIT_TOLERANCE[dtype, wire]:g}" if (dtype, wire) in LOGIT_TOLERANCE else ""),
+            flush=True,
+        )
     if failures:
         raise AssertionError("; ".join(failures))
 
 
-def _failures(rank: int, block: float, logits: float, replay: float, dtype: torch.dtype, wire: bool,
-              graph: bool) -> list[str]:
+def _failures(
+    rank: int, block: float, logits: float, replay: float, dtype: torch.dtype, wire: bool, graph: bool
+) -> list[str]:
     """Why ``rank``'s decode fails its checks (empty when it passes)."""
     failures = []
     if block > BLOCK_TOLERANCE[dtype, wire]:
-        failures.append(f"rank {rank}: a low-latency MoE block differs from its normal-mode forward by {block:.2e} of "
-                        f"its largest output (tolerance {BLOCK_TOLERANCE[dtype, wire]})")
+        failures.append(
+            f"rank {rank}: a low-latency MoE block differs from its normal-mode forward by {block:.2e} of "
+            f"its largest output (tolerance {BLOCK_TOLERANCE[dtype, wire]})"
+        )
     if graph and replay != 0.0:  # the same kernels on the same inputs: bit for bit
         failures.append(f"rank {rank}: the CUDA-graph replay's logits differ from the eager steps' by {replay:.2e}")
     if (dtype, wire) in LOGIT_TOLERANCE and logits > LOGIT_TOLERANCE[dtype, wire]:
-        failures.append(f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} of "
-                        f"the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})")
+        failures.append(
+            f"rank {rank}: low-latency decode differs from the normal-mode forward by {logits:.2e} of "
+            f"the largest logit (tolerance {LOGIT_TOLERANCE[dtype, wire]})"
+        )
     return failures

@@ -1,4 +1,5 @@
 """Rank 0's outputs: the readable log, metrics.csv (+ TensorBoard), and the PNG plots at the end."""
+
 from __future__ import annotations
 
 import csv
@@ -12,8 +13,21 @@ from tqdm import tqdm
 
 from .config import TrainerConfig
 
-COLUMNS = ("step", "loss", "lm_loss", "aux_loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
-           "load_max_over_mean", "load_max_over_mean_worst_layer", "elapsed_s", "mfu")
+COLUMNS = (
+    "step",
+    "loss",
+    "lm_loss",
+    "aux_loss",
+    "eval_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "load_max_over_mean",
+    "load_max_over_mean_worst_layer",
+    "elapsed_s",
+    "mfu",
+)
 
 # Dense BF16 tensor-core peak per device from the vendor datasheets (H200 SXM has the H100 SXM's compute); MFU
 # is reported against these, the usual convention. A measured 8192^3 BF16 matmul on one H200 reaches ~790 TFLOP/s.
@@ -149,6 +163,7 @@ def write_plots(out_dir: str) -> str | None:
     share). Returns None when written, else the reason they were not."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

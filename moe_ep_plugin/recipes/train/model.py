@@ -13,6 +13,7 @@ Weights are made so that they do not depend on the EP size: every replicated par
 generator in a fixed order, and routed expert ``e`` of block ``b`` from its own generator seeded by
 ``(seed, b, e)``. A model on R ranks therefore holds exactly the slices of the model on one rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ class MoEStats:
     """What one forward's MoE blocks report: ``counts [num_moe_blocks, E]`` int64 tokens routed to each expert
     from this rank (detached), ``aux_loss`` (0-d, the summed sequence balance losses, differentiable) and
     ``routes``: each MoE block's ``topk_idx [T, K]`` (detached; the trainer's node statistics)."""
+
     counts: torch.Tensor
     aux_loss: torch.Tensor
     routes: list[torch.Tensor]
@@ -114,8 +116,9 @@ class MoEMLP(nn.Module):
         self.first_expert = ep_rank * self.num_local
         self.router = nn.Parameter(torch.empty(e.num_experts, m.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(e.num_experts), persistent=True)
-        self.shared = (SwiGLU(m.hidden_size, e.expert_ffn_hidden_size * e.num_shared_experts)
-                       if e.num_shared_experts else None)
+        self.shared = (
+            SwiGLU(m.hidden_size, e.expert_ffn_hidden_size * e.num_shared_experts) if e.num_shared_experts else None
+        )
         self.experts = RoutedExperts(self.num_local, m.hidden_size, e.expert_ffn_hidden_size, e.expert_compute)
         self.buffer: Buffer | None = None  # set by MoETransformer.attach (not a module: never saved)
         self.fp8_dispatch = cfg.parallel.fp8_dispatch
@@ -128,15 +131,22 @@ class MoEMLP(nn.Module):
             logits = F.linear(tokens.float(), self.router.float())
             grouped = e.num_groups > 1
             weights, idx = gating.group_limited_topk(
-                logits, e.topk, score_function=e.score_function, use_pre_softmax=e.use_pre_softmax,
-                num_groups=e.num_groups if grouped else None, group_topk=e.group_topk if grouped else None,
-                scaling_factor=e.scaling_factor, expert_bias=self.expert_bias if e.expert_bias else None)
+                logits,
+                e.topk,
+                score_function=e.score_function,
+                use_pre_softmax=e.use_pre_softmax,
+                num_groups=e.num_groups if grouped else None,
+                group_topk=e.group_topk if grouped else None,
+                scaling_factor=e.scaling_factor,
+                expert_bias=self.expert_bias if e.expert_bias else None,
+            )
             if e.seq_aux_loss_coeff > 0:
                 # gating's sequence loss reads tokens sequence-position-major ([S, B] flattened).
                 seq_major = logits.view(batch, -1, self.num_experts).transpose(0, 1).reshape(-1, self.num_experts)
                 scores, routing_map = gating.aux_loss_scores(seq_major, e.topk, score_function=e.score_function)
-                aux = gating.sequence_aux_loss(scores, routing_map, topk=e.topk, batch_size=batch,
-                                               coeff=e.seq_aux_loss_coeff)
+                aux = gating.sequence_aux_loss(
+                    scores, routing_map, topk=e.topk, batch_size=batch, coeff=e.seq_aux_loss_coeff
+                )
             else:
                 aux = logits.new_zeros(())
         return weights, idx, aux
@@ -148,10 +158,12 @@ class MoEMLP(nn.Module):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         weights, idx, aux = self.route(tokens, b)
-        compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
-            else tokens.dtype
+        compute_dtype = (
+            torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else tokens.dtype
+        )
         rows, probs, counts, handle = autograd.dispatch_experts(
-            self.buffer, tokens.to(compute_dtype), idx, weights, self.num_experts, fp8_dispatch=self.fp8_dispatch)
+            self.buffer, tokens.to(compute_dtype), idx, weights, self.num_experts, fp8_dispatch=self.fp8_dispatch
+        )
         expert_out = self.experts(rows.to(compute_dtype), counts) * probs.unsqueeze(1).to(compute_dtype)
         # combine_experts sums each received row's routes in fp32 and sends them in the compute dtype (BF16 on GPU).
         y = autograd.combine_experts(self.buffer, expert_out, handle)
@@ -171,8 +183,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(m.hidden_size, eps=1e-6)
         self.mlp = MoEMLP(cfg, ep_rank, ep_size) if moe else SwiGLU(m.hidden_size, m.ffn_hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``x [B, S, H]`` → ``(x [B, S, H], topk_idx [B*S, K] or None, aux loss or None)`` (None: dense block)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         if isinstance(self.mlp, MoEMLP):

@@ -6,6 +6,7 @@ R, so the all-reduced (summed) gradients of the replicated weights, and the expe
 bring back from every rank, are both gradients of the global mean loss — the same numbers one rank holding all
 experts computes on the whole batch (the EP=1 ≡ EP=R property the tests check).
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,10 +57,12 @@ def preflight(cfg: TrainerConfig) -> str:
     if p.backend == "nccl" and device.type != "cuda":
         raise ValueError("parallel.backend: 'nccl' moves CUDA tensors, but torch sees no GPU here (use auto or gloo)")
     if p.transport == "nvlink" and device.type != "cuda":
-        raise ValueError("parallel.transport: 'nvlink' runs CUDA kernels, but the ranks run on the CPU here "
-                         "(use auto or torch)")
-    TokenWindows(load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len, cfg.data.eval_fraction,
-                 cfg.train.seed)
+        raise ValueError(
+            "parallel.transport: 'nvlink' runs CUDA kernels, but the ranks run on the CPU here (use auto or torch)"
+        )
+    TokenWindows(
+        load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len, cfg.data.eval_fraction, cfg.train.seed
+    )
     if "WORLD_SIZE" in os.environ:  # under torchrun
         directory = resume_dir(cfg, int(os.environ["WORLD_SIZE"]), "WORLD_SIZE", check_files=True)
     else:
@@ -97,13 +100,15 @@ def resume_dir(cfg: TrainerConfig, world: int, world_key: str, check_files: bool
         return None
     directory = checkpoint.newest(checkpoint_root(cfg)) if cfg.output.resume == "auto" else cfg.output.resume
     if check_files:
-        directory, note = checkpoint.pick_resume(directory, "output.resume", "output.resume_fallback",
-                                                 cfg.output.resume_fallback)
+        directory, note = checkpoint.pick_resume(
+            directory, "output.resume", "output.resume_fallback", cfg.output.resume_fallback
+        )
         if note is not None:
             print(f"moe-ep-train: {note}", flush=True)
     if directory is not None:
-        checkpoint.check_matches(checkpoint.read_meta(directory, "output.resume"), directory, cfg.to_dict(),
-                                 MUST_MATCH, world, world_key)
+        checkpoint.check_matches(
+            checkpoint.read_meta(directory, "output.resume"), directory, cfg.to_dict(), MUST_MATCH, world, world_key
+        )
     return directory
 
 
@@ -118,6 +123,7 @@ def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> tor
 @dataclass
 class StepResult:
     """Global (all-rank) means of one forward/backward, and the global tokens per expert ``[blocks, E]``."""
+
     lm_loss: float
     aux_loss: float
     counts: torch.Tensor
@@ -132,6 +138,7 @@ class StepResult:
 class NodeStats:
     """One step over all ranks and MoE blocks: nodes each token reaches (mean, max), and the bytes that cross the
     network (dispatch, combine and their backward passes) on the hierarchical transport and on a flat all-to-all."""
+
     nodes_per_token_mean: float
     nodes_per_token_max: int
     inter_node_bytes: float
@@ -149,9 +156,13 @@ class Trainer:
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         hidden_bytes = cfg.model.hidden_size * max(self.dtype.itemsize, 2)
-        self.buffer = Buffer(self.group, num_nvl_bytes=nvl_bytes_hint(self.world, hidden_bytes),
-                             transport=cfg.parallel.transport, timeout_s=cfg.parallel.timeout_s,
-                             ranks_per_node=cfg.parallel.ranks_per_node)
+        self.buffer = Buffer(
+            self.group,
+            num_nvl_bytes=nvl_bytes_hint(self.world, hidden_bytes),
+            transport=cfg.parallel.transport,
+            timeout_s=cfg.parallel.timeout_s,
+            ranks_per_node=cfg.parallel.ranks_per_node,
+        )
         # Node statistics when the group spans nodes (the hierarchical transport's, or the configured emulation).
         self.ranks_per_node = getattr(self.buffer.transport, "ranks_per_node", cfg.parallel.ranks_per_node)
         self.model = MoETransformer(cfg, self.rank, self.world)
@@ -163,11 +174,15 @@ class Trainer:
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         t = cfg.train
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
-        self.data = TokenWindows(load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len,
-                                 cfg.data.eval_fraction, t.seed)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=1e-8,
+        )
+        self.data = TokenWindows(
+            load_tokens(cfg.data.path, cfg.model.vocab_size), cfg.model.seq_len, cfg.data.eval_fraction, t.seed
+        )
         self.flops_per_token = metrics.train_flops_per_token(cfg)
         self.peak_flops, self.peak_source = metrics.peak_flops(cfg, self.device, self.dtype)
         self.step = 0
@@ -180,21 +195,31 @@ class Trainer:
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def _global_mean(self, lm: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor,
-                     routes: list[torch.Tensor]) -> StepResult:
+    def _global_mean(
+        self, lm: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor, routes: list[torch.Tensor]
+    ) -> StepResult:
         """One all-reduce for the two losses, the expert counts (float64 holds counts exactly) and, across nodes,
         the node sums (plus one all-reduce for the most nodes a token reached)."""
         sums, most = self._node_sums(routes)
-        packed = torch.cat([torch.stack([lm.detach(), aux.detach()]).double(), sums.to(lm.device),
-                            counts.to(lm.device).double().flatten()])
+        packed = torch.cat(
+            [
+                torch.stack([lm.detach(), aux.detach()]).double(),
+                sums.to(lm.device),
+                counts.to(lm.device).double().flatten(),
+            ]
+        )
         dist.all_reduce(packed, group=self.group)
         nodes = None
         if most is not None:
             most = most.to(lm.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
             nodes = NodeStats(float(packed[2] / packed[3].clamp_min(1)), int(most), float(packed[4]), float(packed[5]))
-        return StepResult(lm_loss=float(packed[0]) / self.world, aux_loss=float(packed[1]) / self.world,
-                          counts=packed[2 + sums.numel():].round().long().view_as(counts).cpu(), nodes=nodes)
+        return StepResult(
+            lm_loss=float(packed[0]) / self.world,
+            aux_loss=float(packed[1]) / self.world,
+            counts=packed[2 + sums.numel() :].round().long().view_as(counts).cpu(),
+            nodes=nodes,
+        )
 
     def _node_sums(self, routes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's ``[nodes reached summed over tokens, tokens, hierarchical network bytes, flat network
@@ -208,8 +233,15 @@ class Trainer:
         sums, most = torch.zeros(4, dtype=torch.float64), 0
         for idx in routes:
             t = node_traffic(idx.cpu(), cfg.moe.num_experts, self.world, self.ranks_per_node, self.rank)
-            sums += torch.tensor([t.nodes_per_token_mean * t.num_tokens, t.num_tokens, t.hier_network_rows * row,
-                                  t.flat_network_rows * row], dtype=torch.float64)
+            sums += torch.tensor(
+                [
+                    t.nodes_per_token_mean * t.num_tokens,
+                    t.num_tokens,
+                    t.hier_network_rows * row,
+                    t.flat_network_rows * row,
+                ],
+                dtype=torch.float64,
+            )
             most = max(most, t.nodes_per_token_max)
         return sums, torch.tensor([most], dtype=torch.int64)
 
@@ -231,7 +263,7 @@ class Trainer:
         offset = 0
         for p in self.replicated:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
+            p.grad = flat[offset : offset + n].view_as(p)
             offset += n
 
     def clip_gradients(self) -> torch.Tensor:
@@ -291,10 +323,21 @@ class Trainer:
 
     def save(self) -> str:
         """Collective: this rank's model, optimizer, RNG, step and expert loads (see :mod:`.checkpoint`)."""
-        state = {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "rng": checkpoint.rng_state(), "load_totals": self.load_totals.cpu()}
-        return checkpoint.save(checkpoint_root(self.cfg), self.step, self.cfg.to_dict(), self.group, state=state,
-                               keep=self.cfg.output.keep_checkpoints)
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "load_totals": self.load_totals.cpu(),
+        }
+        return checkpoint.save(
+            checkpoint_root(self.cfg),
+            self.step,
+            self.cfg.to_dict(),
+            self.group,
+            state=state,
+            keep=self.cfg.output.keep_checkpoints,
+        )
 
     def iter_steps(self, end: int) -> Iterator[dict[str, Any]]:
         """Train from ``self.step`` up to step ``end``, yielding each step's metrics row as it finishes: the
@@ -313,20 +356,35 @@ class Trainer:
             dt = time.perf_counter() - t0
             self.step += 1
             eval_loss = None
-            if self.data.has_eval and cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0
-                                                                   or self.step == cfg.train.steps):
+            if (
+                self.data.has_eval
+                and cfg.train.eval_interval
+                and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps)
+            ):
                 eval_loss = self.evaluate()
             balance, worst = metrics.load_balance(result.counts)
-            row = {"step": self.step, "loss": result.loss, "lm_loss": result.lm_loss, "aux_loss": result.aux_loss,
-                   "eval_loss": eval_loss, "lr": lr_at(cfg, self.step - 1), "grad_norm": float(norm),
-                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "load_max_over_mean": balance,
-                   "load_max_over_mean_worst_layer": worst, "elapsed_s": time.perf_counter() - start,
-                   "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops)}
+            row = {
+                "step": self.step,
+                "loss": result.loss,
+                "lm_loss": result.lm_loss,
+                "aux_loss": result.aux_loss,
+                "eval_loss": eval_loss,
+                "lr": lr_at(cfg, self.step - 1),
+                "grad_norm": float(norm),
+                "tokens_per_s": tokens_per_step / dt,
+                "step_time_s": dt,
+                "load_max_over_mean": balance,
+                "load_max_over_mean_worst_layer": worst,
+                "elapsed_s": time.perf_counter() - start,
+                "mfu": metrics.mfu(tokens_per_step / dt, self.world, self.flops_per_token, self.peak_flops),
+            }
             if result.nodes is not None:
-                row.update(nodes_per_token_mean=result.nodes.nodes_per_token_mean,
-                           nodes_per_token_max=result.nodes.nodes_per_token_max,
-                           inter_node_mb=result.nodes.inter_node_bytes / 1e6,
-                           flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6)
+                row.update(
+                    nodes_per_token_mean=result.nodes.nodes_per_token_mean,
+                    nodes_per_token_max=result.nodes.nodes_per_token_max,
+                    inter_node_mb=result.nodes.inter_node_bytes / 1e6,
+                    flat_inter_node_mb=result.nodes.flat_inter_node_bytes / 1e6,
+                )
             yield row
 
     def train(self, until: int | None = None) -> dict[str, float]:
@@ -345,8 +403,13 @@ class Trainer:
             self.log_header(logger, resumed)
             if self.step >= cfg.train.steps:
                 logger.info(f"nothing to train: the checkpoint is at train.steps={cfg.train.steps} (raise it to go on)")
-        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (lead and cfg.output.progress_bar),
-                   unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.train.steps,
+            initial=self.step,
+            disable=not (lead and cfg.output.progress_bar),
+            unit="step",
+            dynamic_ncols=True,
+        )
         end = cfg.train.steps if until is None else min(until, cfg.train.steps)
         last: dict = {}
         for last in self.iter_steps(end):
@@ -372,19 +435,27 @@ class Trainer:
         cfg = self.cfg
         n_rep = sum(p.numel() for p in self.replicated)
         n_exp = sum(p.numel() for p in self.experts)
-        logger.info(f"moe-ep-train: {self.world} EP rank(s) on {self.device.type} ({dist.get_backend(self.group)}), "
-                    f"transport={self.buffer.transport_name}, compute dtype {str(self.dtype).replace('torch.', '')}, "
-                    f"FP8 dispatch {'on' if cfg.parallel.fp8_dispatch else 'off'}")
-        logger.info(f"model: {cfg.model.num_layers} blocks ({cfg.model.num_dense_layers} dense), hidden "
-                    f"{cfg.model.hidden_size}, {cfg.moe.num_experts} routed experts top-{cfg.moe.topk} "
-                    f"({cfg.moe.num_groups} groups, top-{cfg.moe.group_topk}) + {cfg.moe.num_shared_experts} shared; "
-                    f"params: {n_rep / 1e6:.2f}M replicated + {n_exp / 1e6:.2f}M experts per rank")
-        logger.info(f"data: {len(self.data.train):,} training tokens ({cfg.data.path or 'shipped corpus'}); "
-                    f"global batch {self.world * cfg.train.micro_batch_size} x {cfg.model.seq_len} tokens; "
-                    f"output in {cfg.output.dir}")
-        logger.info(f"MFU: {self.flops_per_token / 1e9:.3f} GFLOP per token per training step "
-                    f"(docs/training.md), peak per device {self.peak_source}; "
-                    f"moe.expert_compute={cfg.moe.expert_compute}")
+        logger.info(
+            f"moe-ep-train: {self.world} EP rank(s) on {self.device.type} ({dist.get_backend(self.group)}), "
+            f"transport={self.buffer.transport_name}, compute dtype {str(self.dtype).replace('torch.', '')}, "
+            f"FP8 dispatch {'on' if cfg.parallel.fp8_dispatch else 'off'}"
+        )
+        logger.info(
+            f"model: {cfg.model.num_layers} blocks ({cfg.model.num_dense_layers} dense), hidden "
+            f"{cfg.model.hidden_size}, {cfg.moe.num_experts} routed experts top-{cfg.moe.topk} "
+            f"({cfg.moe.num_groups} groups, top-{cfg.moe.group_topk}) + {cfg.moe.num_shared_experts} shared; "
+            f"params: {n_rep / 1e6:.2f}M replicated + {n_exp / 1e6:.2f}M experts per rank"
+        )
+        logger.info(
+            f"data: {len(self.data.train):,} training tokens ({cfg.data.path or 'shipped corpus'}); "
+            f"global batch {self.world * cfg.train.micro_batch_size} x {cfg.model.seq_len} tokens; "
+            f"output in {cfg.output.dir}"
+        )
+        logger.info(
+            f"MFU: {self.flops_per_token / 1e9:.3f} GFLOP per token per training step "
+            f"(docs/training.md), peak per device {self.peak_source}; "
+            f"moe.expert_compute={cfg.moe.expert_compute}"
+        )
         if resumed:
             logger.info(f"resumed from {resumed} at step {self.step}")
 
@@ -392,22 +463,33 @@ class Trainer:
         metrics.write_expert_load(self.cfg.output.dir, self.load_totals, self.cfg.model.num_dense_layers)
         if self.cfg.output.plots:
             why_not = metrics.write_plots(self.cfg.output.dir)
-            logger.info(f"plots skipped: {why_not}" if why_not else
-                        f"plots: {os.path.join(self.cfg.output.dir, 'loss.png')}, expert_load.png")
+            logger.info(
+                f"plots skipped: {why_not}"
+                if why_not
+                else f"plots: {os.path.join(self.cfg.output.dir, 'loss.png')}, expert_load.png"
+            )
         if last:
-            logger.info(f"done: step {last['step']}, loss {last['loss']:.4f}, "
-                        f"{last['tokens_per_s']:,.0f} tokens/s at the last step; metrics in "
-                        f"{os.path.join(self.cfg.output.dir, 'metrics.csv')}")
+            logger.info(
+                f"done: step {last['step']}, loss {last['loss']:.4f}, "
+                f"{last['tokens_per_s']:,.0f} tokens/s at the last step; metrics in "
+                f"{os.path.join(self.cfg.output.dir, 'metrics.csv')}"
+            )
 
 
 def _format(row: dict, total_steps: int) -> str:
-    items = [f"loss {row['loss']:.4f} (aux {row['aux_loss']:.2e})", f"lr {row['lr']:.2e}",
-             f"grad {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s",
-             f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})"]
+    items = [
+        f"loss {row['loss']:.4f} (aux {row['aux_loss']:.2e})",
+        f"lr {row['lr']:.2e}",
+        f"grad {row['grad_norm']:.3f}",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+        f"load max/mean {row['load_max_over_mean']:.2f} (worst {row['load_max_over_mean_worst_layer']:.2f})",
+    ]
     items.append("MFU n/a" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%")
     if "nodes_per_token_mean" in row:
-        items += [f"nodes/token {row['nodes_per_token_mean']:.2f} (max {row['nodes_per_token_max']})",
-                  f"inter-node {row['inter_node_mb']:.2f} MB/step (flat all-to-all {row['flat_inter_node_mb']:.2f})"]
+        items += [
+            f"nodes/token {row['nodes_per_token_mean']:.2f} (max {row['nodes_per_token_max']})",
+            f"inter-node {row['inter_node_mb']:.2f} MB/step (flat all-to-all {row['flat_inter_node_mb']:.2f})",
+        ]
     if row["eval_loss"] is not None:
         items.append(f"eval {row['eval_loss']:.4f}")
     return progress.line(row["step"], total_steps, items)

@@ -4,6 +4,7 @@
 ``state``: what a dispatch keeps for the calls that replay it; ``transport``: ``NVLinkTransport``'s dispatch and
 combine on top of them.
 """
+
 from .transport import NVLinkTransport
 
 __all__ = ["NVLinkTransport"]

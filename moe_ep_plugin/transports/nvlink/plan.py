@@ -2,6 +2,7 @@
 decisions (push, pull or copy engine; sender warps and blocks) taken from the call's ``NVLinkTuning``
 (``Config.nvlink``) and the counts every rank sees alike. Pure functions of plain numbers: no tensors, no
 library."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -67,8 +68,9 @@ def dispatch_roles(tuning: NVLinkTuning, wire_fp8: bool, fp8_out: bool) -> tuple
     return False, tuning.quantizing_dispatch_send_warps if fp8_out else tuning.dequantizing_dispatch_send_warps
 
 
-def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: int | None, row_bytes: int,
-                  pull_capacity: Callable[[], int]) -> Roles:
+def combine_roles(
+    tuning: NVLinkTuning, num_sms: int, most_rows: int | None, row_bytes: int, pull_capacity: Callable[[], int]
+) -> Roles:
     """A combine's roles. ``most_rows``: the most rows any rank received (None when the counts are not on the host:
     a ``num_worst_tokens`` handle or another transport's handle), which the copy engines and the
     pull need; every rank decides alike. Copy engines first (below ``copy_engine_combine_below_sms``), then pull
@@ -76,7 +78,11 @@ def combine_roles(tuning: NVLinkTuning, num_sms: int, most_rows: int | None, row
     only then), else push."""
     if most_rows is not None and num_sms < tuning.copy_engine_combine_below_sms:
         return False, True, 0, 0
-    if (tuning.combine_pull and most_rows is not None and most_rows * row_bytes >= tuning.pull_combine_min_bytes
-            and most_rows <= pull_capacity()):
+    if (
+        tuning.combine_pull
+        and most_rows is not None
+        and most_rows * row_bytes >= tuning.pull_combine_min_bytes
+        and most_rows <= pull_capacity()
+    ):
         return True, False, 0, 0
     return False, False, tuning.combine_send_warps, send_blocks(tuning.combine_send_blocks, num_sms)

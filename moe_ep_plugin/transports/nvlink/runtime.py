@@ -8,6 +8,7 @@ call's outputs can then not be read as data, only raise). :meth:`NVLinkRuntime.c
 ``TimeoutError`` naming the rank: at the start of every call, and whenever a library call fails (the host read
 inside a dispatch fails so when the kernels before it trapped).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,8 +50,10 @@ class NVLinkRuntime:
         with torch.cuda.device(self.device):
             ctx = self.lib.moe_ep_create(self.rank, self.num_ranks, index, nbytes, int(timeout_s * 1e9))
         if not ctx:
-            raise RuntimeError("moe_ep_plugin kernels: creating the peer buffer failed: "
-                               + self.lib.moe_ep_last_error().decode(errors="replace"))
+            raise RuntimeError(
+                "moe_ep_plugin kernels: creating the peer buffer failed: "
+                + self.lib.moe_ep_last_error().decode(errors="replace")
+            )
         self.ctx = ctx
         handle = ctypes.create_string_buffer(64)
         library.check(self.lib.moe_ep_ipc_handle(ctx, handle), "cudaIpcGetMemHandle")
@@ -116,34 +119,48 @@ class NVLinkRuntime:
         a, b = self.error[1], self.error[2]
         where = f"moe_ep_plugin[nvlink] rank {self.rank}/{self.num_ranks}"
         if code == library.ERR_BARRIER_TIMEOUT:
-            raise TimeoutError(f"{where}: rank {a} did not reach the start-of-operation barrier within "
-                               f"{self.timeout_s:g} s (it never joined, or called a different operation)")
+            raise TimeoutError(
+                f"{where}: rank {a} did not reach the start-of-operation barrier within "
+                f"{self.timeout_s:g} s (it never joined, or called a different operation)"
+            )
         if code == library.ERR_DISPATCH_TIMEOUT:
-            raise TimeoutError(f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within "
-                               f"{self.timeout_s:g} s")
+            raise TimeoutError(
+                f"{where}: dispatch rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s"
+            )
         if code == library.ERR_COMBINE_TIMEOUT:
-            raise TimeoutError(f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within "
-                               f"{self.timeout_s:g} s")
+            raise TimeoutError(
+                f"{where}: combine rows from rank {a} (chunk {b}) did not arrive within {self.timeout_s:g} s"
+            )
         if code == library.ERR_WORST_TOKENS:
-            raise ValueError(f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
-                             "the outputs of that dispatch are incomplete")
+            raise ValueError(
+                f"{where}: num_worst_tokens={b} is smaller than the {a} rows this rank received; "
+                "the outputs of that dispatch are incomplete"
+            )
         if code == library.ERR_MISMATCH:
-            raise metadata_error([f for f in range(len(META_FIELDS)) if b >> f & 1],
-                                 [i for i in range(self.num_ranks) if a >> i & 1],
-                                 " (found by notify; this buffer is unusable now: destroy it and make a new one)")
+            raise metadata_error(
+                [f for f in range(len(META_FIELDS)) if b >> f & 1],
+                [i for i in range(self.num_ranks) if a >> i & 1],
+                " (found by notify; this buffer is unusable now: destroy it and make a new one)",
+            )
         if code == library.ERR_REFUSED:
             ranks = [i for i in range(self.num_ranks) if a >> i & 1]
             refusal, call = b & 0xFF, b >> 8
             cls = REFUSABLE[refusal - 1] if 1 <= refusal <= len(REFUSABLE) else RuntimeError
             call_name = REFUSED_CALLS[call] if 0 <= call < len(REFUSED_CALLS) else f"call {call}"
-            found = ("nothing was sent (found by notify" if call == 0 else
-                     "the refusing rank sent no rows (found by the low-latency receive")
-            raise cls(f"{call_name}: rank(s) {ranks} refused the call (a {cls.__name__} on rank {ranks[0]}, whose "
-                      f"own error names the cause); every rank raises, {found}; this buffer is unusable now: "
-                      "destroy it and make a new one)")
+            found = (
+                "nothing was sent (found by notify"
+                if call == 0
+                else "the refusing rank sent no rows (found by the low-latency receive"
+            )
+            raise cls(
+                f"{call_name}: rank(s) {ranks} refused the call (a {cls.__name__} on rank {ranks[0]}, whose "
+                f"own error names the cause); every rank raises, {found}; this buffer is unusable now: "
+                "destroy it and make a new one)"
+            )
         if code == library.ERR_CAPACITY:
-            raise ValueError(f"{where}: {a} rows do not fit a peer staging region of {b} rows; "
-                             "pass a larger num_nvl_bytes")
+            raise ValueError(
+                f"{where}: {a} rows do not fit a peer staging region of {b} rows; pass a larger num_nvl_bytes"
+            )
         raise RuntimeError(f"{where}: kernel error code {code} ({a}, {b})")
 
     def _check(self, code: int, what: str) -> None:
@@ -175,8 +192,20 @@ class NVLinkRuntime:
         counts, invalid, prefix = (torch.zeros(n, dtype=torch.int32, device=self.device) for n in (r, 1, r * r + 2))
         send_pos, send_list = (torch.empty(shape, dtype=torch.int32, device=self.device) for shape in ((0, r), (r, 1)))
         meta = library.HostInts([0] * (library.META_WORDS - 1) + [code])
-        self.notify_dispatch(counts.data_ptr(), invalid.data_ptr(), 0, 0, 1, prefix.data_ptr(), send_pos.data_ptr(),
-                             send_list.data_ptr(), prefix.data_ptr() + 4 * r * r, meta.array, 0, 0)
+        self.notify_dispatch(
+            counts.data_ptr(),
+            invalid.data_ptr(),
+            0,
+            0,
+            1,
+            prefix.data_ptr(),
+            send_pos.data_ptr(),
+            send_list.data_ptr(),
+            prefix.data_ptr() + 4 * r * r,
+            meta.array,
+            0,
+            0,
+        )
         self.start_read(prefix.data_ptr(), r * r + 2)()
 
     def notify_experts(self, *args: int) -> None:
@@ -197,8 +226,9 @@ class NVLinkRuntime:
     def low_latency(self, name: str, params: ctypes.Structure) -> None:
         """``moe_ep_ll_<name>`` (``dispatch_send``, ``dispatch_recv``, ``combine_send``, ``combine_recv``) on the
         current stream (csrc/kernels/low_latency.cuh)."""
-        self._check(getattr(self.lib, f"moe_ep_ll_{name}")(self.ctx, ctypes.byref(params), self.stream()),
-                      f"low-latency {name}")
+        self._check(
+            getattr(self.lib, f"moe_ep_ll_{name}")(self.ctx, ctypes.byref(params), self.stream()), f"low-latency {name}"
+        )
 
     def low_latency_combine_buffer(self, max_tokens: int, hidden: int, num_experts: int, buffer_set: int) -> int:
         """Device address of buffer set ``buffer_set``'s zero-copy combine input (BF16 ``[L, R*M, H]``)."""
@@ -224,6 +254,7 @@ class NVLinkRuntime:
         def wait() -> list[int]:
             self._check(self.lib.moe_ep_read_wait(self.ctx), "read_wait")
             return self.read_buffer[:length]
+
         return wait
 
     def destroy(self) -> None:

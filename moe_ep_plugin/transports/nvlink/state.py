@@ -1,5 +1,6 @@
 """What an nvlink dispatch keeps for the calls that replay it (``DispatchHandle.transport_state``), and the host
 words its notify exchanges."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

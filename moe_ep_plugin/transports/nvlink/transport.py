@@ -15,6 +15,7 @@ expands, on all SMs); ``combine_experts`` is ``unpermute`` + ``combine``, and wh
 Every wait on a peer has a deadline (``timeout_s``, see ``runtime``): the next call on this transport (or the
 host read inside a normal dispatch) raises ``TimeoutError`` naming what stalled.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -70,8 +71,14 @@ class NVLinkTransport(Transport):
         """Why the kernels cannot serve ``group`` (None when they can). Collective: every rank must call it."""
         return NVLinkRuntime.unavailable_reason(group, device)
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, num_nvl_bytes: int = 0,
-                 runtime: NVLinkRuntime | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        timeout_s: float,
+        num_nvl_bytes: int = 0,
+        runtime: NVLinkRuntime | None = None,
+    ) -> None:
         """``runtime``: the peer memory and library calls to use (default: a new :class:`NVLinkRuntime` over
         ``group``, collective); the rank, group size and device are the runtime's."""
         rt = runtime if runtime is not None else NVLinkRuntime(group, device, timeout_s, num_nvl_bytes)
@@ -95,16 +102,19 @@ class NVLinkTransport(Transport):
     def _check_capacity(self, rows: int, slot_bytes: int, what: str) -> None:
         capacity = staging_capacity(self._rt.region_bytes, slot_bytes)
         if rows > capacity:
-            raise ValueError(f"{what}: {rows} rows per rank exceed the nvlink staging capacity of {capacity} rows of "
-                             f"{slot_bytes} bytes; pass a larger num_nvl_bytes to Buffer")
+            raise ValueError(
+                f"{what}: {rows} rows per rank exceed the nvlink staging capacity of {capacity} rows of "
+                f"{slot_bytes} bytes; pass a larger num_nvl_bytes to Buffer"
+            )
 
     def destroy(self) -> None:
         """Free the peer buffer after every rank is done with it (collective)."""
         self._rt.destroy()
 
     # ---- layout ----
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return kernel_dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     # ---- dispatch ----
@@ -122,19 +132,35 @@ class NVLinkTransport(Transport):
             counts = args.num_tokens_per_rank
             if counts.dtype != torch.int32 or counts.device != self.device or not counts.is_contiguous():
                 counts = counts.to(device=self.device, dtype=torch.int32).contiguous()
-        invalid = (count_invalid(args.topk_idx, args.num_experts) if args.topk_idx is not None
-                   else torch.zeros(1, dtype=torch.int32, device=self.device))
+        invalid = (
+            count_invalid(args.topk_idx, args.num_experts)
+            if args.topk_idx is not None
+            else torch.zeros(1, dtype=torch.int32, device=self.device)
+        )
         per_expert = None
         if args.topk_idx is None:
             if args.num_experts > MAX_EXPERTS:
-                raise ValueError(f"num_tokens_per_expert: a dispatch without top-k on nvlink exchanges at most "
-                                 f"{MAX_EXPERTS} experts' counts, got {args.num_experts}")
+                raise ValueError(
+                    f"num_tokens_per_expert: a dispatch without top-k on nvlink exchanges at most "
+                    f"{MAX_EXPERTS} experts' counts, got {args.num_experts}"
+                )
             per_expert = args.num_tokens_per_expert.to(device=self.device, dtype=torch.int32).contiguous()
         info = 2 + (args.num_experts // r if per_expert is not None else 0)
         prefix, send_pos, send_list = self._int32((r * r + info,), (n, r), (r, max(n, 1)))
-        self._rt.notify_dispatch(_ptr(counts), _ptr(invalid), _ptr(in_rank), n, max(n, 1), prefix.data_ptr(),
-                                 send_pos.data_ptr(), send_list.data_ptr(), info_address(prefix, r),
-                                 meta_words(args).array, _ptr(per_expert), args.num_experts)
+        self._rt.notify_dispatch(
+            _ptr(counts),
+            _ptr(invalid),
+            _ptr(in_rank),
+            n,
+            max(n, 1),
+            prefix.data_ptr(),
+            send_pos.data_ptr(),
+            send_list.data_ptr(),
+            info_address(prefix, r),
+            meta_words(args).array,
+            _ptr(per_expert),
+            args.num_experts,
+        )
         return prefix, send_pos, send_list
 
     def refuse(self, call: str, exc: Exception) -> None:
@@ -148,10 +174,11 @@ class NVLinkTransport(Transport):
 
     def _prefix_matrix(self, prefix: torch.Tensor) -> torch.Tensor:
         """The rank prefix matrix ``[R, R]`` int32 at the start of notify's ``prefix``."""
-        return prefix[:self.num_ranks * self.num_ranks].view(self.num_ranks, self.num_ranks)
+        return prefix[: self.num_ranks * self.num_ranks].view(self.num_ranks, self.num_ranks)
 
-    def _speculate(self, prefix: torch.Tensor, info_length: int, num_experts: int, launch: Callable[[], _T]
-                   ) -> tuple[_T, list[int], list[int], bool]:
+    def _speculate(
+        self, prefix: torch.Tensor, info_length: int, num_experts: int, launch: Callable[[], _T]
+    ) -> tuple[_T, list[int], list[int], bool]:
         """The one host read of a fresh dispatch around its speculative kernel: start reading notify's outputs at
         ``prefix`` (the rank prefix matrix ``[R, R]``, then ``info[:info_length]``), ``launch()`` the dispatch
         kernel into receive buffers of ``self._recv_guess`` rows (the most any rank received so far) while the read
@@ -164,7 +191,7 @@ class NVLinkTransport(Transport):
         launched = launch()
         values = wait()
         self.check_error()
-        prefix, info = values[:r * r], values[r * r:]
+        prefix, info = values[: r * r], values[r * r :]
         if info[1]:
             raise invalid_ids_error([i for i in range(r) if info[1] >> i & 1], num_experts)
         # row minus the one above
@@ -183,15 +210,24 @@ class NVLinkTransport(Transport):
         if k > MAX_TOPK:
             raise ValueError(f"topk_idx: the nvlink kernels take at most {MAX_TOPK} experts per token, got {k}")
         if (hidden * (1 if fp8_rows else x.element_size())) % 16:
-            raise ValueError(f"x: the nvlink kernels need rows of a multiple of 16 bytes, "
-                             f"got hidden={hidden} {x.dtype}")
+            raise ValueError(
+                f"x: the nvlink kernels need rows of a multiple of 16 bytes, got hidden={hidden} {x.dtype}"
+            )
         slot = dispatch_slot_bytes(hidden, x.element_size(), fp8_rows, k)
         self._check_capacity(n, slot, "x")
         return slot
 
-    def _launch_dispatch(self, args: DispatchArgs, handle: DispatchHandle, topk_idx: torch.Tensor | None,
-                         recv_x: torch.Tensor | None, recv_scales: torch.Tensor | None,
-                         topk_weights: torch.Tensor | None, alignment: int = 1, **outputs: int) -> None:
+    def _launch_dispatch(
+        self,
+        args: DispatchArgs,
+        handle: DispatchHandle,
+        topk_idx: torch.Tensor | None,
+        recv_x: torch.Tensor | None,
+        recv_scales: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        alignment: int = 1,
+        **outputs: int,
+    ) -> None:
         """One dispatch kernel; ``outputs``: the mode's remaining ``moe_ep_dispatch_params`` fields, addresses as
         ints (passed to the struct's constructor with the rest: no attribute set per field)."""
         x = args.x
@@ -201,15 +237,33 @@ class NVLinkTransport(Transport):
         num_sms = self._num_sms(args.config)
         pull, warps = dispatch_roles(tuning, args.wire_fp8, args.fp8_out)
         params = DispatchParams(
-            x=x.data_ptr(), x_scales=_ptr(args.x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(), send_list=state.send_list.data_ptr(),
-            recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales), num_tokens=n, hidden=hidden,
-            x_elem_bytes=x.element_size(), num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
-            num_local_experts=args.num_experts // self.num_ranks, list_stride=state.send_list.shape[1],
-            num_recv_rows=handle.num_recv_rows, wire_fp8=int(args.wire_fp8), fp8_in=int(args.x_scales is not None),
-            fp8_out=int(args.fp8_out), round_scale=int(args.round_scale), num_sms=num_sms,
-            num_send_warps=warps, num_send_blocks=0, pull=int(pull),
-            send_pos=handle.send_pos.data_ptr(), alignment=alignment, **outputs)
+            x=x.data_ptr(),
+            x_scales=_ptr(args.x_scales),
+            topk_idx=_ptr(topk_idx),
+            topk_weights=_ptr(topk_weights),
+            rank_prefix_matrix=handle.rank_prefix_matrix.data_ptr(),
+            send_list=state.send_list.data_ptr(),
+            recv_x=_ptr(recv_x),
+            recv_scales=_ptr(recv_scales),
+            num_tokens=n,
+            hidden=hidden,
+            x_elem_bytes=x.element_size(),
+            num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
+            num_local_experts=args.num_experts // self.num_ranks,
+            list_stride=state.send_list.shape[1],
+            num_recv_rows=handle.num_recv_rows,
+            wire_fp8=int(args.wire_fp8),
+            fp8_in=int(args.x_scales is not None),
+            fp8_out=int(args.fp8_out),
+            round_scale=int(args.round_scale),
+            num_sms=num_sms,
+            num_send_warps=warps,
+            num_send_blocks=0,
+            pull=int(pull),
+            send_pos=handle.send_pos.data_ptr(),
+            alignment=alignment,
+            **outputs,
+        )
         self._rt.dispatch(params)
 
     def _replay_barrier(self, handle: DispatchHandle) -> NVLinkState:
@@ -234,28 +288,41 @@ class NVLinkTransport(Transport):
             return self._dispatch_rows(args, args.handle)
         prefix, send_pos, send_list = self._notify(args)
         worst = args.num_worst_tokens > 0  # no host read, so out-of-range ids are not reported in this mode
-        handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(prefix),
-                                is_token_in_rank=args.is_token_in_rank.contiguous(), send_pos=send_pos,
-                                recv_src_idx=None,  # set by _dispatch_rows, which makes it
-                                num_tokens=n, num_recv_tokens=None, num_experts=args.num_experts, rank=self.rank,
-                                num_ranks=self.num_ranks,
-                                num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
-                                topk_idx=args.topk_idx, transport_state=NVLinkState(prefix, send_list))
+        handle = DispatchHandle(
+            rank_prefix_matrix=self._prefix_matrix(prefix),
+            is_token_in_rank=args.is_token_in_rank.contiguous(),
+            send_pos=send_pos,
+            recv_src_idx=None,  # set by _dispatch_rows, which makes it
+            num_tokens=n,
+            num_recv_tokens=None,
+            num_experts=args.num_experts,
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            num_recv_rows=args.num_worst_tokens if worst else self._recv_guess,
+            topk_idx=args.topk_idx,
+            transport_state=NVLinkState(prefix, send_list),
+        )
         if worst:
             return _without_topk_counts(self.num_ranks, args, self._dispatch_rows(args, handle), prefix, None)
         num_local = args.num_experts // self.num_ranks
         result, handle.transport_state.host_counts, info, fits = self._speculate(
-            prefix, 2 + (num_local if args.topk_idx is None else 0), args.num_experts,
-            lambda: self._dispatch_rows(args, handle, speculative_rows=1))
+            prefix,
+            2 + (num_local if args.topk_idx is None else 0),
+            args.num_experts,
+            lambda: self._dispatch_rows(args, handle, speculative_rows=1),
+        )
         num_recv = handle.num_recv_tokens = handle.num_recv_rows = info[0]
         if not fits:
             self._replay_barrier(handle)
             return _without_topk_counts(self.num_ranks, args, self._dispatch_rows(args, handle), prefix, info)
         handle.recv_src_idx = handle.recv_src_idx[:num_recv]
-        cut = [None if t is None else t[:num_recv]
-               for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)]
-        return _without_topk_counts(self.num_ranks, args,
-                                    DispatchResult(*cut, result.num_recv_tokens_per_expert, handle), prefix, info)
+        cut = [
+            None if t is None else t[:num_recv]
+            for t in (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)
+        ]
+        return _without_topk_counts(
+            self.num_ranks, args, DispatchResult(*cut, result.num_recv_tokens_per_expert, handle), prefix, info
+        )
 
     def _dispatch_rows(self, args: DispatchArgs, handle: DispatchHandle, speculative_rows: int = 0) -> DispatchResult:
         """Outputs of ``handle.num_recv_rows`` rows and the dispatch kernel into them."""
@@ -264,15 +331,28 @@ class NVLinkTransport(Transport):
         k = args.topk_idx.shape[1] if has_topk else 0
         rows = handle.num_recv_rows
         recv_topk_idx = torch.empty(rows, k, dtype=torch.int64, device=self.device) if has_topk else None
-        recv_topk_weights = (torch.empty(rows, k, dtype=torch.float32, device=self.device)
-                             if has_topk and args.topk_weights is not None else None)
-        expert_counts = (torch.zeros(args.num_experts // self.num_ranks, dtype=torch.int32, device=self.device)
-                         if has_topk else None)
+        recv_topk_weights = (
+            torch.empty(rows, k, dtype=torch.float32, device=self.device)
+            if has_topk and args.topk_weights is not None
+            else None
+        )
+        expert_counts = (
+            torch.zeros(args.num_experts // self.num_ranks, dtype=torch.int32, device=self.device) if has_topk else None
+        )
         recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
-        self._launch_dispatch(args, handle, args.topk_idx, recv_x, recv_scales, args.topk_weights,
-                              recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-                              recv_src_idx=recv_src_idx.data_ptr(), recv_expert_count=_ptr(expert_counts),
-                              speculative_rows=speculative_rows)
+        self._launch_dispatch(
+            args,
+            handle,
+            args.topk_idx,
+            recv_x,
+            recv_scales,
+            args.topk_weights,
+            recv_topk_idx=_ptr(recv_topk_idx),
+            recv_topk_weights=_ptr(recv_topk_weights),
+            recv_src_idx=recv_src_idx.data_ptr(),
+            recv_expert_count=_ptr(expert_counts),
+            speculative_rows=speculative_rows,
+        )
         if args.handle is None or has_topk:
             handle.recv_src_idx = recv_src_idx
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
@@ -291,8 +371,9 @@ class NVLinkTransport(Transport):
             return self._expert_dispatch(args, args.handle, None)
         num_experts = args.num_experts
         if num_experts > MAX_EXPERTS:
-            raise ValueError(f"num_experts: the nvlink expert-major kernels take at most {MAX_EXPERTS} "
-                             f"experts, got {num_experts}")
+            raise ValueError(
+                f"num_experts: the nvlink expert-major kernels take at most {MAX_EXPERTS} experts, got {num_experts}"
+            )
         topk_idx = args.topk_idx
         (n, k), r = topk_idx.shape, self.num_ranks
         num_local = num_experts // r
@@ -300,28 +381,65 @@ class NVLinkTransport(Transport):
         # (see _speculate); it writes recv_src_idx and recv_slot by address.
         guess = self._recv_guess
         prefix, send_offset, send_pos, send_list, expert_pos, recv_src_idx, recv_slot = self._int32(
-            (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k), (guess,), (guess, k))
+            (r * r + 4 + 2 * num_local,), (num_experts,), (n, r), (r, max(n, 1)), (n, k), (guess,), (guess, k)
+        )
         in_rank = torch.empty(n, r, dtype=torch.bool, device=self.device)
         # One kernel from top-k to the whole layout (counts, exchange, send order, expert-major positions).
-        self._rt.notify_experts(_ptr(topk_idx), n, k, num_experts, alignment, max(n, 1), prefix.data_ptr(),
-                                send_pos.data_ptr(), send_list.data_ptr(), _ptr(in_rank), expert_pos.data_ptr(),
-                                send_offset.data_ptr(), info_address(prefix, r), meta_words(args).array)
+        self._rt.notify_experts(
+            _ptr(topk_idx),
+            n,
+            k,
+            num_experts,
+            alignment,
+            max(n, 1),
+            prefix.data_ptr(),
+            send_pos.data_ptr(),
+            send_list.data_ptr(),
+            _ptr(in_rank),
+            expert_pos.data_ptr(),
+            send_offset.data_ptr(),
+            info_address(prefix, r),
+            meta_words(args).array,
+        )
         state = NVLinkState(prefix, send_list, None, ExpertState(topk_idx, expert_pos, send_offset))
-        handle = DispatchHandle(rank_prefix_matrix=self._prefix_matrix(prefix), is_token_in_rank=in_rank,
-                                send_pos=send_pos, recv_src_idx=None, num_tokens=n, num_recv_tokens=None,
-                                num_experts=num_experts, rank=self.rank, num_ranks=r, num_recv_rows=guess,
-                                topk_idx=topk_idx, transport_state=state)
+        handle = DispatchHandle(
+            rank_prefix_matrix=self._prefix_matrix(prefix),
+            is_token_in_rank=in_rank,
+            send_pos=send_pos,
+            recv_src_idx=None,
+            num_tokens=n,
+            num_recv_tokens=None,
+            num_experts=num_experts,
+            rank=self.rank,
+            num_ranks=r,
+            num_recv_rows=guess,
+            topk_idx=topk_idx,
+            transport_state=state,
+        )
 
         def launch() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
             recv_x, recv_scales = _recv_tensors(args, self.device, guess)
-            probs = (torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
-                     if args.topk_weights is not None else None)  # the most M can be
-            self._launch_expert_dispatch(args, handle, recv_x, recv_scales, recv_src_idx, recv_slot, probs,
-                                         alignment, args.topk_weights, speculative_rows=1)
+            probs = (
+                torch.empty(guess * k + num_local * alignment, dtype=torch.float32, device=self.device)
+                if args.topk_weights is not None
+                else None
+            )  # the most M can be
+            self._launch_expert_dispatch(
+                args,
+                handle,
+                recv_x,
+                recv_scales,
+                recv_src_idx,
+                recv_slot,
+                probs,
+                alignment,
+                args.topk_weights,
+                speculative_rows=1,
+            )
             return recv_x, recv_scales, probs
 
         launched, state.host_counts, info, fits = self._speculate(prefix, 3 + num_local, num_experts, launch)
-        num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3:3 + num_local]
+        num_recv, num_rows, tokens_per_expert = info[0], info[2], info[3 : 3 + num_local]
         handle.num_recv_tokens = handle.num_recv_rows = num_recv
         if not fits:
             handle.recv_src_idx, recv_slot = self._int32((num_recv,), (num_recv, k))
@@ -333,43 +451,73 @@ class NVLinkTransport(Transport):
         x, _, scales = permute.permute(recv_x, handle.expert_layout.recv_slot, num_rows, None, recv_scales)
         return ExpertDispatchResult(x, scales, None if probs is None else probs[:num_rows], handle)
 
-    def _launch_expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, rows: torch.Tensor,
-                                scales: torch.Tensor | None, recv_src_idx: torch.Tensor, recv_slot: torch.Tensor,
-                                probs: torch.Tensor | None, alignment: int, weights: torch.Tensor | None,
-                                speculative_rows: int = 0) -> None:
+    def _launch_expert_dispatch(
+        self,
+        args: DispatchArgs,
+        handle: DispatchHandle,
+        rows: torch.Tensor,
+        scales: torch.Tensor | None,
+        recv_src_idx: torch.Tensor,
+        recv_slot: torch.Tensor,
+        probs: torch.Tensor | None,
+        alignment: int,
+        weights: torch.Tensor | None,
+        speculative_rows: int = 0,
+    ) -> None:
         """The expert-major dispatch kernel into the received rows ``rows`` ``[rows, H]`` and ``scales``
         ``[rows, H/128]`` float32 (FP8 rows) or None, writing ``recv_src_idx`` and ``recv_slot``."""
         expert: ExpertState = handle.transport_state.expert
-        self._launch_dispatch(args, handle, expert.topk_idx, rows, scales, weights, alignment,
-                              recv_src_idx=recv_src_idx.data_ptr(), expert_major=1,
-                              expert_pos=expert.expert_pos.data_ptr(), send_offset=expert.send_offset.data_ptr(),
-                              expert_info=info_address(handle.transport_state.prefix, self.num_ranks),
-                              recv_slot=recv_slot.data_ptr(), expert_probs=_ptr(probs),
-                              speculative_rows=speculative_rows)
+        self._launch_dispatch(
+            args,
+            handle,
+            expert.topk_idx,
+            rows,
+            scales,
+            weights,
+            alignment,
+            recv_src_idx=recv_src_idx.data_ptr(),
+            expert_major=1,
+            expert_pos=expert.expert_pos.data_ptr(),
+            send_offset=expert.send_offset.data_ptr(),
+            expert_info=info_address(handle.transport_state.prefix, self.num_ranks),
+            recv_slot=recv_slot.data_ptr(),
+            expert_probs=_ptr(probs),
+            speculative_rows=speculative_rows,
+        )
 
-    def _expert_dispatch(self, args: DispatchArgs, handle: DispatchHandle, weights: torch.Tensor | None
-                         ) -> ExpertDispatchResult:
+    def _expert_dispatch(
+        self, args: DispatchArgs, handle: DispatchHandle, weights: torch.Tensor | None
+    ) -> ExpertDispatchResult:
         """Replay ``handle``'s expert-major dispatch (a barrier, the kernel, then permute), with ``weights`` (the
         forward's, whose probs it returns) or without (a cached dispatch: its probs are the caller's)."""
         if weights is None:
             state = handle.transport_state
             if not isinstance(state, NVLinkState) or state.expert is None:
-                raise ValueError("handle: it has no nvlink expert-major state (it did not come from "
-                                 "NVLinkTransport.dispatch_experts)")
+                raise ValueError(
+                    "handle: it has no nvlink expert-major state (it did not come from "
+                    "NVLinkTransport.dispatch_experts)"
+                )
         layout: ExpertLayout = handle.expert_layout
         self._replay_barrier(handle)
         rows, scales = _recv_tensors(args, self.device, handle.num_recv_rows)
         probs = torch.empty(layout.num_rows, dtype=torch.float32, device=self.device) if weights is not None else None
         # A replay rewrites recv_slot and recv_src_idx with the values they already hold.
-        self._launch_expert_dispatch(args, handle, rows, scales, handle.recv_src_idx, layout.recv_slot, probs,
-                                     layout.alignment, weights)
+        self._launch_expert_dispatch(
+            args, handle, rows, scales, handle.recv_src_idx, layout.recv_slot, probs, layout.alignment, weights
+        )
         x, _, scales = permute.permute(rows, layout.recv_slot, layout.num_rows, None, scales)
         return ExpertDispatchResult(x, scales, probs, handle)
 
     # ---- combine ----
-    def _combine_launch(self, hidden: int, dtype: torch.dtype, handle: DispatchHandle,
-                        topk_weights: torch.Tensor | None, bias: tuple[torch.Tensor, ...], config: Config
-                        ) -> _CombineLaunch:
+    def _combine_launch(
+        self,
+        hidden: int,
+        dtype: torch.dtype,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> _CombineLaunch:
         """Validate a combine of ``handle.num_recv_rows`` rows ``[hidden]`` of ``dtype``, allocate its outputs and
         pick how rows travel (``plan.combine_roles``); ``params.x`` is left for the caller."""
         elem_bytes = dtype.itemsize
@@ -384,29 +532,53 @@ class NVLinkTransport(Transport):
         if own:  # this transport's views of notify's int32 output: nothing to convert
             rpm, send_pos = handle.rank_prefix_matrix, handle.send_pos
         else:
-            rpm, send_pos = (t if t.dtype == torch.int32 and t.device == self.device and t.is_contiguous()
-                             else t.to(device=self.device, dtype=torch.int32).contiguous()
-                             for t in (handle.rank_prefix_matrix, handle.send_pos))
+            rpm, send_pos = (
+                t
+                if t.dtype == torch.int32 and t.device == self.device and t.is_contiguous()
+                else t.to(device=self.device, dtype=torch.int32).contiguous()
+                for t in (handle.rank_prefix_matrix, handle.send_pos)
+            )
         out = torch.empty(handle.num_tokens, hidden, dtype=dtype, device=self.device)
-        out_weights = (torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
-                       if topk_weights is not None else None)
+        out_weights = (
+            torch.empty(handle.num_tokens, k, dtype=torch.float32, device=self.device)
+            if topk_weights is not None
+            else None
+        )
         num_sms = self._num_sms(config)
         host_counts = state.host_counts if own else None  # read by this transport's own dispatches
         row_bytes = hidden * elem_bytes
         pull, copy_engine, warps, blocks = combine_roles(
-            config.nvlink, num_sms, None if host_counts is None else most_received(host_counts, self.num_ranks),
-            row_bytes, lambda: self._rt.pull_rows(row_bytes, k))
+            config.nvlink,
+            num_sms,
+            None if host_counts is None else most_received(host_counts, self.num_ranks),
+            row_bytes,
+            lambda: self._rt.pull_rows(row_bytes, k),
+        )
         # copy engine and pull: where each peer's rows sit in x (kept alive in the result until the launch)
         counts = state.copy_counts() if copy_engine or pull else None
         order = _summing_order_source(handle, self.device)
         params = CombineParams(
-            topk_weights=_ptr(topk_weights), rank_prefix_matrix=rpm.data_ptr(), send_pos=send_pos.data_ptr(),
-            bias0=_ptr(bias[0]) if len(bias) > 0 else 0, bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
-            out=out.data_ptr(), out_weights=_ptr(out_weights), num_tokens=handle.num_tokens, hidden=hidden,
-            elem_bytes=elem_bytes, num_topk=k, num_recv_rows=handle.num_recv_rows, num_sms=num_sms,
-            num_send_warps=warps, num_send_blocks=blocks,
-            host_counts=0 if counts is None else counts.address, pull=int(pull), topk_idx=_ptr(order),
-            idx_topk=0 if order is None else order.shape[1], num_local_experts=handle.num_local_experts)
+            topk_weights=_ptr(topk_weights),
+            rank_prefix_matrix=rpm.data_ptr(),
+            send_pos=send_pos.data_ptr(),
+            bias0=_ptr(bias[0]) if len(bias) > 0 else 0,
+            bias1=_ptr(bias[1]) if len(bias) > 1 else 0,
+            out=out.data_ptr(),
+            out_weights=_ptr(out_weights),
+            num_tokens=handle.num_tokens,
+            hidden=hidden,
+            elem_bytes=elem_bytes,
+            num_topk=k,
+            num_recv_rows=handle.num_recv_rows,
+            num_sms=num_sms,
+            num_send_warps=warps,
+            num_send_blocks=blocks,
+            host_counts=0 if counts is None else counts.address,
+            pull=int(pull),
+            topk_idx=_ptr(order),
+            idx_topk=0 if order is None else order.shape[1],
+            num_local_experts=handle.num_local_experts,
+        )
         if copy_engine:
             params.copy_engine = 1
             params.copy_piece_rows, params.copy_streams = config.nvlink.copy_piece_rows, config.nvlink.copy_streams
@@ -418,16 +590,28 @@ class NVLinkTransport(Transport):
             self._rt.barrier()
         self._rt.combine(params)
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check_error()
         launch = self._combine_launch(x.shape[1], x.dtype, handle, topk_weights, bias, config)
         launch.params.x = _ptr(x)
         self._launch_combine(launch.params)
         return launch.out, launch.out_weights
 
-    def combine_experts(self, y: torch.Tensor, handle: DispatchHandle, expert_weights: torch.Tensor | None,
-                        bias: tuple[torch.Tensor, ...], config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_experts(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        expert_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base class's ``unpermute`` + :meth:`combine` (same bits), except when the combine pulls: after the
         start barrier (peers are done reading this rank's own region), ``unpermute`` writes the ``[N_recv, H]``
         received rows straight into that region, where the combine kernel reads them (``x_in_region``): no row
@@ -468,18 +652,20 @@ def _recv_tensors(args: DispatchArgs, device: torch.device, rows: int) -> tuple[
     dequant = args.wire_fp8 and not args.fp8_out
     dtype = torch.float8_e4m3fn if fp8_rows and not dequant else x.dtype
     recv_x = torch.empty(rows, x.shape[1], dtype=dtype, device=device)
-    recv_scales = (torch.empty(rows, x.shape[1] // 128, dtype=torch.float32, device=device)
-                   if fp8_rows and not dequant else None)
+    recv_scales = (
+        torch.empty(rows, x.shape[1] // 128, dtype=torch.float32, device=device) if fp8_rows and not dequant else None
+    )
     return recv_x, recv_scales
 
 
-def _without_topk_counts(num_ranks: int, args: DispatchArgs, result: DispatchResult, prefix: torch.Tensor,
-                         info: list[int] | None) -> DispatchResult:
+def _without_topk_counts(
+    num_ranks: int, args: DispatchArgs, result: DispatchResult, prefix: torch.Tensor, info: list[int] | None
+) -> DispatchResult:
     """``result`` with, for a dispatch without top-k, the per-local-expert counts notify summed from every rank's
     ``num_tokens_per_expert`` (``info[2:]``): on the device, and as read (``info``) when read."""
     if args.topk_idx is not None:
         return result
     r, num_local = num_ranks, args.num_experts // num_ranks
-    result.num_recv_tokens_per_expert = prefix[r * r + 2:r * r + 2 + num_local]
-    result.host_counts = None if info is None else info[2:2 + num_local]
+    result.num_recv_tokens_per_expert = prefix[r * r + 2 : r * r + 2 + num_local]
+    result.host_counts = None if info is None else info[2 : 2 + num_local]
     return result

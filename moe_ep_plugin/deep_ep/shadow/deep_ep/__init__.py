@@ -1,6 +1,7 @@
 """``import deep_ep`` → ``moe_ep_plugin.deep_ep``: this directory's parent goes first on ``PYTHONPATH``
 (``python -m moe_ep_plugin.deep_ep`` prints it). Refuses when a real DeepEP is importable, unless
 ``MOE_EP_DEEP_EP_FORCE=1``."""
+
 import os
 
 from moe_ep_plugin.deep_ep.install import install_deep_ep

@@ -10,6 +10,7 @@ so their spawned ranks import it too):
 - ``deep_ep.utils.math``, ``.testing``, ``.gate``, ``.refs``: DeepEP's own pure-torch test utilities, loaded from
   the DeepEP checkout named by ``MOE_EP_DEEPEP_SRC`` (nothing of DeepEP is kept in this repository).
 """
+
 import importlib.util
 import os
 import sys
