@@ -9,18 +9,11 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..config import positive_int, round_up
+from ..config import positive_int
 from .handle import EPHandle, check_handle
 
 if TYPE_CHECKING:
     from .elastic import ElasticBuffer
-
-align = round_up  # the name layout.py and sizing.py import: config's one rounding rule
-
-
-def check_int(name: str, value: object, low: int) -> int:
-    """config.positive_int with DeepEP's argument order (name first), as elastic.py and sizing.py call it."""
-    return positive_int(value, name, low)
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -182,10 +175,8 @@ def check_expanded(handle: EPHandle, topk_weights: torch.Tensor | None, allow_mu
 
 __all__ = [
     "DispatchArgs",
-    "align",
     "check_bool",
     "check_expanded",
-    "check_int",
     "check_num_sms",
     "check_seconds",
     "dispatch_args",

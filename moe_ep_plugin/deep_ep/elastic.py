@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 
 from ..buffer import Buffer
-from ..config import combine_config, dispatch_config
+from ..config import combine_config, dispatch_config, positive_int
 from ..event import EventOverlap
 from . import layout
 from .arguments import (
     DispatchArgs,
     check_bool,
     check_expanded,
-    check_int,
     check_num_sms,
     check_seconds,
     dispatch_args,
@@ -145,12 +144,12 @@ class ElasticBuffer:
     ) -> None:
         num_ranks = group_size(group)
         if num_bytes is not None:
-            check_int("num_bytes", num_bytes, 0)
-        if check_int("num_cpu_bytes", num_cpu_bytes, 0):
+            positive_int(num_bytes, "num_bytes", 0)
+        if positive_int(num_cpu_bytes, "num_cpu_bytes", 0):
             raise ValueError("num_cpu_bytes: DeepEP's Engram CPU storage is not served by moe_ep_plugin; pass 0")
-        self.num_max_tokens_per_rank = check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
-        self.hidden = check_int("hidden", hidden, 0)
-        self.num_topk = check_int("num_topk", num_topk, 0)
+        self.num_max_tokens_per_rank = positive_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", 0)
+        self.hidden = positive_int(hidden, "hidden", 0)
+        self.num_topk = positive_int(num_topk, "num_topk", 0)
         self.use_fp8_dispatch = check_bool("use_fp8_dispatch", use_fp8_dispatch)
         self.deterministic = check_bool("deterministic", deterministic)
         self.allow_hybrid_mode = check_bool("allow_hybrid_mode", allow_hybrid_mode)
@@ -158,8 +157,8 @@ class ElasticBuffer:
         self.prefer_overlap_with_compute = check_bool("prefer_overlap_with_compute", prefer_overlap_with_compute)
         self.explicitly_destroy = check_bool("explicitly_destroy", explicitly_destroy)
         if sl_idx is not None:
-            check_int("sl_idx", sl_idx, 0)
-        self.num_allocated_qps = check_int("num_allocated_qps", num_allocated_qps, 0)
+            positive_int(sl_idx, "sl_idx", 0)
+        self.num_allocated_qps = positive_int(num_allocated_qps, "num_allocated_qps", 0)
         check_seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
         check_seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
         if num_bytes is None:
@@ -264,7 +263,7 @@ class ElasticBuffer:
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """0: this library opens no RDMA queue pairs (the network stage is NCCL's)."""
-        check_int("num_sms", num_sms, 0)
+        positive_int(num_sms, "num_sms", 0)
         return 0
 
     # ---- streams, domains, lifetime ----
@@ -342,7 +341,7 @@ class ElasticBuffer:
                 not exceed it.
             expert_alignment: each local expert's count (and, expanded, its block of rows) is rounded up to a
                 multiple of this (default 1; the handle's with ``handle``).
-            num_sms: SMs of the kernels (0: :meth:`get_theoretical_num_sms`); rounded up to even.
+            num_sms: SMs of the kernels (0: :meth:`get_theoretical_num_sms`); an even count (odd: a ValueError).
             num_qps: accepted (no queue pairs here).
             previous_event: an ``EventHandle`` (from :meth:`capture`) the communication waits for; needs
                 ``allocate_on_comm_stream``.
@@ -689,7 +688,7 @@ class ElasticBuffer:
         out_dtype: torch.dtype | None = None,
     ):
         handle = check_handle(handle, self)
-        check_int("num_qps", num_qps, 0)
+        positive_int(num_qps, "num_qps", 0)
         sms = check_num_sms(num_sms) or handle.num_sms
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise TypeError(f"x: expected a [rows, hidden] tensor, got {type(x).__name__}")

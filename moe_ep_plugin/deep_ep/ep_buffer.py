@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..buffer import Buffer
-from .arguments import check_bool, check_int
+from ..config import positive_int
+from .arguments import check_bool
 from .elastic import Bias, ElasticBuffer
 from .handle import EPHandle
 from .layout import XInput
@@ -232,10 +233,10 @@ class EPBuffer(ElasticBuffer):
         tokens = (
             self.num_max_tokens_per_rank
             if num_max_tokens_per_rank is None
-            else check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+            else positive_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", 0)
         )
-        hidden = self.hidden if hidden is None else check_int("hidden", hidden, 0)
-        num_topk = self.num_topk if num_topk is None else check_int("num_topk", num_topk, 0)
+        hidden = self.hidden if hidden is None else positive_int(hidden, "hidden", 0)
+        num_topk = self.num_topk if num_topk is None else positive_int(num_topk, "num_topk", 0)
         if num_bytes is None:
             num_bytes = self.get_buffer_size_hint(
                 self.group,
@@ -246,7 +247,7 @@ class EPBuffer(ElasticBuffer):
                 self.allow_hybrid_mode,
                 self.allow_multiple_reduction,
             )
-        return check_int("num_bytes", num_bytes, 0), tokens, hidden, num_topk
+        return positive_int(num_bytes, "num_bytes", 0), tokens, hidden, num_topk
 
     def lb_get_redundancy_mapping(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """DeepEP 2.6's redundant-expert planning across scale-out EP groups: not served (module docstring)."""

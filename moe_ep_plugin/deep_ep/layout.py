@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import round_up
 from ..handle import DispatchHandle
-from .arguments import align
 
 XInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -86,16 +86,16 @@ def sf_layout(recv_x: XInput, col_major: bool) -> XInput:
         return recv_x
     data, scales = recv_x
     rows = scales.shape[0]
-    storage = scales.new_zeros(scales.shape[1], align(max(rows, 1), 4))
+    storage = scales.new_zeros(scales.shape[1], round_up(max(rows, 1), 4))
     storage[:, :rows] = scales.t()
     return data, storage[:, :rows].t()
 
 
 def pack_weights(topk_weights: torch.Tensor) -> torch.Tensor:
-    """float32 ``[T, K]`` → BF16 ``[T, align(2K, 8)]`` holding each float32 word as two BF16 values (dispatch
+    """float32 ``[T, K]`` → BF16 ``[T, round_up(2K, 8)]`` holding each float32 word as two BF16 values (dispatch
     copies rows, it never computes on them; rows of 16-byte multiples for every transport)."""
     num_tokens, num_topk = topk_weights.shape
-    packed = torch.zeros(num_tokens, align(2 * num_topk, 8), dtype=torch.bfloat16, device=topk_weights.device)
+    packed = torch.zeros(num_tokens, round_up(2 * num_topk, 8), dtype=torch.bfloat16, device=topk_weights.device)
     packed[:, : 2 * num_topk] = topk_weights.contiguous().view(torch.bfloat16)
     return packed
 

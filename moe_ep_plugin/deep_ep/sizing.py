@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..buffer_cache import nvl_bytes_hint
-from .arguments import align, check_int
+from ..config import positive_int, round_up
 
 BUFFER_ALIGNMENT = 2 << 20  # DeepEP sizes its buffers in 2 MB units; the hint keeps that granularity
 DEFAULT_NVLINK_GBS = 450.0  # one direction of an H100/H200's NVLink 4: the link the SM model fills
@@ -18,10 +18,10 @@ MIN_NUM_SMS = 2  # one send and one receive block: the smallest grid of this lib
 def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
     """Peer-memory bytes for rows of ``hidden`` BF16 values over ``num_ranks`` ranks, 2 MB aligned (the rings
     are chunked, so the size grows with neither ``num_max_tokens_per_rank`` nor ``num_topk``: both validated)."""
-    check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
-    check_int("hidden", hidden, 1)
-    check_int("num_topk", num_topk, 0)
-    return align(nvl_bytes_hint(num_ranks, hidden * 2), BUFFER_ALIGNMENT)
+    positive_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", 0)
+    positive_int(hidden, "hidden", 1)
+    positive_int(num_topk, "num_topk", 0)
+    return round_up(nvl_bytes_hint(num_ranks, hidden * 2), BUFFER_ALIGNMENT)
 
 
 def _check_bandwidths(rdma_gbs: float, nvlink_gbs: float, sm_read_gbs: float, sm_write_gbs: float) -> None:
@@ -47,8 +47,8 @@ def theoretical_num_sms(
 ) -> int:
     """An even SM count for ``num_ranks`` ranks, ``num_scaleup_ranks`` of them per node, on ``device``
     (``ElasticBuffer.get_theoretical_num_sms`` documents the model and the other arguments)."""
-    check_int("num_experts", num_experts, 1)
-    check_int("num_topk", num_topk, 1)
+    positive_int(num_experts, "num_experts", 1)
+    positive_int(num_topk, "num_topk", 1)
     if num_scaleout_topk != 0:
         raise ValueError("num_scaleout_topk: only 0 is modelled (uniform routing)")
     _check_bandwidths(rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
