@@ -13,6 +13,7 @@ tensors to its transport (``torch`` reference or ``nvlink`` kernels).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -181,6 +182,12 @@ class Buffer:
             )
         self.transport = create_transport(self.transport_name, group, self.device, timeout_s, num_nvl_bytes, split)
         self.timeout_s = timeout_s
+        # destroy() leaves this rank's number under a key of the default store, so that a peer's call names it
+        # instead of timing out: one key per (group, n-th Buffer of the group), n counted per rank in the store
+        # (Buffers are made collectively, in the same order on every rank, so the ranks' n agree).
+        self._store = dist.distributed_c10d._get_default_store()
+        nth = self._store.add(f"moe_ep_plugin.buffer/made/{group.group_name}/{self.rank}", 1)
+        self._destroyed_key = f"moe_ep_plugin.buffer/destroyed/{group.group_name}/{nth}"
         self._comm_stream = torch.cuda.Stream(self.device, priority=-1) if is_cuda else None
         self._last_stream: int | None = None  # raw handle of the stream the last call's work went to
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
@@ -229,25 +236,58 @@ class Buffer:
         return self._comm_stream
 
     def destroy(self) -> None:
-        """Release transport resources (collective for the kernel transport); any later call raises."""
+        """Release transport resources (collective for the kernel transport); any later call raises, here and (naming
+        this rank) on the peers."""
         for transport in (self.transport, self._low_latency and self._low_latency.transport):
             release = getattr(transport, "destroy", None)
             if release is not None:
                 release()
         self.destroyed = True
+        try:
+            self._store.set(self._destroyed_key, str(self.rank))
+        except RuntimeError as exc:  # the store's host left first (teardown): released all the same, said so
+            warnings.warn(
+                f"Buffer.destroy: released, but the store could not record it ({exc}); a peer still calling "
+                "this Buffer learns it only from its timeout",
+                stacklevel=2,
+            )
 
     def _check_live(self) -> None:
         if self.destroyed:
             raise RuntimeError("Buffer: used after destroy(), which released its transport; make a new Buffer")
 
+    def _check_peers(self, cause: BaseException | None = None) -> None:
+        """Raise naming the peer that destroyed its side of this Buffer, if one did (a store round trip). With
+        ``cause`` (a failed wait on peers, re-raised by the caller otherwise) a store that cannot answer either, as
+        when the rank hosting it is gone, leaves ``cause`` to be raised."""
+        try:
+            if not self._store.check([self._destroyed_key]):
+                return
+            rank = int(self._store.get(self._destroyed_key))
+        except RuntimeError:  # torch.distributed's store errors (DistStoreError, DistNetworkError)
+            if cause is None:
+                raise
+            return
+        raise RuntimeError(
+            f"Buffer: rank {rank} of this group destroyed its Buffer (destroy()), so this rank's call cannot "
+            "complete; make a new Buffer on every rank"
+        ) from cause
+
     # ---- streams ----
     def _run(self, fn: Callable[[], tuple]) -> tuple:
         """``fn()``; when it fails with a CUDA error, the error a kernel recorded first, if any (a kernel that
-        trapped makes the next host read fail, without naming why)."""
+        trapped makes the next host read fail, without naming why). A peer that destroyed its Buffer is named: before
+        ``fn`` where the transport asks at each call, else when a wait on peers failed."""
+        if self.transport.checks_peers_each_call:
+            self._check_peers()
         try:
-            return fn()
-        except RuntimeError:
-            self.transport.check_error()
+            try:
+                return fn()
+            except RuntimeError:
+                self.transport.check_error()
+                raise
+        except (TimeoutError, RuntimeError) as exc:
+            self._check_peers(exc)
             raise
 
     def _on_comm_stream(
@@ -791,6 +831,8 @@ class Buffer:
 
     def _ll(self) -> LowLatencyMode:
         self._check_live()
+        if self.transport.checks_peers_each_call:
+            self._check_peers()
         if self._low_latency is None:
             raise ValueError("low_latency_mode: this Buffer was made without low_latency_mode=True")
         return self._low_latency

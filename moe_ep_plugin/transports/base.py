@@ -229,6 +229,9 @@ class Transport(abc.ABC):
     name: str = "abstract"
     # dispatch_experts derives the layout from top-k itself (DispatchArgs then carries no layout tensors)
     expert_layout_from_topk: bool = False
+    # The Buffer asks the store before each call whether a peer destroyed its Buffer (a round trip, small beside
+    # the host-waited collectives of the torch transports); otherwise only once a wait on peers failed.
+    checks_peers_each_call: bool = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
         self.group = group

@@ -176,6 +176,7 @@ class HierarchicalTransport(Transport):
     ``intra`` serves ``split.node_group``, ``rail`` serves ``split.rail_group``."""
 
     name = "hierarchical"
+    checks_peers_each_call = True
 
     def __init__(
         self,

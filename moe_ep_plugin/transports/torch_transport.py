@@ -73,6 +73,7 @@ class TorchTransport(Transport):
     """Works on any device torch.distributed serves; the semantics reference for the kernel transports."""
 
     name = "torch"
+    checks_peers_each_call = True
 
     def _timeout_error(self, what: str, exc: Exception | None) -> TimeoutError:
         return TimeoutError(
