@@ -142,9 +142,8 @@ class Buffer:
         group = group if group is not None else dist.group.WORLD
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
-        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+        positive_int(num_nvl_bytes, "num_nvl_bytes", 0)
+        positive_int(num_rdma_bytes, "num_rdma_bytes", 0)
         positive_int(num_qps_per_rank, "num_qps_per_rank")
         if enable_shrink:  # DeepEP's low_latency_*_mask_buffer calls, which this library does not have
             raise ValueError(
@@ -524,10 +523,8 @@ class Buffer:
         x_data, x_scales = self._check_x(x, fp8_dispatch, fp8_out, round_scale)
         n = x_data.shape[0]
         layout_given = num_tokens_per_rank is not None
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
+        positive_int(expert_alignment, "expert_alignment")
+        positive_int(num_worst_tokens, "num_worst_tokens", 0)
         config = self._check_config(config, self.get_dispatch_config)
         if handle is not None:
             self._check_handle(handle, n)

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .config import positive_int
+
 EXPERT_COMPUTE = ("auto", "grouped", "loop")
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -87,14 +89,14 @@ def resolve_impl(impl: str, x: torch.Tensor, *weights: torch.Tensor, name: str =
 
 def check_counts(counts: object, num_experts: int, num_rows: int) -> list[int]:
     """``counts`` must be ``num_experts`` non-negative ints summing to ``num_rows``."""
-    if not isinstance(counts, (list, tuple)) or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
+    if not isinstance(counts, (list, tuple)):
         raise TypeError(f"counts: expected a list of ints (rows per local expert), got {counts!r}")
     if len(counts) != num_experts:
         raise ValueError(f"counts: expected {num_experts} entries (one per local expert), got {len(counts)}")
-    if any(c < 0 for c in counts) or sum(counts) != num_rows:
-        raise ValueError(
-            f"counts: expected non-negative rows per expert summing to the {num_rows} rows, got {list(counts)}"
-        )
+    for i, c in enumerate(counts):
+        positive_int(c, f"counts[{i}]", 0)
+    if sum(counts) != num_rows:
+        raise ValueError(f"counts: expected rows per expert summing to the {num_rows} rows, got {list(counts)}")
     return list(counts)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .config import round_up
+from .config import positive_int, round_up
 
 
 def align_counts(counts: list[int], alignment: int) -> list[int]:
@@ -82,10 +82,10 @@ class DispatchHandle:
     def __getitem__(self, position: int) -> Any:
         """DeepEP's tuple position ``position``: the same tensor where this library has it, else a
         :class:`NoEquivalent` that raises naming the position when used."""
-        if isinstance(position, bool) or not isinstance(position, int):
-            raise TypeError(f"handle[{position!r}]: DeepEP's handle is indexed by an int in [0, 6)")
-        if not -len(self) <= position < len(self):
-            raise IndexError(f"handle[{position}]: DeepEP's intranode handle has 6 positions")
+        try:  # out of range is the sequence protocol's IndexError, not a ValueError
+            positive_int(position, "handle[position]", -len(self), len(self) - 1)
+        except ValueError:
+            raise IndexError(f"handle[{position}]: DeepEP's intranode handle has 6 positions") from None
         position %= len(self)
         name = DEEPEP_HANDLE_FIELDS[position]
         if name in ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank"):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .config import DEFAULT_TIMEOUT_S
+from .config import DEFAULT_TIMEOUT_S, positive_int
 
 GRACE_S = 5.0  # after the first failure: how long the other ranks may take to end on their own, then per signal
 # How long the spawned ranks may take to start (a fresh interpreter importing torch, on a loaded machine) before
@@ -257,8 +257,7 @@ def spawn(
     thread) is forwarded to every rank, those still running ``grace_s`` seconds later are killed, and
     :class:`LaunchInterrupted` is raised.
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs: expected an int >= 1, got {nprocs!r}")
+    positive_int(nprocs, "nprocs")
     if not grace_s > 0:
         raise ValueError(f"grace_s: expected a positive number of seconds, got {grace_s!r}")
     ctx = mp.get_context("spawn")

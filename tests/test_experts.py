@@ -120,8 +120,10 @@ def test_inputs_are_checked_with_named_errors():
         experts.swiglu_experts(x, gate_up, down, [5], "loop")
     with pytest.raises(ValueError, match="summing to the 5 rows"):
         experts.swiglu_experts(x, gate_up, down, [2, 2], "grouped")
-    with pytest.raises(ValueError, match="summing to the 5 rows"):
+    with pytest.raises(ValueError, match=r"counts\[1\]: expected a non-negative int"):
         experts.swiglu_experts(x, gate_up, down, [6, -1], "grouped")
+    with pytest.raises(TypeError, match=r"counts\[0\]: expected an int"):
+        experts.swiglu_experts(x, gate_up, down, [True, 4], "loop")
     with pytest.raises(TypeError, match="counts: expected a list of ints"):
         experts.swiglu_experts(x, gate_up, down, torch.tensor([2, 3]), "loop")
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
-from ..config import combine_config, dispatch_config
+from ..config import combine_config, dispatch_config, positive_int
 from . import deepep_shim
 from .options import as_token_dtype, carried
 
@@ -111,8 +111,8 @@ def hybrid_ep_dispatch(
             f"x {num_ranks} ranks), got {tuple(routing_map.shape)}"
         )
     for name, value in (("num_permuted_tokens", num_permuted_tokens), ("pad_multiple", pad_multiple)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+        if value is not None:
+            positive_int(value, name, 0)
     options = deepep_shim.current_options()
     rows_in = carried(x, options, "x")
     buffer = get_buffer(

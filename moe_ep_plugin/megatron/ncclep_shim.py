@@ -212,8 +212,7 @@ def new_nccl_ep_buffer(
             f"num_local_experts: {num_local_experts} x the group's ranks is not the bootstrap's "
             f"{state.num_experts} experts"
         )
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 0:
-        raise ValueError(f"alignment: expected an int >= 0, got {alignment!r}")
+    positive_int(alignment, "alignment", 0)
     return NcclEpBuffer(
         positive_int(top_k, "top_k"),
         max_tokens_per_rank,
