@@ -2,7 +2,10 @@
 
 This is DeepEP's usage pattern (Megatron-Core keeps one global DeepEP buffer): the ``nvlink`` transport
 pre-allocates peer-visible memory, so all MoE layers on a group share one buffer instead of one each.
-The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all take their buffer from here.
+The Megatron-Core dispatcher, the DeepSpeed layer and the example trainer all take their buffer from here
+(:func:`get_buffer`: fetched per call, re-created when it must grow). Objects that keep their buffer, the
+``deep_ep`` module's ``ElasticBuffer``/``EPBuffer`` (one per layer in DeepSpeed AutoEP before its PR #8557), hold
+a :class:`Lease` on one shared Buffer instead (:func:`lease_buffer`): the last lease released destroys it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from .config import Config, combine_config, dispatch_config
 from .transports.nvlink.plan import dispatch_slot_bytes, staging_bytes
 
 _BUFFERS: dict[tuple[dist.ProcessGroup, str, int | None, torch.device], Buffer] = {}
+# lease_buffer's Buffers: the one new leases of a key get, and the live leases of each (an outgrown Buffer stays
+# in _LEASES until its last lease is released)
+_LEASED: dict[tuple[dist.ProcessGroup, str, int | None, torch.device, float | None], Buffer] = {}
+_LEASES: dict[Buffer, int] = {}
 
 
 def nvl_bytes_hint(num_ranks: int, hidden_bytes: int, num_sms: int | None = None, rows: int = 0) -> int:
@@ -38,6 +45,19 @@ def sm_configs(num_sms: int | None, num_ranks: int) -> tuple[Config, Config] | N
     if num_sms is None:
         return None
     return dispatch_config(num_sms, num_ranks), combine_config(num_sms, num_ranks)
+
+
+def _new_buffer(key: tuple, num_nvl_bytes: int, timeout_s: float | None) -> Buffer:
+    """A Buffer of ``num_nvl_bytes`` for a cache key ``(group, transport, ranks_per_node, device, ...)``."""
+    group, transport, ranks_per_node, device = key[:4]
+    return Buffer(
+        group,
+        num_nvl_bytes=num_nvl_bytes,
+        transport=transport,
+        timeout_s=timeout_s,
+        ranks_per_node=ranks_per_node,
+        device=device,
+    )
 
 
 def get_buffer(
@@ -64,16 +84,83 @@ def get_buffer(
     if buffer is None or buffer.num_nvl_bytes < need:
         if buffer is not None:
             buffer.destroy()
-        buffer = Buffer(
-            group,
-            num_nvl_bytes=need,
-            transport=transport,
-            timeout_s=timeout_s,
-            ranks_per_node=ranks_per_node,
-            device=device,
-        )
+        buffer = _new_buffer(key, need, timeout_s)
         _BUFFERS[key] = buffer
     return buffer
+
+
+class Lease:
+    """One holder's claim on a shared Buffer (:func:`lease_buffer`), valid until :meth:`release`."""
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        self.released = False
+
+    def check_live(self) -> None:
+        """Raise when this lease was released (its holder was destroyed; the Buffer may serve others still)."""
+        if self.released:
+            raise RuntimeError("buffer: used after destroy(), which released its share of the buffer; make a new one")
+
+    def release(self) -> None:
+        """Give up this claim (again: nothing); the last claim on the Buffer destroys it, which is collective for
+        the kernel transports, so every rank releases the same leases in the same order."""
+        if self.released:
+            return
+        self.released = True
+        _LEASES[self.buffer] -= 1
+        if _LEASES[self.buffer]:
+            return
+        del _LEASES[self.buffer]
+        for key, buffer in list(_LEASED.items()):
+            if buffer is self.buffer:
+                del _LEASED[key]
+        self.buffer.destroy()
+
+
+def lease_buffer(
+    group: dist.ProcessGroup,
+    num_nvl_bytes: int,
+    transport: str = "auto",
+    timeout_s: float | None = None,
+    device: torch.device | str | None = None,
+    ranks_per_node: int | None = None,
+) -> Lease:
+    """A lease on the shared Buffer of ``group``, ``transport``, ``timeout_s``, ``device`` and ``ranks_per_node``
+    (as :class:`moe_ep_plugin.Buffer` takes them) with at least ``num_nvl_bytes`` of peer memory.
+
+    Collective: the ranks first compare their requests and whether they hold such a Buffer (every rank raises the
+    same ``ValueError`` when they differ), then all reuse it or all make one. A request larger than the shared
+    Buffer makes a new one that later leases share; leases on the outgrown one keep it until they are released.
+
+    Arguments:
+        group: the process group.
+        num_nvl_bytes: the peer-memory bytes the holder needs (a non-negative int, the same on every rank).
+        transport, timeout_s, device, ranks_per_node: as :class:`moe_ep_plugin.Buffer`.
+
+    Returns:
+        A :class:`Lease`; ``lease.buffer`` is the shared Buffer.
+    """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    if not isinstance(num_nvl_bytes, int) or isinstance(num_nvl_bytes, bool) or num_nvl_bytes < 0:
+        raise ValueError(f"num_nvl_bytes: expected a non-negative int, got {num_nvl_bytes!r}")
+    device = buffer_device(group, device)
+    key = (group, transport, ranks_per_node, device, timeout_s)
+    buffer = _LEASED.get(key)
+    reuse = buffer is not None and not buffer.destroyed and buffer.num_nvl_bytes >= num_nvl_bytes
+    mine = (num_nvl_bytes, transport, ranks_per_node, timeout_s, reuse)
+    everyone: list[tuple | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(other != mine for other in everyone):
+        raise ValueError(
+            "buffer: the ranks ask for different shared buffers: (num_bytes, transport, ranks_per_node, timeout, "
+            f"holds one already) in rank order: {everyone}; pass the same on every rank, in the same order"
+        )
+    if not reuse:
+        buffer = _new_buffer(key, num_nvl_bytes, timeout_s)
+        _LEASED[key] = buffer
+    _LEASES[buffer] = _LEASES.get(buffer, 0) + 1
+    return Lease(buffer)
 
 
 def cached_transports() -> list[str]:

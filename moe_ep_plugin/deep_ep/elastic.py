@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..buffer import Buffer
+from ..buffer_cache import lease_buffer
 from ..config import combine_config, dispatch_config, positive_int
 from ..event import EventOverlap
 from . import layout
@@ -50,6 +50,10 @@ class ElasticBuffer:
 
     Beyond DeepEP's arguments, keyword-only: ``transport`` (``moe_ep_plugin.Buffer``'s: ``auto``, ``torch``,
     ``nvlink``, ``hierarchical``, ...), ``device`` and ``ranks_per_node`` (emulated nodes), passed to the Buffer.
+
+    Buffers of one group, transport, device, emulated nodes and ``num_cpu_timeout_secs`` share one Buffer (one
+    peer-memory pool; ``buffer_cache.lease_buffer``), as large as the largest ``num_bytes`` asked for: a model may
+    make one per layer. Their calls run one after another, in the order issued (docs/compat.md says what it costs).
     """
 
     # DeepEP 2.5 (EPBuffer) keeps topk_idx by reference and checks it was not modified.
@@ -172,15 +176,15 @@ class ElasticBuffer:
                 allow_multiple_reduction,
             )
         self.num_bytes = num_bytes
-        # what the Buffer is made with besides its size (EPBuffer.resize makes it again)
+        # what the shared Buffer is leased with besides its size (EPBuffer.resize leases again)
         self._buffer_kw = dict(
-            explicitly_destroy=self.explicitly_destroy,
             transport=transport,
             timeout_s=float(num_cpu_timeout_secs),
             device=device,
             ranks_per_node=ranks_per_node,
         )
-        self.buffer = Buffer(group, num_nvl_bytes=num_bytes, **self._buffer_kw)
+        self._lease = lease_buffer(group, num_bytes, **self._buffer_kw)
+        self.buffer = self._lease.buffer
         self.group = group
         self.rank_idx = self.buffer.rank
         self.num_ranks = num_ranks
@@ -294,13 +298,15 @@ class ElasticBuffer:
             torch.cuda.synchronize(self.buffer.device)
 
     def destroy(self) -> None:
-        """Release the buffer (collective); only with ``explicitly_destroy=True``, as in DeepEP."""
+        """Release this buffer's share of the shared Buffer, which the last holder's release destroys (collective
+        then: every rank destroys the same buffers in the same order); only with ``explicitly_destroy=True``, as in
+        DeepEP. Later calls on this buffer raise; again: nothing."""
         if not self.explicitly_destroy:
             raise ValueError(
-                "explicitly_destroy: this buffer was made with explicitly_destroy=False; it is released when dropped"
+                "explicitly_destroy: this buffer was made with explicitly_destroy=False; its share of the shared "
+                "buffer is kept until the process ends"
             )
-        if not self.buffer.destroyed:
-            self.buffer.destroy()
+        self._lease.release()
 
     # ---- dispatch ----
     def dispatch(
@@ -431,6 +437,7 @@ class ElasticBuffer:
                 check_num_sms(num_sms),
             )
 
+        self._lease.check_live()
         # a fresh dispatch's refusal travels in the count exchange: every rank raises it (Buffer.refusing)
         args, sms = self.buffer.refusing("dispatch", handle, check)
         sms = sms or self.get_theoretical_num_sms(args.num_experts, max(args.num_topk, 1))
@@ -687,6 +694,7 @@ class ElasticBuffer:
         allocate_on_comm_stream: bool,
         out_dtype: torch.dtype | None = None,
     ):
+        self._lease.check_live()
         handle = check_handle(handle, self)
         positive_int(num_qps, "num_qps", 0)
         sms = check_num_sms(num_sms) or handle.num_sms

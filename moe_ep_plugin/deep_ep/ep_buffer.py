@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..buffer import Buffer
+from ..buffer_cache import lease_buffer
 from ..config import positive_int
 from .arguments import check_bool
 from .elastic import Bias, ElasticBuffer
@@ -186,8 +186,10 @@ class EPBuffer(ElasticBuffer):
         hidden: int | None = None,
         num_topk: int | None = None,
     ) -> None:
-        """DeepEP 2.6's ``resize``: make the buffer again for other sizes (collective over the group), with the same
-        group, transport, device and timeouts. Handles of earlier dispatches are refused afterwards.
+        """DeepEP 2.6's ``resize``: the buffer made again for other sizes (collective over the group), with the same
+        group, transport, device and timeouts. Handles of earlier dispatches are refused afterwards. The buffer
+        leases the shared Buffer again (see :class:`ElasticBuffer`): one at least ``num_bytes`` large, made when the
+        shared one is smaller; the old lease is released after (a Buffer no other buffer holds is destroyed).
 
         Arguments:
             num_bytes: bytes of peer memory, the same on every rank (None: :meth:`get_buffer_size_hint` of the new
@@ -220,15 +222,17 @@ class EPBuffer(ElasticBuffer):
                 f"num_bytes: the ranks ask for different sizes {sizes} (rank order); pass the same on "
                 "every rank; nothing was resized"
             )
-        self.buffer.destroy()
+        old = self._lease
+        self._lease = lease_buffer(self.group, request[0], **self._buffer_kw)
+        old.release()
         self.num_bytes, self.num_max_tokens_per_rank, self.hidden, self.num_topk = request
-        self.buffer = Buffer(self.group, num_nvl_bytes=self.num_bytes, **self._buffer_kw)
+        self.buffer = self._lease.buffer
 
     def _resize_request(
         self, num_bytes: int | None, num_max_tokens_per_rank: int | None, hidden: int | None, num_topk: int | None
     ) -> tuple[int, int, int, int]:
         """``resize``'s arguments checked on this rank → ``(num_bytes, num_max_tokens_per_rank, hidden, num_topk)``."""
-        if self.buffer.destroyed:
+        if self._lease.released:
             raise ValueError("resize: the buffer was destroyed; make a new one")
         tokens = (
             self.num_max_tokens_per_rank

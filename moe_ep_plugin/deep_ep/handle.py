@@ -82,7 +82,7 @@ class EPHandle:
         self._recv_topk_idx = recv_topk_idx  # the non-expanded dispatch's, masking weights of a cached one
         self._out_rows = out_rows  # rows of the dispatch's outputs (capacity without a CPU sync)
         self._owner = owner
-        self._owner_buffer = owner.buffer  # EPBuffer.resize replaces it: handles made before are refused after
+        self._owner_lease = owner._lease  # EPBuffer.resize leases again: handles made before are refused after
         self._topk_idx_version = topk_idx_version
 
     @property
@@ -151,7 +151,7 @@ def check_handle(handle: object, owner: ElasticBuffer) -> EPHandle:
         raise TypeError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
     if handle._owner is not owner:
         raise ValueError("handle: it was made by another buffer")
-    if handle._owner_buffer is not owner.buffer:
+    if handle._owner_lease is not owner._lease:
         raise ValueError("handle: it was made before the buffer's resize(); dispatch again")
     if handle._topk_idx_version is not None and handle.topk_idx._version != handle._topk_idx_version:
         raise ValueError(
