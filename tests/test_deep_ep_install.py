@@ -4,6 +4,7 @@ runs in a fresh interpreter (the opt-in changes ``sys.modules``)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -86,3 +87,37 @@ def test_uninstall_restores_the_search() -> None:
     )
     out = _run(code, [])
     assert out.returncode == 0 and "restored" in out.stdout, out.stderr
+
+
+# importlib.metadata made to report transformers 5.25.0 (outside DeepSpeed 0.19.8's AutoEP range), the rest as installed
+_TRANSFORMERS_5_25 = (
+    "import importlib.metadata as m; real = m.version; "
+    "m.version = lambda name: '5.25.0' if name == 'transformers' else real(name); "
+)
+
+
+def test_install_refuses_a_transformers_autoep_fails_with_once_deepspeed_is_imported() -> None:
+    """DeepSpeed's only ``deep_ep`` user is AutoEP: with DeepSpeed imported, the opt-in refuses a transformers outside
+    the range in one line naming both versions; without DeepSpeed (another framework's ``deep_ep`` user) it serves."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    from moe_ep_plugin.deepspeed.autoep_versions import AUTOEP_TRANSFORMERS
+
+    version = importlib.metadata.version("deepspeed")
+    if version not in AUTOEP_TRANSFORMERS:
+        pytest.skip(f"DeepSpeed {version} has no AutoEP range in the table")
+    code = (
+        "import deepspeed; "
+        + _TRANSFORMERS_5_25
+        + "import sys, moe_ep_plugin\n"
+        + "try:\n    moe_ep_plugin.install_deep_ep()\nexcept RuntimeError as exc:\n"
+        + "    print(exc); assert 'deep_ep' not in sys.modules\nelse:\n    raise SystemExit('served')"
+    )
+    out = _run(code, [], env={"DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == (
+        f"install_deep_ep: DeepSpeed {version}'s AutoEP runs with transformers>=5.22.2,<5.23 (from 5.23.0 it fails "
+        "inside deepspeed.initialize; older releases are not tested), but transformers 5.25.0 is installed: "
+        "pip install 'transformers>=5.22.2,<5.23'"
+    )
+    out = _run(_TRANSFORMERS_5_25 + "import moe_ep_plugin; moe_ep_plugin.install_deep_ep(); " + IMPORTS, [])
+    assert out.returncode == 0 and "served" in out.stdout, out.stderr

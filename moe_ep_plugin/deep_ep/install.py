@@ -49,9 +49,21 @@ def install_deep_ep(force: bool = False) -> ModuleType:
 
     Returns:
         The module now imported as ``deep_ep``.
+
+    With DeepSpeed imported, whose only ``deep_ep`` user is AutoEP (``expert_parallel.comm_backend: deepep``), an
+    installed transformers its AutoEP fails with is a RuntimeError naming both versions and the range
+    (``moe_ep_plugin/deepspeed/autoep_versions.py``), before ``deep_ep`` is registered; other users are not checked.
     """
     if not isinstance(force, bool):
         raise TypeError(f"force: expected a bool, got {force!r}")
+    if "deepspeed" in sys.modules:
+        # AutoEP fails inside deepspeed.initialize with such a transformers, in DeepSpeed's traceback: refuse here.
+        from ..deepspeed.autoep_versions import check_autoep_versions
+
+        try:
+            check_autoep_versions()
+        except RuntimeError as exc:
+            raise RuntimeError(f"install_deep_ep: {exc}") from None
     ours = _ours()
     if sys.modules.get("deep_ep") is ours:
         return ours
