@@ -9,7 +9,9 @@ timing, the nvlink results are checked against the torch transport on the same i
 each call, warm-up, median of ``--iters`` runs over 4 rotating input sets, a barrier before every timed series; the
 slowest rank's median is reported.
 Bandwidth: *logical* = all rows a rank receives (its own included, DeepEP's way); *physical* = rows that
-cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] [--json out.json]``.
+cross NVLink. Usage: ``python benchmarks/bench_dispatch_combine.py [--iters 30] [--json out.json] [--record]``
+(``--record``: the cases at ``--tokens`` as rows of benchmarks/results.jsonl; the variants and the sweep are
+printed only).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import statistics
 from collections.abc import Callable
 
+import records
 import torch
 import torch.distributed as dist
 from standard_shape import add_shape_arguments
@@ -251,6 +254,61 @@ def _bench_one(
         )
 
 
+# The Buffer API's ops (stock: the torch transport in the same run) and the kernels' CUDA-graph ops (stock: DeepEP
+# V1's figure from its own run), as results.jsonl names them.
+API_OPS = {
+    "layout": "layout",
+    "dispatch fp8": "FP8 dispatch, fresh",
+    "dispatch fp8->bf16": "FP8 → BF16 dispatch, fresh",
+    "dispatch bf16": "BF16 dispatch, fresh",
+    "dispatch bf16 cached": "BF16 dispatch, cached handle",
+    "dispatch fp8 worst": "FP8 dispatch, num_worst_tokens",
+    "combine bf16": "BF16 combine",
+    "experts dispatch bf16": "expert-major dispatch BF16",
+    "experts dispatch fp8->bf16": "expert-major dispatch FP8 → BF16",
+    "experts combine bf16": "expert-major combine",
+}
+GRAPH_OPS = {
+    "graph kernel layout": "layout",
+    "graph kernel dispatch fp8 input": "FP8 dispatch, rows quantized beforehand",
+    "graph kernel dispatch fp8": "FP8 dispatch, BF16 rows quantized in the send path",
+    "graph kernel dispatch bf16": "BF16 dispatch",
+    "graph kernel combine bf16": "BF16 combine",
+    "graph kernel experts dispatch bf16": "expert-major dispatch BF16 (kernel + permute)",
+    "graph kernel experts dispatch fp8->bf16": "expert-major dispatch FP8 → BF16",
+    "graph kernel experts combine bf16": "expert-major combine",
+}
+
+
+def record_rows(
+    results: list[dict], tokens: int, sms: int, world: int, device: str, data: str = str(records.DEFAULT_PATH)
+) -> list[tuple[dict, float, float | None]]:
+    """(configuration, plugin µs, stock µs) of each case of ``results`` at ``tokens`` (not the variants' or the
+    sweep's); the graph rows' stock is DeepEP V1's figure of the newest such row in ``data`` (it is measured in its
+    own run). No rows when the check against the torch transport failed: a wrong result is no figure."""
+    checks = [r["ok"] for r in results if "ok" in r]
+    if not checks or not all(checks):
+        return []
+    timed = {(r["tag"], r["op"]): r["us"] for r in results if r["tokens"] == tokens and "us" in r}
+    plugin, stock = f"nvlink {sms} SMs", "torch (NCCL)"
+
+    def config(timing: str, stock_path: str, op: str) -> dict:
+        return {"ep": world, "tokens": tokens, "sms": sms, "timing": timing, "stock path": stock_path, "op": op}
+
+    rows = [
+        (config("api", "torch transport (NCCL)", label), round(timed[plugin, op], 1), round(timed[stock, op], 1))
+        for op, label in API_OPS.items()
+        if (plugin, op) in timed and (stock, op) in timed
+    ]
+    for op, label in GRAPH_OPS.items():
+        if (plugin, op) in timed:
+            row = config("graph", "DeepEP V1 (its own run)", label)
+            rows.append(
+                (row, round(timed[plugin, op], 1), records.reference(data, "bench_dispatch_combine", row, device))
+            )
+    return rows
+
+
 def _worker(args) -> None:
     torch.manual_seed(1234 + dist.get_rank())
     Buffer.set_num_sms(args.sms)
@@ -291,6 +349,10 @@ def _worker(args) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(args={k: v for k, v in vars(args).items()}, results=results), f, indent=1)
+        if args.record:
+            device = records.machine(dist.get_world_size())
+            for config, plugin, stock in record_rows(results, args.tokens, args.sms, dist.get_world_size(), device):
+                records.record(args, "bench_dispatch_combine", config, plugin, stock, "µs", device=device)
     torch.cuda.synchronize()
     dist.barrier()
     nvlink.destroy()
@@ -338,6 +400,7 @@ def main() -> None:
     )
     p.add_argument("--quick", action="store_true", help="only the kernel-level timings")
     p.add_argument("--json", default="")
+    records.add_argument(p)
     args = p.parse_args()
     if torch.cuda.device_count() == 0:
         raise SystemExit("bench_dispatch_combine.py times the CUDA kernels: it needs at least one CUDA GPU")

@@ -15,7 +15,8 @@ Kinds: ``alltoall``, ``flex`` (Megatron's flex dispatcher with whatever ``deep_e
 (the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8]`` with
 transport ``torch`` / ``nvlink`` / ``auto``. The table gives each row's time over the first kind's at the same token
 count.
-Run: torchrun --nproc-per-node N benchmarks/mcore_dispatchers.py [--tokens 4096,128] [--kinds ...]
+Run: torchrun --nproc-per-node N benchmarks/mcore_dispatchers.py [--tokens 4096,128] [--kinds ...] [--record]
+(``--record``: each plugin kind's correct timings as rows of benchmarks/results.jsonl, stock ``alltoall``'s).
 Without CUDA it runs on CPU ranks (gloo) as a smoke check of the harness itself; those timings mean nothing.
 """
 
@@ -25,6 +26,7 @@ import time
 import warnings
 
 warnings.filterwarnings("ignore")
+import records  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -63,31 +65,7 @@ p.add_argument(
     help="also print (rank 0) a cProfile of STEPS forwards: the Python functions the host spends its "
     "time in, by own time and by cumulative time",
 )
-a = p.parse_args()
-if a.cuda_graph and not a.pad_capacity:
-    p.error("--cuda-graph: needs --pad-capacity (only drop-and-pad dispatches without reading the host)")
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-use_cuda = torch.cuda.is_available()
-if use_cuda:
-    dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
-else:
-    dev = torch.device("cpu")
-    dist.init_process_group("gloo")
-from megatron.core import parallel_state as ps  # noqa: E402
-
-ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-import moe_ep_plugin.megatron as ep_megatron  # noqa: E402
-from moe_ep_plugin.ops import fp8  # noqa: E402
-
-pg = moe_utils.get_default_pg_collection()
-L = a.experts // world
-local_idx = list(range(rank * L, (rank + 1) * L))
+records.add_argument(p)
 
 
 def cfg(kind):
@@ -321,86 +299,154 @@ def ratios(rows):
     return [r + (over((r[0], r[1]), (first, r[1])),) for r in rows]
 
 
-rows = []
-for tokens in (int(t) for t in a.tokens.split(",")):
-    torch.manual_seed(1234 + rank)
-    logits = torch.randn(tokens, a.experts, device=dev)
-    bias = torch.randn(a.experts, device=dev) * 0.01
-    probs, rmap = moe_utils.topk_routing_with_score_function(
-        logits,
-        a.topk,
-        use_pre_softmax=True,
-        num_groups=8,
-        group_topk=4,
-        scaling_factor=2.5,
-        score_function="sigmoid",
-        expert_bias=bias,
-    )
-    x0 = torch.randn(tokens, 1, a.hidden, device=dev, dtype=torch.bfloat16)
-    if a.pad_capacity:
-        probs, rmap = moe_utils.apply_router_token_dropping(
-            probs, rmap, a.topk, a.pad_capacity, "probs", pad_to_capacity=True
+def kind_label(kind: str, world: int) -> str:
+    """A plugin kind as results.jsonl names it: with the transport that serves it where the name does not say."""
+    if kind == "flex_plugin":
+        return "flex + this library"
+    flags = kind.split(":")[2:]
+    if world == 1:  # every transport serves a group of one rank with 'local'
+        return "ep_plugin" + "".join(f":{f}" for f in flags) + " (local)"
+    return f"{kind} (NCCL)" if kind.startswith("ep_plugin:torch") else kind
+
+
+def record_rows(
+    timed: dict[tuple[str, int], dict[str, float]], world: int, pad_capacity: float
+) -> list[tuple[str, dict, float, float | None]]:
+    """(benchmark, configuration, plugin µs, stock µs) per plugin kind, token count and phase of ``timed`` ((kind,
+    tokens) -> phase -> µs, correct runs only); stock: ``alltoall``'s at the same tokens and phase, else None."""
+    benchmark = "mcore_drop_and_pad" if pad_capacity else "mcore_dispatchers"
+    rows = []
+    for (kind, tokens), phases in timed.items():
+        if kind in ("alltoall", "flex"):  # Megatron's own dispatchers: stock, not plugin
+            continue
+        stock = timed.get(("alltoall", tokens), {})
+        for phase, us in phases.items():
+            drop = {"capacity factor": pad_capacity} if pad_capacity else {}
+            config = {"ep": world, "tokens": tokens, "kind": kind_label(kind, world), **drop, "phase": phase}
+            rows.append((benchmark, config, round(us, 1), round(stock[phase], 1) if phase in stock else None))
+    return rows
+
+
+if __name__ == "__main__":
+    a = p.parse_args()
+    if a.cuda_graph and not a.pad_capacity:
+        p.error("--cuda-graph: needs --pad-capacity (only drop-and-pad dispatches without reading the host)")
+    if a.record and not torch.cuda.is_available():
+        p.error("--record: CPU timings are a smoke check of the harness, not results")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import moe_ep_plugin.megatron as ep_megatron
+    from moe_ep_plugin.ops import fp8
+
+    pg = moe_utils.get_default_pg_collection()
+    L = a.experts // world
+    local_idx = list(range(rank * L, (rank + 1) * L))
+
+    rows = []
+    timed: dict[tuple[str, int], dict[str, float]] = {}  # the correct runs' times, for --record
+    for tokens in (int(t) for t in a.tokens.split(",")):
+        torch.manual_seed(1234 + rank)
+        logits = torch.randn(tokens, a.experts, device=dev)
+        bias = torch.randn(a.experts, device=dev) * 0.01
+        probs, rmap = moe_utils.topk_routing_with_score_function(
+            logits,
+            a.topk,
+            use_pre_softmax=True,
+            num_groups=8,
+            group_topk=4,
+            scaling_factor=2.5,
+            score_function="sigmoid",
+            expert_bias=bias,
         )
-    for kind in a.kinds.split(","):
-        try:
-            disp, wire_fp8 = make_dispatcher(kind)
-            xf = x0.clone()
-            out = step(disp, xf, rmap, probs, False)
-            seen = fp8.dequantize(*fp8.quantize(x0.view(tokens, -1))).view_as(x0) if wire_fp8 else x0
-            ok = torch.allclose(out.float(), seen.float() * probs.sum(-1).view(-1, 1, 1), rtol=2e-2, atol=2e-2)
-            ok_all = torch.tensor(int(ok), device=dev)
-            dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
-            fwd = bench(lambda: step(disp, xf, rmap, probs, False), a.iters)
-            xg = x0.clone().requires_grad_(True)
-            fb = bench(lambda: step(disp, xg, rmap, probs, True), a.iters)
-            graph = [f"{graph_us(lambda: step(disp, xf, rmap, probs, False), a.iters):.1f}"] if a.cuda_graph else []
-            rows.append((kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", *graph, str(bool(ok_all.item()))))
-            if a.breakdown and use_cuda:
-                parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
+        x0 = torch.randn(tokens, 1, a.hidden, device=dev, dtype=torch.bfloat16)
+        if a.pad_capacity:
+            probs, rmap = moe_utils.apply_router_token_dropping(
+                probs, rmap, a.topk, a.pad_capacity, "probs", pad_to_capacity=True
+            )
+        for kind in a.kinds.split(","):
+            try:
+                disp, wire_fp8 = make_dispatcher(kind)
+                xf = x0.clone()
+                out = step(disp, xf, rmap, probs, False)
+                seen = fp8.dequantize(*fp8.quantize(x0.view(tokens, -1))).view_as(x0) if wire_fp8 else x0
+                ok = torch.allclose(out.float(), seen.float() * probs.sum(-1).view(-1, 1, 1), rtol=2e-2, atol=2e-2)
+                ok_all = torch.tensor(int(ok), device=dev)
+                dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
+                fwd = bench(lambda: step(disp, xf, rmap, probs, False), a.iters)
+                xg = x0.clone().requires_grad_(True)
+                fb = bench(lambda: step(disp, xg, rmap, probs, True), a.iters)
+                graph = [graph_us(lambda: step(disp, xf, rmap, probs, False), a.iters)] if a.cuda_graph else []
+                rows.append(
+                    (kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", *(f"{g:.1f}" for g in graph), str(bool(ok_all.item())))
+                )
+                if ok_all.item():
+                    timed[kind, tokens] = dict(zip(("fwd", "fwd+bwd", "graph fwd"), (fwd, fb, *graph), strict=False))
+                if a.breakdown and use_cuda:
+                    parts = phase_us(disp, xf, rmap, probs, a.iters)  # collective: every rank runs it
+                    if rank == 0:
+                        print(
+                            f"PHASES mcore-{kind} tokens={tokens} "
+                            + " ".join(f"{name}={us:.0f}us" for name, us in zip(PHASES, parts, strict=False)),
+                            flush=True,
+                        )
+                if a.trace and use_cuda:
+                    trace(disp, xf, rmap, probs, f"mcore-{kind} tokens={tokens}")
+                if a.profile_host and use_cuda:
+                    profile_host(disp, xf, rmap, probs, a.profile_host, f"mcore-{kind} tokens={tokens}")
                 if rank == 0:
                     print(
-                        f"PHASES mcore-{kind} tokens={tokens} "
-                        + " ".join(f"{name}={us:.0f}us" for name, us in zip(PHASES, parts, strict=False)),
+                        f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
+                        f"fwd_bwd_us={fb:.1f}{f' graph_fwd_us={graph[0]:.1f}' if graph else ''} "
+                        f"correct={bool(ok_all.item())}",
                         flush=True,
                     )
-            if a.trace and use_cuda:
-                trace(disp, xf, rmap, probs, f"mcore-{kind} tokens={tokens}")
-            if a.profile_host and use_cuda:
-                profile_host(disp, xf, rmap, probs, a.profile_host, f"mcore-{kind} tokens={tokens}")
-            if rank == 0:
-                print(
-                    f"RESULT mcore-{kind} EP{world} tokens={tokens} hidden={a.hidden} fwd_us={fwd:.1f} "
-                    f"fwd_bwd_us={fb:.1f}{' graph_fwd_us=' + graph[0] if graph else ''} "
-                    f"correct={bool(ok_all.item())}",
-                    flush=True,
+            except Exception as ex:
+                rows.append(
+                    (kind, tokens, "-", "-", *["-"] * a.cuda_graph, f"FAILED {type(ex).__name__}: {str(ex)[:80]}")
                 )
-        except Exception as ex:
-            rows.append((kind, tokens, "-", "-", *["-"] * a.cuda_graph, f"FAILED {type(ex).__name__}: {str(ex)[:80]}"))
-            if rank == 0:
-                import traceback
+                if rank == 0:
+                    import traceback
 
-                traceback.print_exc()
-                print(f"RESULT mcore-{kind} tokens={tokens} FAILED {type(ex).__name__}: {ex}", flush=True)
-        dist.barrier()
-if rank == 0:
-    header = (
-        "kind",
-        "tokens",
-        "fwd us",
-        "fwd+bwd us",
-        *["graph fwd us"] * a.cuda_graph,
-        "correct",
-        f"/ {a.kinds.split(',')[0]}",
-    )
-    rows = ratios(rows)
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    pad = f", drop-and-pad at capacity factor {a.pad_capacity}" if a.pad_capacity else ""
-    print(
-        f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, hidden {a.hidden}, "
-        f"top-{a.topk} of {a.experts}{pad}, identity experts, median of {a.iters} (slowest rank)"
-    )
-    for r in [header] + rows:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
-dist.barrier()
-ps.destroy_model_parallel()
-dist.destroy_process_group()
+                    traceback.print_exc()
+                    print(f"RESULT mcore-{kind} tokens={tokens} FAILED {type(ex).__name__}: {ex}", flush=True)
+            dist.barrier()
+    if rank == 0:
+        header = (
+            "kind",
+            "tokens",
+            "fwd us",
+            "fwd+bwd us",
+            *["graph fwd us"] * a.cuda_graph,
+            "correct",
+            f"/ {a.kinds.split(',')[0]}",
+        )
+        rows = ratios(rows)
+        widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+        pad = f", drop-and-pad at capacity factor {a.pad_capacity}" if a.pad_capacity else ""
+        print(
+            f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, "
+            f"hidden {a.hidden}, top-{a.topk} of {a.experts}{pad}, identity experts, median of {a.iters} (slowest rank)"
+        )
+        for r in [header] + rows:
+            print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
+        if a.record:
+            device = records.machine(world)
+            for benchmark, config, plugin, stock in record_rows(timed, world, a.pad_capacity):
+                records.record(a, benchmark, config, plugin, stock, "µs", device=device)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -66,6 +66,29 @@ def _device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def machine(num_gpus: int) -> str:
+    """The device as results.jsonl names a run on GPUs: the GPU's model and how many the run used
+    (``nvidia-h200-x2``), so a run replaces the rows of the last run on the same kind of machine."""
+    import torch
+
+    model = "-".join(torch.cuda.get_device_name().lower().split()[:2])  # "NVIDIA H100 80GB HBM3": nvidia-h100
+    return f"{model}-x{num_gpus}"
+
+
+def reference(path: str | Path, benchmark: str, configuration: dict, device: str) -> float | None:
+    """The stock figure of the newest row of ``path`` with this benchmark, configuration and device, or None: a
+    reference measured in its own run (another library's benchmark), carried to the row of a new plugin run."""
+    if not Path(path).exists():
+        return None
+    found: dict | None = None
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        row = json.loads(line) if line.strip() else None
+        if row and (row["benchmark"], row["configuration"], row["device"]) == (benchmark, configuration, device):
+            if found is None or row["date"] >= found["date"]:
+                found = row
+    return None if found is None else found["stock"]
+
+
 def record(
     args: argparse.Namespace,
     benchmark: str,
