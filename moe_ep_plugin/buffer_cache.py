@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import Buffer, buffer_device
-from .config import Config, combine_config, dispatch_config
+from .config import Config, combine_config, dispatch_config, positive_int
 from .transports.nvlink.plan import dispatch_slot_bytes, staging_bytes
 
 _BUFFERS: dict[tuple[dist.ProcessGroup, str, int | None, torch.device], Buffer] = {}
@@ -142,8 +142,7 @@ def lease_buffer(
     """
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
-    if not isinstance(num_nvl_bytes, int) or isinstance(num_nvl_bytes, bool) or num_nvl_bytes < 0:
-        raise ValueError(f"num_nvl_bytes: expected a non-negative int, got {num_nvl_bytes!r}")
+    positive_int(num_nvl_bytes, "num_nvl_bytes", 0)
     device = buffer_device(group, device)
     key = (group, transport, ranks_per_node, device, timeout_s)
     buffer = _LEASED.get(key)
