@@ -127,10 +127,12 @@ def test_config_validation_after_install() -> None:
 
 
 def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> None:
-    """This library's dispatch reads its counts on the host once, except ep_plugin's drop-and-pad on the nvlink
-    transport (local in a group of one rank); so a CUDA-graph region holding another dispatch (the whole layer,
-    ``moe``, a full iteration) is refused when the config is built, for ep_plugin and the flex backends alike; the
-    regions before the dispatch (attention, router, preprocess) are accepted, and alltoall's drop-and-pad ``moe``."""
+    """ep_plugin on the nvlink transport (local in a group of one rank) reads nothing on the host, dropless (the
+    device-side row budget) or drop-and-pad; every other dispatch of this library reads its counts once. So a
+    CUDA-graph region holding the dispatch (the whole layer, ``moe``, a full iteration) is accepted there, Megatron's
+    "only supported with drop-padding MoE" assertion lifted for exactly that case, and refused when the config is
+    built otherwise, for ep_plugin and the flex backends alike; the regions before the dispatch (attention, router,
+    preprocess) are accepted everywhere, and alltoall keeps Megatron's own rule."""
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     # megatron-core 0.16 names the regions cuda_graph_scope, 0.19 cuda_graph_modules
     key = (
@@ -140,7 +142,10 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
     )
     flex = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
     pad = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-    for kind, who in ((dict(moe_token_dispatcher_type="ep_plugin"), "ep_plugin"), (flex, "'deepep'")):
+    for kind, who in (
+        (dict(moe_token_dispatcher_type="ep_plugin"), "ep_plugin on transport 'torch'"),
+        (flex, "'deepep'"),
+    ):
         for regions in ("attn", "moe_router", "moe_preprocess", "attn,moe_router"):
             _moe_config(**kind, cuda_graph_impl="local", **{key: regions})
         _moe_config(**kind, cuda_graph_impl="transformer_engine", **{key: "attn"})
@@ -151,21 +156,36 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
             rf"MoE token dispatch, which .*{who} runs with one host read",
         ):
             _moe_config(**kind, cuda_graph_impl="local", **{key: []})
+    for extra in (pad, {}):
+        with pytest.raises(
+            ValueError,
+            match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures .* or set ep_plugin.transport: nvlink",
+        ):
+            _moe_config(cuda_graph_impl="local", **{key: "moe"}, **extra, expert_model_parallel_size=2)
     with pytest.raises(
-        ValueError,
-        match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures .* or use "
-        "moe_pad_expert_input_to_capacity \\(drop-and-pad\\) with "
-        "ep_plugin.transport: nvlink",
+        ValueError, match="or use moe_token_dispatcher_type: ep_plugin with ep_plugin.transport: nvlink"
     ):
-        _moe_config(cuda_graph_impl="local", **{key: "moe"}, **pad, expert_model_parallel_size=2)
-    with pytest.raises(ValueError, match="or use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink"):
         _moe_config(**flex, cuda_graph_impl="local", **{key: []})
     _moe_config(moe_token_dispatcher_type="alltoall", cuda_graph_impl="local", **{key: "moe"}, **pad)
-    ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
-    for regions, ep in (("moe", 2), ([], 2), ("moe", 1)):  # drop-and-pad on nvlink reads nothing on the host
-        _moe_config(cuda_graph_impl="local", **{key: regions}, **pad, expert_model_parallel_size=ep)
-    with pytest.raises(ValueError, match="captures the MoE token dispatch"):  # dropless reads its counts
-        _moe_config(cuda_graph_impl="local", **{key: []}, expert_model_parallel_size=2)
+    with pytest.raises(AssertionError, match="only supported with drop-padding MoE"):  # Megatron's, for alltoall
+        _moe_config(moe_token_dispatcher_type="alltoall", cuda_graph_impl="local", **{key: "moe"})
+    for transport in ("nvlink", "local"):
+        ep_megatron.install(ep_megatron.PluginOptions(transport=transport))
+        for regions, ep, extra in (
+            ("moe", 2, pad),
+            ([], 2, pad),
+            ("moe", 1, pad),
+            ("moe", 2, {}),  # dropless: the worst-case row budget
+            ([], 2, {}),
+            ("moe,attn", 1, {}),
+        ):
+            config = _moe_config(cuda_graph_impl="local", **{key: regions}, **extra, expert_model_parallel_size=ep)
+            assert sorted(region.name for region in getattr(config, key)) == sorted(
+                name for name in (regions.split(",") if regions else [])
+            )
+        with pytest.raises(AssertionError, match="must not contain both moe and moe_router"):  # Megatron's rule
+            _moe_config(cuda_graph_impl="local", **{key: "moe,moe_router"})
+    ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     # a whole iteration: an implementation of its own from 0.19, a region before
     whole, named = (
         (dict(cuda_graph_impl="full_iteration"), "cuda_graph_impl: 'full_iteration'")
@@ -174,6 +194,33 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
     )
     with pytest.raises(ValueError, match=rf"{named}.* captures the MoE token dispatch"):
         _moe_config(**whole)
+    config = _moe_config(cuda_graph_impl="local", **{key: "attn"})  # options given later are checked alike
+    config.cuda_graph_impl, config.cuda_graph_scope = "local", []
+    with pytest.raises(ValueError, match="captures the MoE token dispatch"):
+        ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="torch"))
+    ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="nvlink"))
+
+
+def test_row_budget_keys() -> None:
+    """``recv_capacity_factor`` and ``drop_on_overflow`` are validated, the drop needs a factor, drop-and-pad and
+    the flex backends refuse them naming the key."""
+    with pytest.raises(ValueError, match="recv_capacity_factor: expected a positive number"):
+        ep_megatron.PluginOptions(recv_capacity_factor=0)
+    with pytest.raises(ValueError, match="recv_capacity_factor"):
+        ep_megatron.PluginOptions(recv_capacity_factor=True)
+    with pytest.raises(TypeError, match="drop_on_overflow"):
+        ep_megatron.PluginOptions(recv_capacity_factor=1.5, drop_on_overflow=1)
+    with pytest.raises(ValueError, match="drop_on_overflow: only with recv_capacity_factor"):
+        ep_megatron.PluginOptions(drop_on_overflow=True)
+    budget = ep_megatron.PluginOptions(recv_capacity_factor=1.5, drop_on_overflow=True)
+    ep_megatron.install(budget)
+    _moe_config()
+    with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: drop-and-pad"):
+        _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: the row budget of"):
+        _moe_config(
+            moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2
+        )
 
 
 @pytest.mark.parametrize(

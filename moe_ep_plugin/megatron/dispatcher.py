@@ -9,7 +9,7 @@ M = expert-major rows on this rank):
                          -1 = dropped, and their probs) from the map, then every token crosses once per
                          destination rank and lands in the expert-major layout -> rows [M, H], probs [M] fp32 (0
                          on padding rows)
-    dispatch_postprocess the same rows and probs, tokens_per_expert [L] int64 (CPU)
+    dispatch_postprocess the same rows and probs, tokens_per_expert [L] int64 (CPU; on the device when budgeted)
     (experts apply the probs)
     combine_preprocess   identity: combine_experts takes the expert outputs [M, H] as they are
     token_combine        ``autograd.combine_experts``: each received row's local-expert outputs summed (fp32),
@@ -17,7 +17,10 @@ M = expert-major rows on this rank):
     combine_postprocess  reshape to the input's shape (+ the shared expert's output when it is overlapped)
 
 Gradients reach the tokens and the router probs through the same path in reverse. This module adds no host
-sync: the per-expert counts come back from the Buffer's dispatch as a host list.
+sync: the per-expert counts come back from the Buffer's dispatch as a host list (its one host read).
+Budgeted (``ep_plugin.recv_capacity_factor``, or a CUDA graph holding the dispatch): ``budget.py`` instead, a
+dropless dispatch into a fixed number of expert-major rows with the counts on the device and nothing read on the
+host on ``nvlink``/``local``; pairs past the budget are counted on the device and :meth:`check_over_budget` raises.
 
 Expert TP (TP > 1): the group is Megatron's TP x EP group and ``[T, E]`` becomes ``[T, EP * TP * L]`` (each expert's
 column repeated for the TP ranks of its EP rank), so K and E scale by TP; the combine sums the TP partial outputs.
@@ -36,6 +39,7 @@ import array
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.utils import get_pg_rank
@@ -43,8 +47,8 @@ from megatron.core.utils import get_pg_rank
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
-from . import drop_and_pad
-from .options import PluginOptions, as_token_dtype, carried, check_fp16, get_plugin_options
+from . import budget, drop_and_pad
+from .options import PluginOptions, as_token_dtype, captured_dispatch, carried, check_fp16, get_plugin_options
 
 
 class EPPluginTokenDispatcher(MoETokenDispatcher):
@@ -95,6 +99,12 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         if self.drop_and_pad and config.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+        # Dropless with a device-side row budget (budget.py; no host read) where the options give one or a CUDA
+        # graph holds the dispatch (then the worst case); otherwise the counted dispatch, whose layout is exact.
+        self.budgeted = not self.drop_and_pad and (
+            self.options.recv_capacity_factor is not None or captured_dispatch(config) is not None
+        )
+        self._excess: torch.Tensor | None = None  # budgeted: the most pairs past the budget since the last check
         if getattr(config, "moe_router_padding_for_quantization", False):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
@@ -112,7 +122,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self._routing_map: torch.Tensor | None = None
         self._capacity: int | None = None  # drop-and-pad: every expert's tokens on each rank
         self._pad: drop_and_pad.PadLayout | None = None  # drop-and-pad: this dispatch's pairs
-        self._tokens_per_expert: list[int] | None = None
+        self._tokens_per_expert: list[int] | torch.Tensor | None = None  # a device tensor when budgeted
         self._handle = None
         self._buffer = None
 
@@ -170,19 +180,14 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(
                 hidden_states, probs, hidden_bytes
             )
+        elif self.budgeted:
+            expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_budgeted(
+                hidden_states, probs, hidden_bytes
+            )
         else:
             self._buffer = self._get_buffer(hidden_bytes, hidden_states.device)
             expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
-                self._buffer,
-                hidden_states,
-                self._routing_map,
-                probs,
-                self.topk * self.tp_size,
-                self.num_experts * self.tp_size,
-                fp8_dispatch=self.options.fp8_dispatch,
-                expert_alignment=self.alignment,
-                round_scale=self.options.round_scale,
-                configs=self._configs,
+                self._buffer, hidden_states, *self._routed(probs), expert_alignment=self.alignment, **self._wire()
             )
         expert_x = as_token_dtype(expert_x, dtype)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
@@ -191,6 +196,18 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(expert_x)
         return expert_x, expert_probs
 
+    def _routed(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """``(routing_map, probs, top-k, experts)`` of a dispatch from the kept routing map (TP-folded)."""
+        return self._routing_map, probs, self.topk * self.tp_size, self.num_experts * self.tp_size
+
+    def _wire(self) -> dict[str, Any]:
+        """How rows cross: the FP8 options and the per-call Configs (every dispatch takes them by these names)."""
+        return {
+            "fp8_dispatch": self.options.fp8_dispatch,
+            "round_scale": self.options.round_scale,
+            "configs": self._configs,
+        }
+
     def _dispatch_padded(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, hidden_bytes: int
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], Any]:
@@ -198,16 +215,55 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         layout = drop_and_pad.pad_layout(self._routing_map, self._capacity, self.ep_size * self.tp_size, self.alignment)
         self._buffer = self._get_buffer(hidden_bytes, hidden_states.device, layout.num_pairs)
         expert_x, expert_probs, handle = drop_and_pad.dispatch(
-            self._buffer,
-            hidden_states,
-            probs,
-            layout,
-            fp8_dispatch=self.options.fp8_dispatch,
-            round_scale=self.options.round_scale,
-            configs=self._configs,
+            self._buffer, hidden_states, probs, layout, **self._wire()
         )
         self._pad = layout
         return expert_x, expert_probs, [layout.block] * layout.num_local, handle
+
+    def _dispatch_budgeted(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, hidden_bytes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, budget.BudgetHandle]:
+        """The dropless dispatch sized from the row budget (``budget.dispatch``): the pairs past it are counted on
+        the device for :meth:`check_over_budget`."""
+        group_size = self.ep_size * self.tp_size
+        rows = budget.row_budget(
+            hidden_states.shape[0],
+            group_size,
+            self.topk * self.tp_size,
+            self.num_local_experts,
+            self.alignment,
+            self.options.recv_capacity_factor,
+        )
+        self._buffer = self._get_buffer(hidden_bytes, hidden_states.device)
+        expert_x, expert_probs, tokens_per_expert, handle, excess = budget.dispatch(
+            self._buffer, rows, hidden_states, *self._routed(probs), alignment=self.alignment, **self._wire()
+        )
+        if self._excess is None or self._excess.device != excess.device:
+            self._excess = torch.zeros((), dtype=torch.int64, device=excess.device)
+        torch.maximum(self._excess, excess, out=self._excess)  # in place: a graph's replays accumulate too
+        return expert_x, expert_probs, tokens_per_expert, handle
+
+    def check_over_budget(self) -> None:
+        """Raise on every rank of the group, naming the key to raise, when a budgeted dispatch since the last call
+        had more expert rows than ``ep_plugin.recv_capacity_factor`` gives (those pairs were dropped), unless
+        ``ep_plugin.drop_on_overflow`` asks for the drop; then reset the count. Collective over the group (one
+        all-reduce) and one host read: call it where the host waits anyway (after the optimizer step), on every
+        rank. A no-op for the other dispatches."""
+        if not self.budgeted:
+            return None
+        excess = self._excess if self._excess is not None else torch.zeros((), dtype=torch.int64)
+        words = excess.reshape(1).to("cpu" if dist.get_backend(self.group) != "nccl" else excess.device, copy=True)
+        dist.all_reduce(words, op=dist.ReduceOp.MAX, group=self.group)
+        if self._excess is not None:
+            self._excess.zero_()
+        most = int(words[0])
+        if most and not self.options.drop_on_overflow:
+            raise ValueError(
+                f"ep_plugin.recv_capacity_factor: a rank's experts received up to {most} rows more than the budget "
+                f"of recv_capacity_factor={self.options.recv_capacity_factor} (those pairs were dropped); raise "
+                f"ep_plugin.recv_capacity_factor, or set ep_plugin.drop_on_overflow: true to accept the drops"
+            )
+        return None
 
     def _get_buffer(self, hidden_bytes: int, device: torch.device | None = None, rows: int = 0) -> Buffer:
         """The shared Buffer of the EP group on the tokens' ``device`` (None: the group's default, see ``Buffer``;
@@ -236,12 +292,15 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The expert-major rows as token_dispatch returned them → ``(tokens [M, H], tokens_per_expert [L] int64
-        on CPU, probs [M])`` (float64 probs when ``moe_router_dtype`` is ``fp64``)."""
+        on CPU (on the rows' device when budgeted), probs [M])`` (float64 probs when ``moe_router_dtype`` is
+        ``fp64``)."""
         if self._tokens_per_expert is None:
             raise RuntimeError("dispatch_postprocess called before token_dispatch")
-        # A host list: no sync. Through an int64 array (the tensor keeps it alive): a third of torch.tensor's host
-        # time on CPU.
-        tokens_per_expert = torch.frombuffer(array.array("q", self._tokens_per_expert), dtype=torch.long)
+        tokens_per_expert = self._tokens_per_expert
+        if isinstance(tokens_per_expert, list):
+            # A host list: no sync. Through an int64 array (the tensor keeps it alive): a third of torch.tensor's
+            # host time on CPU.
+            tokens_per_expert = torch.frombuffer(array.array("q", tokens_per_expert), dtype=torch.long)
         self._tokens_per_expert = None
         if self.config.moe_router_dtype == "fp64":
             probs = probs.to(torch.float64)
@@ -263,6 +322,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         y = carried(hidden_states, self.options, "hidden_states")  # fp16: summed in fp32, cast to fp16 once
         if self._pad is not None:
             out = drop_and_pad.combine(self._buffer, y, self._handle, self._pad, configs=self._configs)
+        elif isinstance(self._handle, budget.BudgetHandle):
+            out = budget.combine(self._buffer, y, self._handle, configs=self._configs)
         else:
             out = ep_autograd.combine_experts(self._buffer, y, self._handle, configs=self._configs)
         out = as_token_dtype(out, hidden_states.dtype)

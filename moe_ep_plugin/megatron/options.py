@@ -9,11 +9,13 @@ section.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..plugin_options import PluginOptions
+from ..plugin_options import PluginOptions as SharedOptions
 
 PLUGIN_DISPATCHER_TYPE = "ep_plugin"
 CONFIG_ATTR = "moe_ep_plugin"
@@ -27,8 +29,68 @@ __all__ = [
     "fp16_served",
     "carried",
     "as_token_dtype",
+    "captured_dispatch",
 ]
 FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
+# transports whose dispatch with fixed-size outputs reads nothing on the host (``local``: a group of one rank)
+SYNC_FREE_TRANSPORTS = ("nvlink", "local")
+
+
+@dataclass(frozen=True)
+class PluginOptions(SharedOptions):
+    """The shared options (``moe_ep_plugin.plugin_options.PluginOptions``) plus the row budget of ``ep_plugin``'s
+    dropless dispatch sized on the device (``megatron/budget.py``):
+
+    - ``recv_capacity_factor``: the expert-major rows each rank's experts take, as a multiple of the mean
+      (``tokens x top-k``), rounded up to the block alignment; None: the worst case (every token of every rank on
+      this rank's experts), which never overflows. Setting it (or capturing the dispatch in a CUDA graph) makes
+      the dispatch read nothing on the host.
+    - ``drop_on_overflow``: rows past the budget are dropped (and counted) instead of raising at the next
+      ``check_over_budget``; only with ``recv_capacity_factor``.
+    """
+
+    recv_capacity_factor: float | None = None
+    drop_on_overflow: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        factor = self.recv_capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0
+        ):
+            raise ValueError(f"recv_capacity_factor: expected a positive number or None, got {factor!r}")
+        if not isinstance(self.drop_on_overflow, bool):
+            raise TypeError(f"drop_on_overflow: expected a bool, got {self.drop_on_overflow!r}")
+        if self.drop_on_overflow and factor is None:
+            raise ValueError("drop_on_overflow: only with recv_capacity_factor (the worst-case budget never overflows)")
+
+
+def captured_dispatch(config: Any) -> str | None:
+    """What of ``config``'s CUDA-graph settings captures the MoE token dispatch (for the error that names it), or
+    None. megatron-core 0.16 names the regions ``cuda_graph_scope``, 0.19 ``cuda_graph_modules``; an empty list
+    is the whole layer."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "none" or not getattr(config, "num_moe_experts", None):
+        return None
+    if impl == "full_iteration":
+        return f"cuda_graph_impl: {impl!r}"
+    key = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    regions = graph_regions(getattr(config, key))
+    if regions and not {"moe", "full_iteration"} & set(regions):
+        return None
+    return f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}"
+
+
+def graph_regions(regions: Any) -> list[str]:
+    """The region names of a ``cuda_graph_scope``/``cuda_graph_modules`` value as given or as Megatron normalised
+    it: a comma-separated string, one ``CudaGraphScope``, or a list of either (None: none)."""
+    if regions is None:
+        return []
+    if isinstance(regions, str):  # "full" is Megatron's old name of the whole layer
+        regions = [name for name in regions.split(",") if name and name != "full"]
+    elif not isinstance(regions, (list, tuple)):
+        regions = [regions]
+    return sorted(getattr(region, "name", str(region)) for region in regions)
 
 
 def fp16_served(options: PluginOptions) -> bool:
@@ -68,8 +130,36 @@ def check_fp16(config: Any, options: PluginOptions) -> None:
         raise ValueError("fp16: True with ep_plugin.fp8_dispatch: FP8 dispatch takes bf16 tokens (use bf16: True)")
 
 
+def check_capture(config: Any, options: PluginOptions) -> None:
+    """Refuse, naming the fix, an ``ep_plugin`` config whose CUDA-graph region holds the token dispatch unless the
+    dispatch reads nothing on the host: transport ``nvlink`` (``local`` in a group of one rank), where drop-and-pad
+    and the dropless dispatch sized from a row budget (``budget.py``; the worst case without
+    ``recv_capacity_factor``) both run without a host read. The ``torch`` and ``hierarchical`` transports exchange
+    their counts through the host."""
+    what = captured_dispatch(config)
+    if what is None or options.transport in SYNC_FREE_TRANSPORTS:
+        return
+    raise ValueError(
+        f"{what} captures the MoE token dispatch, which moe_token_dispatcher_type: ep_plugin on transport "
+        f"{options.transport!r} runs with one host read of its counts (not capturable); capture attn, moe_router or "
+        f"moe_preprocess only, or set ep_plugin.transport: nvlink, which reads nothing on the host"
+    )
+
+
+def check_budget(config: Any, options: PluginOptions) -> None:
+    """The row budget keys apply to ``ep_plugin``'s dropless dispatch only: drop-and-pad fixes every count
+    itself."""
+    if options.recv_capacity_factor is not None and getattr(config, "moe_pad_expert_input_to_capacity", False):
+        raise ValueError(
+            "ep_plugin.recv_capacity_factor: drop-and-pad (moe_pad_expert_input_to_capacity) fixes every "
+            "expert's rows itself; unset recv_capacity_factor"
+        )
+
+
 def set_plugin_options(config: Any, options: PluginOptions) -> None:
-    """Attach ``options`` to a ``TransformerConfig`` (read by the dispatcher when a MoE layer is built)."""
+    """Attach ``options`` to a ``TransformerConfig`` (read by the dispatcher when a MoE layer is built), after the
+    checks of ``options`` against ``config`` (FP8, FP16, the budget keys, a CUDA-graph region holding the dispatch
+    for ``ep_plugin``)."""
     if not isinstance(options, PluginOptions):
         raise TypeError(f"options: expected PluginOptions, got {type(options).__name__}")
     if options.fp8_dispatch:
@@ -79,6 +169,9 @@ def set_plugin_options(config: Any, options: PluginOptions) -> None:
                 f"ep_plugin.fp8_dispatch needs the dispatched hidden size to be a multiple of 128, got {hidden}"
             )
     check_fp16(config, options)
+    if getattr(config, "moe_token_dispatcher_type", None) == PLUGIN_DISPATCHER_TYPE:
+        check_budget(config, options)
+        check_capture(config, options)
     setattr(config, CONFIG_ATTR, options)
 
 

@@ -39,7 +39,17 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 
 from . import deepep_shim, deepepv2_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
-from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, check_fp16, get_plugin_options, set_plugin_options
+from .options import (
+    PLUGIN_DISPATCHER_TYPE,
+    SYNC_FREE_TRANSPORTS,
+    PluginOptions,
+    captured_dispatch,
+    check_capture,
+    check_fp16,
+    get_plugin_options,
+    graph_regions,
+    set_plugin_options,
+)
 
 SUPPORTED_MCORE = ("0.16", "0.17", "0.18", "0.19", "0.20")
 # (shim module, names Megatron's managers read from token_dispatcher / fused_a2a at call time)
@@ -134,18 +144,91 @@ def _wrap_post_init(original: Any) -> Any:
         if getattr(self, "moe_token_dispatcher_type", None) == "flex":
             original(self)
             _check_flex(self)
-            return _check_cuda_graph(self, f"moe_flex_dispatcher_backend {self.moe_flex_dispatcher_backend!r}")
+            return _refuse_capture(self, f"moe_flex_dispatcher_backend {self.moe_flex_dispatcher_backend!r}")
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
-        with _dispatcher_type_shown_as(self, "alltoall"):
-            original(self)
         options = get_plugin_options(self, _default_options)
-        set_plugin_options(self, options)  # validates the options against this config (FP8: H % 128; FP16)
-        _check_cuda_graph(self, "moe_token_dispatcher_type: ep_plugin", options)
+        check_capture(self, options)  # before Megatron's drop-padding assertion, whose message names no fix
+        with _dispatcher_type_shown_as(self, "alltoall"), _moe_region_hidden(self, options):
+            original(self)
+        set_plugin_options(self, options)  # validates the options against this config (FP8, FP16, budget, capture)
         _check_batch_invariant(self)
 
     __post_init__._moe_ep_plugin = True
     return __post_init__
+
+
+@contextlib.contextmanager
+def _moe_region_hidden(config: Any, options: PluginOptions) -> Iterator[None]:
+    """Megatron asserts "moe cuda graph is only supported with drop-padding MoE" because ``alltoall``'s dropless
+    shapes depend on counts read on the host. ``ep_plugin`` on a transport that reads nothing
+    (``SYNC_FREE_TRANSPORTS``) runs dropless with a device-side row budget (``budget.py``), so exactly that
+    assertion is lifted for it: while Megatron's checks run, its module's ``CudaGraphScope`` answers ``moe`` with a
+    member no region list holds (every other name, lookup and isinstance check as the real enum), and the other
+    checks of the ``moe`` region this skips are made here afterwards with Megatron's messages. Every other config
+    sees Megatron's checks unchanged."""
+    real = getattr(tc_module, "CudaGraphScope", None)
+    if (
+        real is None
+        or getattr(config, "cuda_graph_impl", "none") == "none"
+        or getattr(config, "moe_pad_expert_input_to_capacity", False)
+        or options.transport not in SYNC_FREE_TRANSPORTS
+        or "moe" not in graph_regions(getattr(config, "cuda_graph_scope", None))
+    ):
+        yield
+        return
+    tc_module.CudaGraphScope = _without_moe(real)
+    try:
+        yield
+    finally:
+        tc_module.CudaGraphScope = real
+    _check_moe_region(config, real)
+
+
+def _without_moe(real: type) -> type:
+    """A stand-in for the enum ``real`` whose ``moe`` is a fresh object."""
+
+    class _Meta(type):
+        def __getattr__(cls, name: str) -> Any:
+            return object() if name == "moe" else getattr(real, name)
+
+        def __getitem__(cls, name: str) -> Any:
+            return real[name]
+
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, real)
+
+        def __iter__(cls) -> Iterator[Any]:
+            return iter(real)
+
+    return _Meta("CudaGraphScope", (), {})
+
+
+def _check_moe_region(config: Any, scope: type) -> None:
+    """Megatron's own checks of the ``moe`` region other than the drop-and-pad one (megatron-core 0.16.1's
+    ``TransformerConfig.__post_init__``), with its messages."""
+    regions = config.cuda_graph_scope
+    if scope.moe_router in regions:
+        raise AssertionError("cuda_graph_scope must not contain both moe and moe_router.")
+    if config.overlap_moe_expert_parallel_comm:
+        raise AssertionError("CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm")
+    if config.recompute_granularity == "selective" and "moe" in config.recompute_modules:
+        if config.hidden_dropout != 0.0:
+            raise AssertionError("hidden dropout is not supported with graphed MLP/MoE recomputation.")
+        if config.moe_input_jitter_eps is not None:
+            raise AssertionError("moe_input_jitter_eps is not supported with graphed moe recomputation.")
+
+
+def _refuse_capture(config: Any, dispatcher: str) -> None:
+    """Refuse a CUDA-graph config whose captured region holds the ``flex`` token dispatch: every ``flex`` shim of
+    this library reads its counts on the host once per dispatch."""
+    what = captured_dispatch(config)
+    if what is not None:
+        raise ValueError(
+            f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its counts "
+            f"(not capturable); capture attn, moe_router or moe_preprocess only, or use "
+            f"moe_token_dispatcher_type: ep_plugin with ep_plugin.transport: nvlink, which reads nothing on the host"
+        )
 
 
 def _check_batch_invariant(config: Any) -> None:
@@ -163,38 +246,6 @@ def _check_batch_invariant(config: Any) -> None:
                 f"{key}: batch_invariant_mode with moe_token_dispatcher_type: ep_plugin serves dropless "
                 f"routing only (which tokens a capacity drops depends on the whole batch); unset {key}"
             )
-
-
-def _check_cuda_graph(config: Any, dispatcher: str, options: PluginOptions | None = None) -> None:
-    """Refuse a CUDA-graph config whose captured region holds the MoE token dispatch unless the dispatch reads
-    nothing on the host: ``ep_plugin``'s drop-and-pad (``options`` given) on the ``nvlink`` transport (``local`` in
-    a group of one rank). Every other dispatch of this library reads its counts on the host once, which a capture
-    cannot. megatron-core 0.16 names the regions ``cuda_graph_scope``, 0.19 ``cuda_graph_modules``;
-    an empty list is the whole layer."""
-    impl = getattr(config, "cuda_graph_impl", "none")
-    if impl == "none" or not getattr(config, "num_moe_experts", None):
-        return
-    key = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
-    regions = sorted(getattr(region, "name", str(region)) for region in getattr(config, key) or [])
-    if not (impl == "full_iteration" or not regions or {"moe", "full_iteration"} & set(regions)):
-        return
-    if options is not None and config.moe_pad_expert_input_to_capacity and options.transport == "nvlink":
-        return
-    what = (
-        f"cuda_graph_impl: {impl!r}"
-        if impl == "full_iteration"
-        else f"{key}: {regions or 'the whole layer'} with cuda_graph_impl {impl!r}"
-    )
-    fix = (
-        "use moe_pad_expert_input_to_capacity (drop-and-pad) with ep_plugin.transport: nvlink, which reads "
-        "nothing on the host"
-        if options is not None
-        else "use moe_token_dispatcher_type: ep_plugin with drop-and-pad on the nvlink transport"
-    )
-    raise ValueError(
-        f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its "
-        f"counts (not capturable); capture attn, moe_router or moe_preprocess only, or {fix}"
-    )
 
 
 def _free_input_module() -> Any:
@@ -251,6 +302,12 @@ def _check_flex(config: Any) -> None:
         )
     options = get_plugin_options(config, _default_options)
     check_fp16(config, options)  # the shims carry fp16 tokens as fp32 on the torch transport, as ep_plugin does
+    for key in ("recv_capacity_factor", "drop_on_overflow"):
+        if getattr(options, key) not in (None, False):
+            raise ValueError(
+                f"ep_plugin.{key}: the row budget of moe_token_dispatcher_type: ep_plugin's dropless dispatch; "
+                f"the flex backends take Megatron's own budget keys"
+            )
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:
         raise ValueError(

@@ -1,6 +1,6 @@
 """Megatron-Core's own local CUDA graphs over a MoE layer whose dispatcher is ``ep_plugin`` with drop-and-pad on the
 ``nvlink`` transport: ``cuda_graph_impl: local`` with the ``moe`` region (``cuda_graph_modules``; 0.16:
-``cuda_graph_scope``), which the plugin accepts for this dispatch only (``registration._check_cuda_graph``).
+``cuda_graph_scope``), which the plugin accepts on this transport (``options.check_capture``).
 
 Megatron graphs a ``MoETransformerLayer``: for ``moe`` its ``CudaGraphManager`` takes the whole layer's forward
 (here pre-MLP norm and attention are identities, so router, dispatch, experts, combine and the residual add). A
