@@ -330,7 +330,9 @@ MEGATRON_CPU = os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml")
         ({"model": {"num_query_groups": 3}}, "model.num_query_groups"),
         ({"model": {"num_layers": 0}}, "model.num_layers"),  # a ZeroDivisionError before
         ({"model": {"moe_layer_freq": [0, 1]}}, "model.moe_layer_freq"),
-        ({"model": {"moe_router_score_function": "relu"}}, "model"),  # Megatron's own check, wrapped
+        ({"model": {"moe_router_score_function": "relu"}}, "model.moe_router_score_function"),  # a Literal field
+        # Megatron's own check, wrapped, naming the keys its message names
+        ({"model": {"moe_shared_expert_intermediate_size": 0}}, "model.moe_shared_expert_intermediate_size"),
     ],
 )
 def test_megatron_launcher_config_errors(capsys, tmp_path, edit, key) -> None:

@@ -22,8 +22,9 @@ def shipped_corpus_path() -> str:
     return str(resources.files("moe_ep_plugin").joinpath("data", CORPUS))
 
 
-def load_tokens(path: str | None, vocab_size: int) -> np.ndarray:
-    """1-D int64 token ids: ``.npy`` files hold ids (each < ``vocab_size``); any other file is read as bytes."""
+def load_tokens(path: str | None, vocab_size: int, vocab_key: str = "model.vocab_size") -> np.ndarray:
+    """1-D int64 token ids: ``.npy`` files hold ids (each < ``vocab_size``, the recipe's key ``vocab_key``); any
+    other file is read as bytes."""
     path = shipped_corpus_path() if path is None else path
     if not os.path.isfile(path):
         raise ValueError(f"data.path: no such file {path!r}")
@@ -37,7 +38,7 @@ def load_tokens(path: str | None, vocab_size: int) -> np.ndarray:
             ids = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(
-            f"data.path: token ids must lie in [0, model.vocab_size={vocab_size}), found [{ids.min()}, {ids.max()}]"
+            f"data.path: token ids must lie in [0, {vocab_key}={vocab_size}), found [{ids.min()}, {ids.max()}]"
         )
     return ids
 

@@ -171,8 +171,15 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"moe.{exc}") from exc
     ranks = world_size if world_size is not None else cfg.train.nprocs
+    ranks_key = "WORLD_SIZE" if world_size is not None else "train.nprocs"
     if ranks % m.ep_size:
-        raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks")
+        raise ValueError(f"moe.ep_size: {m.ep_size} does not divide the {ranks} ranks ({ranks_key}={ranks})")
+    if m.ranks_per_node is not None and ranks % m.ranks_per_node:
+        raise ValueError(
+            f"moe.ranks_per_node: {m.ranks_per_node} does not divide the {ranks} ranks ({ranks_key}={ranks})"
+        )
+    if m.transport == "nvlink" and not torch.cuda.is_available():
+        raise ValueError("moe.transport: 'nvlink' runs CUDA kernels, but torch sees no GPU here (use auto or torch)")
     changed = [
         f.name
         for f in dataclasses.fields(DeepSpeedOptions)
@@ -183,6 +190,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         raise ValueError(f"moe.{changed[0]}: a plugin option; it needs dispatcher: plugin")
     if cfg.dispatcher == "autoep":
         _validate_autoep(cfg)
+    if cfg.train.warmup_steps < 0:
+        raise ValueError(f"train.warmup_steps: must be >= 0, got {cfg.train.warmup_steps}")
     if not cfg.train.lr > 0 or cfg.train.lr_warmup_steps < 0:
         raise ValueError(
             f"train.lr: expected > 0 with train.lr_warmup_steps >= 0, got {cfg.train.lr} and "
@@ -202,6 +211,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     for key, owner in _OWNED_DS_KEYS.items():
         if key in cfg.deepspeed:
             raise ValueError(f"deepspeed.{key}: set by the example from {owner}; remove it here")
+    _validate_deepspeed_values(cfg.deepspeed)
     zero = cfg.deepspeed.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ValueError(f"deepspeed.zero_optimization: expected a mapping such as {{stage: 2}}, got {zero!r}")
@@ -213,6 +223,15 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if cfg.train.checkpoint_dir:
         checkpoint.check_writable(cfg.train.checkpoint_dir, "train.checkpoint_dir")
     return cfg
+
+
+def _validate_deepspeed_values(ds: dict) -> None:
+    """DeepSpeed config values the example's configs set that DeepSpeed takes and fails on (a modulo by zero in
+    the ranks) or ignores without a word."""
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ValueError(f"deepspeed.gradient_clipping: expected a number >= 0 (0 disables), got {clip!r}")
+    positive_int(ds.get("steps_per_print", 1), "deepspeed.steps_per_print")
 
 
 def _validate_moe_values(m: MoEConfig) -> None:

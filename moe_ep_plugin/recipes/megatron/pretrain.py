@@ -143,6 +143,8 @@ def resume_checkpoint(train: Any, world: int, world_key: str) -> str | None:
     damaged one, printed); None when there is none. Raises ``ValueError`` naming the key and the file."""
     root = train.load_dir or train.save_dir
     key = "train.load_dir" if train.load_dir else "train.save_dir"
+    if train.load_dir and not os.path.isdir(train.load_dir):  # else the run would start fresh, silently
+        raise ValueError(f"train.load_dir: no such directory {train.load_dir!r}")
     found, note = checkpoint.pick_resume(
         checkpoint.newest(root) if root else None, key, "train.resume_fallback", train.resume_fallback
     )
@@ -209,7 +211,10 @@ def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
     model = build_gpt_model(cfg, device)
     optimizer = _optimizer(model, train)
     data = TokenWindows(
-        load_tokens(cfg.data.path, cfg.gpt.vocab_size), train.seq_length, cfg.data.eval_fraction, cfg.data.seed
+        load_tokens(cfg.data.path, cfg.gpt.vocab_size, "gpt.vocab_size"),
+        train.seq_length,
+        cfg.data.eval_fraction,
+        cfg.data.seed,
     )
     start = load_checkpoint(resume, model, optimizer) if resume is not None else 0
     is_logger = dist.get_rank() == 0
@@ -309,7 +314,7 @@ def check_world(cfg: Any, world: int, world_key: str) -> None:
     if world % (ep * etp):
         raise ValueError(
             f"{world_key}: {world} ranks are not a multiple of parallel.expert_model_parallel_size x "
-            f"expert_tensor_parallel_size = {ep * etp}"
+            f"parallel.expert_tensor_parallel_size = {ep * etp}"
         )
     dp = world // tp
     if train.global_batch_size % (train.micro_batch_size * dp):
@@ -333,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.train = dataclasses.replace(cfg.train, **overrides)
         if cfg.train.steps < 1:
             raise ValueError(f"--steps: must be >= 1, got {cfg.train.steps}")
+        if cfg.plugin is not None and cfg.plugin.transport == "nvlink" and not torch.cuda.is_available():
+            raise ValueError(
+                "ep_plugin.transport: 'nvlink' runs CUDA kernels, but torch sees no GPU here (use auto or torch)"
+            )
         par = cfg.parallel
         if launch.under_torchrun():
             nprocs, world_key = int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
@@ -345,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.train.save_dir:
             checkpoint.check_writable(cfg.train.save_dir, "--save-dir" if args.save_dir else "train.save_dir")
         TokenWindows(
-            load_tokens(cfg.data.path, cfg.gpt.vocab_size),
+            load_tokens(cfg.data.path, cfg.gpt.vocab_size, "gpt.vocab_size"),
             cfg.train.seq_length,
             cfg.data.eval_fraction,
             cfg.data.seed,

@@ -20,6 +20,8 @@ names it:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,9 @@ _DTYPES = {
     "fp16": (torch.float16, False, True),
 }
 _SMS_KEYS = ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms", "moe_hybridep_num_sms")
+# Literal fields whose choices install() extends (checked where the dispatcher is picked)
+_PLUGIN_CHOICES = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend")
+_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")  # Megatron-Core's router reads these
 
 
 @dataclass(frozen=True)
@@ -115,9 +120,37 @@ def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _model_value(key: str, spec: dataclasses.Field, value: Any) -> Any:
     """A ``TransformerConfig`` field's YAML value, type-checked when the field is a plain bool/int/float/str or
-    Optional of one (Megatron's other annotations are left to its own ``__post_init__``)."""
+    Optional of one, checked against the choices of a ``Literal`` one (Megatron reads those only in the ranks);
+    Megatron's other annotations are left to its own ``__post_init__``."""
     hint = optional_inner(spec.type) or spec.type
+    literal = typing.get_origin(hint) is typing.Literal and spec.name not in _PLUGIN_CHOICES
+    if literal and value is not None and value not in typing.get_args(hint):
+        raise ValueError(f"{key}: expected one of {list(typing.get_args(hint))}, got {value!r}")
     return coerce(key, value, spec.type) if hint in (bool, int, float, str) and value is not None else value
+
+
+def _check_values(kwargs: dict[str, Any]) -> None:
+    """Model values Megatron-Core takes and fails on (or trains with) only in the ranks."""
+    for key in ("ffn_hidden_size", "moe_ffn_hidden_size"):
+        if kwargs.get(key) is not None and kwargs[key] < 1:
+            raise ValueError(f"model.{key}: must be >= 1, got {kwargs[key]}")
+    for key in ("hidden_dropout", "attention_dropout"):
+        if key in kwargs and not 0.0 <= kwargs[key] <= 1.0:
+            raise ValueError(f"model.{key}: must be in [0, 1], got {kwargs[key]}")
+    scaling = kwargs.get("moe_router_topk_scaling_factor")
+    if scaling is not None and not scaling > 0:
+        raise ValueError(f"model.moe_router_topk_scaling_factor: must be > 0 or null, got {scaling}")
+    for key in ("moe_router_bias_update_rate", "moe_aux_loss_coeff"):
+        values = kwargs.get(key, 0.0)
+        if any(v < 0 for v in (values if isinstance(values, list) else [values])):
+            raise ValueError(f"model.{key}: must be >= 0, got {values}")
+    types = kwargs.get("moe_router_load_balancing_type", "aux_loss")
+    bad = [t for t in (types if isinstance(types, list) else [types]) if t not in _BALANCING]
+    if bad:
+        raise ValueError(f"model.moe_router_load_balancing_type: expected one of {list(_BALANCING)}, got {bad[0]!r}")
+    freq = kwargs.get("moe_layer_freq")
+    if isinstance(freq, int) and freq < 1:
+        raise ValueError(f"model.moe_layer_freq: must be >= 1 (a MoE layer every this-many) or a list, got {freq}")
 
 
 def _check_shape(kwargs: dict[str, Any]) -> None:
@@ -220,9 +253,12 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any], pl
             kwargs[key] = coerce(f"parallel.{key}", kwargs[key], int)
             if kwargs[key] < 1:
                 raise ValueError(f"parallel.{key}: must be >= 1, got {kwargs[key]}")
+    if "sequence_parallel" in kwargs:
+        kwargs["sequence_parallel"] = coerce("parallel.sequence_parallel", kwargs["sequence_parallel"], bool)
     if kwargs.get("pipeline_model_parallel_size", 1) != 1:
         raise ValueError("parallel.pipeline_model_parallel_size: the launcher runs one pipeline stage; use 1")
     _check_shape(kwargs)
+    _check_values(kwargs)
     _check_experts(kwargs)
     _check_no_cuda_graphs(kwargs)
 
@@ -245,10 +281,55 @@ def build_transformer_config(model: dict[str, Any], parallel: dict[str, Any], pl
     try:
         config = cls(**kwargs)
     except (AssertionError, TypeError, ValueError) as exc:  # Megatron's own checks name fields, not our sections
-        raise ValueError(f"model: Megatron-Core's {cls.__name__} rejects this section: {exc}") from exc
+        text = str(exc)
+        # the keys its message names (by field or by command-line flag), under their sections
+        named = [
+            f"{'parallel' if key in PARALLEL_KEYS else 'model'}.{key}"
+            for key in kwargs
+            if key in text or key.replace("_", "-") in text
+        ]
+        raise ValueError(
+            f"{', '.join(named) or 'model'}: Megatron-Core's {cls.__name__} rejects this section: {text}"
+        ) from exc
     if dispatcher == PLUGIN_DISPATCHER_TYPE:
         set_plugin_options(config, plugin or PluginOptions())
     return config
+
+
+def _check_launcher_values(gpt: GPTOptions, train: TrainOptions, data: DataOptions) -> None:
+    """The launcher's own values that GPTModel, the optimizer or the data would take and fail on (or train with)
+    only in the ranks."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    for key, value in (
+        ("gpt.vocab_size", gpt.vocab_size),
+        ("gpt.max_sequence_length", gpt.max_sequence_length),
+        ("gpt.rotary_base", gpt.rotary_base),
+        ("train.lr", train.lr),
+    ):
+        if not value > 0:
+            raise ValueError(f"{key}: must be > 0, got {value}")
+    for key, value in (
+        ("train.min_lr", train.min_lr),
+        ("train.warmup_steps", train.warmup_steps),
+        ("train.weight_decay", train.weight_decay),
+        ("train.clip_grad", train.clip_grad),
+        ("train.seed", train.seed),
+        ("train.save_interval", train.save_interval),
+        ("data.seed", data.seed),  # numpy's generators take no negative seed
+    ):
+        if value < 0:
+            raise ValueError(f"{key}: must be >= 0, got {value}")
+    if train.min_lr > train.lr:
+        raise ValueError(f"train.min_lr: {train.min_lr} is above train.lr={train.lr}")
+    for key, value in (("train.adam_beta1", train.adam_beta1), ("train.adam_beta2", train.adam_beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{key}: must be in [0, 1), got {value}")
+    positions = typing.get_args(inspect.signature(GPTModel).parameters["position_embedding_type"].annotation)
+    if gpt.position_embedding_type not in positions:
+        raise ValueError(
+            f"gpt.position_embedding_type: expected one of {list(positions)}, got {gpt.position_embedding_type!r}"
+        )
 
 
 def load_pretrain_config(source: str | dict[str, Any]) -> PretrainConfig:
@@ -265,6 +346,7 @@ def load_pretrain_config(source: str | dict[str, Any]) -> PretrainConfig:
     train = build_section("train", TrainOptions, raw.get("train"))
     data = build_section("data", DataOptions, raw.get("data"))
     gpt = build_section("gpt", GPTOptions, raw.get("gpt"))
+    _check_launcher_values(gpt, train, data)
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if train.seq_length > gpt.max_sequence_length:

@@ -256,6 +256,7 @@ def validate(cfg: TrainerConfig, world_size: int | None = None) -> None:
         "moe.num_shared_experts": e.num_shared_experts,
         "moe.bias_update_rate": e.bias_update_rate,
         "moe.seq_aux_loss_coeff": e.seq_aux_loss_coeff,
+        "train.seed": t.seed,  # numpy's generators take no negative seed (they would fail in the ranks)
         "train.min_lr": t.min_lr,
         "train.warmup_steps": t.warmup_steps,
         "train.weight_decay": t.weight_decay,
@@ -336,6 +337,11 @@ def validate(cfg: TrainerConfig, world_size: int | None = None) -> None:
         "moe.group_topk",
         f"group scores sum the top topk/group_topk experts of a group, so group_topk={e.group_topk} "
         f"must not exceed moe.topk={e.topk}",
+    )
+    _require(
+        e.scaling_factor is None or e.scaling_factor > 0,
+        "moe.scaling_factor",
+        f"must be > 0 or null, got {e.scaling_factor}",
     )
     _require(
         not e.expert_bias or e.score_function == "sigmoid",
