@@ -170,15 +170,17 @@ def _check(world_inputs, factor: float | None, alignment: int, transport: str) -
 
 
 def _overflow_raises(world_inputs, transport: str) -> None:
-    """Without ``drop_on_overflow`` the pairs past the budget make ``check_over_budget`` raise on every rank, once:
-    the count resets."""
-    from moe_ep_plugin.megatron import PluginOptions
+    """Without ``drop_on_overflow`` the pairs past the budget make ``check_over_budget`` (the model-wide form the
+    launcher calls) raise on every rank, once: the count resets."""
+    from moe_ep_plugin.megatron import PluginOptions, check_over_budget
 
     x, probs, routing_map = world_inputs[dist.get_rank()]
     dispatcher = _dispatcher(PluginOptions(transport=transport, recv_capacity_factor=0.25))
     _run(dispatcher, x, probs, routing_map, torch.ones(x.shape))
+    model = torch.nn.Module()
+    model.token_dispatcher = dispatcher  # what the launcher's check after each step finds in a MoE layer
     with pytest.raises(ValueError, match="raise ep_plugin.recv_capacity_factor.*drop_on_overflow"):
-        dispatcher.check_over_budget()
+        check_over_budget(model)
     dispatcher.check_over_budget()
 
 

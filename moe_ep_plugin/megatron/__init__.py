@@ -19,7 +19,7 @@ except ImportError as exc:  # name the missing piece: megatron.core itself impor
     ) from exc
 
 from ..ops.routing import routing_map_to_topk
-from .dispatcher import EPPluginTokenDispatcher
+from .dispatcher import EPPluginTokenDispatcher, check_over_budget
 from .options import PLUGIN_DISPATCHER_TYPE, PluginOptions, get_plugin_options, set_plugin_options
 from .registration import install, is_installed, uninstall
 from .router import PortableTopKRouter
@@ -29,6 +29,7 @@ __all__ = [
     "PLUGIN_DISPATCHER_TYPE",
     "PluginOptions",
     "PortableTopKRouter",
+    "check_over_budget",
     "get_plugin_options",
     "install",
     "is_installed",

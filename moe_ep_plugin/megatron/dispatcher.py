@@ -340,3 +340,13 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             hidden_states = hidden_states + self.shared_experts.get_output().view(self.hidden_shape)
         self._buffer = None
         return hidden_states
+
+
+def check_over_budget(model: torch.nn.Module) -> None:
+    """:meth:`EPPluginTokenDispatcher.check_over_budget` of every MoE layer of ``model`` (each a module holding an
+    ``EPPluginTokenDispatcher`` as ``token_dispatcher``), in module order: collective, so every rank calls it at the
+    same point (the launcher: after each optimizer step)."""
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if isinstance(dispatcher, EPPluginTokenDispatcher):
+            dispatcher.check_over_budget()

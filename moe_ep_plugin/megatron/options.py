@@ -147,13 +147,21 @@ def check_capture(config: Any, options: PluginOptions) -> None:
 
 
 def check_budget(config: Any, options: PluginOptions) -> None:
-    """The row budget keys apply to ``ep_plugin``'s dropless dispatch only: drop-and-pad fixes every count
-    itself."""
-    if options.recv_capacity_factor is not None and getattr(config, "moe_pad_expert_input_to_capacity", False):
-        raise ValueError(
-            "ep_plugin.recv_capacity_factor: drop-and-pad (moe_pad_expert_input_to_capacity) fixes every "
-            "expert's rows itself; unset recv_capacity_factor"
-        )
+    """The row budget keys apply to ``ep_plugin``'s dropless dispatch only: drop-and-pad fixes every count itself,
+    and the ``flex`` backends take Megatron's own budget keys."""
+    for key in ("recv_capacity_factor", "drop_on_overflow"):
+        if getattr(options, key) in (None, False):
+            continue
+        if getattr(config, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
+            raise ValueError(
+                f"ep_plugin.{key}: the row budget of moe_token_dispatcher_type: ep_plugin's dropless dispatch; "
+                f"the flex backends take Megatron's own budget keys"
+            )
+        if getattr(config, "moe_pad_expert_input_to_capacity", False):
+            raise ValueError(
+                f"ep_plugin.{key}: drop-and-pad (moe_pad_expert_input_to_capacity) fixes every expert's rows "
+                f"itself; unset {key}"
+            )
 
 
 def set_plugin_options(config: Any, options: PluginOptions) -> None:
@@ -169,8 +177,8 @@ def set_plugin_options(config: Any, options: PluginOptions) -> None:
                 f"ep_plugin.fp8_dispatch needs the dispatched hidden size to be a multiple of 128, got {hidden}"
             )
     check_fp16(config, options)
+    check_budget(config, options)
     if getattr(config, "moe_token_dispatcher_type", None) == PLUGIN_DISPATCHER_TYPE:
-        check_budget(config, options)
         check_capture(config, options)
     setattr(config, CONFIG_ATTR, options)
 

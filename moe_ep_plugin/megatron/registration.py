@@ -44,6 +44,7 @@ from .options import (
     SYNC_FREE_TRANSPORTS,
     PluginOptions,
     captured_dispatch,
+    check_budget,
     check_capture,
     check_fp16,
     get_plugin_options,
@@ -302,12 +303,7 @@ def _check_flex(config: Any) -> None:
         )
     options = get_plugin_options(config, _default_options)
     check_fp16(config, options)  # the shims carry fp16 tokens as fp32 on the torch transport, as ep_plugin does
-    for key in ("recv_capacity_factor", "drop_on_overflow"):
-        if getattr(options, key) not in (None, False):
-            raise ValueError(
-                f"ep_plugin.{key}: the row budget of moe_token_dispatcher_type: ep_plugin's dropless dispatch; "
-                f"the flex backends take Megatron's own budget keys"
-            )
+    check_budget(config, options)
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:
         raise ValueError(

@@ -190,6 +190,7 @@ def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    from ...megatron import check_over_budget
     from ...megatron.host import seed_model_parallel_rng
     from .model import build_gpt_model
     from .yaml_config import load_pretrain_config
@@ -254,6 +255,7 @@ def _run(path: str, overrides: dict[str, Any], resume: str | None) -> None:
                     p.grad.mul_(clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        check_over_budget(model)  # ep_plugin's row budget: raises on every rank when pairs were dropped unasked
         if cfg.transformer.moe_router_enable_expert_bias:
             update_expert_bias(model, cfg.transformer.moe_router_bias_update_rate)
         dist.all_reduce(loss_sum, group=ps.get_data_parallel_group())

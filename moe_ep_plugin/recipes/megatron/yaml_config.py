@@ -12,7 +12,7 @@ names it:
   ``moe_flex_dispatcher_backend: deepep | hybridep | ncclep | deepepv2`` (the last two where Megatron has them) runs
   Megatron's own flex dispatcher on this library.
 - ``ep_plugin``: :class:`PluginOptions` (``transport``, ``fp8_dispatch``, ``round_scale``, ``num_sms``, ``timeout_s``,
-  ``ranks_per_node``).
+  ``ranks_per_node``; for ``ep_plugin`` also the row budget ``recv_capacity_factor``, ``drop_on_overflow``).
 - ``gpt``: ``GPTModel`` arguments (``vocab_size``, ``max_sequence_length``, ``position_embedding_type``, ...).
 - ``train``, ``data``: the launcher's own options (:class:`TrainOptions`, :class:`DataOptions`).
 """
