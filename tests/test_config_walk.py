@@ -214,6 +214,8 @@ MEGATRON_BAD: dict[str, list[Any]] = {
     "ep_plugin.num_sms": [0, 3],
     "ep_plugin.timeout_s": [0],
     "ep_plugin.ranks_per_node": [0, 3],
+    "ep_plugin.recv_capacity_factor": [0, -1.0],
+    "ep_plugin.drop_on_overflow": [True],  # without recv_capacity_factor
     "gpt.vocab_size": [0, 100],
     "gpt.max_sequence_length": [0, 32],
     "gpt.position_embedding_type": ["spiral"],
@@ -246,7 +248,7 @@ def _megatron_keys(raw: dict) -> dict[str, Any]:
     """The launcher's own keys (typed) and the model keys ``raw`` holds (typed by Megatron's annotations)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from moe_ep_plugin.plugin_options import PluginOptions
+    from moe_ep_plugin.megatron.options import PluginOptions  # the ep_plugin section the launcher reads
     from moe_ep_plugin.recipes.megatron import yaml_config
 
     keys = {f"parallel.{k}": bool if k == "sequence_parallel" else int for k in yaml_config.PARALLEL_KEYS}
