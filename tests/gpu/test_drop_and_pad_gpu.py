@@ -1,6 +1,7 @@
 """Drop-and-pad (``megatron/drop_and_pad.py``) captured in one CUDA graph on the ``nvlink`` transport: the forward
-(pairs, dispatch, experts, combine) and its backward (``torch.autograd.grad``), replayed on new tokens, probs and
-routing maps, equal eager calls bit for bit; and the eager rows equal the ``torch`` transport's on the CPU. The
+(pairs, dispatch, experts, combine) and its backward (``torch.autograd.grad``) run eagerly under
+``torch.cuda.set_sync_debug_mode("error")`` (no host sync) and, replayed on new tokens, probs and routing maps, equal
+eager calls bit for bit (``support.graph_replay``); and the eager rows equal the ``torch`` transport's on the CPU. The
 Megatron dispatcher's drop-and-pad is this path (tests/gpu/test_megatron_parity_gpu.py runs it beside ``alltoall``).
 
 With one GPU, 2 ranks share it (gloo group, ``Buffer(device=...)``): correct, not timeable; with more, one rank per
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from support.gpu_marks import GPUS, NEEDS_KERNELS  # noqa: E402
+from support.graph_replay import check_captured  # noqa: E402
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
@@ -73,36 +75,7 @@ def _capture(world: int) -> None:
             grad_probs.copy_(torch.randn(rows, generator=gen, device=device))
 
     inputs = (buffer, world, x, probs, rmap, scale, grad_out, grad_probs)
-    refill()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _step(*inputs)
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = _step(*inputs)
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    names = ("expert_x", "expert_probs", "combined", "grad x", "grad probs")
-    for _ in range(3):
-        refill()
-        graph.replay()
-        eager = _step(*inputs)
-        torch.cuda.synchronize(device)
-        for name, a, b in zip(names, static, eager, strict=True):
-            assert torch.equal(a, b), f"rank {rank}: graph replay {name} differs from the eager call"
-    # the same call on the CPU (the torch transport over gloo; local at one rank) gives the same bits
-    cpu_inputs = [
-        t.detach().cpu().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs
-    ]
-    cpu_inputs[0] = Buffer(transport="torch")
-    for name, a, b in zip(names, eager, _step(*cpu_inputs), strict=True):
-        assert torch.equal(a.cpu(), b), f"rank {rank}: {name} differs from the CPU transport's"
-    dist.barrier()
+    check_captured(_step, inputs, refill, ("expert_x", "expert_probs", "combined", "grad x", "grad probs"), device)
     if rank == 0:
         print(f"ok drop-and-pad forward + backward captured and replayed at {world} rank(s)", flush=True)
 
