@@ -1,6 +1,7 @@
 """A Buffer destroyed on one rank (issue 46): a peer's next call on it raises naming that rank instead of timing out
-— at the call on the torch transport, which asks the store each time; after the failed wait on peers on a transport
-that does not (the kernel transports); a Buffer made after it on the same group is not affected. 2 gloo ranks."""
+— at the call on the torch and hierarchical transports, which ask the store each time; after the failed wait on
+peers on a transport that does not (the kernel transports); a Buffer made after it on the same group is not
+affected. 2 gloo ranks, the ``torch`` and ``hierarchical`` transports (2 emulated nodes)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ WAIT_S = 2.0  # the timeout of the buffer whose call waits for the destroyed pee
 NAMED = r"Buffer: rank 1 of this group destroyed its Buffer \(destroy\(\)\)"
 
 
-def _peer_destroyed() -> None:
+def _peer_destroyed(transport: str, ranks_per_node: int | None) -> None:
     rank = dist.get_rank()
-    first, second = Buffer(transport="torch", timeout_s=TIMEOUT_S), Buffer(transport="torch", timeout_s=TIMEOUT_S)
+    first, second = (Buffer(transport=transport, ranks_per_node=ranks_per_node, timeout_s=TIMEOUT_S) for _ in range(2))
     gen = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(6, 16, generator=gen)
     idx = routing("random", 6, 2, 4, gen)
@@ -43,6 +44,8 @@ def _peer_destroyed() -> None:
                 call()
         assert time.monotonic() - start < TIMEOUT_S  # at the call, not after a timeout
     _healthy(second, 5)
+    if transport != "torch":
+        return
 
     # A transport that asks only once a wait on peers failed: the timeout is raised as the destroyed peer.
     third = Buffer(transport="torch", timeout_s=WAIT_S)
@@ -60,5 +63,6 @@ def _peer_destroyed() -> None:
         store.wait(["test/checked"])  # rank 1 keeps its side of the group up until rank 0 has checked
 
 
-def test_a_peer_call_names_the_rank_that_destroyed_the_buffer() -> None:
-    spawn(_peer_destroyed, 2, backend="gloo", timeout_s=60)
+@pytest.mark.parametrize("transport, ranks_per_node", [("torch", None), ("hierarchical", 1)])
+def test_a_peer_call_names_the_rank_that_destroyed_the_buffer(transport: str, ranks_per_node: int | None) -> None:
+    spawn(_peer_destroyed, 2, args=(transport, ranks_per_node), backend="gloo", timeout_s=60)
