@@ -251,8 +251,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         rank. A no-op for the other dispatches."""
         if not self.budgeted:
             return None
+        # NCCL reduces on the current GPU, gloo on the host (its ranks may share a GPU)
+        nccl = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         excess = self._excess if self._excess is not None else torch.zeros((), dtype=torch.int64)
-        words = excess.reshape(1).to("cpu" if dist.get_backend(self.group) != "nccl" else excess.device, copy=True)
+        words = excess.reshape(1).to(device, copy=True)
         dist.all_reduce(words, op=dist.ReduceOp.MAX, group=self.group)
         if self._excess is not None:
             self._excess.zero_()
