@@ -1,6 +1,8 @@
-"""Megatron-Core's own local CUDA graphs over a MoE layer whose dispatcher is ``ep_plugin`` with drop-and-pad on the
-``nvlink`` transport: ``cuda_graph_impl: local`` with the ``moe`` region (``cuda_graph_modules``; 0.16:
-``cuda_graph_scope``), which the plugin accepts on this transport (``options.check_capture``).
+"""Megatron-Core's own local CUDA graphs over a MoE layer whose dispatcher is ``ep_plugin`` on the ``nvlink``
+transport, with drop-and-pad and dropless with a row budget (``megatron/budget.py``; one expert per rank, since
+Megatron's ``SequentialMLP`` reads ``tokens_per_expert`` on the host for more): ``cuda_graph_impl: local`` with the
+``moe`` region (``cuda_graph_modules``; 0.16: ``cuda_graph_scope``), which the plugin accepts on this transport
+(``options.check_capture``).
 
 Megatron graphs a ``MoETransformerLayer``: for ``moe`` its ``CudaGraphManager`` takes the whole layer's forward
 (here pre-MLP norm and attention are identities, so router, dispatch, experts, combine and the residual add). A
@@ -41,6 +43,10 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS, TOPK = 32, 2, 128, 256, 8, 2
 CAPACITY_FACTOR = 1.0  # capacity 16 of 64 tokens per expert: some tokens dropped, some experts padded
+# Dropless with the row budget: one expert per rank, as Megatron's SequentialMLP reads tokens_per_expert on the host
+# for more (megatron-core 0.16.1 and 0.19.2); every token on both experts; the budget holds every pair (EP x TOPK
+# times the mean, cut to the worst case), so graphed and eager layers get the same P rows.
+DROPLESS_EXPERTS, DROPLESS_TOPK = 2, 2
 WARMUP_STEPS = 2
 REPLAYS = 3
 EP = 2
@@ -76,27 +82,35 @@ def _region_key() -> str:
     return "cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope"
 
 
-def _config(graphed: bool) -> Any:
-    """The layer's config, BF16, drop-and-pad; ``graphed``: Megatron's local graphs over the ``moe`` region.
-    Dropout off (a captured draw is not the eager one), unfused bias-dropout-add."""
+def _config(graphed: bool, dropless: bool = False) -> Any:
+    """The layer's config, BF16, drop-and-pad (``dropless``: dropless, one expert per rank); ``graphed``: Megatron's
+    local graphs over the ``moe`` region. Dropout off (a captured draw is not the eager one), unfused
+    bias-dropout-add."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     graphs = {"cuda_graph_impl": "local", _region_key(): ["moe"], "cuda_graph_warmup_steps": WARMUP_STEPS}
+    routing = (
+        dict(num_moe_experts=DROPLESS_EXPERTS, moe_router_topk=DROPLESS_TOPK)
+        if dropless
+        else dict(
+            num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK,
+            moe_expert_capacity_factor=CAPACITY_FACTOR,
+            moe_pad_expert_input_to_capacity=True,
+            moe_token_drop_policy="probs",
+        )
+    )
     return TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN,
         num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOPK,
+        **routing,
         expert_model_parallel_size=EP,
         expert_tensor_parallel_size=1,
         moe_token_dispatcher_type="ep_plugin",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
-        moe_expert_capacity_factor=CAPACITY_FACTOR,
-        moe_pad_expert_input_to_capacity=True,
-        moe_token_drop_policy="probs",
         moe_ffn_hidden_size=FFN,
         ffn_hidden_size=FFN,
         gated_linear_unit=True,
@@ -123,7 +137,9 @@ def _layer(config: Any, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     spec = ModuleSpec(
         module=MoETransformerLayer,
-        submodules=TransformerLayerSubmodules(mlp=compat.local_moe_spec(EXPERTS), mlp_bda=get_bias_dropout_add),
+        submodules=TransformerLayerSubmodules(
+            mlp=compat.local_moe_spec(config.num_moe_experts), mlp_bda=get_bias_dropout_add
+        ),
     )
     return build_module(spec, config=config, layer_number=1)
 
@@ -155,7 +171,15 @@ def _counted(owner: Any, name: str, counter: dict[str, int], key: str) -> None:
     setattr(owner, name, call)
 
 
-def _graphed_matches_eager(seed: int, shared_gpu: bool) -> None:
+def _plugin_options(dropless: bool, **extra: Any) -> Any:
+    """The plugin options of a test layer: ``dropless`` gives the row budget that holds every pair."""
+    import moe_ep_plugin.megatron as ep_megatron
+
+    budget = {"recv_capacity_factor": float(EP * DROPLESS_TOPK)} if dropless else {}
+    return ep_megatron.PluginOptions(**budget, **extra)
+
+
+def _graphed_matches_eager(seed: int, shared_gpu: bool, dropless: bool) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.transformer import cuda_graphs
@@ -172,14 +196,16 @@ def _graphed_matches_eager(seed: int, shared_gpu: bool) -> None:
     torch.manual_seed(seed)
     # CudaGraphManager takes only an RNG tracker whose generators a graph can register
     tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
-    ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink", timeout_s=60))
+    ep_megatron.install(_plugin_options(dropless, transport="nvlink", timeout_s=60))
     try:
-        graphed, eager = _layer(_config(True), seed).to(device), _layer(_config(False), seed).to(device)
+        graphed = _layer(_config(True, dropless), seed).to(device)
+        eager = _layer(_config(False, dropless), seed).to(device)
         eager.load_state_dict(graphed.state_dict())
         for p in graphed.parameters():  # Megatron DDP's gradient buffer, which 0.19's backward graph adds into
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         dispatcher = graphed.mlp.token_dispatcher
-        assert isinstance(dispatcher, EPPluginTokenDispatcher) and dispatcher.drop_and_pad
+        assert isinstance(dispatcher, EPPluginTokenDispatcher)
+        assert dispatcher.budgeted if dropless else dispatcher.drop_and_pad
         calls = {"token_dispatch": 0, "fwd": 0, "bwd": 0}
         _counted(dispatcher, "token_dispatch", calls, "token_dispatch")
         gen = torch.Generator(device).manual_seed(seed * 31 + rank)
@@ -202,12 +228,11 @@ def _graphed_matches_eager(seed: int, shared_gpu: bool) -> None:
         torch.cuda.synchronize(device)
         assert calls["fwd"] == calls["bwd"] == REPLAYS, f"rank {rank}: replays {calls}, expected {REPLAYS} each"
         assert calls["token_dispatch"] == traced, f"rank {rank}: the dispatcher ran eagerly during a replay"
+        dispatcher.check_over_budget()  # the budget held every pair, replays included
         dist.barrier()
         if rank == 0:
-            print(
-                f"ok Megatron's local graph of the ep_plugin drop-and-pad layer: {REPLAYS} replays equal eager",
-                flush=True,
-            )
+            kind = "dropless (row budget)" if dropless else "drop-and-pad"
+            print(f"ok Megatron's local graph of the ep_plugin {kind} layer: {REPLAYS} replays equal eager", flush=True)
     finally:
         cuda_graphs.delete_cuda_graphs()
         ep_megatron.uninstall()
@@ -226,10 +251,12 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("dropless", [False, True], ids=["drop-and-pad", "dropless"])
 @pytest.mark.parametrize("shared_gpu,backend", LAYOUTS)
-def test_megatron_graphed_layer_equals_eager(shared_gpu: bool, backend: str) -> None:
+def test_megatron_graphed_layer_equals_eager(shared_gpu: bool, backend: str, dropless: bool) -> None:
     """EP 2 ranks, the plugin's Buffer on the ``nvlink`` kernels: sharing ``cuda:0`` over gloo, or one per GPU."""
-    spawn(_graphed_matches_eager, EP, args=(int(time.time()) % 1000, shared_gpu), backend=backend, timeout_s=600)
+    seed = int(time.time()) % 1000
+    spawn(_graphed_matches_eager, EP, args=(seed, shared_gpu, dropless), backend=backend, timeout_s=600)
 
 
 class _ManagerProbe:
@@ -262,9 +289,12 @@ def _host_checks(seed: int) -> None:
         layer = _layer(config, seed)
         assert _ManagerProbe.made == [None], f"expected one whole-layer graph manager, got {_ManagerProbe.made}"
         assert isinstance(layer.mlp.token_dispatcher, EPPluginTokenDispatcher)
+        ep_megatron.install(_plugin_options(True, transport="nvlink"))
+        assert _layer(_config(True, True), seed).mlp.token_dispatcher.budgeted  # dropless: the row budget
         ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
-        with pytest.raises(ValueError, match=_region_key()):
-            _config(True)  # the torch transport reads counts on the host: no graph may hold its dispatch
+        for dropless in (False, True):  # the torch transport reads counts on the host: no graph may hold its dispatch
+            with pytest.raises(ValueError, match=_region_key()):
+                _config(True, dropless)
         eager = _layer(_config(False), seed)
         x = torch.randn(SEQ, BATCH, HIDDEN).bfloat16()
         got = _step(eager, x, torch.randn(SEQ, BATCH, HIDDEN).bfloat16())
