@@ -217,6 +217,10 @@ def test_row_budget_keys() -> None:
     _moe_config()
     with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: drop-and-pad"):
         _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    from megatron.core.transformer.enums import AttnBackend
+
+    with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: batch_invariant_mode"):
+        _moe_config(batch_invariant_mode=True, attention_backend=AttnBackend.flash)
     flex = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: the row budget of"):
         _moe_config(**flex)

@@ -148,7 +148,7 @@ def check_capture(config: Any, options: PluginOptions) -> None:
 
 def check_budget(config: Any, options: PluginOptions) -> None:
     """The row budget keys apply to ``ep_plugin``'s dropless dispatch only: drop-and-pad fixes every count itself,
-    and the ``flex`` backends take Megatron's own budget keys."""
+    the ``flex`` backends take Megatron's own budget keys, and a budget that drops is not batch invariant."""
     for key in ("recv_capacity_factor", "drop_on_overflow"):
         if getattr(options, key) in (None, False):
             continue
@@ -161,6 +161,12 @@ def check_budget(config: Any, options: PluginOptions) -> None:
             raise ValueError(
                 f"ep_plugin.{key}: drop-and-pad (moe_pad_expert_input_to_capacity) fixes every expert's rows "
                 f"itself; unset {key}"
+            )
+        if getattr(config, "batch_invariant_mode", False):
+            raise ValueError(
+                f"ep_plugin.{key}: batch_invariant_mode serves dropless routing only (which pairs a row budget "
+                f"drops depends on the whole batch; without recv_capacity_factor the worst case drops none); "
+                f"unset {key}"
             )
 
 
