@@ -60,22 +60,25 @@ def _routing(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return probs, routing_map
 
 
-def _dispatcher(options, alignment: int = 1, captured: bool = False):
+def _dispatcher(options, alignment: int = 1, captured: bool = False, tp: int = 1):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_ep_plugin.megatron import EPPluginTokenDispatcher
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    num_local = EXPERTS // world
-    layer = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True)
+    ep = dist.get_world_size() // tp  # expert TP is the fastest dimension of the TP x EP group
+    ep_rank, num_local = dist.get_rank() // tp, EXPERTS // ep
+    layer = dict(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True, add_bias_linear=False
+    )
     moe = dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_token_dispatcher_type="ep_plugin")
-    config = TransformerConfig(**layer, **moe, expert_model_parallel_size=world)
+    parallel = dict(tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp, expert_model_parallel_size=ep)
+    config = TransformerConfig(**layer, **moe, **parallel)
     if captured:  # Megatron's local graphs of the whole layer (set after __post_init__: no CUDA here)
         config.cuda_graph_impl = "local"
     pgc = get_default_pg_collection()
     dispatcher = EPPluginTokenDispatcher(
-        num_local, list(range(rank * num_local, (rank + 1) * num_local)), config, pgc, options=options
+        num_local, list(range(ep_rank * num_local, (ep_rank + 1) * num_local)), config, pgc, options=options
     )
     dispatcher.alignment = alignment  # what moe_router_padding_for_quantization sets (FP8 needs TransformerEngine)
     return dispatcher
@@ -202,6 +205,30 @@ def _suite(seed: int, transport: str) -> None:
             for factor in (None, 0.5):
                 dispatcher = _dispatcher(PluginOptions(transport="local", recv_capacity_factor=factor), 4, True)
                 _run(dispatcher, x, probs, routing_map, torch.ones(x.shape), reads_checked=True)
+    finally:
+        ps.destroy_model_parallel()
+    if world == 2:
+        _expert_tp(world_inputs[dist.get_rank()], transport)
+
+
+def _expert_tp(inputs: tuple[torch.Tensor, ...], transport: str) -> None:
+    """Expert TP 2 x EP 1 (the routing map replicated over TP, each TP rank's partial outputs summed): the budgeted
+    dispatcher's output and gradients equal the counted one's bit for bit."""
+    from megatron.core import parallel_state as ps
+
+    from moe_ep_plugin.megatron import PluginOptions
+
+    x, probs, routing_map = inputs
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + dist.get_rank()))
+    ps.initialize_model_parallel(2, 1, expert_model_parallel_size=1, expert_tensor_parallel_size=2)
+    try:
+        budgeted = _dispatcher(PluginOptions(transport=transport), 4, True, tp=2)
+        counted = _dispatcher(PluginOptions(transport=transport), 4, tp=2)
+        assert budgeted.budgeted and not counted.budgeted
+        got = _run(budgeted, x, probs, routing_map, grad)[3:]
+        want = _run(counted, x, probs, routing_map, grad)[3:]
+        for name, a, b in zip(("output", "x grad", "probs grad"), got, want, strict=True):
+            assert torch.equal(a, b), f"expert TP: budgeted {name} differs from the counted dispatcher's"
     finally:
         ps.destroy_model_parallel()
 
