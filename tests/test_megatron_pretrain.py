@@ -84,6 +84,30 @@ def test_pretrain_trains_checkpoints_and_resumes(tmp_path, capfd) -> None:
     assert os.path.basename(checkpoint.newest(str(run))) == "step_0000010"
 
 
+def test_pretrain_reports_a_row_budget_overflow(tmp_path, capfd) -> None:
+    """Dropless ``ep_plugin`` with a row budget (``ep_plugin.recv_capacity_factor``) too small for the routing: the
+    launcher's check after the first step ends the run on every rank naming the key; with
+    ``ep_plugin.drop_on_overflow`` the same run trains, dropping the pairs past the budget."""
+    from moe_ep_plugin.recipes.megatron import pretrain
+
+    with open(os.path.join(ROOT, "configs", "megatron_dsv3_cpu.yaml"), encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    raw["model"].update(num_layers=2, moe_layer_freq=[0, 1])
+    raw["ep_plugin"]["recv_capacity_factor"] = 0.25
+    raw["gpt"]["max_sequence_length"] = 32
+    raw["train"].update(seq_length=32, steps=2, warmup_steps=1, save_interval=100, save_dir=str(tmp_path / "run"))
+    config = tmp_path / "budget.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert pretrain.main([str(config)]) == 1
+    err = capfd.readouterr().err
+    assert "ep_plugin.recv_capacity_factor" in err and "drop_on_overflow" in err, err
+    raw["ep_plugin"]["drop_on_overflow"] = True
+    raw["train"]["save_dir"] = str(tmp_path / "dropped")
+    config.write_text(yaml.safe_dump(raw))
+    assert pretrain.main([str(config)]) == 0
+    assert [s for s, _ in _losses(str(tmp_path / "dropped" / "metrics.jsonl"))] == [1, 2]
+
+
 def test_pretrain_rejects_bad_config(tmp_path, capsys) -> None:
     from moe_ep_plugin.recipes.megatron import pretrain
 
