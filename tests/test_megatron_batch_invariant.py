@@ -27,6 +27,10 @@ def _config(world: int, **extra):
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if "flash_attention_version" in TransformerConfig.__dataclass_fields__:
+        # megatron-core 0.19's batch_invariant_mode asks for a pinned FlashAttention (3 or 4) and no attention
+        # dropout; nothing here runs attention
+        extra.update(flash_attention_version=3, attention_dropout=0.0)
     return TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN,

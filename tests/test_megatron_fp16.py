@@ -64,6 +64,7 @@ def _suite(tp: int, ep: int, backends: tuple[str, ...], seed: int) -> None:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     import moe_ep_plugin.megatron as ep_megatron
+    from moe_ep_plugin.megatron import compat, ncclep_shim
     from moe_ep_plugin.megatron.host import cuda_device_is_host, seed_model_parallel_rng
 
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
@@ -76,7 +77,9 @@ def _suite(tp: int, ep: int, backends: tuple[str, ...], seed: int) -> None:
                 for kind in ("alltoall", "ep_plugin", *backends):
                     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
                     torch.manual_seed(seed)
-                    layers[kind] = MoELayer(_config(kind, num_experts, tp, ep), spec.submodules.mlp.submodules)
+                    layers[kind] = MoELayer(
+                        _config(kind, num_experts, tp, ep), compat.moe_submodules(spec.submodules.mlp)
+                    )
                     layers[kind].load_state_dict(layers["alltoall"].state_dict())
                 gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
                 x = torch.randn(SEQUENCE, MICRO_BATCH, HIDDEN, generator=gen).half()
@@ -94,6 +97,8 @@ def _suite(tp: int, ep: int, backends: tuple[str, ...], seed: int) -> None:
                     for name, param in layers[kind].named_parameters():
                         assert not param.requires_grad or name in got, (kind, name)
                     assert_close(kind, out, got, ref_out, ref, (tp, ep, "dropless", torch.float16, False))
+                # ncclep bootstraps once per expert count (Megatron: once per model, finalized at its teardown)
+                ncclep_shim.nccl_ep_finalize()
     finally:
         ep_megatron.uninstall()
         ps.destroy_model_parallel()
