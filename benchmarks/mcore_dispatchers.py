@@ -9,7 +9,9 @@ slowest rank's median is reported. Before timing, each kind's output is checked 
 Megatron's router token dropping first, as its router does for drop-and-pad (each expert keeps exactly its
 capacity of pairs, dropped and padding pairs with probability 0), so the same check holds; ``--cuda-graph`` then
 also times the forward captured in one CUDA graph and replayed (drop-and-pad exists for that: no method reads
-the host, so the eager launch overhead of small batches is gone).
+the host, so the eager launch overhead of small batches is gone). With ``--recv-capacity-factor`` the ``ep_plugin``
+kinds run dropless sized on the device from that row budget (``megatron/budget.py``), which ``--cuda-graph`` captures
+on ``nvlink`` (``local`` at one rank); the other kinds stay as they are and get no graph time.
 
 Kinds: ``alltoall``, ``flex`` (Megatron's flex dispatcher with whatever ``deep_ep`` provides), ``flex_plugin``
 (the same flex dispatcher after ``moe_ep_plugin.megatron.install()``), ``ep_plugin:<transport>[:fp8]`` with
@@ -46,9 +48,17 @@ p.add_argument(
     help="drop-and-pad (moe_pad_expert_input_to_capacity) at this moe_expert_capacity_factor; 0: dropless",
 )
 p.add_argument(
+    "--recv-capacity-factor",
+    type=float,
+    default=0.0,
+    metavar="FACTOR",
+    help="ep_plugin kinds: dropless with this ep_plugin.recv_capacity_factor row budget; 0: the counted dispatch",
+)
+p.add_argument(
     "--cuda-graph",
     action="store_true",
-    help="with --pad-capacity on a GPU: also time the forward captured in a CUDA graph, replayed",
+    help="with --pad-capacity or --recv-capacity-factor on a GPU: also time the forward captured in a CUDA graph, "
+    "replayed (every kind that reads nothing on the host)",
 )
 p.add_argument("--breakdown", action="store_true", help="also print each forward method's median time (GPU only)")
 p.add_argument(
@@ -112,7 +122,10 @@ def make_dispatcher(kind):
     name, transport, *flags = kind.split(":") + ["auto"] * (kind.count(":") == 0)
     if name != "ep_plugin" or any(f != "fp8" for f in flags):
         raise ValueError(f"unknown kind {kind!r}")
-    options = ep_megatron.PluginOptions(transport=transport, fp8_dispatch="fp8" in flags, num_sms=a.num_sms)
+    budget = a.recv_capacity_factor or None
+    options = ep_megatron.PluginOptions(
+        transport=transport, fp8_dispatch="fp8" in flags, num_sms=a.num_sms, recv_capacity_factor=budget
+    )
     return ep_megatron.EPPluginTokenDispatcher(L, local_idx, cfg(kind), pg, options=options), options.fp8_dispatch
 
 
@@ -309,11 +322,20 @@ def kind_label(kind: str, world: int) -> str:
     return f"{kind} (NCCL)" if kind.startswith("ep_plugin:torch") else kind
 
 
+def graphed(kind: str) -> bool:
+    """Whether ``--cuda-graph`` captures ``kind``: every kind with drop-and-pad; with the row budget only the
+    ``ep_plugin`` kinds on the transports that read nothing on the host."""
+    if a.pad_capacity:
+        return True
+    return kind.startswith("ep_plugin") and (world == 1 or kind.split(":")[1] == "nvlink")
+
+
 def record_rows(
-    timed: dict[tuple[str, int], dict[str, float]], world: int, pad_capacity: float
+    timed: dict[tuple[str, int], dict[str, float]], world: int, pad_capacity: float, recv_capacity_factor: float = 0.0
 ) -> list[tuple[str, dict, float, float | None]]:
     """(benchmark, configuration, plugin µs, stock µs) per plugin kind, token count and phase of ``timed`` ((kind,
-    tokens) -> phase -> µs, correct runs only); stock: ``alltoall``'s at the same tokens and phase, else None."""
+    tokens) -> phase -> µs, correct runs only); stock: ``alltoall``'s at the same tokens and phase, else None.
+    ``recv_capacity_factor``: the ``ep_plugin`` kinds' row budget (0: none), named in their configuration."""
     benchmark = "mcore_drop_and_pad" if pad_capacity else "mcore_dispatchers"
     rows = []
     for (kind, tokens), phases in timed.items():
@@ -322,6 +344,8 @@ def record_rows(
         stock = timed.get(("alltoall", tokens), {})
         for phase, us in phases.items():
             drop = {"capacity factor": pad_capacity} if pad_capacity else {}
+            if recv_capacity_factor and kind.startswith("ep_plugin"):
+                drop["recv capacity factor"] = recv_capacity_factor
             config = {"ep": world, "tokens": tokens, "kind": kind_label(kind, world), **drop, "phase": phase}
             rows.append((benchmark, config, round(us, 1), round(stock[phase], 1) if phase in stock else None))
     return rows
@@ -329,8 +353,12 @@ def record_rows(
 
 if __name__ == "__main__":
     a = p.parse_args()
-    if a.cuda_graph and not a.pad_capacity:
-        p.error("--cuda-graph: needs --pad-capacity (only drop-and-pad dispatches without reading the host)")
+    if a.cuda_graph and not (a.pad_capacity or a.recv_capacity_factor):
+        p.error(
+            "--cuda-graph: needs --pad-capacity or --recv-capacity-factor (only those dispatch without a host read)"
+        )
+    if a.pad_capacity and a.recv_capacity_factor:
+        p.error("--recv-capacity-factor: a dropless row budget; drop-and-pad (--pad-capacity) fixes every row itself")
     if a.record and not torch.cuda.is_available():
         p.error("--record: CPU timings are a smoke check of the harness, not results")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -389,10 +417,13 @@ if __name__ == "__main__":
                 fwd = bench(lambda: step(disp, xf, rmap, probs, False), a.iters)
                 xg = x0.clone().requires_grad_(True)
                 fb = bench(lambda: step(disp, xg, rmap, probs, True), a.iters)
-                graph = [graph_us(lambda: step(disp, xf, rmap, probs, False), a.iters)] if a.cuda_graph else []
-                rows.append(
-                    (kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", *(f"{g:.1f}" for g in graph), str(bool(ok_all.item())))
+                graph = (
+                    [graph_us(lambda: step(disp, xf, rmap, probs, False), a.iters)]
+                    if a.cuda_graph and graphed(kind)
+                    else []
                 )
+                shown = [f"{g:.1f}" for g in graph] or ["-"] * a.cuda_graph
+                rows.append((kind, tokens, f"{fwd:.1f}", f"{fb:.1f}", *shown, str(bool(ok_all.item()))))
                 if ok_all.item():
                     timed[kind, tokens] = dict(zip(("fwd", "fwd+bwd", "graph fwd"), (fwd, fb, *graph), strict=False))
                 if a.breakdown and use_cuda:
@@ -437,6 +468,8 @@ if __name__ == "__main__":
         rows = ratios(rows)
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
         pad = f", drop-and-pad at capacity factor {a.pad_capacity}" if a.pad_capacity else ""
+        if a.recv_capacity_factor:
+            pad = f", ep_plugin dropless with row budget {a.recv_capacity_factor}"
         print(
             f"\nMegatron-Core {__import__('megatron.core').core.__version__} dispatchers, EP{world}, "
             f"hidden {a.hidden}, top-{a.topk} of {a.experts}{pad}, identity experts, median of {a.iters} (slowest rank)"
@@ -445,7 +478,7 @@ if __name__ == "__main__":
             print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
         if a.record:
             device = records.machine(world)
-            for benchmark, config, plugin, stock in record_rows(timed, world, a.pad_capacity):
+            for benchmark, config, plugin, stock in record_rows(timed, world, a.pad_capacity, a.recv_capacity_factor):
                 records.record(a, benchmark, config, plugin, stock, "µs", device=device)
     dist.barrier()
     ps.destroy_model_parallel()

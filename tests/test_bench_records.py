@@ -109,6 +109,9 @@ def test_mcore_rows_against_alltoall() -> None:
         (4096, "fwd+bwd", None),
     ]
     assert {b for b, _, _, _ in mcore_dispatchers.record_rows(timed, 1, 0.0)} == {"mcore_dispatchers"}
+    budgeted = mcore_dispatchers.record_rows(timed, 1, 0.0, 1.5)  # the ep_plugin kinds' row budget is named
+    assert {b for b, _, _, _ in budgeted} == {"mcore_dispatchers"}
+    assert all(c["recv capacity factor"] == 1.5 and "capacity factor" not in c for _, c, _, _ in budgeted)
 
 
 @pytest.mark.parametrize(
