@@ -44,6 +44,24 @@ TABLES = (
         "python3 benchmarks/bench_dispatch_combine.py",
     ),
     Table(
+        "sm_sweep",
+        "SM sweep: `sm_sweep.py`",
+        "The dispatch and combine kernels at S SMs with 2 or 4 ranks sharing one GPU (MPS), GB/s of remote bytes "
+        "per rank from CUDA-graph replay; stock the copy kernel of `nvlink_ceiling.cu` writing the same bytes into "
+        "the peers' staging regions with the same S (copy rows: the copy alone, at more SMs, and the copy engines). "
+        "The bytes never cross NVLink: the kernels' SM-bound throughput and their distance from a copy, not the "
+        "link's speed.",
+        "python3 benchmarks/sm_sweep.py --ranks 2   # and --ranks 4; an MPS daemon running",
+    ),
+    Table(
+        "sm_sweep, abe3312 kernels",
+        "SM sweep of commit abe3312's kernels",
+        "The same sweep over the code whose EP 2 kernel times across two H200s are the `timing: graph` rows above "
+        "(its Python and kernels, copy yardstick left out); what `benchmarks/ep_model.py --check` fits.",
+        "python3 benchmarks/sm_sweep.py --ranks 2 --sms 8,24 on a checkout of abe3312 (its Buffer built over a gloo "
+        "group sharing one GPU)",
+    ),
+    Table(
         "bench_permute",
         "Expert-major permute: `bench_permute.py`",
         "The permute kernels against the torch-op fallback on the same inputs (same bits), one GPU.",
@@ -121,6 +139,7 @@ README_ROWS = (
             ),
         },
     ),
+    ("sm_sweep", {"ranks": 2, "tokens": 4096, "sms": (8, 24)}),
     ("mcore_dispatchers", {"kind": ("ep_plugin:nvlink", "ep_plugin (local)"), "tokens": 4096}),
     ("mcore_drop_and_pad", {"tokens": 4096}),
     ("deepspeed_compare", {"variant": "grouped"}),

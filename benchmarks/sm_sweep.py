@@ -281,11 +281,13 @@ def _sweep(args: argparse.Namespace, shared: bool) -> None:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, rows, group=cpu_group)
     if rank == 0:
-        _report(args, gathered, world, shared, torch.cuda.get_device_name(device))
+        _report(
+            args, gathered, world, shared, torch.cuda.get_device_name(device), records.machine(1 if shared else world)
+        )
     nv.destroy()
 
 
-def _report(args: argparse.Namespace, gathered: list, world: int, shared: bool, device_name: str) -> None:
+def _report(args: argparse.Namespace, gathered: list, world: int, shared: bool, device_name: str, machine: str) -> None:
     layout = f"{world} ranks sharing one GPU" if shared else f"{world} ranks, one per GPU"
     print(
         f"\nSM sweep, {layout} ({device_name}); hidden {args.hidden}, top-8 of 256 group-limited; "
@@ -323,7 +325,7 @@ def _report(args: argparse.Namespace, gathered: list, world: int, shared: bool, 
             round(gbs, 1),
             None if kernel.startswith("copy") else round(copy_gbs, 1),
             "GB/s",
-            device=device_name,
+            device=machine,
         )
     if not all(g[i][6] for g in gathered for i in range(len(g))):
         raise SystemExit("sm_sweep: some outputs differ from the torch transport's (rows marked NO)")
