@@ -248,7 +248,7 @@ def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
         ),
         (
             ValueError,
-            "num_sms: expected an int >= 0",
+            "num_sms: expected a non-negative int",
             lambda: elastic.dispatch(x, topk_idx=idx, num_experts=num_experts, num_sms=-1 if bad else 0),
         ),
     ]
