@@ -183,8 +183,16 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
             assert sorted(region.name for region in getattr(config, key)) == sorted(
                 name for name in (regions.split(",") if regions else [])
             )
-        with pytest.raises(AssertionError, match="must not contain both moe and moe_router"):  # Megatron's rule
+        with pytest.raises(AssertionError, match="must not contain both moe and moe_router"):  # Megatron's rules
             _moe_config(cuda_graph_impl="local", **{key: "moe,moe_router"})
+        with pytest.raises(AssertionError, match="hidden dropout is not supported with graphed MLP/MoE"):
+            _moe_config(
+                cuda_graph_impl="local",
+                **{key: "moe"},
+                recompute_granularity="selective",
+                recompute_modules=["moe"],
+                hidden_dropout=0.1,
+            )
     ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
     # a whole iteration: an implementation of its own from 0.19, a region before
     whole, named = (
@@ -195,7 +203,8 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
     with pytest.raises(ValueError, match=rf"{named}.* captures the MoE token dispatch"):
         _moe_config(**whole)
     config = _moe_config(cuda_graph_impl="local", **{key: "attn"})  # options given later are checked alike
-    config.cuda_graph_impl, config.cuda_graph_scope = "local", []
+    config.cuda_graph_impl = "local"
+    setattr(config, key, [])
     with pytest.raises(ValueError, match="captures the MoE token dispatch"):
         ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="torch"))
     ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="nvlink"))
@@ -219,8 +228,11 @@ def test_row_budget_keys() -> None:
         _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     from megatron.core.transformer.enums import AttnBackend
 
+    invariant = dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash, attention_dropout=0.0)
+    if "flash_attention_version" in tc.TransformerConfig.__dataclass_fields__:  # 0.19 asks for FlashAttention 3/4
+        invariant["flash_attention_version"] = 3
     with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: batch_invariant_mode"):
-        _moe_config(batch_invariant_mode=True, attention_backend=AttnBackend.flash)
+        _moe_config(**invariant)
     flex = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="ep_plugin.recv_capacity_factor: the row budget of"):
         _moe_config(**flex)

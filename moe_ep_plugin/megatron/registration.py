@@ -164,37 +164,40 @@ def _moe_region_hidden(config: Any, options: PluginOptions) -> Iterator[None]:
     """Megatron asserts "moe cuda graph is only supported with drop-padding MoE" because ``alltoall``'s dropless
     shapes depend on counts read on the host. ``ep_plugin`` on a transport that reads nothing
     (``SYNC_FREE_TRANSPORTS``) runs dropless with a device-side row budget (``budget.py``), so exactly that
-    assertion is lifted for it: while Megatron's checks run, its module's ``CudaGraphScope`` answers ``moe`` with a
-    member no region list holds (every other name, lookup and isinstance check as the real enum), and the other
-    checks of the ``moe`` region this skips are made here afterwards with Megatron's messages. Every other config
-    sees Megatron's checks unchanged."""
-    real = getattr(tc_module, "CudaGraphScope", None)
+    assertion is lifted for it: while Megatron's checks run, its module's region enum (0.16 ``CudaGraphScope`` of
+    ``cuda_graph_scope``, 0.19 ``CudaGraphModule`` of ``cuda_graph_modules``) answers ``moe`` with a member no
+    region list holds (every other name, lookup and isinstance check as the real enum), and the other checks of the
+    ``moe`` region this skips are made here afterwards with Megatron's messages (``_check_moe_region``). Every
+    other config sees Megatron's checks unchanged."""
+    key = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    name = "CudaGraphModule" if key == "cuda_graph_modules" else "CudaGraphScope"
+    real = getattr(tc_module, name, None)
     if (
         real is None
-        or getattr(config, "cuda_graph_impl", "none") == "none"
+        or getattr(config, "cuda_graph_impl", "none") in ("none", "full_iteration")
         or getattr(config, "moe_pad_expert_input_to_capacity", False)
         or options.transport not in SYNC_FREE_TRANSPORTS
-        or "moe" not in graph_regions(getattr(config, "cuda_graph_scope", None))
+        or "moe" not in graph_regions(getattr(config, key, None))
     ):
         yield
         return
-    tc_module.CudaGraphScope = _without_moe(real)
+    setattr(tc_module, name, _without_moe(real, name))
     try:
         yield
     finally:
-        tc_module.CudaGraphScope = real
-    _check_moe_region(config, real)
+        setattr(tc_module, name, real)
+    _check_moe_region(config, real, key)
 
 
-def _without_moe(real: type) -> type:
-    """A stand-in for the enum ``real`` whose ``moe`` is a fresh object."""
+def _without_moe(real: type, name: str) -> type:
+    """A stand-in named ``name`` for the enum ``real`` whose ``moe`` is a fresh object."""
 
     class _Meta(type):
-        def __getattr__(cls, name: str) -> Any:
-            return object() if name == "moe" else getattr(real, name)
+        def __getattr__(cls, attr: str) -> Any:
+            return object() if attr == "moe" else getattr(real, attr)
 
-        def __getitem__(cls, name: str) -> Any:
-            return real[name]
+        def __getitem__(cls, item: str) -> Any:
+            return real[item]
 
         def __instancecheck__(cls, obj: Any) -> bool:
             return isinstance(obj, real)
@@ -202,22 +205,39 @@ def _without_moe(real: type) -> type:
         def __iter__(cls) -> Iterator[Any]:
             return iter(real)
 
-    return _Meta("CudaGraphScope", (), {})
+    return _Meta(name, (), {})
 
 
-def _check_moe_region(config: Any, scope: type) -> None:
-    """Megatron's own checks of the ``moe`` region other than the drop-and-pad one (megatron-core 0.16.1's
-    ``TransformerConfig.__post_init__``), with its messages."""
-    regions = config.cuda_graph_scope
-    if scope.moe_router in regions:
-        raise AssertionError("cuda_graph_scope must not contain both moe and moe_router.")
-    if config.overlap_moe_expert_parallel_comm:
+def _check_moe_region(config: Any, regions_enum: type, key: str) -> None:
+    """Megatron's own checks of a ``moe`` region in a per-layer graph (``local``/``transformer_engine``) other
+    than the drop-and-pad one, with its messages: ``TransformerConfig.__post_init__`` of megatron-core 0.16.1
+    (``cuda_graph_scope``) and 0.19.2 (``cuda_graph_modules``, which adds the GTP and offloading rules)."""
+    regions = getattr(config, key)
+    impl = config.cuda_graph_impl
+    if regions_enum.moe_router in regions:
+        raise AssertionError(f"{key} must not contain both moe and moe_router.")
+    if config.overlap_moe_expert_parallel_comm and (key == "cuda_graph_scope" or impl == "transformer_engine"):
         raise AssertionError("CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm")
-    if config.recompute_granularity == "selective" and "moe" in config.recompute_modules:
-        if config.hidden_dropout != 0.0:
-            raise AssertionError("hidden dropout is not supported with graphed MLP/MoE recomputation.")
-        if config.moe_input_jitter_eps is not None:
-            raise AssertionError("moe_input_jitter_eps is not supported with graphed moe recomputation.")
+    if key == "cuda_graph_modules" and getattr(config, "fine_grained_activation_offloading", False):
+        raise AssertionError("Token-drop MoE is temporarily not supported with activation offloading.")
+    if config.recompute_granularity != "selective":
+        return
+    if "moe" in config.recompute_modules and config.hidden_dropout != 0.0:
+        raise AssertionError("hidden dropout is not supported with graphed MLP/MoE recomputation.")
+    if "moe" in config.recompute_modules and config.moe_input_jitter_eps is not None:
+        raise AssertionError("moe_input_jitter_eps is not supported with graphed moe recomputation.")
+    if (
+        getattr(config, "gtp_weight_remat_size", 1) > 1
+        and impl == "local"
+        and (config.fp8 is not None or config.fp4 is not None)
+        and config.moe_shared_expert_intermediate_size is not None
+        and not config.moe_shared_expert_overlap
+        and "shared_experts" in config.recompute_modules
+    ):
+        raise AssertionError(
+            "GTP + local CUDA graphs that capture shared_experts (moe_router/moe scope) cannot recompute it under "
+            "fp8/fp4; drop 'shared_experts' from --recompute-modules, or use --cuda-graph-impl full_iteration."
+        )
 
 
 def _refuse_capture(config: Any, dispatcher: str) -> None:
