@@ -58,7 +58,7 @@ TABLES = (
         "SM sweep of commit abe3312's kernels",
         "The same sweep over the code whose EP 2 kernel times across two H200s are the `timing: graph` rows above "
         "(its Python and kernels, copy yardstick left out); what `benchmarks/ep_model.py --check` fits.",
-        "OLD_TREE=<abe3312 checkout, library built> python3 benchmarks/sm_sweep_abe3312.py --ranks 2 --sms 8,24 "
+        "OLD_TREE=<abe3312 checkout, library built> python3 benchmarks/sm_sweep_baseline.py --ranks 2 --sms 8,24 "
         "--tokens 4096,1024",
     ),
     Table(

@@ -2,7 +2,7 @@
 H200s are known), ranks sharing one GPU: what ``benchmarks/ep_model.py --check`` fits.
 
     git worktree add /tmp/abe3312 abe3312 && (cd /tmp/abe3312 && python3 -m moe_ep_plugin._build --required)
-    OLD_TREE=/tmp/abe3312 python3 benchmarks/sm_sweep_abe3312.py --ranks 2 --sms 8,24 --tokens 4096,1024 --record
+    OLD_TREE=/tmp/abe3312 python3 benchmarks/sm_sweep_baseline.py --ranks 2 --sms 8,24 --tokens 4096,1024 --record
 
 That code's Buffer takes CUDA only over an NCCL group (one rank per GPU), so while it is built its backend query
 answers "nccl" for the gloo group the ranks share; its transport needs only gloo's object collectives. The copy
