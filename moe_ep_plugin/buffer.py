@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .config import DEFAULT_TIMEOUT_S, Config, check_num_sms, combine_config, dispatch_config, positive_int
 from .event import EventOverlap, current_stream_handle
-from .handle import DispatchHandle, align_counts
+from .handle import DispatchHandle, rounded_counts
 from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
 from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport
@@ -493,7 +493,7 @@ class Buffer:
             counts: list[int] = []
             if result.num_recv_tokens_per_expert is not None and num_worst_tokens == 0:
                 # read here, on the stream the dispatch ran on, after it (in async mode nothing later waits for it)
-                counts = align_counts(result.counts_list(), expert_alignment)
+                counts = rounded_counts(result.counts_list(), expert_alignment)
             return result, counts
 
         result, counts, event = self._on_comm_stream(run, previous_event, async_finish, allocate_on_comm_stream, inputs)

@@ -10,7 +10,7 @@ import torch
 from .config import positive_int, round_up
 
 
-def align_counts(counts: list[int], alignment: int) -> list[int]:
+def rounded_counts(counts: list[int], alignment: int) -> list[int]:
     """Each count rounded up to a multiple of ``alignment`` (a grouped GEMM's per-expert row granularity)."""
     return [round_up(c, alignment) for c in counts]
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..handle import DispatchHandle, ExpertLayout, align_counts
+from ..handle import DispatchHandle, ExpertLayout, rounded_counts
 from ..ops import permute
 from ..ops.layout import dispatch_layout
 
@@ -312,7 +312,7 @@ class Transport(abc.ABC):
         result = self.dispatch(args)
         handle = result.handle
         if args.handle is None:
-            tokens_per_expert = align_counts(result.counts_list(), alignment)
+            tokens_per_expert = rounded_counts(result.counts_list(), alignment)
             recv_slot, _ = permute.expert_slots(result.recv_topk_idx, len(tokens_per_expert), alignment)
             handle.expert_layout = ExpertLayout(recv_slot, tokens_per_expert, sum(tokens_per_expert), alignment)
         layout = handle.expert_layout
