@@ -241,6 +241,32 @@ def test_row_budget_keys() -> None:
         ep_megatron.set_plugin_options(_moe_config(**flex), budget)
 
 
+@pytest.mark.skipif(
+    "moe_expert_rank_capacity_factor" not in tc.TransformerConfig.__dataclass_fields__,
+    reason="megatron-core 0.16 has no moe_expert_rank_capacity_factor",
+)
+def test_megatron_rank_capacity_factor_is_ep_plugins_budget() -> None:
+    """Where Megatron has ``moe_expert_rank_capacity_factor`` (0.19: refused for every dispatcher but flex
+    ``hybridep``/``ncclep``), ``ep_plugin`` takes it as its row budget, one that drops as Megatron's backends do;
+    ``ep_plugin.recv_capacity_factor`` beside it, drop-and-pad or a bad value are refused naming the key."""
+    from moe_ep_plugin.megatron import options
+
+    key = "moe_expert_rank_capacity_factor"
+    ep_megatron.install()
+    config = _moe_config(**{key: 2.0})
+    assert getattr(config, key) == 2.0
+    assert options.row_budget(config, ep_megatron.get_plugin_options(config)) == (key, 2.0, True)
+    with pytest.raises(ValueError, match=rf"{key}: expected a positive number"):
+        _moe_config(**{key: -1.0})
+    with pytest.raises(ValueError, match=rf"{key}: drop-and-pad"):
+        _moe_config(**{key: 2.0}, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ValueError, match="requires moe_flex_dispatcher_backend"):  # Megatron's, for alltoall
+        _moe_config(moe_token_dispatcher_type="alltoall", **{key: 2.0})
+    ep_megatron.install(ep_megatron.PluginOptions(recv_capacity_factor=1.5))
+    with pytest.raises(ValueError, match=rf"ep_plugin.recv_capacity_factor: {key} gives ep_plugin's row budget"):
+        _moe_config(**{key: 2.0})
+
+
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [

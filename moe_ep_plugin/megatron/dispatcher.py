@@ -48,7 +48,15 @@ from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
 from . import budget, drop_and_pad
-from .options import PluginOptions, as_token_dtype, captured_dispatch, carried, check_fp16, get_plugin_options
+from .options import (
+    PluginOptions,
+    as_token_dtype,
+    captured_dispatch,
+    carried,
+    check_fp16,
+    get_plugin_options,
+    row_budget,
+)
 
 
 class EPPluginTokenDispatcher(MoETokenDispatcher):
@@ -101,8 +109,9 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         # Dropless with a device-side row budget (budget.py; no host read) where the options give one or a CUDA
         # graph holds the dispatch (then the worst case); otherwise the counted dispatch, whose layout is exact.
+        self.budget_key, self.budget_factor, self.budget_drops = row_budget(config, self.options)
         self.budgeted = not self.drop_and_pad and (
-            self.options.recv_capacity_factor is not None or captured_dispatch(config) is not None
+            self.budget_factor is not None or captured_dispatch(config) is not None
         )
         self._excess: torch.Tensor | None = None  # budgeted: the most pairs past the budget since the last check
         if getattr(config, "moe_router_padding_for_quantization", False):
@@ -232,7 +241,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.topk * self.tp_size,
             self.num_local_experts,
             self.alignment,
-            self.options.recv_capacity_factor,
+            self.budget_factor,
         )
         self._buffer = self._get_buffer(hidden_bytes, hidden_states.device)
         expert_x, expert_probs, tokens_per_expert, handle, excess = budget.dispatch(
@@ -245,10 +254,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def check_over_budget(self) -> None:
         """Raise on every rank of the group, naming the key to raise, when a budgeted dispatch since the last call
-        had more expert rows than ``ep_plugin.recv_capacity_factor`` gives (those pairs were dropped), unless
-        ``ep_plugin.drop_on_overflow`` asks for the drop; then reset the count. Collective over the group (one
-        all-reduce) and one host read: call it where the host waits anyway (after the optimizer step), on every
-        rank. A no-op for the other dispatches."""
+        had more expert rows than its row budget gives (``self.budget_key``; those pairs were dropped), unless the
+        config asks for the drop (``ep_plugin.drop_on_overflow``, or Megatron's ``moe_expert_rank_capacity_factor``,
+        a budget that drops); then reset the count. Collective over the group (one all-reduce) and one host read:
+        call it where the host waits anyway (after the optimizer step), on every rank. A no-op for the other
+        dispatches."""
         if not self.budgeted:
             return None
         # NCCL reduces on the current GPU, gloo on the host (its ranks may share a GPU)
@@ -260,11 +270,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         if self._excess is not None:
             self._excess.zero_()
         most = int(words[0])
-        if most and not self.options.drop_on_overflow:
+        if most and not self.budget_drops:
             raise ValueError(
-                f"ep_plugin.recv_capacity_factor: a rank's experts received up to {most} rows more than the budget "
-                f"of recv_capacity_factor={self.options.recv_capacity_factor} (those pairs were dropped); raise "
-                f"ep_plugin.recv_capacity_factor, or set ep_plugin.drop_on_overflow: true to accept the drops"
+                f"{self.budget_key}: a rank's experts received up to {most} rows more than the budget of "
+                f"{self.budget_factor} (those pairs were dropped); raise {self.budget_key}, or set "
+                f"ep_plugin.drop_on_overflow: true to accept the drops"
             )
         return None
 

@@ -32,6 +32,8 @@ __all__ = [
     "captured_dispatch",
 ]
 FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
+# Megatron's per-rank row budget (megatron-core 0.19): ep_plugin's where ep_plugin.recv_capacity_factor is unset
+MEGATRON_BUDGET_KEY = "moe_expert_rank_capacity_factor"
 # transports whose dispatch with fixed-size outputs reads nothing on the host (``local``: a group of one rank)
 SYNC_FREE_TRANSPORTS = ("nvlink", "local")
 
@@ -146,27 +148,48 @@ def check_capture(config: Any, options: PluginOptions) -> None:
     )
 
 
+def row_budget(config: Any, options: PluginOptions) -> tuple[str, float | None, bool]:
+    """``ep_plugin``'s row budget: ``(the key that gives it, factor (None: the worst case), whether pairs past it
+    are dropped without an error)``: ``ep_plugin.recv_capacity_factor`` with its ``drop_on_overflow``, else
+    Megatron's ``moe_expert_rank_capacity_factor`` where the installed megatron-core has it (0.19), a budget that
+    drops, as Megatron's ``hybridep`` and Megatron-LM main's ``ncclep`` take it."""
+    megatron = getattr(config, MEGATRON_BUDGET_KEY, None)
+    if options.recv_capacity_factor is None and megatron is not None:
+        return MEGATRON_BUDGET_KEY, megatron, True
+    return "ep_plugin.recv_capacity_factor", options.recv_capacity_factor, options.drop_on_overflow
+
+
 def check_budget(config: Any, options: PluginOptions) -> None:
-    """The row budget keys apply to ``ep_plugin``'s dropless dispatch only: drop-and-pad fixes every count itself,
-    the ``flex`` backends take Megatron's own budget keys, and a budget that drops is not batch invariant."""
-    for key in ("recv_capacity_factor", "drop_on_overflow"):
-        if getattr(options, key) in (None, False):
-            continue
-        if getattr(config, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
+    """The row budget keys apply to ``ep_plugin``'s dropless dispatch only (the ``flex`` backends take Megatron's
+    own): one of ``ep_plugin.recv_capacity_factor`` and Megatron's ``moe_expert_rank_capacity_factor``, a positive
+    number; refused with drop-and-pad (which fixes every count itself) and with ``batch_invariant_mode`` (a budget
+    that drops is not batch invariant)."""
+    plugin = getattr(config, "moe_token_dispatcher_type", None) == PLUGIN_DISPATCHER_TYPE
+    given = [f"ep_plugin.{key}" for key in ("recv_capacity_factor", "drop_on_overflow") if getattr(options, key)]
+    if given and not plugin:
+        raise ValueError(
+            f"{given[0]}: the row budget of moe_token_dispatcher_type: ep_plugin's dropless dispatch; the flex "
+            f"backends take Megatron's own budget keys"
+        )
+    megatron = getattr(config, MEGATRON_BUDGET_KEY, None) if plugin else None
+    if megatron is not None:
+        if options.recv_capacity_factor is not None:
             raise ValueError(
-                f"ep_plugin.{key}: the row budget of moe_token_dispatcher_type: ep_plugin's dropless dispatch; "
-                f"the flex backends take Megatron's own budget keys"
+                f"ep_plugin.recv_capacity_factor: {MEGATRON_BUDGET_KEY} gives ep_plugin's row budget already; set "
+                f"one of the two"
             )
+        if isinstance(megatron, bool) or not isinstance(megatron, (int, float)) or not 0 < megatron < math.inf:
+            raise ValueError(f"{MEGATRON_BUDGET_KEY}: expected a positive number, got {megatron!r}")
+        given.append(MEGATRON_BUDGET_KEY)
+    for key in given:
         if getattr(config, "moe_pad_expert_input_to_capacity", False):
             raise ValueError(
-                f"ep_plugin.{key}: drop-and-pad (moe_pad_expert_input_to_capacity) fixes every expert's rows "
-                f"itself; unset {key}"
+                f"{key}: drop-and-pad (moe_pad_expert_input_to_capacity) fixes every expert's rows itself; unset {key}"
             )
         if getattr(config, "batch_invariant_mode", False):
             raise ValueError(
-                f"ep_plugin.{key}: batch_invariant_mode serves dropless routing only (which pairs a row budget "
-                f"drops depends on the whole batch; without recv_capacity_factor the worst case drops none); "
-                f"unset {key}"
+                f"{key}: batch_invariant_mode serves dropless routing only (which pairs a row budget drops depends "
+                f"on the whole batch; without a budget key the worst case drops none); unset {key}"
             )
 
 

@@ -40,6 +40,7 @@ from megatron.core.transformer.moe import fused_a2a, moe_layer, token_dispatcher
 from . import deepep_shim, deepepv2_shim, hybridep_shim, ncclep_shim
 from .dispatcher import EPPluginTokenDispatcher
 from .options import (
+    MEGATRON_BUDGET_KEY,
     PLUGIN_DISPATCHER_TYPE,
     SYNC_FREE_TRANSPORTS,
     PluginOptions,
@@ -150,7 +151,11 @@ def _wrap_post_init(original: Any) -> Any:
             return original(self)
         options = get_plugin_options(self, _default_options)
         check_capture(self, options)  # before Megatron's drop-padding assertion, whose message names no fix
-        with _dispatcher_type_shown_as(self, "alltoall"), _moe_region_hidden(self, options):
+        with (
+            _dispatcher_type_shown_as(self, "alltoall"),
+            _moe_region_hidden(self, options),
+            _megatron_budget_hidden(self),
+        ):
             original(self)
         set_plugin_options(self, options)  # validates the options against this config (FP8, FP16, budget, capture)
         _check_batch_invariant(self)
@@ -187,6 +192,22 @@ def _moe_region_hidden(config: Any, options: PluginOptions) -> Iterator[None]:
     finally:
         setattr(tc_module, name, real)
     _check_moe_region(config, real, key)
+
+
+@contextlib.contextmanager
+def _megatron_budget_hidden(config: Any) -> Iterator[None]:
+    """megatron-core 0.19 refuses ``moe_expert_rank_capacity_factor`` unless the flex backend is ``hybridep`` or
+    ``ncclep``; ``ep_plugin`` takes it as its row budget (``options.row_budget``), so Megatron's checks run without
+    it and ``check_budget`` checks it afterwards."""
+    factor = getattr(config, MEGATRON_BUDGET_KEY, None)
+    if factor is None:
+        yield
+        return
+    setattr(config, MEGATRON_BUDGET_KEY, None)
+    try:
+        yield
+    finally:
+        setattr(config, MEGATRON_BUDGET_KEY, factor)
 
 
 def _without_moe(real: type, name: str) -> type:
