@@ -26,6 +26,7 @@ import pstats
 import time
 from collections.abc import Callable
 
+import records
 import torch
 import torch.distributed as dist
 from standard_shape import add_shape_arguments
@@ -248,6 +249,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS), help="transports to time")
     p.add_argument("--profile", action="store_true", help="cProfile the dispatcher forward + backward")
+    records.add_argument(p)
     args = p.parse_args()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # one process: no port
     torch.set_num_threads(1)
@@ -288,6 +290,17 @@ def main() -> None:
     print(f"|{'-' * 48}|" + f"{'-' * 9}:|" * len(columns))
     for name, times in results.items():
         print(f"| {name:<46} |" + "".join(f" {t:8.1f} |" if t == t else f" {'-':>8} |" for t in times))
+        for label, t in zip(columns, times, strict=True):
+            if t == t:  # a layer a column has no row for is NaN
+                config = dict(
+                    layer=name,
+                    column=label,
+                    tokens=args.tokens,
+                    hidden=args.hidden,
+                    experts=args.experts,
+                    topk=args.topk,
+                )
+                records.record(args, "host_overhead", config, round(t, 1), None, "µs", device="cpu")
 
     if args.profile and megatron is not None:
         profiler = cProfile.Profile()

@@ -62,6 +62,14 @@ TABLES = (
         "--tokens 4096,1024",
     ),
     Table(
+        "host_overhead",
+        "Host time per layer: `host_overhead.py`",
+        "Python/CPU time per call of each layer of the Megatron dispatcher path (cumulative), one process on the "
+        "CPU; `local` does the one-rank transport's real work, `stand-in` replays recorded results so the layers "
+        "above the transport are timed alone. No stock path.",
+        "PYTHONPATH=. python3 benchmarks/host_overhead.py",
+    ),
+    Table(
         "bench_permute",
         "Expert-major permute: `bench_permute.py`",
         "The permute kernels against the torch-op fallback on the same inputs (same bits), one GPU.",
