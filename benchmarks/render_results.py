@@ -115,7 +115,7 @@ TABLES = (
         "nvlink_ceiling",
         "NVLink ceilings: `nvlink_ceiling.cu`",
         "What the link between two GPUs carries, 57 MB per direction; no stock path.",
-        "nvcc -O3 -arch=sm_90 benchmarks/nvlink_ceiling.cu -o nvlink_ceiling && ./nvlink_ceiling",
+        "python3 benchmarks/nvlink_ceiling.py   # builds and runs nvlink_ceiling.cu",
     ),
     Table(
         "multinode_traffic",
