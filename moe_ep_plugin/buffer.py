@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .config import DEFAULT_TIMEOUT_S, Config, check_num_sms, combine_config, dispatch_config, positive_int
-from .event import EventOverlap, current_stream_handle
+from .event import EventOverlap
 from .handle import DispatchHandle, rounded_counts
 from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
@@ -188,7 +188,7 @@ class Buffer:
         nth = self._store.add(f"moe_ep_plugin.buffer/made/{group.group_name}/{self.rank}", 1)
         self._destroyed_key = f"moe_ep_plugin.buffer/destroyed/{group.group_name}/{nth}"
         self._comm_stream = torch.cuda.Stream(self.device, priority=-1) if is_cuda else None
-        self._last_stream: int | None = None  # raw handle of the stream the last call's work went to
+        self._last_stream: torch.cuda.Stream | None = None  # the stream the last call's work went to
         self.destroyed = False  # set by destroy(): callers holding on to this buffer must fetch a new one
         # Low-latency mode (docs/low_latency.md): its own buffer sets; normal mode stays usable on this Buffer.
         self._low_latency = (
@@ -317,7 +317,7 @@ class Buffer:
         if previous_event is None and not async_finish:
             # nothing to overlap with while the caller waits anyway: the current stream gives the same ordering
             # without the stream switch, events and record_stream bookkeeping
-            self._after_last_call(current_stream_handle(self.device.index))
+            self._after_last_call(torch.cuda.current_stream())
             return self._run(fn) + (EventOverlap(),)
         compute = torch.cuda.current_stream()
         comm = self._comm_stream
@@ -325,7 +325,7 @@ class Buffer:
             comm.wait_event(previous_event.event)
         else:
             comm.wait_stream(compute)
-        self._after_last_call(comm.cuda_stream)
+        self._after_last_call(comm)
         with torch.cuda.stream(comm):
             outputs = self._run(fn)
         inputs = _tensors_in(tuple(item for item in inputs if item is not None))
@@ -340,20 +340,17 @@ class Buffer:
             return outputs + (EventOverlap(),)
         return outputs + (EventOverlap(event, extra_tensors=tuple(inputs)),)
 
-    def _after_last_call(self, stream: int) -> None:
-        """Orders the work of a call about to run on ``stream`` (a raw handle) after the last call's, when that
-        ran on another stream. Calls share the transport's peer buffers, barriers and handles; DeepEP runs every
-        call on its one communication stream, which orders them so, but here a synchronous call without
-        ``previous_event`` runs on the caller's current stream. The wait covers the work queued on the last stream
-        so far (the last call's included) and costs nothing while the stream stays the same. Inside a CUDA-graph
-        capture no outside wait is allowed: the capture's stream already waited for its origin when it began."""
-        last = self._last_stream
-        self._last_stream = stream
+    def _after_last_call(self, stream: torch.cuda.Stream) -> None:
+        """Orders the work of a call about to run on ``stream`` after the last call's, when that ran on another
+        stream. Calls share the transport's peer buffers, barriers and handles; DeepEP runs every call on its one
+        communication stream, which orders them so, but here a synchronous call without ``previous_event`` runs on
+        the caller's current stream. The wait covers the work queued on the last stream so far (the last call's
+        included) and costs nothing while the stream stays the same. Inside a CUDA-graph capture no outside wait is
+        allowed: the capture's stream already waited for its origin when it began."""
+        last, self._last_stream = self._last_stream, stream
         if last is None or last == stream or torch.cuda.is_current_stream_capturing():
             return
-        # streams torch hands out (its pool, the default one) live as long as the process: the handle stays valid
-        here = torch.cuda.ExternalStream(stream, device=self.device)
-        here.wait_stream(torch.cuda.ExternalStream(last, device=self.device))
+        stream.wait_stream(last)
 
     # ---- layout ----
     def get_dispatch_layout(

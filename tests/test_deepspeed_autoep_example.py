@@ -73,7 +73,7 @@ def _with(**sections: dict) -> dict:
         (_with(autoep={"num_attention_heads": 3}), "autoep.num_attention_heads: 3 does not divide"),
         (_with(autoep={"comm_max_tokens_per_rank": 8}), "autoep.comm_max_tokens_per_rank: unknown key"),
         (_with(moe={"fp8_dispatch": True}), "moe.fp8_dispatch: a plugin option"),
-        (_with(moe={"transport": "nvlink"}), "moe.transport: a plugin option"),
+        (_with(moe={"transport": "torch"}), "moe.transport: a plugin option"),
         (_with(moe={"drop_tokens": True}), "moe.drop_tokens: AutoEP's Mixtral blocks have no token dropping"),
         (_with(moe={"capacity_factor": 2.0}), "moe.capacity_factor: AutoEP's Mixtral blocks have no capacity"),
         (_with(moe={"aux_loss_coeff": 0.01}), "moe.aux_loss_coeff: AutoEP's Mixtral blocks add no auxiliary loss"),

@@ -96,6 +96,7 @@ def _stream_ordering() -> None:
     mp.setattr(torch.cuda, "current_stream", lambda *a: streams.current)
     mp.setattr(torch.cuda, "stream", streams.stream)
     mp.setattr(torch.cuda, "Event", lambda *a, **k: _Event(streams))
+    mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     mp.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append((t.data_ptr(), s.name)), raising=False)
     try:
         gen = torch.Generator().manual_seed(7 + rank)
@@ -112,6 +113,7 @@ def _stream_ordering() -> None:
             dict(previous_event=EventOverlap(_Event(streams, "compute")), async_finish=True),
             dict(previous_event=EventOverlap(_Event(streams, "compute")), allocate_on_comm_stream=True),
         ]
+        last = None  # the stream the previous call ran on
         for mode in modes:
             streams.log.clear()
             recorded.clear()
@@ -121,13 +123,18 @@ def _stream_ordering() -> None:
             assert counts == ref_counts, mode
             overlapped = "previous_event" in mode or mode.get("async_finish")
             log = streams.log
-            if not overlapped:  # sync without an event: the current stream, nothing to order
-                assert log == [("counts read", "compute")]
+            here = "comm" if overlapped else "compute"
+            # a call on another stream than the last call's waits for that stream first (shared peer buffers)
+            ordering = [("wait_stream", here, last)] if last not in (None, here) else []
+            last = here
+            if not overlapped:  # sync without an event: the current stream
+                assert log == [*ordering, ("counts read", "compute")], log
                 continue
             waited = "wait_event" if "previous_event" in mode else "wait_stream"
-            first = (waited, "comm", "compute")
+            first = [(waited, "comm", "compute"), *ordering]
+            log = log[len(first) - 1 :] if log[: len(first)] == first else log
             # the comm stream waits first, then the read happens on it (after the dispatch), then its end is recorded
-            assert log[0] == first and log[1] == ("counts read", "comm") and log[2] == ("record", "comm"), log
+            assert log[0] == first[-1] and log[1] == ("counts read", "comm") and log[2] == ("record", "comm"), log
             if mode.get("async_finish"):
                 assert len(log) == 3 and event.event is not None  # the compute stream never waited: the caller does
             else:
