@@ -140,9 +140,7 @@ class EPBuffer(ElasticBuffer):
             do_zero_padding,
             use_tma_aligned_col_major_sf,
         )
-        if check_bool("defer_epilogue", defer_epilogue):
-            return DeferredEpilogue(result[-1], result[:-1])
-        return result
+        return _deferred(result, defer_epilogue)
 
     def combine(
         self,
@@ -175,9 +173,7 @@ class EPBuffer(ElasticBuffer):
             allocate_on_comm_stream,
             out_dtype,
         )
-        if check_bool("defer_epilogue", defer_epilogue):
-            return DeferredEpilogue(result[-1], result[:-1])
-        return result
+        return _deferred(result, defer_epilogue)
 
     def resize(
         self,
@@ -260,6 +256,14 @@ class EPBuffer(ElasticBuffer):
             "(redundant-expert planning across scale-out EP groups) but not its arguments or result, and the "
             "load-balancing calls it plans for (lb_prefetch_weights, lb_reduce_grads) are not served here"
         )
+
+
+def _deferred(result: tuple, defer_epilogue: bool):
+    """``result`` as it is, or with ``defer_epilogue`` only its event, whose ``current_stream_wait()`` returns the rest
+    (DeepEP 2.5's deferred epilogue)."""
+    if check_bool("defer_epilogue", defer_epilogue):
+        return DeferredEpilogue(result[-1], result[:-1])
+    return result
 
 
 __all__ = ["EPBuffer", "EPHandle"]
