@@ -48,7 +48,7 @@ def remote_bytes(kernel: str, ep: int, tokens: int, hidden: int = 7168, seed: in
     row = 2 * hidden if kernel in (sm_sweep.KERNELS[2], sm_sweep.KERNELS[3]) else hidden + hidden // 128 * 4
     total = 0
     for rank in range(ep):
-        rows_to = sm_sweep._rows_to(sm_sweep._route(tokens, ep, seed * 1000 + rank), ep)
+        rows_to = sm_sweep.rows_to(sm_sweep.route(tokens, ep, seed * 1000 + rank), ep)
         total += sum(n for r, n in enumerate(rows_to) if r != rank)
     return total * row // ep
 

@@ -85,13 +85,13 @@ class Case:
     remote_bytes: list[int]  # bytes this rank sends to each rank (0 to itself)
 
 
-def _route(tokens: int, world: int, seed: int) -> torch.Tensor:
+def route(tokens: int, world: int, seed: int) -> torch.Tensor:
     logits = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(seed))
     _, idx = gating.group_limited_topk(logits, 8, score_function="sigmoid", num_groups=8, group_topk=4)
     return idx
 
 
-def _rows_to(idx: torch.Tensor, world: int) -> list[int]:
+def rows_to(idx: torch.Tensor, world: int) -> list[int]:
     """Tokens this rank sends to each rank (a token goes once to every rank of one of its experts)."""
     ranks = idx // (256 // world)
     return [int((ranks == r).any(1).sum()) for r in range(world)]
@@ -124,12 +124,12 @@ def _fill(dst, src) -> None:
 def _cases(nv: Buffer, ref: Buffer, tokens: int, hidden: int, pool_size: int, seed: int) -> list[Case]:
     rank, world, device = nv.rank, nv.group_size, nv.device
     gen = torch.Generator().manual_seed(seed * 7 + rank)
-    idx = _route(tokens, world, seed * 1000 + rank)
-    rows_to = _rows_to(idx, world)
+    idx = route(tokens, world, seed * 1000 + rank)
+    sent = rows_to(idx, world)
     rows_from: list = [None] * world
-    dist.all_gather_object(rows_from, rows_to, group=ref.group)
+    dist.all_gather_object(rows_from, sent, group=ref.group)
     back = [rows_from[r][rank] if r != rank else 0 for r in range(world)]  # rows each rank sent here
-    remote = [n if r != rank else 0 for r, n in enumerate(rows_to)]
+    remote = [n if r != rank else 0 for r, n in enumerate(sent)]
 
     def bf16() -> torch.Tensor:
         return torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
