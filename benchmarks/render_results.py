@@ -70,6 +70,12 @@ TABLES = (
         "PYTHONPATH=. python3 benchmarks/host_overhead.py",
     ),
     Table(
+        "gpu_tests",
+        "GPU test suites",
+        "Pass or fail of a GPU suite (rendered in the last section).",
+        "docs/gpu_testing.md",
+    ),
+    Table(
         "bench_permute",
         "Expert-major permute: `bench_permute.py`",
         "The permute kernels against the torch-op fallback on the same inputs (same bits), one GPU.",
@@ -263,7 +269,7 @@ def render_results(rows: list[dict]) -> str:
         out += ["## GPU test suites", ""]
         out += [
             f"- {_cell(r['configuration'].get('suite'))}: {'passed' if r['plugin'] else 'failed'} "
-            f"({r['date']}, {r['device']}, `{r['commit']}`)"
+            f"({r['date']}, {r['device']}, `{r['commit']}`; `{r['command']}`)"
             for r in tests
         ] + [""]
     return "\n".join(out).rstrip("\n") + "\n"
