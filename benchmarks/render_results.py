@@ -62,6 +62,14 @@ TABLES = (
         "--tokens 4096,1024",
     ),
     Table(
+        "fresh_dispatch_host",
+        "Fresh dispatch, host time: `fresh_dispatch_host.py`",
+        "A dispatch without a handle on `nvlink`, ranks sharing one GPU: host time from the call to the dispatch "
+        "kernel's launch, split (notify, receive allocation), the wait for the counts that follows the launch, and "
+        "the cached dispatch's call to launch beside it. No stock path.",
+        "python3 benchmarks/fresh_dispatch_host.py --ranks 2   # an MPS daemon running",
+    ),
+    Table(
         "host_overhead",
         "Host time per layer: `host_overhead.py`",
         "Python/CPU time per call of each layer of the Megatron dispatcher path (cumulative), one process on the "
