@@ -831,6 +831,16 @@ class Buffer:
             raise ValueError("low_latency_mode: this Buffer was made without low_latency_mode=True")
         return self._low_latency
 
+    def _ll_run(self, fn: Callable[[LowLatencyMode], T]) -> T:
+        """``fn(low-latency mode)``, a low-latency call; a failed wait on peers is raised as the peer that destroyed
+        its Buffer, if one did (the kernel transports do not ask before each call)."""
+        ll = self._ll()
+        try:
+            return fn(ll)
+        except (TimeoutError, RuntimeError) as exc:
+            self._check_peers(exc)
+            raise
+
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -848,18 +858,20 @@ class Buffer:
         """``x`` BF16 ``[N <= M, H]``, ``topk_idx`` ``[N, K]`` (-1 = none) → ``(recv_x, recv_count, handle, event,
         hook)``: ``recv_x`` ``[L, R*M, H]`` BF16, or ``(FP8, scales)`` with float32 scales ``[L, R*M, H/128]``
         (packed UE8M0 int32 ``[L, R*M, H/512]`` with ``use_ue8m0``); ``recv_count`` ``[L]`` int32 valid rows."""
-        return self._ll().dispatch(
-            x,
-            topk_idx,
-            num_max_dispatch_tokens_per_rank,
-            num_experts,
-            cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats,
-            use_fp8,
-            round_scale,
-            use_ue8m0,
-            async_finish,
-            return_recv_hook,
+        return self._ll_run(
+            lambda ll: ll.dispatch(
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
+                cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats,
+                use_fp8,
+                round_scale,
+                use_ue8m0,
+                async_finish,
+                return_recv_hook,
+            )
         )
 
     def low_latency_combine(
@@ -877,17 +889,19 @@ class Buffer:
     ):
         """Expert outputs ``x`` BF16 ``[L, R*M, H]`` → ``(combined_x [N, H] BF16, event, hook)``:
         ``Σ_k topk_weights[t, k] · y`` over the token's experts in fp32."""
-        return self._ll().combine(
-            x,
-            topk_idx,
-            topk_weights,
-            handle,
-            use_logfmt,
-            zero_copy,
-            async_finish,
-            return_recv_hook,
-            out,
-            combine_wait_recv_cost_stats,
+        return self._ll_run(
+            lambda ll: ll.combine(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                use_logfmt,
+                zero_copy,
+                async_finish,
+                return_recv_hook,
+                out,
+                combine_wait_recv_cost_stats,
+            )
         )
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
@@ -896,7 +910,7 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency buffers (collective); results still waiting for a hook are dropped."""
-        self._ll().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._ll_run(lambda ll: ll.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts))
 
     def _check_expert_handle(self, handle: object) -> DispatchHandle:
         handle = self._check_handle(handle)

@@ -1,6 +1,6 @@
 """A Buffer destroyed on one rank (issue 46): a peer's next call on it raises naming that rank instead of timing out
 — at the call on the torch and hierarchical transports, which ask the store each time; after the failed wait on
-peers on a transport that does not (the kernel transports); a Buffer made after it on the same group is not
+peers on a transport that does not (the kernel transports), low-latency calls included; a Buffer made after it on the same group is not
 affected. 2 gloo ranks, the ``torch`` and ``hierarchical`` transports (2 emulated nodes)."""
 
 from __future__ import annotations
@@ -47,17 +47,29 @@ def _peer_destroyed(transport: str, ranks_per_node: int | None) -> None:
     if transport != "torch":
         return
 
-    # A transport that asks only once a wait on peers failed: the timeout is raised as the destroyed peer.
-    third = Buffer(transport="torch", timeout_s=WAIT_S)
+    # A transport that asks only once a wait on peers failed (as the kernel transports, whose low-latency calls
+    # too): the timeout is raised as the destroyed peer.
+    third = Buffer(
+        transport="torch",
+        timeout_s=WAIT_S,
+        low_latency_mode=True,
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(8, 16, 2, 4),
+        num_qps_per_rank=2,
+    )
     if rank == 1:
         third.destroy()
     dist.barrier()
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         third.transport.checks_peers_each_call = False
-        with pytest.raises(RuntimeError, match=NAMED) as raised:
-            third.dispatch(x, topk_idx=idx, num_experts=4)
-        assert isinstance(raised.value.__cause__, TimeoutError)
+        calls = [
+            lambda: third.dispatch(x, topk_idx=idx, num_experts=4),
+            lambda: third.low_latency_dispatch(x.to(torch.bfloat16), idx, 8, 4, use_fp8=False),
+        ]
+        for call in calls:
+            with pytest.raises(RuntimeError, match=NAMED) as raised:
+                call()
+            assert isinstance(raised.value.__cause__, TimeoutError)
         store.set("test/checked", "1")
     else:
         store.wait(["test/checked"])  # rank 1 keeps its side of the group up until rank 0 has checked
