@@ -162,9 +162,7 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
             match=rf"{key}: \['moe'\] with cuda_graph_impl 'local' captures .* or set ep_plugin.transport: nvlink",
         ):
             _moe_config(cuda_graph_impl="local", **{key: "moe"}, **extra, expert_model_parallel_size=2)
-    with pytest.raises(
-        ValueError, match="or use moe_token_dispatcher_type: ep_plugin with ep_plugin.transport: nvlink"
-    ):
+    with pytest.raises(ValueError, match="use moe_flex_dispatcher_backend: hybridep or ncclep with a static budget"):
         _moe_config(**flex, cuda_graph_impl="local", **{key: []})
     _moe_config(moe_token_dispatcher_type="alltoall", cuda_graph_impl="local", **{key: "moe"}, **pad)
     with pytest.raises(AssertionError, match="only supported with drop-padding MoE"):  # Megatron's, for alltoall
@@ -208,6 +206,55 @@ def test_cuda_graphs_that_capture_the_dispatch_are_refused_at_config_time() -> N
     with pytest.raises(ValueError, match="captures the MoE token dispatch"):
         ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="torch"))
     ep_megatron.set_plugin_options(config, ep_megatron.PluginOptions(transport="nvlink"))
+
+
+def test_flex_cuda_graphs_accepted_where_the_shim_reads_nothing() -> None:
+    """A CUDA-graph region holding the ``flex`` dispatch is accepted for the shims' device-sized forms on
+    ``nvlink``/``local`` when Megatron's own call reads nothing either: ``hybridep`` with a static row budget
+    (drop-and-pad; 0.19's ``moe_expert_rank_capacity_factor``) and ``ncclep`` with ``moe_ncclep_static_shape``
+    (0.19); every other case is refused at config time naming the key to set."""
+    key = (
+        "cuda_graph_modules"
+        if "cuda_graph_modules" in tc.TransformerConfig.__dataclass_fields__
+        else "cuda_graph_scope"
+    )
+    fields = tc.TransformerConfig.__dataclass_fields__
+    rank_budget = "moe_expert_rank_capacity_factor" in fields  # 0.19
+    pad = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    hybridep = dict(
+        moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", expert_model_parallel_size=2
+    )
+    whole = (
+        dict(cuda_graph_impl="full_iteration")
+        if key == "cuda_graph_modules"
+        else dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration")
+    )
+    graphs = [dict(cuda_graph_impl="local", **{key: "moe"}), dict(cuda_graph_impl="local", **{key: []}), whole]
+    for transport in ("nvlink", "local"):
+        ep_megatron.install(ep_megatron.PluginOptions(transport=transport))
+        for graph in graphs:
+            _moe_config(**hybridep, **pad, **graph)
+            if rank_budget:
+                # 0.19 asks for TransformerEngine's op fuser with this budget (a flag at config time)
+                _moe_config(
+                    **hybridep, moe_expert_rank_capacity_factor=1.5, use_transformer_engine_op_fuser=True, **graph
+                )
+            with pytest.raises(ValueError, match="captures the MoE token dispatch.*'hybridep'.*set moe_pad_expert"):
+                _moe_config(**hybridep, **graph)  # dropless without a budget: the counts come back to the host
+            with pytest.raises(ValueError, match="'deepep'.*hybridep or ncclep with a static budget"):
+                _moe_config(**{**hybridep, "moe_flex_dispatcher_backend": "deepep"}, **pad, **graph)
+        if "moe_hybridep_pad_uneven_dispatch_inputs" in fields:
+            with pytest.raises(ValueError, match="unset moe_hybridep_pad_uneven_dispatch_inputs"):
+                _moe_config(**hybridep, **pad, **graphs[1], moe_hybridep_pad_uneven_dispatch_inputs=True)
+        if "ncclep" in registration.SERVED_FLEX_BACKENDS:
+            ncclep = {**hybridep, "moe_flex_dispatcher_backend": "ncclep", "moe_expert_rank_capacity_factor": 1.5}
+            _moe_config(**ncclep, moe_ncclep_static_shape=True, **graphs[1])
+            with pytest.raises(ValueError, match="'ncclep'.*set moe_ncclep_static_shape: true"):
+                _moe_config(**ncclep, **graphs[1])
+    ep_megatron.install(ep_megatron.PluginOptions(transport="torch"))
+    with pytest.raises(ValueError, match="'hybridep'.*set ep_plugin.transport: nvlink"):
+        _moe_config(**hybridep, **pad, **graphs[1])
+    _moe_config(**hybridep, cuda_graph_impl="local", **{key: "attn"})  # before the dispatch: any backend
 
 
 def test_row_budget_keys() -> None:

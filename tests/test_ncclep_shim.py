@@ -125,15 +125,20 @@ def _suite(seed: int) -> None:
         )
     with pytest.raises(ValueError, match="recv_capacity_per_rank"):
         shim.new_nccl_ep_buffer(TOPK, 8, big + 1, HIDDEN, LOCAL)
-    # overflow: every rank sends all its tokens to expert 0 on rank 0 -> rank 0 overflows; all ranks raise
+    # overflow: every rank sends all its tokens to expert 0 on rank 0 -> rank 0 overflows; the dispatch drops on the
+    # device, and the check after the step raises on all ranks naming rank 0 and the key to raise
     shim.nccl_ep_finalize()
     shim.ensure_nccl_ep_bootstrapped(group, LOCAL * world, 8, 3, HIDDEN)
+    shim.check_over_budget()  # nothing dropped yet
     idx = torch.zeros(4, TOPK, dtype=torch.int64)
     idx[:, 1] = -1
-    with pytest.raises(ValueError, match=r"recv_capacity_per_rank: rank\(s\) \[0\] received"):
-        shim.nccl_ep_dispatch(
-            shim.new_nccl_ep_buffer(TOPK, 8, 3, HIDDEN, LOCAL), torch.ones(4, HIDDEN), idx, torch.ones(4, TOPK)
-        )
+    shim.nccl_ep_dispatch(
+        shim.new_nccl_ep_buffer(TOPK, 8, 3, HIDDEN, LOCAL), torch.ones(4, HIDDEN), idx, torch.ones(4, TOPK)
+    )
+    over = rf"rank\(s\) \[0\] received \[{4 * world - 3}\] rows more.*raise moe_expert_rank_capacity_factor"
+    with pytest.raises(ValueError, match=over):
+        shim.check_over_budget()
+    shim.check_over_budget()  # the count was reset
     # drop_on_overflow: rows past the capacity dropped and counted, combine leaves them out
     shim.nccl_ep_finalize()
     shim.ensure_nccl_ep_bootstrapped(group, LOCAL * world, 8, None, HIDDEN, num_topk=TOPK, drop_on_overflow=True)

@@ -56,11 +56,13 @@ def row_budget(
 @dataclass
 class BudgetHandle:
     """What :func:`combine` replays: the row-major dispatch's ``handle``, each received pair's expert-major row
-    ``slot`` ``[W, K]`` int32 (-1: none, or past the budget) and the budget."""
+    ``slot`` ``[W, K]`` int32 (-1: none, or past the budget) and the budget; ``blocks`` ``[L]`` int64 on the
+    device: each local expert's aligned rows before the cut at P (the flex shims report their own counts from it)."""
 
     handle: DispatchHandle
     slot: torch.Tensor
     budget: RowBudget
+    blocks: torch.Tensor
 
 
 def dispatch(
@@ -86,6 +88,35 @@ def dispatch(
     ``probs``.
     """
     topk_idx, weights = routing_map_to_topk(routing_map, probs, topk)
+    return dispatch_topk(
+        buffer,
+        budget,
+        x,
+        topk_idx,
+        weights,
+        num_experts,
+        alignment=alignment,
+        fp8_dispatch=fp8_dispatch,
+        round_scale=round_scale,
+        configs=configs,
+    )
+
+
+def dispatch_topk(
+    buffer: Buffer,
+    budget: RowBudget,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    *,
+    alignment: int = 1,
+    fp8_dispatch: bool = False,
+    round_scale: bool = False,
+    configs: ep_autograd.Configs = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BudgetHandle, torch.Tensor]:
+    """:func:`dispatch` of tokens already routed as top-k: ``topk_idx`` ``[T, K]`` int64 global expert ids (-1:
+    none) with ``weights`` ``[T, K]`` float32. Same outputs; gradients reach ``x`` and ``weights``."""
     recv_x, recv_idx, recv_weights, _, handle = ep_autograd.dispatch(
         buffer,
         x,
@@ -106,7 +137,8 @@ def dispatch(
     ends = blocks.cumsum(0)
     tokens_per_expert = ends.clamp(max=rows) - (ends - blocks).clamp(max=rows)
     tokens_per_expert[-1] += rows - ends[-1].clamp(max=rows)
-    return expert_x, expert_probs, tokens_per_expert, BudgetHandle(handle, slot, budget), (ends[-1] - rows).clamp(min=0)
+    excess = (ends[-1] - rows).clamp(min=0)
+    return expert_x, expert_probs, tokens_per_expert, BudgetHandle(handle, slot, budget, blocks), excess
 
 
 def combine(

@@ -47,7 +47,7 @@ from megatron.core.utils import get_pg_rank
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer, sm_configs
-from . import budget, drop_and_pad
+from . import budget, drop_and_pad, ncclep_shim
 from .options import (
     PluginOptions,
     as_token_dtype,
@@ -358,8 +358,10 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 def check_over_budget(model: torch.nn.Module) -> None:
     """:meth:`EPPluginTokenDispatcher.check_over_budget` of every MoE layer of ``model`` (each a module holding an
     ``EPPluginTokenDispatcher`` as ``token_dispatcher``), in module order: collective, so every rank calls it at the
-    same point (the launcher: after each optimizer step)."""
+    same point (the launcher: after each optimizer step); then the ``flex`` + ``ncclep`` shim's capacity check
+    (``ncclep_shim.check_over_budget``, a no-op unless bootstrapped)."""
     for module in model.modules():
         dispatcher = getattr(module, "token_dispatcher", None)
         if isinstance(dispatcher, EPPluginTokenDispatcher):
             dispatcher.check_over_budget()
+    ncclep_shim.check_over_budget()

@@ -9,10 +9,14 @@ expert (``Buffer.dispatch_experts``, each expert's block padded to ``pad_multipl
 With ``num_permuted_tokens`` (a static row budget P: Megatron's drop-and-pad capacity, or 0.19.2's
 ``moe_expert_rank_capacity_factor``) the outputs have exactly P rows: rows of the expert-major layout past P are
 dropped (they contribute nothing to the combine; the overflow flag at ``handle[-1]`` is set), a shorter layout is
-padded with zero rows, and ``tokens_per_expert`` is a device tensor clipped to the budget. Without it,
-``tokens_per_expert`` is a CPU int64 tensor. This library sizes the expert-major layout from counts the host
-reads, and the ranks agree on the routing map's widest row (one small all-reduce), so the budgeted form still
-reads the host (HybridEP's non-blocking mode does not).
+padded with zero rows, and ``tokens_per_expert`` is a device tensor clipped to the budget. The budgeted form is
+sized on the device (``budget.dispatch``: fixed-size receive of ``ranks x tokens`` rows, expert-major slots on the
+device): on the ``nvlink`` transport (``local`` at one rank) it reads nothing on the host, forward or backward, so a
+CUDA graph can hold it, as HybridEP's non-blocking mode. There the top-k width is static, ``min(E, MAX_TOPK)`` (the
+kernels' limit; a token's experts past it are dropped and set the overflow flag); the transports that exchange
+counts through the host anyway (``torch``, ``hierarchical``) take the widest routing-map row over the ranks (one
+small all-reduce), as the counted form does. Every rank must pass the same token count (as HybridEP asks). Without
+``num_permuted_tokens``, ``tokens_per_expert`` is a CPU int64 tensor read from the dispatch's counts.
 
 FP8 dispatch (which Megatron's hybridep asserts off) comes from the plugin options (``PluginOptions.fp8_dispatch``):
 rows cross the wire as FP8 and arrive dequantized to BF16.
@@ -29,8 +33,10 @@ import torch.nn.functional as F
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
 from ..config import combine_config, dispatch_config, positive_int
+from ..ops.library import MAX_TOPK
+from . import budget as row_budget
 from . import deepep_shim
-from .options import as_token_dtype, carried
+from .options import SYNC_FREE_TRANSPORTS, as_token_dtype, carried
 
 HYBRIDEP_TOKEN_ALIGNMENT = 64  # HybridEP's public-API chunk, re-exported for Megatron's pad-uneven-inputs path
 
@@ -123,8 +129,12 @@ def hybrid_ep_dispatch(
         ranks_per_node=options.ranks_per_node,
         device=x.device,
     )
-    topk = _topk_width(routing_map, group)
     configs = _configs(num_sms_dispatch_api, num_sms_combine_api, num_ranks)
+    if num_permuted_tokens is not None:
+        return _budgeted_dispatch(
+            buffer, x, rows_in, routing_map, probs, group, num_experts, num_permuted_tokens, pad_multiple, configs
+        )
+    topk = _topk_width(routing_map, group)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
         buffer,
         rows_in,
@@ -140,22 +150,52 @@ def hybrid_ep_dispatch(
     expert_x = as_token_dtype(expert_x, x.dtype)
     rows = sum(tokens_per_expert)
     overflow = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if num_permuted_tokens is None:
-        counts = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
-        return expert_x, expert_probs, None, counts, (buffer, handle, rows, None, configs, overflow)
-    budget = num_permuted_tokens
-    if rows > budget:
-        overflow.fill_(1)
     counts = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
-    ends = counts.cumsum(0)
-    clipped = (ends.clamp(max=budget) - (ends - counts).clamp(max=budget)).to(x.device)
-    return (
-        fit_rows(expert_x, budget),
-        fit_rows(expert_probs, budget),
-        None,
-        clipped,
-        (buffer, handle, rows, budget, configs, overflow),
+    return expert_x, expert_probs, None, counts, (buffer, handle, rows, None, configs, overflow)
+
+
+def _budgeted_dispatch(
+    buffer: Any,
+    x: torch.Tensor,
+    rows_in: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor,
+    group: dist.ProcessGroup,
+    num_experts: int,
+    num_permuted_tokens: int,
+    pad_multiple: int | None,
+    configs: Any,
+) -> tuple:
+    """The ``num_permuted_tokens`` form of :func:`hybrid_ep_dispatch`, sized on the device (module docstring):
+    ``(rows [P, H], probs [P] float32, None, tokens_per_expert [L] int64 on x's device (each expert's aligned
+    block clipped to P), handle)``; ``handle[-1]``: int32 ``[1]``, 1 when aligned rows past P, or a token's
+    experts past the static top-k width, were dropped."""
+    options = deepep_shim.current_options()
+    num_ranks = dist.get_world_size(group)
+    if buffer.transport_name in SYNC_FREE_TRANSPORTS:
+        topk = min(num_experts, MAX_TOPK)  # static: no host read, whatever the routing map holds
+    else:
+        topk = _topk_width(routing_map, group)
+    budget = row_budget.RowBudget(max(1, num_ranks * x.shape[0]), num_permuted_tokens)
+    expert_x, expert_probs, _, handle, excess = row_budget.dispatch(
+        buffer,
+        budget,
+        rows_in,
+        routing_map,
+        probs,
+        topk,
+        num_experts,
+        alignment=pad_multiple or 1,
+        fp8_dispatch=options.fp8_dispatch,
+        round_scale=options.round_scale,
+        configs=configs,
     )
+    ends = handle.blocks.cumsum(0)
+    clipped = ends.clamp(max=num_permuted_tokens) - (ends - handle.blocks).clamp(max=num_permuted_tokens)
+    too_wide = (routing_map.sum(1) > topk).any()
+    overflow = ((excess > 0) | too_wide).to(torch.int32).reshape(1)
+    handle_out = (buffer, handle, num_permuted_tokens, num_permuted_tokens, configs, overflow)
+    return as_token_dtype(expert_x, x.dtype), expert_probs, None, clipped, handle_out
 
 
 def hybrid_ep_combine(
@@ -177,7 +217,9 @@ def hybrid_ep_combine(
         raise ValueError(
             f"x: expected [{expected}, hidden] (the dispatch's rows), got {getattr(x, 'shape', type(x).__name__)}"
         )
-    combined = ep_autograd.combine_experts(
-        buffer, fit_rows(carried(x, deepep_shim.current_options(), "x"), rows), dispatch_handle, configs=configs
-    )
+    rows_in = carried(x, deepep_shim.current_options(), "x")
+    if isinstance(dispatch_handle, row_budget.BudgetHandle):
+        combined = row_budget.combine(buffer, rows_in, dispatch_handle, configs=configs)
+    else:
+        combined = ep_autograd.combine_experts(buffer, fit_rows(rows_in, rows), dispatch_handle, configs=configs)
     return as_token_dtype(combined, x.dtype)

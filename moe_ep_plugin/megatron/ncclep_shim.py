@@ -11,12 +11,16 @@ rows packed expert-major (each expert's block aligned to ``alignment``), one flo
 
 Two modes, chosen by the bootstrap's ``recv_capacity_per_rank``:
 
-- static (an int): ``[recv_capacity_per_rank, H]`` rows. A rank receiving more is an error on every rank naming the
-  ranks and the capacity (0.19.2: NCCL EP traps), unless the bootstrap drops on overflow: then rows past the
-  capacity are dropped and counted (:func:`dropped_rows`). Megatron-LM main's call (it passes ``num_topk``) drops
-  on overflow, as main's ``fused_a2a`` asks TE to; ``drop_on_overflow`` given explicitly wins. Either way each
-  buffer's ``total_recv_tokens`` (int64 ``[1]`` on the device) holds the rows the step needed before any drop,
-  which main's manager accumulates into ``over_budget``/``required_recv`` and replays with a grown capacity.
+- static (an int): ``[recv_capacity_per_rank, H]`` rows, sized on the device (``budget.dispatch_topk``: a
+  fixed-size receive of ``ranks x max_tokens_per_rank`` rows, expert-major slots on the device): on the ``nvlink``
+  transport (``local`` at one rank) nothing is read on the host, forward or backward, so a CUDA graph can hold it.
+  Rows past the capacity are dropped and counted on the device. Unless the bootstrap drops on overflow, that is an
+  error: :func:`check_over_budget` (collective, one host read; ``moe_ep_plugin.megatron.check_over_budget(model)``
+  calls it, the launcher after each optimizer step) raises on every rank naming the capacity (0.19.2: NCCL EP
+  traps). Megatron-LM main's call (it passes ``num_topk``) drops on overflow, as main's ``fused_a2a`` asks TE to;
+  ``drop_on_overflow`` given explicitly wins; :func:`dropped_rows` counts the drops. Either way each buffer's
+  ``total_recv_tokens`` (int64 ``[1]`` on the device) holds the rows the step needed before any drop, which main's
+  manager accumulates into ``over_budget``/``required_recv`` and replays with a grown capacity.
 - eager (None, Megatron-LM main): each dispatch returns exactly the rows it received, ``[recv_rows, H]``.
 
 FP8 dispatch comes from the plugin options (``PluginOptions.fp8_dispatch``: FP8 on the wire, BF16 rows out), on
@@ -37,6 +41,7 @@ from .. import autograd as ep_autograd
 from ..buffer import Buffer
 from ..buffer_cache import get_buffer
 from ..config import combine_config, dispatch_config, positive_int
+from . import budget as row_budget
 from . import deepep_shim
 from .hybridep_shim import fit_rows
 from .options import as_token_dtype, carried
@@ -52,7 +57,9 @@ class _Bootstrap:
     configs: tuple | None
     drop_on_overflow: bool
     buffer: Buffer
-    dropped_rows: int = 0
+    # rows dropped at the capacity since the bootstrap, int64 [] on the Buffer's device (static mode counts on the
+    # device; eager mode drops nothing)
+    dropped: torch.Tensor | None = None
 
 
 _state: _Bootstrap | None = None
@@ -70,7 +77,7 @@ class NcclEpBuffer:
     num_local_experts: int
     alignment: int
     handle: Any = None
-    rows: int = 0  # rows of the expert-major layout the dispatch made (before the capacity cut)
+    rows: int = 0  # rows the combine takes: eager, the rows received; static, the capacity
     total_recv_tokens: torch.Tensor | None = None  # int64 [1] on the device: ``rows``, what TE's EpBuffer reports
 
 
@@ -135,6 +142,7 @@ def ensure_nccl_ep_bootstrapped(
         configs,
         drop_on_overflow,
         buffer,
+        torch.zeros((), dtype=torch.int64, device=buffer.device),
     )
 
 
@@ -151,8 +159,31 @@ def nccl_ep_finalize() -> None:
 
 
 def dropped_rows() -> int:
-    """Rows dropped at the capacity since the bootstrap (``drop_on_overflow=True``)."""
-    return 0 if _state is None else _state.dropped_rows
+    """Rows dropped at the capacity since the bootstrap (one host read: outside a CUDA graph)."""
+    return 0 if _state is None else int(_state.dropped)
+
+
+def check_over_budget() -> None:
+    """Raise on every rank of the bootstrapped group when some rank dropped rows at ``recv_capacity_per_rank`` and
+    the bootstrap does not drop on overflow (0.19.2's call: NCCL EP traps). Collective (one all-reduce) and one host
+    read: call it on every rank where the host waits anyway; a no-op when not bootstrapped."""
+    state = _state
+    if state is None or state.drop_on_overflow:
+        return
+    # NCCL reduces on the current GPU, gloo on the host (its ranks may share a GPU)
+    nccl = dist.get_backend(state.group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    words = torch.zeros(dist.get_world_size(state.group), dtype=torch.int64, device=device)
+    words[dist.get_rank(state.group)] = state.dropped.to(device)
+    dist.all_reduce(words, group=state.group)
+    state.dropped.zero_()
+    over = [(rank, int(count)) for rank, count in enumerate(words.tolist()) if count]
+    if over:
+        raise ValueError(
+            f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received {[c for _, c in over]} rows more "
+            f"than the {state.recv_capacity_per_rank} the receive buffer holds (those rows were dropped); raise "
+            f"moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True"
+        )
 
 
 def _bootstrapped() -> _Bootstrap:
@@ -258,30 +289,46 @@ def nccl_ep_dispatch(
             f"topk_idx: expected [tokens, {buffer.top_k}] (the buffer's top_k), got {tuple(topk_idx.shape)}"
         )
     options = deepep_shim.current_options()
-    rows, probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
-        state.buffer,
-        carried(tokens, options, "tokens"),
-        topk_idx,
-        topk_weights,
-        state.num_experts,
-        fp8_dispatch=options.fp8_dispatch,
-        expert_alignment=max(buffer.alignment, 1),
-        round_scale=options.round_scale,
-        configs=state.configs,
-    )
-    rows = as_token_dtype(rows, tokens.dtype)
-    num_rows, capacity = sum(tokens_per_expert), buffer.recv_capacity_per_rank
-    if capacity is None:  # eager mode: exactly the rows received
-        capacity = num_rows
-    elif not state.drop_on_overflow:
-        _raise_on_overflow(state.group, num_rows, capacity, tokens.device)
-    state.dropped_rows += max(0, num_rows - capacity)
-    buffer.handle, buffer.rows = handle, num_rows
-    buffer.total_recv_tokens = torch.tensor([num_rows], dtype=torch.int64, device=tokens.device)
-    ends = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu").cumsum(0)
-    starts = ends - torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
-    kept = (ends.clamp(max=capacity) - starts.clamp(max=capacity)).to(torch.int32).to(tokens.device)
-    out, out_probs = fit_rows(rows, capacity), fit_rows(probs, capacity)
+    capacity = buffer.recv_capacity_per_rank
+    tokens_in = carried(tokens, options, "tokens")
+    alignment = max(buffer.alignment, 1)
+    if capacity is None:  # eager mode: exactly the rows received, counted on the host
+        rows, probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
+            state.buffer,
+            tokens_in,
+            topk_idx,
+            topk_weights,
+            state.num_experts,
+            fp8_dispatch=options.fp8_dispatch,
+            expert_alignment=alignment,
+            round_scale=options.round_scale,
+            configs=state.configs,
+        )
+        out, out_probs = as_token_dtype(rows, tokens.dtype), probs
+        capacity = num_rows = sum(tokens_per_expert)
+        kept = torch.tensor(tokens_per_expert, dtype=torch.int32).to(tokens.device)
+        total = torch.tensor([num_rows], dtype=torch.int64, device=tokens.device)
+    else:  # static mode: sized on the device, nothing read on the host
+        group_size = dist.get_world_size(state.group)
+        budget = row_budget.RowBudget(group_size * buffer.max_tokens_per_rank, capacity)
+        rows, out_probs, _, handle, excess = row_budget.dispatch_topk(
+            state.buffer,
+            budget,
+            tokens_in,
+            topk_idx.to(torch.int64),
+            topk_weights,
+            state.num_experts,
+            alignment=alignment,
+            fp8_dispatch=options.fp8_dispatch,
+            round_scale=options.round_scale,
+            configs=state.configs,
+        )
+        out, num_rows = as_token_dtype(rows, tokens.dtype), capacity
+        ends = handle.blocks.cumsum(0)
+        kept = (ends.clamp(max=capacity) - (ends - handle.blocks).clamp(max=capacity)).to(torch.int32)
+        state.dropped += excess
+        total = ends[-1:].clone()
+    buffer.handle, buffer.rows, buffer.total_recv_tokens = handle, num_rows, total
     for name, given, value in (("recv_tokens", recv_tokens, out), ("recv_topk_weights", recv_topk_weights, out_probs)):
         if given is not None:
             if given.shape != value.shape or given.dtype != value.dtype:
@@ -290,19 +337,6 @@ def nccl_ep_dispatch(
                 )
             given.copy_(value.detach())
     return out, kept, out_probs
-
-
-def _raise_on_overflow(group: dist.ProcessGroup, num_rows: int, capacity: int, device: torch.device) -> None:
-    """Every rank learns every rank's row count: an overflow raises on all of them (NCCL EP would trap)."""
-    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, torch.tensor([num_rows], dtype=torch.int64, device=device), group=group)
-    over = [(r, int(c)) for r, c in enumerate(counts) if int(c) > capacity]
-    if over:
-        raise ValueError(
-            f"recv_capacity_per_rank: rank(s) {[r for r, _ in over]} received "
-            f"{[c for _, c in over]} rows, more than the {capacity} the receive buffer holds "
-            f"(raise moe_expert_rank_capacity_factor, or bootstrap with drop_on_overflow=True)"
-        )
 
 
 def nccl_ep_combine(
@@ -324,12 +358,14 @@ def nccl_ep_combine(
         raise ValueError(
             f"expert_out: expected [{capacity}, {buffer.hidden_dim}], got {getattr(expert_out, 'shape', None)}"
         )
-    num_tokens = buffer.handle.num_tokens
+    budgeted = isinstance(buffer.handle, row_budget.BudgetHandle)
+    num_tokens = (buffer.handle.handle if budgeted else buffer.handle).num_tokens
     rows = buffer.max_tokens_per_rank if num_local_tokens is None else num_local_tokens
     if rows < num_tokens:
         raise ValueError(f"num_local_tokens: {rows} is fewer than the {num_tokens} tokens dispatched")
     carried_out = carried(expert_out, deepep_shim.current_options(), "expert_out")
-    combined = ep_autograd.combine_experts(
-        state.buffer, fit_rows(carried_out, buffer.rows), buffer.handle, configs=state.configs
-    )
+    if budgeted:
+        combined = row_budget.combine(state.buffer, carried_out, buffer.handle, configs=state.configs)
+    else:
+        combined = ep_autograd.combine_experts(state.buffer, carried_out, buffer.handle, configs=state.configs)
     return fit_rows(as_token_dtype(combined, expert_out.dtype), rows)

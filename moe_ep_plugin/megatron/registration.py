@@ -144,9 +144,12 @@ def _wrap_post_init(original: Any) -> Any:
     @functools.wraps(original)
     def __post_init__(self) -> None:
         if getattr(self, "moe_token_dispatcher_type", None) == "flex":
-            original(self)
-            _check_flex(self)
-            return _refuse_capture(self, f"moe_flex_dispatcher_backend {self.moe_flex_dispatcher_backend!r}")
+            options = get_plugin_options(self, _default_options)
+            # before Megatron's drop-padding assertion, whose message names no fix
+            captured = _check_flex_capture(self, options)
+            with _moe_region_hidden(self, options) if captured else contextlib.nullcontext():
+                original(self)
+            return _check_flex(self)
         if getattr(self, "moe_token_dispatcher_type", None) != PLUGIN_DISPATCHER_TYPE:
             return original(self)
         options = get_plugin_options(self, _default_options)
@@ -261,16 +264,44 @@ def _check_moe_region(config: Any, regions_enum: type, key: str) -> None:
         )
 
 
-def _refuse_capture(config: Any, dispatcher: str) -> None:
-    """Refuse a CUDA-graph config whose captured region holds the ``flex`` token dispatch: every ``flex`` shim of
-    this library reads its counts on the host once per dispatch."""
+def _check_flex_capture(config: Any, options: PluginOptions) -> bool:
+    """Whether ``config``'s CUDA-graph region holds a ``flex`` dispatch that reads nothing on the host (then
+    accepted, True), None held (False), or else a ValueError naming the key that makes it capturable. Capturable:
+    the shims' device-sized forms on a transport that reads nothing (``SYNC_FREE_TRANSPORTS``), called by Megatron
+    in a way that reads nothing either: ``hybridep`` with a static row budget (drop-and-pad, or 0.19's
+    ``moe_expert_rank_capacity_factor``) and without ``moe_hybridep_pad_uneven_dispatch_inputs`` (its manager
+    reads the group's token count); ``ncclep`` with ``moe_ncclep_static_shape`` (else its manager reads the row
+    count). ``deepep`` returns its counts on the host; ``deepepv2`` is not served sync-free."""
     what = captured_dispatch(config)
-    if what is not None:
-        raise ValueError(
-            f"{what} captures the MoE token dispatch, which {dispatcher} runs with one host read of its counts "
-            f"(not capturable); capture attn, moe_router or moe_preprocess only, or use "
-            f"moe_token_dispatcher_type: ep_plugin with ep_plugin.transport: nvlink, which reads nothing on the host"
+    if what is None:
+        return False
+    backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
+    if backend not in SERVED_FLEX_BACKENDS:
+        return False  # _check_flex names the backend
+    fix = None
+    if backend == "hybridep":
+        budget_keys = ("moe_pad_expert_input_to_capacity", MEGATRON_BUDGET_KEY)
+        if not any(getattr(config, key, None) not in (None, False) for key in budget_keys):
+            given = [key for key in budget_keys if hasattr(config, key)]
+            fix = f"set {' or '.join(given)} (a static row budget, num_permuted_tokens)"
+        elif getattr(config, "moe_hybridep_pad_uneven_dispatch_inputs", False):
+            fix = "unset moe_hybridep_pad_uneven_dispatch_inputs (its manager reads the group's token count)"
+    elif backend == "ncclep":
+        if not getattr(config, "moe_ncclep_static_shape", False):
+            fix = "set moe_ncclep_static_shape: true (else its manager reads the received row count)"
+    else:
+        fix = (
+            "use moe_flex_dispatcher_backend: hybridep or ncclep with a static budget, or moe_token_dispatcher_type: "
+            "ep_plugin with ep_plugin.transport: nvlink"
         )
+    if fix is None and options.transport not in SYNC_FREE_TRANSPORTS:
+        fix = "set ep_plugin.transport: nvlink, which reads nothing on the host"
+    if fix is not None:
+        raise ValueError(
+            f"{what} captures the MoE token dispatch, which moe_flex_dispatcher_backend {backend!r} runs with one "
+            f"host read of its counts here (not capturable); {fix}, or capture attn, moe_router or moe_preprocess only"
+        )
+    return True
 
 
 def _check_batch_invariant(config: Any) -> None:
