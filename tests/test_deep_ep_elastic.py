@@ -198,13 +198,17 @@ def _case(
     assert e_idx is None and e_w.dim() == 1
     assert int(e_handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == num_recv
     starts = [sum(aligned[:e]) for e in range(local)]
-    num_expanded = sum(aligned)
+    # without a CPU sync DeepEP V2's worst case: every rank's most tokens on min(K, L) experts, each block's padding
+    worst = world * t_max * min(topk, local) + local * (alignment - 1)
+    num_expanded = sum(aligned) if cpu_sync else (worst + alignment - 1) // alignment * alignment
     assert e_handle.num_expanded_tokens == num_expanded
+    assert e_handle.num_recv_tokens == (num_recv if cpu_sync else world * t_max)
+    assert e_handle.recv_src_metadata.shape[0] == e_handle.num_recv_tokens
     assert e_handle.num_unaligned_recv_tokens_per_expert.tolist() == real
     assert e_handle.psum_num_recv_tokens_per_expert.tolist() == [s + c for s, c in zip(starts, real, strict=False)]
-    assert e_handle.num_recv_tokens_per_expert_list == aligned
+    assert e_handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
     e_rows = e_x[0].shape[0] if isinstance(e_x, tuple) else e_x.shape[0]
-    assert e_rows == num_expanded if cpu_sync else e_rows >= num_expanded
+    assert e_rows == num_expanded and e_w.shape == (num_expanded,)
     if isinstance(e_x, tuple):
         assert e_x[1].stride(0) == 1  # column-major scales (use_tma_aligned_col_major_sf)
     slots = e_handle.recv_src_metadata[:num_recv, 2:]

@@ -1,7 +1,9 @@
 """The ``flex`` shims' forms a CUDA graph may hold read nothing on the host: ``hybrid_ep_dispatch``/``_combine`` with
-``num_permuted_tokens`` and ``nccl_ep_dispatch``/``_combine`` in static mode, forward and backward, on the ``local``
-transport (one gloo rank) with every tensor-to-Python conversion patched to raise; and their results equal the
-counted forms' (rows, probs, counts, output and both gradients) where every row fits the budget."""
+``num_permuted_tokens``, ``nccl_ep_dispatch``/``_combine`` in static mode and ``deepepv2_dispatch``/``_combine`` with
+``do_cpu_sync=False``, forward and backward, and ``ElasticBuffer``'s expanded dispatch without a CPU sync (fresh,
+cached with weights, combine), on the ``local`` transport (one gloo rank) with every tensor-to-Python conversion
+patched to raise; and their results equal the counted forms' (rows, probs, counts, output and gradients) where every
+row fits the budget."""
 
 from __future__ import annotations
 
@@ -61,6 +63,50 @@ def _ncclep(x, routing_map, probs, capacity: int | None, checked: bool):
     return rows.detach(), row_probs.detach(), counts, total, out.detach(), x.grad, weights.grad
 
 
+def _deepepv2(x, routing_map, probs, cpu_sync: bool, tokens_bound: int = TOKENS):
+    """``_DeepepV2Manager``'s calls (top-k ids -1 off the map), each received row scaled by its probabilities' sum as
+    the experts and Megatron's unpermute would, combine, backward of ones → results and gradients."""
+    from moe_ep_plugin.megatron import deepepv2_shim as shim
+
+    weights, idx = probs.topk(TOPK, 1)
+    idx = torch.where(weights > 0, idx, -1)
+    x, weights = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    buffer = shim.get_elastic_buffer(dist.group.WORLD, TOKENS, HIDDEN, TOPK)  # made outside the guard, as Megatron
+    with _nothing() if cpu_sync else no_host_reads():
+        rows, recv_idx, recv_probs, counts, handle = shim.deepepv2_dispatch(
+            buffer, x, idx, weights, EXPERTS, tokens_bound, expert_alignment=4, do_cpu_sync=cpu_sync
+        )
+        out, _ = shim.deepepv2_combine(buffer, rows * recv_probs.sum(1, keepdim=True), handle)
+        out.sum().backward()
+    return rows.detach(), recv_idx, recv_probs.detach(), counts, out.detach(), x.grad, weights.grad
+
+
+def _elastic_expanded(x, routing_map, probs, cpu_sync: bool):
+    """``ElasticBuffer``'s expanded dispatch, its cached dispatch carrying the weights, and the reduced combine
+    (rows scaled by their probs) → rows, probs, cached rows and probs, handle counts, output."""
+    from moe_ep_plugin import deep_ep
+
+    weights, idx = probs.topk(TOPK, 1)
+    idx = torch.where(weights > 0, idx, -1)
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, transport="local")
+    with _nothing() if cpu_sync else no_host_reads():
+        rows, _, row_probs, handle, _ = buffer.dispatch(
+            x.bfloat16(),
+            topk_idx=idx,
+            topk_weights=weights,
+            num_experts=EXPERTS,
+            expert_alignment=4,
+            do_expand=True,
+            do_cpu_sync=cpu_sync,
+        )
+        cached, _, cached_probs, _, _ = buffer.dispatch(
+            x.bfloat16(), handle=handle, topk_weights=weights, do_expand=True
+        )
+        out, out_w, _ = buffer.combine((rows.float() * row_probs[:, None]).bfloat16(), handle, topk_weights=row_probs)
+    counts = (handle.psum_num_recv_tokens_per_expert, handle.num_unaligned_recv_tokens_per_expert)
+    return rows, row_probs, cached, cached_probs, counts, out, out_w, handle
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -94,6 +140,30 @@ def _suite() -> None:
     assert static[3].tolist() == eager[3].tolist() == [n]
     for name, a, b in zip(("output", "x grad", "weights grad"), static[4:], eager[4:], strict=True):
         assert torch.equal(a, b), f"ncclep static {name} differs from the eager form's"
+
+    counted = _deepepv2(x, routing_map, probs, True)
+    free = _deepepv2(x, routing_map, probs, False)
+    n = counted[0].shape[0]
+    assert free[0].shape[0] == TOKENS and n < TOKENS  # capacity rows: one rank's bound; token 0 is routed nowhere
+    assert torch.equal(free[0][:n], counted[0]) and not free[0][n:].any()
+    assert torch.equal(free[1][:n], counted[1]) and bool((free[1][n:] == -1).all())
+    assert torch.equal(free[2][:n], counted[2]) and not free[2][n:].any()
+    assert free[3].dtype == counted[3].dtype == torch.int64 and free[3].tolist() == counted[3].tolist()
+    for name, a, b in zip(("output", "x grad", "weights grad"), free[4:], counted[4:], strict=True):
+        assert torch.equal(a, b), f"deepepv2 without a CPU sync: {name} differs from the counted form's"
+    with pytest.raises(ValueError, match="x: 6 tokens, more than num_max_tokens_per_rank=5"):
+        _deepepv2(x, routing_map, probs, False, TOKENS - 1)  # a bound below the tokens: refused, nothing sent
+
+    sync = _elastic_expanded(x, routing_map, probs, True)
+    free = _elastic_expanded(x, routing_map, probs, False)
+    m = sync[0].shape[0]
+    # DeepEP V2's worst case: T_max tokens on min(K, L) experts, each expert's block padding, aligned
+    assert free[0].shape[0] == free[7].num_expanded_tokens == TOKENS * TOPK + EXPERTS * 3 > m
+    assert free[7].num_recv_tokens_per_expert_list == [] and free[7].num_recv_tokens == TOKENS
+    for i in (0, 1, 2, 3):  # rows, probs, cached rows, cached probs: the valid rows equal, zero past them
+        assert torch.equal(free[i][:m], sync[i][:m]) and not free[i][m:].any()
+    assert all(torch.equal(a, b) for a, b in zip(free[4], sync[4], strict=True))
+    assert torch.equal(free[5], sync[5]) and torch.equal(free[6], sync[6])
     deepep_shim.configure(PluginOptions())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import types
 
 import pytest
 import torch
@@ -255,6 +256,32 @@ def test_flex_cuda_graphs_accepted_where_the_shim_reads_nothing() -> None:
     with pytest.raises(ValueError, match="'hybridep'.*set ep_plugin.transport: nvlink"):
         _moe_config(**hybridep, **pad, **graphs[1])
     _moe_config(**hybridep, cuda_graph_impl="local", **{key: "attn"})  # before the dispatch: any backend
+
+
+def test_deepepv2_cuda_graphs_refused_naming_the_fix(monkeypatch) -> None:
+    """A CUDA-graph region holding the ``flex`` + ``deepepv2`` dispatch is refused at config time on every transport,
+    naming the backends and keys that capture: Megatron-LM dev's ``_DeepepV2Manager`` reads the count on the host
+    after the dispatch (the ``deepep`` manager's permute), whatever the shim's ``do_cpu_sync``. The installed
+    megatron-core may lack ``deepepv2`` (``_check_flex`` then names the backend), so the check runs as Megatron-LM
+    dev's ``__post_init__`` would call it, on a config holding the fields it reads."""
+    monkeypatch.setattr(registration, "SERVED_FLEX_BACKENDS", (*registration.SERVED_FLEX_BACKENDS, "deepepv2"))
+
+    def config(**graph):
+        return types.SimpleNamespace(num_moe_experts=8, moe_flex_dispatcher_backend="deepepv2", **graph)
+
+    for transport in ("nvlink", "local", "torch"):
+        options = ep_megatron.PluginOptions(transport=transport)
+        for graph in ({"cuda_graph_scope": "moe"}, {"cuda_graph_scope": []}, {"cuda_graph_scope": "full_iteration"}):
+            with pytest.raises(
+                ValueError,
+                match=r"captures the MoE token dispatch, which moe_flex_dispatcher_backend 'deepepv2' .*"
+                r"use moe_flex_dispatcher_backend: hybridep or ncclep with a static budget, or "
+                r"moe_token_dispatcher_type: ep_plugin",
+            ):
+                registration._check_flex_capture(config(cuda_graph_impl="local", **graph), options)
+        # a region before the dispatch, or no graph: nothing captured, nothing refused
+        assert not registration._check_flex_capture(config(cuda_graph_impl="local", cuda_graph_scope="attn"), options)
+        assert not registration._check_flex_capture(config(cuda_graph_impl="none", cuda_graph_scope=[]), options)
 
 
 def test_row_budget_keys() -> None:

@@ -8,11 +8,15 @@ by local expert) is :meth:`moe_ep_plugin.Buffer.dispatch_experts`, and combine i
 
 - Rows arrive in a fixed order (source rank, then source token; inside an expert's block of the expanded layout
   the same order), so ``deterministic=True`` costs nothing and changes nothing.
-- ``do_cpu_sync=False`` gives capacity-sized outputs (``num_ranks * num_max_tokens_per_rank`` rows; expanded:
-  that times ``min(num_topk, num_local_experts)`` plus ``num_local_experts * (expert_alignment - 1)``) whose valid
-  prefix is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` (expanded: ``handle.num_expanded_tokens``). The
-  non-expanded form reads no count on the host (its ``handle.num_recv_tokens`` is the capacity); the expanded one
-  still does (its layout is sized from them).
+- ``do_cpu_sync=False`` reads nothing on the host and gives DeepEP V2's capacity-sized outputs: not expanded,
+  ``num_ranks * num_max_tokens_per_rank`` rows, the valid prefix ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``;
+  expanded, that times ``min(num_topk, num_local_experts)`` plus ``num_local_experts * (expert_alignment - 1)``,
+  rounded up to ``expert_alignment`` (``handle.num_expanded_tokens``), expert ``i``'s real rows starting at the
+  aligned end of expert ``i - 1``'s and ending at ``handle.psum_num_recv_tokens_per_expert[i]``. The expanded form is
+  the non-expanded dispatch into capacity rows, each (row, local expert) pair then placed by device-side offsets
+  (``ops.permute.expert_slots``); its cached dispatch and combine replay those offsets. The rows, their order and
+  every sum equal the CPU-sync path's bit for bit. As in DeepEP, a token counts at most ``min(num_topk,
+  num_local_experts)`` times in the capacity: a top-k row naming one expert twice may overflow it.
 - Queue pairs, service levels, hybrid/direct RDMA modes, NVLink connection checks and Engram/PP/AGRS regions are
   DeepEP's NCCL-GIN machinery: the arguments are validated and recorded, and mean nothing here.
 """
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from ..buffer_cache import lease_buffer
 from ..config import combine_config, dispatch_config, positive_int
 from ..event import EventOverlap
+from ..ops import permute
 from . import layout
 from .arguments import (
     DispatchArgs,
@@ -466,8 +471,11 @@ class ElasticBuffer:
         sms: int,
         local: int,
         kw: dict,
+        expand: bool = False,
     ):
-        """The non-expanded dispatch: one row per (token, rank)."""
+        """The non-expanded dispatch: one row per (token, rank). With ``expand`` (no CPU sync), the expanded one built
+        on it: each (row, local expert) pair moved to its expert-major row (``permute.expert_slots``: per-expert pairs
+        counted, aligned and prefix-summed on the device) of DeepEP's worst-case rows, no count read."""
         alignment, t_max = args.alignment, args.t_max
         capacity = 0 if args.cpu_sync else self.num_ranks * t_max
         recv_x, recv_idx, recv_w, counts, inner, event = self.buffer.dispatch(
@@ -479,8 +487,17 @@ class ElasticBuffer:
             num_worst_tokens=capacity,
             **kw,
         )
+        out_rows = (
+            layout.expanded_capacity(self.num_ranks, t_max, args.num_topk, local, alignment)
+            if expand
+            else recv_idx.shape[0]
+        )
 
         def epilogue() -> tuple:
+            per_expert = layout.count_local(recv_idx, local)
+            if stats is not None:
+                stats.add_(per_expert.to(torch.int32))
+            slot, words = permute.expert_slots(recv_idx, local, alignment) if expand else (None, None)
             meta, psum_rank = layout.source_metadata(
                 inner,
                 self.rank_idx,
@@ -489,15 +506,19 @@ class ElasticBuffer:
                 recv_idx.shape[0],
                 args.num_topk,
                 t_max,
-                None,
+                slot,
             )
-            per_expert = layout.count_local(recv_idx, local)
-            if stats is not None:
-                stats.add_(per_expert.to(torch.int32))
-            aligned = (per_expert + alignment - 1) // alignment * alignment
-            return meta, psum_rank, aligned.cumsum(0).to(torch.int32), layout.sf_layout(recv_x, args.sf_col_major)
+            if not expand:
+                aligned = (per_expert + alignment - 1) // alignment * alignment
+                psum = aligned.cumsum(0).to(torch.int32)
+                return meta, psum_rank, psum, None, layout.sf_layout(recv_x, args.sf_col_major), recv_w, None
+            blocks = words[2:]  # each local expert's aligned rows
+            out_x, out_probs = layout.expand_rows(recv_x, recv_w, slot, out_rows)
+            psum = (blocks.cumsum(0) - blocks + per_expert).to(torch.int32)  # aligned start + real count
+            out_x = layout.sf_layout(out_x, args.sf_col_major)
+            return meta, psum_rank, psum, per_expert.to(torch.int32), out_x, out_probs, slot
 
-        (meta, psum_rank, psum_expert, out_x), event = run_epilogue(self.buffer, event, epilogue)
+        (meta, psum_rank, psum_expert, real, out_x, out_w, slot), event = run_epilogue(self.buffer, event, epilogue)
         # without a CPU sync the count stays on the device (some transports know it, nvlink and local do not)
         num_recv = inner.num_recv_tokens if args.cpu_sync else recv_idx.shape[0]
         ep_handle = make_handle(
@@ -506,17 +527,18 @@ class ElasticBuffer:
             sms,
             topk_idx,
             num_recv,
-            0,
+            out_rows if expand else 0,
             counts,
             psum_rank,
             psum_expert,
-            None,
+            real,
             meta,
             inner,
             recv_idx,
-            recv_idx.shape[0],
+            out_rows,
+            slot,
         )
-        return out_x, recv_idx, recv_w, ep_handle, event
+        return out_x, None if expand else recv_idx, out_w, ep_handle, event
 
     def _expand_dispatch(
         self,
@@ -530,16 +552,13 @@ class ElasticBuffer:
         kw: dict,
     ):
         """The expanded dispatch: rows grouped by local expert, one per (token, local expert)."""
+        if not args.cpu_sync:
+            return self._plain_dispatch(x, topk_idx, topk_weights, stats, args, sms, local, kw, expand=True)
         expert_x, expert_sf, probs, tokens_per_expert, inner, event = self.buffer.dispatch_experts(
             x, topk_idx, topk_weights, args.num_experts, expert_alignment=args.alignment, **kw
         )
         expert_layout = inner.expert_layout
         rows = expert_layout.num_rows
-        out_rows = (
-            rows
-            if args.cpu_sync
-            else layout.expanded_capacity(rows, self.num_ranks, args.t_max, args.num_topk, local, args.alignment)
-        )
 
         def epilogue() -> tuple:
             slots = expert_layout.recv_slot
@@ -556,14 +575,14 @@ class ElasticBuffer:
                 args.t_max,
                 slots,
             )
-            recv_x = layout.pad_rows(expert_x if expert_sf is None else (expert_x, expert_sf), out_rows)
+            recv_x = expert_x if expert_sf is None else (expert_x, expert_sf)
             return (
                 meta,
                 psum_rank,
                 (starts + real).to(torch.int32),
                 real.to(torch.int32),
                 layout.sf_layout(recv_x, args.sf_col_major),
-                layout.pad_rows(probs, out_rows),
+                probs,
             )
 
         (meta, psum_rank, psum_expert, real, out_x, out_probs), event = run_epilogue(self.buffer, event, epilogue)
@@ -581,14 +600,15 @@ class ElasticBuffer:
             meta,
             inner,
             None,
-            out_rows,
+            rows,
         )
         return out_x, None, out_probs, ep_handle, event
 
     def _cached_dispatch(
         self, x: XInput, topk_weights: torch.Tensor | None, handle: EPHandle, kw: dict, sf_col_major: bool
     ):
-        if handle.do_expand:
+        slot = handle._expert_slot
+        if handle.do_expand and slot is None:
             expert_x, expert_sf, _, _, _, event = self.buffer.dispatch_experts(x, handle=handle.inner, **kw)
             recv_x = expert_x if expert_sf is None else (expert_x, expert_sf)
         else:
@@ -598,6 +618,12 @@ class ElasticBuffer:
             recv_w, event = self._cached_weights(topk_weights, handle, kw, event)
 
         def epilogue() -> tuple:
+            if slot is not None:  # expanded without a CPU sync: the fresh dispatch's offsets, on the device
+                return (
+                    layout.sf_layout(layout.expand_rows(recv_x, None, slot, handle._out_rows)[0], sf_col_major),
+                    None,
+                    recv_w,
+                )
             # the non-expanded form returns the fresh dispatch's local ids again, as DeepEP does
             recv_idx = None if handle.do_expand else layout.pad_rows(handle._recv_topk_idx, handle._out_rows).clone()
             return (
@@ -623,11 +649,20 @@ class ElasticBuffer:
                 f"topk_weights: expected a float32 tensor [{num_tokens}, {num_topk}] (the handle's top-k shape)"
             )
         packed = run_prologue(self.buffer, kw, lambda: layout.pack_weights(topk_weights), (topk_weights,))
-        if handle.do_expand:
+        on_device = handle._expert_slot
+        if handle.do_expand and on_device is None:
             rows, _, _, _, _, weights_event = self.buffer.dispatch_experts(packed, handle=handle.inner, **kw)
         else:
             rows, _, _, _, _, weights_event = self.buffer.dispatch(packed, handle=handle.inner, **kw)
         event = weights_event if weights_event.event is not None else event
+        if on_device is not None:  # expanded without a CPU sync: the rows' weights placed by the fresh offsets
+            return run_epilogue(
+                self.buffer,
+                event,
+                lambda: layout.expand_weights(
+                    layout.unpack_weights(rows, num_topk, handle._recv_topk_idx, None), on_device, handle._out_rows
+                ),
+            )
         slots = handle.inner.expert_layout.recv_slot if handle.do_expand else None
         return run_epilogue(
             self.buffer, event, lambda: layout.unpack_weights(rows, num_topk, handle._recv_topk_idx, slots)
@@ -716,6 +751,17 @@ class ElasticBuffer:
         if not handle.do_expand:
             return self.buffer.combine(x, handle.inner, topk_weights=topk_weights, bias=bias, **kw)
         check_expanded(handle, topk_weights, self.allow_multiple_reduction)
+        slot = handle._expert_slot
+        if slot is not None:
+            # expanded without a CPU sync: each received row's pairs summed (top-k order, fp32, one rounding: what
+            # combine_experts does per rank), then the rows over ranks, all from the device-side offsets
+            def rows_of() -> tuple[torch.Tensor, torch.Tensor | None]:
+                weights = None if topk_weights is None else layout.gather_weights(topk_weights, slot)
+                return permute.unpermute(x.contiguous(), slot), weights
+
+            reads = (x,) if topk_weights is None else (x, topk_weights)
+            rows_x, rows_w = run_prologue(self.buffer, kw, rows_of, reads)
+            return self.buffer.combine(rows_x, handle.inner, topk_weights=rows_w, bias=bias, **kw)
         rows = handle.num_expanded_tokens
         if topk_weights is not None:
             topk_weights = topk_weights[:rows]

@@ -21,10 +21,11 @@ class EPHandle:
 
     - ``do_expand``, ``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``num_sms``: the dispatch's.
     - ``topk_idx`` ``[T, K]``: the dispatch's top-k (a clone with ``do_handle_copy``, else the caller's tensor).
-    - ``num_recv_tokens``: received tokens (one per (token, rank)); without a CPU sync and not expanded, the rows
-      of the capacity-sized outputs, on every transport (the count is not read on the host: the valid prefix is
+    - ``num_recv_tokens``: received tokens (one per (token, rank)); without a CPU sync, ``R * num_max_tokens_per_rank``
+      (the capacity, on every transport: the count is not read on the host; the valid prefix is
       ``psum_num_recv_tokens_per_scaleup_rank[-1]``); ``num_expanded_tokens``: rows of the expanded layout,
-      alignment padding included (0 when not expanded).
+      alignment padding included (0 when not expanded; without a CPU sync the capacity-sized outputs' rows, the valid
+      ones given by ``psum_num_recv_tokens_per_expert``).
     - ``num_recv_tokens_per_expert_list``: per local expert, received (token, expert) pairs rounded up to
       ``expert_alignment`` (a host list; empty without a CPU sync).
     - ``psum_num_recv_tokens_per_scaleup_rank`` ``[scaleup ranks]`` int32: inclusive prefix sum of received tokens
@@ -61,6 +62,7 @@ class EPHandle:
         out_rows: int,
         owner: ElasticBuffer,
         topk_idx_version: int | None,
+        expert_slot: torch.Tensor | None = None,
     ) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
@@ -84,6 +86,9 @@ class EPHandle:
         self._owner = owner
         self._owner_lease = owner._lease  # EPBuffer.resize leases again: handles made before are refused after
         self._topk_idx_version = topk_idx_version
+        # expanded without a CPU sync: each received row's expanded-layout row per top-k column [W, K] int32 (-1:
+        # none); the layout is then replayed from it on the device (``inner`` is the non-expanded dispatch's)
+        self._expert_slot = expert_slot
 
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
@@ -118,6 +123,7 @@ def make_handle(
     inner: DispatchHandle,
     recv_idx: torch.Tensor | None,
     out_rows: int,
+    expert_slot: torch.Tensor | None = None,
 ) -> EPHandle:
     """The :class:`EPHandle` of a fresh dispatch by ``owner`` with the resolved ``args``; it keeps a clone of
     ``topk_idx`` with ``args.do_handle_copy``, else the tensor and its version (checked by :func:`check_handle`;
@@ -142,6 +148,7 @@ def make_handle(
         out_rows=out_rows,
         owner=owner,
         topk_idx_version=None if args.do_handle_copy or topk_idx.is_inference() else topk_idx._version,
+        expert_slot=expert_slot,
     )
 
 

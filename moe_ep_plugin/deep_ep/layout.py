@@ -1,6 +1,7 @@
 """DeepEP V2's layouts built from this library's dispatch: per-expert counts, the expanded (expert-major) layout's
-blocks and capacity, ``recv_src_metadata``, rows padded to capacity, FP8 scales in TMA-aligned column-major form,
-and float32 weights carried bit for bit in a cached layout. All on the device, without a host read."""
+blocks and capacity, rows and weights moved into it and back by device-side offsets, ``recv_src_metadata``, rows
+padded to capacity, FP8 scales in TMA-aligned column-major form, and float32 weights carried bit for bit in a cached
+layout. All on the device, without a host read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from ..config import round_up
 from ..handle import DispatchHandle
+from ..ops import permute
 
 XInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -31,10 +33,35 @@ def expanded_blocks(
     return starts, count_local(torch.where(slots >= 0, block, -1), num_local)
 
 
-def expanded_capacity(rows: int, num_ranks: int, t_max: int, num_topk: int, num_local: int, alignment: int) -> int:
-    """Output rows of an expanded dispatch without a CPU sync: at least ``rows``, else every rank's most tokens
-    times ``min(K, L)`` plus each local expert's alignment padding."""
-    return max(rows, num_ranks * t_max * min(num_topk, max(num_local, 1)) + num_local * (alignment - 1))
+def expanded_capacity(num_ranks: int, t_max: int, num_topk: int, num_local: int, alignment: int) -> int:
+    """Output rows of an expanded dispatch without a CPU sync, DeepEP V2's worst case: every rank's most tokens times
+    ``min(K, L)``, plus each local expert's alignment padding, rounded up to the alignment."""
+    return round_up(num_ranks * t_max * min(num_topk, max(num_local, 1)) + num_local * (alignment - 1), alignment)
+
+
+def expand_rows(
+    recv_x: XInput, recv_weights: torch.Tensor | None, slot: torch.Tensor, rows: int
+) -> tuple[XInput, torch.Tensor | None]:
+    """Non-expanded rows ``[W, H]`` (a tensor or FP8 pair) and weights ``[W, K]`` float32 → the expanded layout's
+    ``rows`` rows (pair ``(r, k)`` at row ``slot[r, k]``; rows no slot names are zero) and ``[rows]`` float32 probs
+    (None without weights), on the device (``permute.permute``)."""
+    data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+    out_x, probs, out_scales = permute.permute(data, slot, rows, recv_weights, scales)
+    return (out_x if scales is None else (out_x, out_scales)), probs
+
+
+def expand_weights(weights: torch.Tensor, slot: torch.Tensor, rows: int) -> torch.Tensor:
+    """float32 ``[W, K]`` weights → ``[rows]`` in the expanded layout of ``slot`` ``[W, K]`` (0 where no pair lands)."""
+    out = weights.new_zeros(rows + 1)
+    target = torch.where(slot >= 0, slot.long(), rows)  # pairs of no local expert land in the dropped last entry
+    out.scatter_(0, target.flatten(), weights.flatten())
+    return out[:rows]
+
+
+def gather_weights(weights: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """float32 ``[rows]`` expanded-layout weights → ``[W, K]``: each pair's row value (0 where ``slot`` is -1)."""
+    padded = torch.cat([weights, weights.new_zeros(1)])  # index -1 reads the appended zero
+    return padded[slot.long()]
 
 
 def source_metadata(
@@ -121,8 +148,11 @@ def unpack_weights(
 
 __all__ = [
     "count_local",
+    "expand_rows",
+    "expand_weights",
     "expanded_blocks",
     "expanded_capacity",
+    "gather_weights",
     "pack_weights",
     "pad_rows",
     "sf_layout",

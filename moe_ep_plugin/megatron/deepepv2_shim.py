@@ -13,6 +13,13 @@ FP8 dispatch (``PluginOptions.fp8_dispatch``, which Megatron's deepepv2 does not
 rows as blockwise E4M3 with float32 scales (UE8M0-rounded with ``round_scale``) and hands the experts BF16 rows; the
 backward passes stay in the rows' dtype. Work runs on the current stream, so ``async_finish`` /
 ``allocate_on_comm_stream`` are accepted and need no event.
+
+``deepepv2_dispatch(..., do_cpu_sync=False)`` (DeepEP V2's name; Megatron's manager does not pass it) reads nothing on
+the host in the dispatch, the combine and both backward passes: the rows come in ``R * num_max_tokens_per_rank``
+capacity rows (valid prefix first, local ids -1 and probabilities 0 past it) and ``tokens_per_expert`` stays on the
+device. Megatron-LM dev's ``_DeepepV2Manager`` still reads the count on the host after the dispatch (the permute it
+inherits from the ``deepep`` manager: ``tokens_per_expert.sum().item()``), so ``install()`` keeps refusing a CUDA
+graph holding its dispatch.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class _Dispatch(torch.autograd.Function):
         num_max_tokens_per_rank: int,
         expert_alignment: int,
         num_sms: int,
+        do_cpu_sync: bool,
     ) -> tuple:
         recv_x, recv_idx, recv_probs, handle, _ = buffer.dispatch(
             _forward_rows(x),
@@ -102,12 +110,18 @@ class _Dispatch(torch.autograd.Function):
             num_max_tokens_per_rank=num_max_tokens_per_rank,
             expert_alignment=expert_alignment,
             num_sms=num_sms,
+            do_cpu_sync=do_cpu_sync,
         )
         if isinstance(recv_x, tuple):
             recv_x = fp8.dequantize(*recv_x, dtype=x.dtype)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.mark_non_differentiable(recv_idx)
-        tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device="cpu")
+        if do_cpu_sync:
+            tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device="cpu")
+        else:  # the aligned counts from their inclusive prefix sum, on the device
+            psum = handle.psum_num_recv_tokens_per_expert.long()
+            tokens_per_expert = torch.diff(psum, prepend=psum.new_zeros(1))
+        ctx.mark_non_differentiable(tokens_per_expert)
         return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
 
     @staticmethod
@@ -117,7 +131,7 @@ class _Dispatch(torch.autograd.Function):
         grad_in, grad_in_probs, _ = ctx.buffer.combine(
             grad_x.contiguous(), handle=ctx.handle, topk_weights=grad_probs.float(), num_sms=ctx.handle.num_sms
         )
-        return None, grad_in, None, grad_in_probs, None, None, None, None
+        return None, grad_in, None, grad_in_probs, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -151,6 +165,8 @@ def deepepv2_dispatch(
     num_sms: int = 0,
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
+    *,
+    do_cpu_sync: bool = True,
 ) -> tuple:
     """Send each token to the ranks of its experts (DeepEP V2's non-expanded layout).
 
@@ -165,15 +181,20 @@ def deepepv2_dispatch(
         expert_alignment: each local expert's count is rounded up to a multiple of it.
         num_sms: SMs of the kernels (0: the buffer's model).
         async_finish, allocate_on_comm_stream: accepted (the work is on the current stream).
+        do_cpu_sync: False: nothing read on the host (module docstring); ``num_max_tokens_per_rank`` must then
+            bound every rank's tokens (the same on every rank), as it sizes the receiving rows.
 
     Returns:
         ``(recv_x [R, H], recv_indices [R, K] int64 local ids / -1, recv_probs [R, K] float32,
-        tokens_per_expert [L] int64 on the CPU, handle)``; differentiable in ``x`` and ``token_probs``.
+        tokens_per_expert [L] int64 aligned counts, handle)``; ``tokens_per_expert`` on the CPU, without a CPU sync on
+        the device and ``R = num_ranks * num_max_tokens_per_rank``; differentiable in ``x`` and ``token_probs``.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x: expected [tokens, hidden], got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(token_probs, torch.Tensor) or token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP V2), got {getattr(token_probs, 'dtype', None)}")
+    if not isinstance(do_cpu_sync, bool):
+        raise TypeError(f"do_cpu_sync: expected a bool, got {do_cpu_sync!r}")
     recv_x, *rest = _Dispatch.apply(
         _check_buffer(buffer),
         carried(x, deepep_shim.current_options(), "x").contiguous(),
@@ -183,6 +204,7 @@ def deepepv2_dispatch(
         num_max_tokens_per_rank or 1,
         expert_alignment,
         num_sms,
+        do_cpu_sync,
     )
     return (as_token_dtype(recv_x, x.dtype), *rest)
 
@@ -195,8 +217,10 @@ def deepepv2_combine(
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
 ) -> tuple:
-    """Sum the rows ``x`` ``[R, H]`` (one per received token, already weighted and reduced over local experts)
-    back to their tokens: ``(combined [T, H], None)``, unweighted, differentiable in ``x``.
+    """Sum the rows ``x`` ``[R, H]`` (one per received token, already weighted and reduced over local experts; the
+    dispatch's capacity rows without a CPU sync, the rows past the valid prefix unread) back to their tokens:
+    ``(combined [T, H], None)``, unweighted, differentiable in ``x``; nothing read on the host when the dispatch
+    read nothing.
 
     Arguments:
         buffer: the dispatch's buffer.

@@ -271,7 +271,9 @@ def _check_flex_capture(config: Any, options: PluginOptions) -> bool:
     in a way that reads nothing either: ``hybridep`` with a static row budget (drop-and-pad, or 0.19's
     ``moe_expert_rank_capacity_factor``) and without ``moe_hybridep_pad_uneven_dispatch_inputs`` (its manager
     reads the group's token count); ``ncclep`` with ``moe_ncclep_static_shape`` (else its manager reads the row
-    count). ``deepep`` returns its counts on the host; ``deepepv2`` is not served sync-free."""
+    count). ``deepep`` returns its counts on the host; ``deepepv2``'s shim reads nothing with ``do_cpu_sync=False``,
+    but Megatron's ``_DeepepV2Manager`` neither passes that nor permutes without reading the count (the ``deepep``
+    manager's ``tokens_per_expert.sum().item()``), so it is refused whatever the shim does."""
     what = captured_dispatch(config)
     if what is None:
         return False
@@ -290,6 +292,7 @@ def _check_flex_capture(config: Any, options: PluginOptions) -> bool:
         if not getattr(config, "moe_ncclep_static_shape", False):
             fix = "set moe_ncclep_static_shape: true (else its manager reads the received row count)"
     else:
+        # deepepv2 too: its manager permutes with the host's tokens_per_expert.sum().item(), whatever the shim returns
         fix = (
             "use moe_flex_dispatcher_backend: hybridep or ncclep with a static budget, or moe_token_dispatcher_type: "
             "ep_plugin with ep_plugin.transport: nvlink"
