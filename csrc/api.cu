@@ -109,6 +109,14 @@ int launch_check(const Context* ctx, int64_t num_sms, int64_t num_send_warps, in
         }                                     \
     } while (false)
 
+// The copy loops' stages (kStageBytes of shared memory) take dispatch and combine past the 48 KiB of dynamic shared
+// memory a kernel may use without asking.
+template <typename Kernel>
+int allow_smem(Kernel* kernel, size_t smem) {
+    return check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                      "cudaFuncSetAttribute(dispatch/combine shared memory)");
+}
+
 namespace permute_kernels {
 
 size_t expert_slots_smem(int num_local_experts) {
@@ -249,17 +257,18 @@ extern "C" int moe_ep_dispatch(void* handle, const moe_ep_dispatch_params* param
     sl.slot_bytes = (sl.src_off + 4 + 15) / 16 * 16;
     const int hist_bytes = int((p.num_local_experts * 4 + 127) / 128 * 128);
     if (hist_bytes > 48 * 1024) return set_error(-1, "too many local experts for the dispatch kernel (max 12288)");
-    const size_t smem = size_t(hist_bytes);
+    const size_t smem = size_t(hist_bytes) + kStageBytes;  // the histogram, then the copy loops' stages
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     if (p.num_send_warps < 1) return set_error(-1, "dispatch needs sender warps");
     if (p.fp8_in != 0 && quantize) return set_error(-1, "FP8 input rows cannot be quantized again (wire_fp8)");
-#define DISPATCH_LAUNCH_CASE(kQuant)                                                   \
-    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                \
-                SWITCH_TOPK(kTopk, dispatch_topk(p),                                   \
-                            SWITCH_MODE(kPull, p.pull != 0,                            \
-                                        dispatch_kernel<kQuant, kFp8Out, kTopk, kPull> \
-                                        <<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes))));
+#define DISPATCH_LAUNCH_CASE(kQuant)                                                              \
+    SWITCH_MODE(kFp8Out, dispatch_fp8_out(p, quantize),                                           \
+                SWITCH_TOPK(kTopk, dispatch_topk(p), SWITCH_MODE(kPull, p.pull != 0, {            \
+                                auto* kernel = dispatch_kernel<kQuant, kFp8Out, kTopk, kPull>;    \
+                                if (int err = allow_smem(kernel, smem)) return err;               \
+                                kernel<<<grid, kThreads, smem, s>>>(ctx->dev, p, sl, hist_bytes); \
+                            })));
     if (!quantize) {
         DISPATCH_LAUNCH_CASE(0);
     } else if (p.x_elem_bytes == 2) {
@@ -334,13 +343,12 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         if (int err = check_copy_rows(ctx, p.host_counts, row_bytes + 4 * p.num_topk)) return err;
         if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
     }
-#define MOE_EP_LAUNCH_COMBINE(T)                                     \
-    if (R <= 2)                                                      \
-        combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else if (R <= 4)                                                 \
-        combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else                                                             \
-        combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+#define MOE_EP_LAUNCH_COMBINE(T)                                                                             \
+    {                                                                                                        \
+        auto* kernel = R <= 2 ? combine_kernel<T, 2> : R <= 4 ? combine_kernel<T, 4> : combine_kernel<T, 8>; \
+        if (int err = allow_smem(kernel, kStageBytes)) return err;                                           \
+        kernel<<<grid, kThreads, kStageBytes, s>>>(ctx->dev, p);                                             \
+    }
     if (p.elem_bytes == 2) {
         MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
     } else {

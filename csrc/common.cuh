@@ -106,6 +106,17 @@ __device__ __forceinline__ int4 ld_coherent(const int4* p) {
     return v;
 }
 
+// 16 bytes from global memory (this GPU's or a peer's) into shared memory without passing through registers; L2 only
+// (.cg), so a peer's writes made visible by an acquire are seen as by ld_coherent. cp_async_wait_all: this thread's
+// copies have landed and are visible to it.
+__device__ __forceinline__ void cp_async16(int4* dst, const int4* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // First error wins: it sets this rank's abort flag (which ends every other wait quickly) and fills the host-mapped
 // record Python reads. A timeout also names itself on stderr and traps: that ends this process's CUDA context, so
 // the failing call's outputs (never fully written) raise a CUDA error when read instead of passing as data (DeepEP

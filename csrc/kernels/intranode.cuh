@@ -44,11 +44,6 @@ __device__ __forceinline__ int offset_from(const int32_t* rpm, int R, int src, i
     return src > 0 ? rpm[(src - 1) * R + dst] : 0;
 }
 
-template <bool kPeerWritten>
-__device__ __forceinline__ int4 load16B(const int4* p) {
-    return kPeerWritten ? ld_coherent(p) : __ldg(p);
-}
-
 // Where a row's local copy goes (the copy helpers below call each(f) with the destination's (head, tail)):
 // OneRow: one output row at `head` (null: none) whose tail part (an FP8 row's scales) lives at `tail`. scales() is
 // the destination's tail as a row of its own.
@@ -65,39 +60,42 @@ struct OneRow {
 };
 // Warp-wide copy of n 16-byte vectors from src to `wire` (may be null) and to the destination of `out`. Each lane
 // keeps kCopyBatch loads in flight (guarded, so short rows and row tails cost one memory latency per batch, not per
-// vector): copies are latency-bound, not issue-bound.
-// kPeerWritten: the source was written by another GPU (coherent loads); otherwise it is a read-only input.
+// vector): copies are latency-bound, not issue-bound. The loads land in the warp's `stage` (kStageVecs vectors of
+// shared memory) by cp.async, not in registers: a batch in registers (64 per thread) made the kernels spill.
 // A row may come in two parts: vectors from `n_head` on are read from `src_tail` and written to the destination's
 // tail (when it has one) instead of following on from src / its head, e.g. an FP8 row's scales, which follow its
 // payload in a staging slot but have their own input and output tensors: one batch of loads serves both parts.
 constexpr int kCopyBatch = 16;
-template <bool kPeerWritten, typename Out>
-__device__ __forceinline__ void copy_row(int4* wire, const Out& out, const int4* src, int n, int lane, int n_head = -1,
-                                         const int4* src_tail = nullptr) {
+constexpr int kStageVecs = 32 * kCopyBatch;                           // one warp's stage
+constexpr int kStageBytes = kWarps * kStageVecs * int(sizeof(int4));  // the stages of a block's warps
+template <typename Out>
+__device__ __forceinline__ void copy_row(int4* stage, int4* wire, const Out& out, const int4* src, int n, int lane,
+                                         int n_head = -1, const int4* src_tail = nullptr) {
     if (n_head < 0) n_head = n;
 #pragma unroll 1
     for (int base = lane; base < n; base += 32 * kCopyBatch) {
-        int4 v[kCopyBatch];
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u) {
             const int j = base + 32 * u;
             if (j < n)
-                v[u] = load16B<kPeerWritten>(j < n_head || src_tail == nullptr ? src + j : src_tail + (j - n_head));
+                cp_async16(stage + 32 * u + lane,
+                           j < n_head || src_tail == nullptr ? src + j : src_tail + (j - n_head));
         }
-        if (wire != nullptr) {
+        cp_async_wait_all();
 #pragma unroll
-            for (int u = 0; u < kCopyBatch; ++u)
-                if (base + 32 * u < n) wire[base + 32 * u] = v[u];
+        for (int u = 0; u < kCopyBatch; ++u) {
+            const int j = base + 32 * u;
+            if (j >= n) break;
+            // every store of this vector follows its shared-memory load, so the next batch's cp.async cannot
+            // overwrite the slot before it was read
+            const int4 v = stage[32 * u + lane];
+            if (wire != nullptr) wire[j] = v;
+            out.each([&](char* head, char* tail) {
+                int4* row = reinterpret_cast<int4*>(head);
+                int4* row_tail = reinterpret_cast<int4*>(tail);
+                *(j < n_head || row_tail == nullptr ? row + j : row_tail + (j - n_head)) = v;
+            });
         }
-        out.each([&](char* head, char* tail) {
-            int4* row = reinterpret_cast<int4*>(head);
-            int4* row_tail = reinterpret_cast<int4*>(tail);
-#pragma unroll
-            for (int u = 0; u < kCopyBatch; ++u) {
-                const int j = base + 32 * u;
-                if (j < n) *(j < n_head || row_tail == nullptr ? row + j : row_tail + (j - n_head)) = v[u];
-            }
-        });
     }
 }
 
@@ -122,25 +120,25 @@ __device__ __forceinline__ void copy_floats(float* wire, const Out& out, const f
 }
 
 // Warp-wide dequantization of one FP8 row into the OutT row of `out` (16 bytes per lane per step, kCopyBatch steps
-// in flight).
+// in flight through the warp's `stage`, as in copy_row).
 template <bool kPeerWritten, typename OutT, typename Out>
-__device__ __forceinline__ void dequant_row(const uint8_t* q, const float* scales, const Out& out, int hidden,
-                                            int lane) {
+__device__ __forceinline__ void dequant_row(int4* stage, const uint8_t* q, const float* scales, const Out& out,
+                                            int hidden, int lane) {
 #pragma unroll 1
     for (int base = lane * 16; base < hidden; base += 512 * kCopyBatch) {
-        int4 v[kCopyBatch];
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u)
             if (base + 512 * u < hidden)
-                v[u] = load16B<kPeerWritten>(reinterpret_cast<const int4*>(q + base + 512 * u));
+                cp_async16(stage + 32 * u + lane, reinterpret_cast<const int4*>(q + base + 512 * u));
+        cp_async_wait_all();
 #pragma unroll
         for (int u = 0; u < kCopyBatch; ++u) {
             const int c0 = base + 512 * u;
-            if (c0 >= hidden) continue;
+            if (c0 >= hidden) break;
             const float s =
                 kPeerWritten ? *reinterpret_cast<const volatile float*>(scales + c0 / 128) : __ldg(scales + c0 / 128);
             int4 o[sizeof(OutT)];
-            dequant16<OutT>(v[u], s, o);
+            dequant16<OutT>(stage[32 * u + lane], s, o);
             out.each([&](char* head, char*) { store16(reinterpret_cast<OutT*>(head) + c0, o); });
         }
     }
@@ -493,8 +491,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     using OutT = typename std::conditional<kQuant == 2, float, __nv_bfloat16>::type;  // dequantized rows
     extern __shared__ __align__(16) char smem[];
     int* s_hist = reinterpret_cast<int*>(smem);
-    const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int4* stage = reinterpret_cast<int4*>(smem + hist_bytes) + warp * kStageVecs;  // this warp's (copy_row)
+    const int R = c.num_ranks, me = c.rank;
     const int H = int(p.hidden), K = int(p.num_topk), L = int(p.num_local_experts);
     const int S = sl.num_scales;
     const int32_t* rpm = p.rank_prefix_matrix;
@@ -537,12 +536,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             const float* xs = fp8_in ? p.x_scales + int64_t(t) * S : nullptr;
             if (fp8_in && S % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x_scales) & 15) == 0) {
                 // the scales (16-byte rows) in the same batch of loads as the payload
-                copy_row<false>(reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
-                                (sl.payload_bytes + 4 * S) / 16, lane, sl.payload_bytes / 16,
-                                reinterpret_cast<const int4*>(xs));
+                copy_row(stage, reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
+                         (sl.payload_bytes + 4 * S) / 16, lane, sl.payload_bytes / 16,
+                         reinterpret_cast<const int4*>(xs));
             } else {
-                copy_row<false>(reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
-                                sl.payload_bytes / 16, lane);
+                copy_row(stage, reinterpret_cast<int4*>(wire), out, reinterpret_cast<const int4*>(src),
+                         sl.payload_bytes / 16, lane);
                 if (!fp8_in) return;
                 copy_floats<false>(wire ? reinterpret_cast<float*>(wire + sl.scales_off) : nullptr, out.scales(), xs, S,
                                    lane);
@@ -679,16 +678,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             // The staged row `slot` into this rank's output `out` (OneRow).
             auto receive_row = [&](const char* slot, const auto& out) {
                 if (dequant) {
-                    dequant_row<true, OutT>(reinterpret_cast<const uint8_t*>(slot),
+                    dequant_row<true, OutT>(stage, reinterpret_cast<const uint8_t*>(slot),
                                             reinterpret_cast<const float*>(slot + sl.scales_off), out, H, lane);
                     return;
                 }
                 if (wire_fp8 && S % 4 == 0) {  // the scales in the payload's batch of loads (as above)
-                    copy_row<true>(nullptr, out, reinterpret_cast<const int4*>(slot), (sl.payload_bytes + 4 * S) / 16,
-                                   lane, sl.payload_bytes / 16);
+                    copy_row(stage, nullptr, out, reinterpret_cast<const int4*>(slot), (sl.payload_bytes + 4 * S) / 16,
+                             lane, sl.payload_bytes / 16);
                     return;
                 }
-                copy_row<true>(nullptr, out, reinterpret_cast<const int4*>(slot), sl.payload_bytes / 16, lane);
+                copy_row(stage, nullptr, out, reinterpret_cast<const int4*>(slot), sl.payload_bytes / 16, lane);
                 if (wire_fp8)
                     copy_floats<true>(nullptr, out.scales(), reinterpret_cast<const float*>(slot + sl.scales_off), S,
                                       lane);
@@ -741,11 +740,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // kRanks: the rank count rounded up to a power of two, so each lane issues the loads of every contribution
 // for kCopyBatch / kRanks vectors before adding any of them.
 // A token's copies in the order combine sums them (moe_ep.h, moe_ep_combine_params.topk_idx): ord[i] is the
-// i-th copy (nullptr: none), ord_me[i] whether it is this rank's own. Every lane of the warp gets the same order.
+// i-th copy (nullptr: none). Every lane of the warp gets the same order.
 template <int kRanks>
-__device__ __forceinline__ void summing_order(const moe_ep_combine_params& p, int t, int lane, int me, int R,
-                                              const char* const (&src)[kRanks], const char* (&ord)[kRanks],
-                                              bool (&ord_me)[kRanks]) {
+__device__ __forceinline__ void summing_order(const moe_ep_combine_params& p, int t, int lane, int R,
+                                              const char* const (&src)[kRanks], const char* (&ord)[kRanks]) {
     int owner = -1;
     if (p.topk_idx != nullptr && lane < p.idx_topk) {
         const int64_t e = __ldg(p.topk_idx + int64_t(t) * p.idx_topk + lane);
@@ -755,10 +753,7 @@ __device__ __forceinline__ void summing_order(const moe_ep_combine_params& p, in
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) last[r] = __reduce_max_sync(0xffffffffu, owner == r ? lane : -1);
 #pragma unroll
-    for (int i = 0; i < kRanks; ++i) {
-        ord[i] = nullptr;
-        ord_me[i] = false;
-    }
+    for (int i = 0; i < kRanks; ++i) ord[i] = nullptr;
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
         int pos = 0;
@@ -766,10 +761,7 @@ __device__ __forceinline__ void summing_order(const moe_ep_combine_params& p, in
         for (int q = 0; q < kRanks; ++q) pos += (last[q] < last[r] || (last[q] == last[r] && q < r)) ? 1 : 0;
 #pragma unroll
         for (int i = 0; i < kRanks; ++i)
-            if (pos == i) {
-                ord[i] = src[r];
-                ord_me[i] = r == me;
-            }
+            if (pos == i) ord[i] = src[r];
     }
 }
 
@@ -777,8 +769,10 @@ template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_combine_params p) {
     constexpr int kN = Vec<T>::kN;
     constexpr int kUnroll = kCopyBatch / kRanks;
+    extern __shared__ __align__(16) char smem[];
     const int R = c.num_ranks, me = c.rank;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int4* stage = reinterpret_cast<int4*>(smem) + warp * kStageVecs;  // this warp's (copy_row, the sums' loads)
     const int K = int(p.num_topk);
     const int64_t row_bytes = p.hidden * int64_t(sizeof(T));
     const int n16 = int(row_bytes / 16);
@@ -811,9 +805,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
             char* dst_region = region(c, d, me);
             prefetch_rows(x, row_bytes, int(base) + begin + lane, __ballot_sync(0xffffffffu, lane < end - begin), lane);
             for (int i = 0; i < end - begin; ++i)
-                copy_row<false>(reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes),
-                                OneRow{nullptr, nullptr},
-                                reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes), n16, lane);
+                copy_row(stage, reinterpret_cast<int4*>(dst_region + int64_t(begin + i) * row_bytes),
+                         OneRow{nullptr, nullptr}, reinterpret_cast<const int4*>(x + (base + begin + i) * row_bytes),
+                         n16, lane);
             if (p.topk_weights != nullptr) {
                 float* w = reinterpret_cast<float*>(dst_region + count * row_bytes) + int64_t(begin) * K;
                 for (int e = lane; e < (end - begin) * K; e += 32)
@@ -852,24 +846,18 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
     }
     const char* bias0 = static_cast<const char*>(p.bias0);
     const char* bias1 = static_cast<const char*>(p.bias1);
-    // send_pos of the next token is loaded while the current one is summed
-    int next_pos[kRanks];
-#pragma unroll
-    for (int r = 0; r < kRanks; ++r)
-        next_pos[r] = (r < R && gw < p.num_tokens) ? __ldg(p.send_pos + int64_t(gw) * R + r) : -1;
+    // send_pos of the next token is loaded while the current one is summed, lane r holding rank r's (one register
+    // per lane, not one per rank: rank arrays of that size made the kernel spill)
+    int next_pos = (lane < R && gw < p.num_tokens) ? __ldg(p.send_pos + int64_t(gw) * R + lane) : -1;
     for (int t = gw; t < p.num_tokens; t += nw) {
-        int cur_pos[kRanks];
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r) {
-            cur_pos[r] = next_pos[r];
-            next_pos[r] = (r < R && t + nw < p.num_tokens) ? __ldg(p.send_pos + int64_t(t + nw) * R + r) : -1;
-        }
+        const int lane_pos = next_pos;
+        next_pos = (lane < R && t + nw < p.num_tokens) ? __ldg(p.send_pos + int64_t(t + nw) * R + lane) : -1;
         const char* src[kRanks];
         bool ok = true;
 #pragma unroll
         for (int r = 0; r < kRanks; ++r) {
             src[r] = nullptr;
-            const int pos = cur_pos[r];
+            const int pos = __shfl_sync(0xffffffffu, lane_pos, r);
             if (pos < 0) continue;
             if (r == me) {
                 src[r] = x + (self_base + pos) * row_bytes;
@@ -880,22 +868,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
         }
         if (!ok) break;
         const char* ord[kRanks];
-        bool ord_me[kRanks];
-        summing_order<kRanks>(p, t, lane, me, R, src, ord, ord_me);
+        summing_order<kRanks>(p, t, lane, R, src, ord);
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + int64_t(t) * row_bytes);
 #pragma unroll 1
         for (int j0 = lane; j0 < n16; j0 += 32 * kUnroll) {
-            int4 v[kRanks][kUnroll];
+            // contribution i's vector u in slot i * kUnroll + u of the warp's stage
 #pragma unroll
             for (int i = 0; i < kRanks; ++i)
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = j0 + 32 * u;
-                    if (ord[i] != nullptr && j < n16) {
-                        const int4* a = reinterpret_cast<const int4*>(ord[i]) + j;
-                        v[i][u] = ord_me[i] ? __ldg(a) : ld_coherent(a);
-                    }
+                    if (ord[i] != nullptr && j < n16)
+                        cp_async16(stage + 32 * (i * kUnroll + u) + lane, reinterpret_cast<const int4*>(ord[i]) + j);
                 }
+            cp_async_wait_all();
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int j = j0 + 32 * u;
@@ -909,22 +895,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(DevCtx c, moe_ep_c
                     Vec<T>::add(acc, __ldg(reinterpret_cast<const int4*>(bias1 + int64_t(t) * row_bytes) + j));
 #pragma unroll
                 for (int i = 0; i < kRanks; ++i)
-                    if (ord[i] != nullptr) Vec<T>::add(acc, v[i][u]);
+                    if (ord[i] != nullptr) Vec<T>::add(acc, stage[32 * (i * kUnroll + u) + lane]);
                 out[j] = Vec<T>::pack(acc);
             }
         }
-        if (p.out_weights != nullptr && lane < K) {
+        if (p.out_weights != nullptr) {
             float w = 0.0f;
 #pragma unroll
             for (int r = 0; r < kRanks; ++r) {
-                if (src[r] == nullptr) continue;
+                const int pos = __shfl_sync(0xffffffffu, lane_pos, r);
+                if (pos < 0 || lane >= K) continue;
                 if (r == me) {
-                    w += __ldg(p.topk_weights + (self_base + cur_pos[r]) * K + lane);
+                    w += __ldg(p.topk_weights + (self_base + pos) * K + lane);
                 } else {
-                    w += reinterpret_cast<const volatile float*>(w_base[r])[int64_t(cur_pos[r]) * K + lane];
+                    w += reinterpret_cast<const volatile float*>(w_base[r])[int64_t(pos) * K + lane];
                 }
             }
-            p.out_weights[int64_t(t) * K + lane] = w;
+            if (lane < K) p.out_weights[int64_t(t) * K + lane] = w;
         }
     }
 }
