@@ -54,6 +54,15 @@ TABLES = (
         "python3 benchmarks/sm_sweep.py --ranks 2   # and --ranks 4; an MPS daemon running",
     ),
     Table(
+        "sm_sweep, shared-memory copy stages",
+        "SM sweep of the kernels without register spills (not kept)",
+        "The dispatch and combine kernels rebuilt so that no specialisation spills (each copy batch staged in shared "
+        "memory by `cp.async` instead of registers; commit 93aa4ba, in the history without its changes), swept in "
+        "the same call on the same GPU as the current kernels' rows of the table above, outputs bit-exact: no "
+        "faster, up to a tenth slower at 8 SMs, so not kept.",
+        "python3 benchmarks/sm_sweep.py --ranks 2 --sms 8,24 --tokens 4096   # and --ranks 4, on commit 93aa4ba",
+    ),
+    Table(
         "sm_sweep, abe3312 kernels",
         "SM sweep of commit abe3312's kernels",
         "The same sweep over the code whose EP 2 kernel times across two H200s are the `timing: graph` rows above "

@@ -1,7 +1,7 @@
 """A Buffer destroyed on one rank (issue 46): a peer's next call on it raises naming that rank instead of timing out
 — at the call on the torch and hierarchical transports, which ask the store each time; after the failed wait on
-peers on a transport that does not (the kernel transports), low-latency calls included; a Buffer made after it on the same group is not
-affected. 2 gloo ranks, the ``torch`` and ``hierarchical`` transports (2 emulated nodes)."""
+peers on a transport that does not (the kernel transports), low-latency calls included; a Buffer made after it on the
+same group is not affected. 2 gloo ranks, the ``torch`` and ``hierarchical`` transports (2 emulated nodes)."""
 
 from __future__ import annotations
 
