@@ -15,10 +15,11 @@ constexpr int kMaxRanks = MOE_EP_MAX_RANKS;
 #ifndef MOE_EP_CHUNK_ROWS
 #define MOE_EP_CHUNK_ROWS 4  // a build-time tuning knob (moe_ep_plugin/_build.py: MOE_EP_NVCC_FLAGS)
 #endif
-constexpr int kChunkRows = MOE_EP_CHUNK_ROWS;    // rows published by one flag
-static_assert(kChunkRows >= 1 && kChunkRows <= 16, "a chunk's rows are held by the lanes of one warp, and its "
+constexpr int kChunkRows = MOE_EP_CHUNK_ROWS;  // rows published by one flag
+static_assert(kChunkRows >= 1 && kChunkRows <= 16,
+              "a chunk's rows are held by the lanes of one warp, and its "
               "output-row scratch must fit shared memory");
-constexpr int kMaxRegionRows = 65536;            // rows one source may place in a peer region
+constexpr int kMaxRegionRows = 65536;  // rows one source may place in a peer region
 constexpr int kMaxChunks = kMaxRegionRows / kChunkRows;
 constexpr int kMaxExperts = MOE_EP_MAX_EXPERTS;
 constexpr int kMetaWords = MOE_EP_META_WORDS;
@@ -40,9 +41,9 @@ constexpr int64_t kHeaderBytes = 4096;
 // last step of every copy-engine combine clears them).
 constexpr int kMaxPieces = 32;
 struct CopyFlags {
-    int arrived[kMaxRanks][kMaxPieces];    // [src][piece]: 1 once src's copy engine has landed the piece here
+    int arrived[kMaxRanks][kMaxPieces];  // [src][piece]: 1 once src's copy engine has landed the piece here
 };
-constexpr int64_t kCopyFlagsOffset = 1024;  // inside the header page
+constexpr int64_t kCopyFlagsOffset = 1024;             // inside the header page
 constexpr int64_t kExpertCountsOffset = kHeaderBytes;  // [src][e]: tokens rank src sends to expert e
 constexpr int64_t kFlagsOffset = kExpertCountsOffset + int64_t(kMaxRanks) * kMaxExperts * 4;
 constexpr int64_t kStagingOffset = kFlagsOffset + int64_t(kMaxRanks) * kMaxChunks * 4;
@@ -59,13 +60,19 @@ struct DevCtx {
     int rank, num_ranks;
 };
 
-__device__ __forceinline__ Header* header(char* buf) { return reinterpret_cast<Header*>(buf); }
+__device__ __forceinline__ Header* header(char* buf) {
+    return reinterpret_cast<Header*>(buf);
+}
 __device__ __forceinline__ int* expert_counts(char* buf, int src) {
     return reinterpret_cast<int*>(buf + kExpertCountsOffset) + int64_t(src) * kMaxExperts;
 }
-__device__ __forceinline__ CopyFlags* copy_flags(char* buf) { return reinterpret_cast<CopyFlags*>(buf + kCopyFlagsOffset); }
+__device__ __forceinline__ CopyFlags* copy_flags(char* buf) {
+    return reinterpret_cast<CopyFlags*>(buf + kCopyFlagsOffset);
+}
 // Of a transfer of `count` rows, the rows the copy engines carry: all of them or none.
-__host__ __device__ __forceinline__ int copied_rows(int count, bool copy_engine) { return copy_engine ? count : 0; }
+__host__ __device__ __forceinline__ int copied_rows(int count, bool copy_engine) {
+    return copy_engine ? count : 0;
+}
 // Rows per copy-engine piece for a transfer of `count` rows: at least `min_rows`, at most kMaxPieces pieces, whole
 // chunks. Sender (host) and receiver (kernel) compute it alike from the same count.
 __host__ __device__ __forceinline__ int piece_rows(int count, int min_rows) {
@@ -93,7 +100,9 @@ __device__ __forceinline__ int ld_acquire_sys(const int* p) {
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
     asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    return *reinterpret_cast<const volatile int*>(p);
+}
 __device__ __forceinline__ uint64_t now_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -123,8 +132,10 @@ static __device__ __noinline__ void report_error(const DevCtx& c, int code, int 
         __threadfence_system();
         if (code == MOE_EP_ERR_BARRIER_TIMEOUT || code == MOE_EP_ERR_DISPATCH_TIMEOUT ||
             code == MOE_EP_ERR_COMBINE_TIMEOUT) {
-            printf("moe_ep_plugin: rank %d: timeout %d (%d, %d), see moe_ep.h; trapping: this process's CUDA "
-                   "context is lost\n", c.rank, code, a, b);
+            printf(
+                "moe_ep_plugin: rank %d: timeout %d (%d, %d), see moe_ep.h; trapping: this process's CUDA "
+                "context is lost\n",
+                c.rank, code, a, b);
             __trap();
         }
     }
@@ -186,7 +197,8 @@ struct Vec<float> {
         acc[3] += __int_as_float(v.w);
     }
     __device__ __forceinline__ static int4 pack(const float* acc) {
-        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                         __float_as_int(acc[3]));
     }
 };
 
