@@ -10,7 +10,8 @@ back is the call to the dispatch kernel's launch; the count read overlaps the ke
 ``time.perf_counter_ns`` around the runtime's own calls (wrapped on the instance; a probe, not a mode), with the GPU
 idle and the ranks started together before every call; median of ``--calls`` calls, the slowest rank's. The cached
 dispatch's call-to-launch on the same inputs is printed beside: what a fresh call costs the host beyond it.
-``--record`` appends the rows (benchmarks/records.py).
+``--record`` appends the rows (benchmarks/records.py); ``--profile`` prints torch.profiler's CPU table of ten fresh
+BF16 calls (which ops, how many, their host time).
 """
 
 from __future__ import annotations
@@ -132,6 +133,13 @@ def _run(args: argparse.Namespace) -> None:
             for name, a, b in PHASES:
                 rows.append((tokens, form, name, _median(fresh, a, b)))
             rows.append((tokens, form, "cached: call to dispatch kernel launched", _median(cached, "call", "kernel")))
+    if args.profile:  # where the host time before the launch goes: torch ops and the library's calls, by count
+        x = torch.randn(args.tokens[0], args.hidden, device=device).to(torch.bfloat16)
+        idx = route(args.tokens[0], world, args.seed * 1000 + rank).to(device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _calls(probe, lambda: nv.dispatch(x, topk_idx=idx, num_experts=256), 10, dist.group.WORLD)
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, rows, group=dist.group.WORLD)
     if rank == 0:
@@ -155,6 +163,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="torch.profiler's CPU table of 10 fresh BF16 calls")
     records.add_argument(p)
     args = p.parse_args()
     if torch.cuda.device_count() < 1:
