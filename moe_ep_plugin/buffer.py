@@ -311,7 +311,11 @@ class Buffer:
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the point the comm stream waits for)")
-        self.transport.check_error()
+        try:
+            self.transport.check_error()  # an earlier call's failure the kernels recorded
+        except (TimeoutError, RuntimeError) as exc:
+            self._check_peers(exc)
+            raise
         if self._comm_stream is None:
             return self._run(fn) + (EventOverlap(),)
         if previous_event is None and not async_finish:

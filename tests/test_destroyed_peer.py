@@ -70,6 +70,14 @@ def _peer_destroyed(transport: str, ranks_per_node: int | None) -> None:
             with pytest.raises(RuntimeError, match=NAMED) as raised:
                 call()
             assert isinstance(raised.value.__cause__, TimeoutError)
+
+        def recorded() -> None:  # as the kernel transports raise a timeout their kernels recorded, at the next call
+            raise TimeoutError("moe_ep_plugin: a wait on rank 1 timed out")
+
+        third.transport.check_error = recorded
+        with pytest.raises(RuntimeError, match=NAMED) as raised:
+            third.dispatch(x, topk_idx=idx, num_experts=4)
+        assert isinstance(raised.value.__cause__, TimeoutError)
         store.set("test/checked", "1")
     else:
         store.wait(["test/checked"])  # rank 1 keeps its side of the group up until rank 0 has checked
