@@ -429,3 +429,22 @@ def _errors() -> None:
 
 def test_errors_name_the_argument() -> None:
     spawn(_errors, 2, backend="gloo")
+
+
+@pytest.mark.parametrize("num_topk", [1, 3, 8])
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+def test_weights_packed_for_dispatch_come_back_exact(num_tokens: int, num_topk: int) -> None:
+    """The cached dispatch carries float32 weights as BF16 pairs: unpacked, every weight is back bit for bit, 0 where
+    the id is -1; also for a rank with no tokens and one expert per token (a ``[0, 1]`` tensor, whose last stride
+    may be 0)."""
+    from moe_ep_plugin.deep_ep import layout
+
+    weights = torch.rand(num_tokens, num_topk) + 0.5
+    idx = torch.randint(0, 8, (num_tokens, num_topk))
+    idx[torch.rand(num_tokens, num_topk) < 0.2] = -1
+    packed = layout.pack_weights(weights)
+    assert packed.dtype == torch.bfloat16 and packed.shape[0] == num_tokens and packed.shape[1] % 8 == 0
+    want = torch.tensor(
+        [[0.0 if idx[t, k] < 0 else weights[t, k].item() for k in range(num_topk)] for t in range(num_tokens)]
+    ).reshape(num_tokens, num_topk)
+    assert torch.equal(layout.unpack_weights(packed, num_topk, idx, None), want)

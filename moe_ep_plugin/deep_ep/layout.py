@@ -123,7 +123,8 @@ def pack_weights(topk_weights: torch.Tensor) -> torch.Tensor:
     copies rows, it never computes on them; rows of 16-byte multiples for every transport)."""
     num_tokens, num_topk = topk_weights.shape
     packed = torch.zeros(num_tokens, round_up(2 * num_topk, 8), dtype=torch.bfloat16, device=topk_weights.device)
-    packed[:, : 2 * num_topk] = topk_weights.contiguous().view(torch.bfloat16)
+    # flat first: a [0, 1] tensor's last stride may be 0, which a view to a smaller dtype refuses
+    packed[:, : 2 * num_topk] = topk_weights.reshape(-1).view(torch.bfloat16).view(num_tokens, 2 * num_topk)
     return packed
 
 
