@@ -61,14 +61,15 @@ def _configs(num_sms_dispatch: int | None, num_sms_combine: int | None, num_rank
     )
 
 
-def _topk_width(routing_map: torch.Tensor, group: dist.ProcessGroup) -> int:
-    """The widest ``routing_map`` row over the group (at least 1): the top-k width every rank converts to (the ranks
-    must agree on it). One small all-reduce and a host read per dispatch, which HybridEP's dense-map kernels do not
-    need."""
+def _group_maxima(routing_map: torch.Tensor, group: dist.ProcessGroup) -> tuple[int, int]:
+    """``(widest routing_map row, most tokens)`` over the group: the top-k width every rank converts to (at least
+    1; the ranks must agree on it) and the tokens that size a receive for every rank's. One small all-reduce and a
+    host read per dispatch, which HybridEP's dense-map kernels do not need."""
     width = routing_map.sum(1).max() if routing_map.shape[0] else routing_map.new_zeros((), dtype=torch.int64)
-    width = width.to(torch.int64).reshape(1)
-    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-    return max(1, int(width))
+    words = torch.stack([width.to(torch.int64), width.new_tensor(routing_map.shape[0], dtype=torch.int64)])
+    dist.all_reduce(words, op=dist.ReduceOp.MAX, group=group)
+    width, tokens = words.tolist()
+    return max(1, width), tokens
 
 
 def hybrid_ep_dispatch(
@@ -134,7 +135,7 @@ def hybrid_ep_dispatch(
         return _budgeted_dispatch(
             buffer, x, rows_in, routing_map, probs, group, num_experts, num_permuted_tokens, pad_multiple, configs
         )
-    topk = _topk_width(routing_map, group)
+    topk, _ = _group_maxima(routing_map, group)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
         buffer,
         rows_in,
@@ -173,10 +174,12 @@ def _budgeted_dispatch(
     options = deepep_shim.current_options()
     num_ranks = dist.get_world_size(group)
     if buffer.transport_name in SYNC_FREE_TRANSPORTS:
-        topk = min(num_experts, MAX_TOPK)  # static: no host read, whatever the routing map holds
+        # static, no host read: Megatron's ranks of one EP group carry as many tokens each; a rank that receives
+        # more raises on every rank (the kernels' worst-token check)
+        topk, tokens = min(num_experts, MAX_TOPK), x.shape[0]
     else:
-        topk = _topk_width(routing_map, group)
-    budget = row_budget.RowBudget(max(1, num_ranks * x.shape[0]), num_permuted_tokens)
+        topk, tokens = _group_maxima(routing_map, group)
+    budget = row_budget.RowBudget(max(1, num_ranks * tokens), num_permuted_tokens)
     expert_x, expert_probs, _, handle, excess = row_budget.dispatch(
         buffer,
         budget,
