@@ -12,7 +12,9 @@ rank (0 included) and routing (random with -1 entries, sparse, all tokens to one
 runs and checks it. With ``--device cuda:N`` the ranks share that GPU over a gloo group (``Buffer(device=...)``).
 ``--api elastic`` soaks the ``ElasticBuffer`` instead (``tests/support/elastic_rounds.py``): fresh and cached
 dispatches, expanded and not, with weights, in DeepEP's stream modes, some with the current stream busy.
-Prints rounds, mismatches (each with the seed that replays it: ``--seed S --rounds 1``) and seconds.
+Prints rounds, mismatches (each with the seed that replays it: ``--seed S --rounds 1``) and seconds. ``--trace DIR``:
+each rank writes every round's seed and description to ``DIR/rank<r>.log`` before running it, so a round that ends
+the process (a kernel timeout traps) is named by the last line.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def _soak(
     timeout_s: float,
     max_seconds: float,
     out: str,
+    trace: str | None,
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if api == "elastic":
@@ -78,9 +81,12 @@ def _soak(
         )
     start = time.monotonic()
     done = 0
+    log = open(os.path.join(trace, f"rank{rank}.log"), "w", buffering=1) if trace else None  # noqa: SIM115
     for i in range(num_rounds):
         # every rank stops at the same round: rank 0's clock decides, carried by the verdict exchange below
         rnd, check = _round(api, buffer, seed + i, world, state, rank)
+        if log is not None:
+            log.write(f"{seed + i} {rnd.describe()}\n")
         try:
             errors = check()
         except Exception as exc:  # a raise is a failure of the round, as a mismatch is
@@ -100,6 +106,8 @@ def _soak(
         if verdicts[0][1]:
             break
     seconds = time.monotonic() - start
+    if log is not None:
+        log.close()
     if bar is not None:
         bar.close()
     if rank == 0:
@@ -136,13 +144,26 @@ def main() -> None:
         default=float("inf"),
         help="stop after the round that passes this many seconds (the table says how many rounds ran)",
     )
+    p.add_argument("--trace", default=None, metavar="DIR", help="each rank's rounds, written before each runs")
     args = p.parse_args()
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     seed = args.seed if args.seed is not None else int(time.time()) % 100000 * 100000
     out = f"/tmp/moe_ep_soak_{os.getpid()}"
     spawn(
         _soak,
         args.ranks,
-        args=(args.api, args.transport, args.device, seed, args.rounds, args.timeout_s, args.max_seconds, out),
+        args=(
+            args.api,
+            args.transport,
+            args.device,
+            seed,
+            args.rounds,
+            args.timeout_s,
+            args.max_seconds,
+            out,
+            args.trace,
+        ),
         backend="gloo",
         timeout_s=max(600.0, args.timeout_s * 2),
     )
