@@ -59,6 +59,9 @@ def _soak(
     trace: str | None,
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    # verdicts on a group of their own: a rank whose round raised before its peers' collectives ended must not meet
+    # them inside the Buffer's (its peers time out, every rank reports the round)
+    verdict_group = dist.new_group(backend="gloo")
     if api == "elastic":
         buffer = ElasticBuffer(
             dist.group.WORLD,
@@ -95,7 +98,7 @@ def _soak(
         # every rank learns every rank's verdict, so all agree on the failures (and stay in step)
         verdicts: list = [None] * world
         stop = rank == 0 and time.monotonic() - start > max_seconds
-        dist.all_gather_object(verdicts, (errors, stop))
+        dist.all_gather_object(verdicts, (errors, stop), group=verdict_group)
         for r, (errs, _) in enumerate(verdicts):
             if errs:
                 failures.append(f"rank {r}: {rnd.describe()}: {'; '.join(errs)}")
