@@ -2,6 +2,7 @@
 
     python3 benchmarks/ep_model.py                  # predictions for the newest sweep of this code
     python3 benchmarks/ep_model.py --check          # the model's error on the one case measured across GPUs
+    python3 benchmarks/ep_model.py --traffic        # memory traffic per remote byte: staged vs direct designs
 
 A kernel at S SMs moves a rank's remote bytes B at the SM-bound throughput G the SM sweep measured with ranks sharing
 one GPU (benchmarks/sm_sweep.py, rows ``sm_sweep`` in benchmarks/results.jsonl), after a fixed cost t0 (barrier,
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import records  # noqa: E402
 import sm_sweep  # noqa: E402
+import torch  # noqa: E402
 
 # the sweep's kernels → the names of the EP 2 measurement across GPUs (bench_dispatch_combine, timing: graph)
 MEASURED_OPS = {
@@ -89,6 +91,24 @@ def predict(model: dict, kernel: str, sms: int, ep: int, tokens: int, link_gbs: 
     return t0 + remote_bytes(kernel, ep, tokens) / min(g, link_gbs) / 1e3
 
 
+def traffic(ep: int, tokens: int, seed: int = 1) -> dict[str, float]:
+    """Memory traffic per remote byte, in units of a copy of it (one read, one write), at EP ``ep`` as the sweep
+    routes (mean over ranks): ``staged`` a dispatch or combine whose remote rows pass a staging region (written
+    there, then into the output, by SMs or copy engines), ``direct`` one writing rows straight into the receiver's
+    output (reducing straight from the peers' expert outputs). Both also read each sent token once and write the
+    rows a rank keeps; the combine's terms mirror the dispatch's (its outputs are the dispatched tokens)."""
+    local = remote = sent = 0
+    for rank in range(ep):
+        idx = sm_sweep.route(tokens, ep, seed * 1000 + rank)
+        rows = sm_sweep.rows_to(idx, ep)
+        local += rows[rank]
+        remote += sum(rows) - rows[rank]
+        ranks = (idx // (256 // ep)).masked_fill(idx < 0, -1)
+        sent += int((ranks.unsqueeze(-1) == torch.arange(ep)).any(1).any(1).sum())
+    base = sent + remote + local  # read each sent token, write every row where it lands
+    return {"staged": (base + 2 * remote) / (2 * remote), "direct": base / (2 * remote)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=records.DEFAULT_PATH)
@@ -97,7 +117,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--check", action="store_true", help=f"the error on {BASELINE}'s EP 2 kernel times")
     records.add_argument(p)
+    p.add_argument("--traffic", action="store_true", help="copy units of memory traffic per remote byte, by design")
     args = p.parse_args()
+    if args.traffic:
+        print(f"Memory traffic per remote byte in copies of it, {args.tokens} tokens per rank (a count, not a time)")
+        print("| EP | staged (today's kernels) | direct writes / reduce from peers |\n|---:|---:|---:|")
+        for ep in (2, 4, 8):
+            t = traffic(ep, args.tokens)
+            print(f"| {ep} | {t['staged']:.2f} | {t['direct']:.2f} |")
+        return
     if args.check:
         check(args)
         return
