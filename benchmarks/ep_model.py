@@ -31,7 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import records  # noqa: E402
 import sm_sweep  # noqa: E402
-import torch  # noqa: E402
 
 # the sweep's kernels → the names of the EP 2 measurement across GPUs (bench_dispatch_combine, timing: graph)
 MEASURED_OPS = {
@@ -99,12 +98,10 @@ def traffic(ep: int, tokens: int, seed: int = 1) -> dict[str, float]:
     rows a rank keeps; the combine's terms mirror the dispatch's (its outputs are the dispatched tokens)."""
     local = remote = sent = 0
     for rank in range(ep):
-        idx = sm_sweep.route(tokens, ep, seed * 1000 + rank)
-        rows = sm_sweep.rows_to(idx, ep)
-        local += rows[rank]
-        remote += sum(rows) - rows[rank]
-        ranks = (idx // (256 // ep)).masked_fill(idx < 0, -1)
-        sent += int((ranks.unsqueeze(-1) == torch.arange(ep)).any(1).any(1).sum())
+        in_rank = sm_sweep.token_ranks(sm_sweep.route(tokens, ep, seed * 1000 + rank), ep)
+        local += int(in_rank[:, rank].sum())
+        remote += int(in_rank.sum()) - int(in_rank[:, rank].sum())
+        sent += int(in_rank.any(1).sum())
     base = sent + remote + local  # read each sent token, write every row where it lands
     return {"staged": (base + 2 * remote) / (2 * remote), "direct": base / (2 * remote)}
 

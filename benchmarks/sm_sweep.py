@@ -91,10 +91,14 @@ def route(tokens: int, world: int, seed: int) -> torch.Tensor:
     return idx
 
 
+def token_ranks(idx: torch.Tensor, world: int) -> torch.Tensor:
+    """``[T, R]`` bool: token t goes to rank r (once, whichever of its experts there; -1 goes nowhere)."""
+    return (idx.unsqueeze(-1) // (256 // world) == torch.arange(world)).any(1)
+
+
 def rows_to(idx: torch.Tensor, world: int) -> list[int]:
     """Tokens this rank sends to each rank (a token goes once to every rank of one of its experts)."""
-    ranks = idx // (256 // world)
-    return [int((ranks == r).any(1).sum()) for r in range(world)]
+    return token_ranks(idx, world).sum(0).tolist()
 
 
 def _same(got, want) -> bool:

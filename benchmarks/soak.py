@@ -84,33 +84,31 @@ def _soak(
         )
     start = time.monotonic()
     done = 0
-    log = open(os.path.join(trace, f"rank{rank}.log"), "w", buffering=1) if trace else None  # noqa: SIM115
-    for i in range(num_rounds):
-        # every rank stops at the same round: rank 0's clock decides, carried by the verdict exchange below
-        rnd, check = _round(api, buffer, seed + i, world, state, rank)
-        if log is not None:
+    path = os.path.join(trace, f"rank{rank}.log") if trace else os.devnull
+    with open(path, "w", buffering=1) as log:  # line-buffered: the last line survives a trap
+        for i in range(num_rounds):
+            # every rank stops at the same round: rank 0's clock decides, carried by the verdict exchange below
+            rnd, check = _round(api, buffer, seed + i, world, state, rank)
             log.write(f"{seed + i} {rnd.describe()}\n")
-        try:
-            errors = check()
-        except Exception as exc:  # a raise is a failure of the round, as a mismatch is
-            errors = [f"raised {type(exc).__name__}: {exc}"]
-            state = rounds.State()
-        # every rank learns every rank's verdict, so all agree on the failures (and stay in step)
-        verdicts: list = [None] * world
-        stop = rank == 0 and time.monotonic() - start > max_seconds
-        dist.all_gather_object(verdicts, (errors, stop), group=verdict_group)
-        for r, (errs, _) in enumerate(verdicts):
-            if errs:
-                failures.append(f"rank {r}: {rnd.describe()}: {'; '.join(errs)}")
-        done += 1
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(mismatches=len(failures), refresh=False)
-        if verdicts[0][1]:
-            break
+            try:
+                errors = check()
+            except Exception as exc:  # a raise is a failure of the round, as a mismatch is
+                errors = [f"raised {type(exc).__name__}: {exc}"]
+                state = rounds.State()
+            # every rank learns every rank's verdict, so all agree on the failures (and stay in step)
+            verdicts: list = [None] * world
+            stop = rank == 0 and time.monotonic() - start > max_seconds
+            dist.all_gather_object(verdicts, (errors, stop), group=verdict_group)
+            for r, (errs, _) in enumerate(verdicts):
+                if errs:
+                    failures.append(f"rank {r}: {rnd.describe()}: {'; '.join(errs)}")
+            done += 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(mismatches=len(failures), refresh=False)
+            if verdicts[0][1]:
+                break
     seconds = time.monotonic() - start
-    if log is not None:
-        log.close()
     if bar is not None:
         bar.close()
     if rank == 0:

@@ -12,9 +12,10 @@ tensors to its transport (``torch`` reference or ``nvlink`` kernels).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -279,12 +280,18 @@ class Buffer:
         ``fn`` where the transport asks at each call, else when a wait on peers failed."""
         if self.transport.checks_peers_each_call:
             self._check_peers()
-        try:
+        with self._naming_destroyed_peer():
             try:
                 return fn()
             except RuntimeError:
                 self.transport.check_error()
                 raise
+
+    @contextlib.contextmanager
+    def _naming_destroyed_peer(self) -> Iterator[None]:
+        """A failed wait on peers inside is raised as the peer that destroyed its Buffer, if one did."""
+        try:
+            yield
         except (TimeoutError, RuntimeError) as exc:
             self._check_peers(exc)
             raise
@@ -311,11 +318,8 @@ class Buffer:
             raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and previous_event is None:
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the point the comm stream waits for)")
-        try:
+        with self._naming_destroyed_peer():
             self.transport.check_error()  # an earlier call's failure the kernels recorded
-        except (TimeoutError, RuntimeError) as exc:
-            self._check_peers(exc)
-            raise
         if self._comm_stream is None:
             return self._run(fn) + (EventOverlap(),)
         if previous_event is None and not async_finish:
@@ -839,11 +843,8 @@ class Buffer:
         """``fn(low-latency mode)``, a low-latency call; a failed wait on peers is raised as the peer that destroyed
         its Buffer, if one did (the kernel transports do not ask before each call)."""
         ll = self._ll()
-        try:
+        with self._naming_destroyed_peer():
             return fn(ll)
-        except (TimeoutError, RuntimeError) as exc:
-            self._check_peers(exc)
-            raise
 
     def low_latency_dispatch(
         self,
