@@ -525,8 +525,8 @@ def _refusing_peer(timeout_s: float) -> None:
     x = torch.randn(16, 256, device=device).to(torch.bfloat16)
     idx = torch.arange(16 * 2, device=device).reshape(16, 2) % 4
     cases = [
-        (TypeError, "x: expected dtype", lambda nv: nv.dispatch(x.half() if bad else x, topk_idx=idx, num_experts=4)),
-        (TypeError, "x: expected dtype", lambda nv: nv.dispatch_experts(x.half() if bad else x, idx, None, 4)),
+        (TypeError, "x: expected dtype", lambda nv: nv.dispatch(x.double() if bad else x, topk_idx=idx, num_experts=4)),
+        (TypeError, "x: expected dtype", lambda nv: nv.dispatch_experts(x.double() if bad else x, idx, None, 4)),
         (ValueError, "topk_idx: expected shape", lambda nv: nv.dispatch_experts(x, idx[:3] if bad else idx, None, 4)),
         (
             TypeError,
