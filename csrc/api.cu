@@ -280,13 +280,14 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
     const moe_ep_combine_params& p = *params;
     if (int err = launch_check(ctx, p.num_sms, p.num_send_warps, p.num_send_blocks)) return err;
     if (p.num_topk > MOE_EP_MAX_TOPK) return set_error(-1, "num_topk > " + std::to_string(MOE_EP_MAX_TOPK));
-    if (p.elem_bytes != 2 && p.elem_bytes != 4) return set_error(-1, "combine needs BF16 or FP32 rows");
-    if ((p.hidden * p.elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
+    const int64_t elem_bytes = dtype_bytes(p.dtype);
+    if (elem_bytes == 0) return set_error(-1, "combine needs an FP32/BF16/FP16 dtype code (MOE_EP_DTYPE_*)");
+    if ((p.hidden * elem_bytes) % 16 != 0) return set_error(-1, "row bytes must be a multiple of 16");
     if (p.topk_idx != nullptr && (p.idx_topk < 1 || p.idx_topk > MOE_EP_MAX_TOPK || p.num_local_experts < 1))
         return set_error(-1, "combine order: need 1 <= idx_topk <= " + std::to_string(MOE_EP_MAX_TOPK) +
                                  " and num_local_experts >= 1; got idx_topk=" + std::to_string(p.idx_topk) +
                                  " num_local_experts=" + std::to_string(p.num_local_experts));
-    const int64_t row_bytes = p.hidden * p.elem_bytes;
+    const int64_t row_bytes = p.hidden * elem_bytes;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int grid = int(p.num_sms);
     const int R = ctx->dev.num_ranks, me = ctx->dev.rank;
@@ -334,20 +335,17 @@ extern "C" int moe_ep_combine(void* handle, const moe_ep_combine_params* params,
         if (int err = check_copy_rows(ctx, p.host_counts, row_bytes + 4 * p.num_topk)) return err;
         if (int err = copy_begin(mut, s, int(p.copy_streams))) return err;
     }
-#define MOE_EP_LAUNCH_COMBINE(T)                                     \
-    if (R <= 2)                                                      \
-        combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else if (R <= 4)                                                 \
-        combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p); \
-    else                                                             \
-        combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
-    if (p.elem_bytes == 2) {
-        MOE_EP_LAUNCH_COMBINE(__nv_bfloat16)
-    } else {
-        MOE_EP_LAUNCH_COMBINE(float)
-    }
-#undef MOE_EP_LAUNCH_COMBINE
-    if (int err = check_launch("combine_kernel")) return err;
+    if (int err = by_dtype(p.dtype, [&](auto t) {
+            using T = decltype(t);
+            if (R <= 2)
+                combine_kernel<T, 2><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+            else if (R <= 4)
+                combine_kernel<T, 4><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+            else
+                combine_kernel<T, 8><<<grid, kThreads, 0, s>>>(ctx->dev, p);
+            return check_launch("combine_kernel");
+        }))
+        return err;
     if (!ce) return 0;
     // Rows received from rank d sit together in x (and topk_weights) and go back in the same order: the copy
     // engines ship them as they are, weights first (every copy stream's pieces start after them, so the pieces'
@@ -486,17 +484,6 @@ extern "C" int moe_ep_permute(const void* x, const int32_t* recv_slot, const flo
 
 namespace {
 
-// Bytes of an element of MOE_EP_PERMUTE_* type code `dtype`, 0 for another code.
-int64_t permute_elem_bytes(int64_t dtype) {
-    return dtype == MOE_EP_PERMUTE_FP32 ? 4 : dtype == MOE_EP_PERMUTE_BF16 ? 2 : 0;
-}
-
-// launch(float{}) or launch(__nv_bfloat16{}) for a valid MOE_EP_PERMUTE_* code.
-template <typename Launch>
-int by_permute_dtype(int64_t dtype, Launch&& launch) {
-    return dtype == MOE_EP_PERMUTE_FP32 ? launch(float{}) : launch(__nv_bfloat16{});
-}
-
 template <typename T>
 int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t row_vecs,
                      int64_t num_rows, void* out, cudaStream_t stream) {
@@ -515,17 +502,17 @@ int launch_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_r
 
 extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk,
                                 int64_t hidden, int64_t num_rows, int64_t dtype, void* out, void* stream) {
-    const int64_t elem_bytes = permute_elem_bytes(dtype);
+    const int64_t elem_bytes = dtype_bytes(dtype);
     const int64_t row_bytes = hidden * elem_bytes;
     if (elem_bytes == 0 || num_recv_rows < 0 || num_topk < 1 || num_topk > MOE_EP_PERMUTE_MAX_TOPK || row_bytes < 16 ||
         row_bytes % 16 != 0 || num_rows < 0 || !aligned16(y) || !aligned16(out))
-        return set_error(-1, "moe_ep_unpermute: need an FP32/BF16 dtype code, 1 <= num_topk <= " +
+        return set_error(-1, "moe_ep_unpermute: need an FP32/BF16/FP16 dtype code, 1 <= num_topk <= " +
                                  std::to_string(MOE_EP_PERMUTE_MAX_TOPK) +
                                  ", rows a positive multiple of 16 bytes and 16-byte aligned pointers");
     if (num_recv_rows == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t row_vecs = row_bytes / 16;
-    return by_permute_dtype(dtype, [&](auto t) {
+    return by_dtype(dtype, [&](auto t) {
         return launch_unpermute<decltype(t)>(y, recv_slot, num_recv_rows, num_topk, row_vecs, num_rows, out, s);
     });
 }
@@ -551,17 +538,17 @@ int launch_sum_segments(const void* y, const int64_t* rows, const int64_t* offse
 
 extern "C" int moe_ep_sum_segments(const void* y, const int64_t* rows, const int64_t* offsets, int64_t num_segments,
                                    int64_t hidden, int64_t num_y_rows, int64_t dtype, void* out, void* stream) {
-    const int64_t elem_bytes = permute_elem_bytes(dtype);
+    const int64_t elem_bytes = dtype_bytes(dtype);
     const int64_t row_bytes = hidden * elem_bytes;
     if (elem_bytes == 0 || num_segments < 0 || row_bytes < 16 || row_bytes % 16 != 0 || num_y_rows < 0 ||
         !aligned16(y) || !aligned16(out) || (num_segments > 0 && (rows == nullptr || offsets == nullptr)))
         return set_error(-1,
-                         "moe_ep_sum_segments: need an FP32/BF16 dtype code, rows a positive multiple of 16 "
+                         "moe_ep_sum_segments: need an FP32/BF16/FP16 dtype code, rows a positive multiple of 16 "
                          "bytes, 16-byte aligned y and out, and rows and offsets");
     if (num_segments == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t row_vecs = row_bytes / 16;
-    return by_permute_dtype(dtype, [&](auto t) {
+    return by_dtype(dtype, [&](auto t) {
         return launch_sum_segments<decltype(t)>(y, rows, offsets, num_segments, row_vecs, num_y_rows, out, s);
     });
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "moe_ep.h"
@@ -163,30 +164,49 @@ __device__ __noinline__ bool wait_flag(const DevCtx& c, const int* flag, int tar
     }
 }
 
-// 16 bytes of T (8 BF16 or 4 FP32 values) added into fp32 accumulators, and fp32 accumulators rounded back (RNE):
-// the one fp32 summation both combine and unpermute use, so their sums match bit for bit.
+// 16 bytes of T (8 BF16, 8 FP16 or 4 FP32 values) added into fp32 accumulators, and fp32 accumulators rounded back
+// (RNE): the one fp32 summation combine, unpermute and sum_segments use, so their sums match bit for bit. The two
+// 16-bit types differ only in their pair type and its conversions (Half2 below).
 template <typename T>
 struct Vec;
+template <typename Pair>
+struct Half2;
 template <>
-struct Vec<__nv_bfloat16> {
+struct Half2<__nv_bfloat162> {
+    __device__ __forceinline__ static float2 to_float2(const __nv_bfloat162& v) { return __bfloat1622float2(v); }
+    __device__ __forceinline__ static __nv_bfloat162 from_floats(float a, float b) {
+        return __floats2bfloat162_rn(a, b);
+    }
+};
+template <>
+struct Half2<__half2> {
+    __device__ __forceinline__ static float2 to_float2(const __half2& v) { return __half22float2(v); }
+    __device__ __forceinline__ static __half2 from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <typename Pair>
+struct Vec16 {
     static constexpr int kN = 8;
     __device__ __forceinline__ static void add(float* acc, const int4& v) {
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+        const Pair* b = reinterpret_cast<const Pair*>(&v);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(b[i]);
+            const float2 f = Half2<Pair>::to_float2(b[i]);
             acc[2 * i] += f.x;
             acc[2 * i + 1] += f.y;
         }
     }
     __device__ __forceinline__ static int4 pack(const float* acc) {
         int4 o;
-        __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(&o);
+        Pair* b = reinterpret_cast<Pair*>(&o);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        for (int i = 0; i < 4; ++i) b[i] = Half2<Pair>::from_floats(acc[2 * i], acc[2 * i + 1]);
         return o;
     }
 };
+template <>
+struct Vec<__nv_bfloat16> : Vec16<__nv_bfloat162> {};
+template <>
+struct Vec<__half> : Vec16<__half2> {};
 template <>
 struct Vec<float> {
     static constexpr int kN = 4;
@@ -201,6 +221,25 @@ struct Vec<float> {
                          __float_as_int(acc[3]));
     }
 };
+
+// launch(float{}), launch(__nv_bfloat16{}) or launch(__half{}) for the element type of MOE_EP_DTYPE_* code
+// `dtype` (csrc/moe_ep.h; a valid code: the caller checked it with dtype_bytes): every summing kernel is one
+// template over T, instantiated for the three types here.
+template <typename Launch>
+int by_dtype(int64_t dtype, Launch&& launch) {
+    switch (dtype) {
+        case MOE_EP_DTYPE_BF16:
+            return launch(__nv_bfloat16{});
+        case MOE_EP_DTYPE_FP16:
+            return launch(__half{});
+        default:
+            return launch(float{});
+    }
+}
+// Bytes of an element of MOE_EP_DTYPE_* code `dtype`, 0 for another code.
+inline int64_t dtype_bytes(int64_t dtype) {
+    return dtype == MOE_EP_DTYPE_FP32 ? 4 : (dtype == MOE_EP_DTYPE_BF16 || dtype == MOE_EP_DTYPE_FP16) ? 2 : 0;
+}
 
 // Vector v of the sum of rows list[0, n) of y (row_vecs 16-byte vectors each), in fp32 from 0.0f in list order,
 // rounded once to T; the loads of kBatch rows are in flight together. What unpermute writes per received row.

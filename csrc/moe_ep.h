@@ -17,12 +17,18 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 16
+#define MOE_EP_ABI_VERSION 17
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
 #define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine combine: streams the pieces alternate between */
 #define MOE_EP_META_WORDS 8 /* words describing a dispatch that every rank's must equal (moe_ep_plugin META_FIELDS) */
+
+/* Element types of the rows a kernel sums (combine, unpermute, sum_segments): each sums in fp32 from 0.0f and
+ * rounds once to the type (RNE). Kernels that only move rows take their width in bytes instead. */
+#define MOE_EP_DTYPE_FP32 0
+#define MOE_EP_DTYPE_BF16 1
+#define MOE_EP_DTYPE_FP16 2
 
 /* Error record codes (error_info[0]); error_info[1..3] hold the details named here. */
 #define MOE_EP_ERR_BARRIER_TIMEOUT 1  /* [1] = peer rank that never arrived */
@@ -38,8 +44,9 @@ extern "C" {
 #define MOE_EP_ERR_REFUSED 7
 
 /* One dispatch. Rows of `x` (N x hidden, elements of x_elem_bytes) go to every rank listed in send_list.
- * Modes: plain byte copy (wire_fp8 = 0; with fp8_in the FP8 rows carry x_scales along), or BF16/FP32 rows
- * quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1), arriving as FP8 + scales with fp8_out, else
+ * Modes: plain byte copy (wire_fp8 = 0: rows of any type, FP16 as BF16; with fp8_in the FP8 rows carry x_scales
+ * along), or BF16/FP32 rows quantized to FP8 1x128 blocks in the send path (wire_fp8 = 1: x_elem_bytes 2 reads BF16,
+ * 4 FP32; FP16 rows are not quantized, moe_ep_plugin refuses them), arriving as FP8 + scales with fp8_out, else
  * dequantized back to the input's dtype (fp8_out is ignored without wire_fp8).
  * Expert-major mode (expert_major != 0): instead of local top-k ids, each received (row, k) gets its row in this
  * rank's expert-major layout, send_offset[e] + expert_pos[t, k] (each local expert's block padded to `alignment`
@@ -79,8 +86,9 @@ typedef struct {
     int64_t pull;
 } moe_ep_dispatch_params;
 
-/* One combine: rows of `x` (num_recv_rows x hidden, BF16 or FP32) return to the ranks they came from and are
- * summed per token in fp32 (source-rank order), then bias0 and bias1 are added; out is [num_tokens, hidden]. */
+/* One combine: rows of `x` (num_recv_rows x hidden, of element type `dtype`, a MOE_EP_DTYPE_* code) return to the
+ * ranks they came from and are summed per token in fp32 from bias0 and bias1 (of the same type), rounded once to
+ * `dtype`; out is [num_tokens, hidden] of that type. */
 typedef struct {
     const void* x;
     const float* topk_weights;         /* [num_recv_rows, K] or NULL */
@@ -90,7 +98,7 @@ typedef struct {
     const void* bias1;
     void* out;          /* [num_tokens, hidden] */
     float* out_weights; /* [num_tokens, K] or NULL */
-    int64_t num_tokens, hidden, elem_bytes, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
+    int64_t num_tokens, hidden, dtype, num_topk, num_recv_rows, num_sms, num_send_warps, num_send_blocks;
     /* copy_engine != 0: the context's copy streams ship every row (and its topk_weights) straight from x, in pieces
      * of at least copy_piece_rows rows alternating between copy_streams streams (1..MOE_EP_MAX_COPY_STREAMS); no
      * sender warps (num_send_warps = num_send_blocks = 0): every warp reduces. Needs the count matrix on the host:
@@ -100,11 +108,11 @@ typedef struct {
     /* pull != 0: every rank copies the rows of x (and topk_weights) it received from peers into its own region of its
      * buffer (same offsets as in x; host_counts gives them), all ranks meet at a barrier, and every warp of the kernel
      * reduces, loading the peers' rows from their buffers over NVLink (no sender warps, no flags). Needs every rank's
-     * num_recv_rows * hidden * elem_bytes to fit a region below the weights area (moe_ep_pull_rows); all ranks must
+     * num_recv_rows * hidden * element bytes to fit a region below the weights area (moe_ep_pull_rows); all ranks must
      * agree on it. */
     int64_t pull;
     /* x_in_region != 0 (pull only): x is this rank's own region (moe_ep_own_region), already holding all
-     * num_recv_rows rows at their offsets in receive order (row i at x + i * hidden * elem_bytes), so no rows are
+     * num_recv_rows rows at their offsets in receive order (row i at x + i * hidden * element bytes), so no rows are
      * copied; the caller wrote them there after its start barrier (the expert-major combine's unpermute does) and
      * launches no second one. topk_weights, when given, is still a separate [num_recv_rows, K] array and is still
      * copied into the region's weights area. */
@@ -193,9 +201,6 @@ int moe_ep_combine(void* ctx, const moe_ep_combine_params* params, void* stream)
 #define MOE_EP_PERMUTE_MAX_LOCAL_EXPERTS 1024 /* expert_slots keeps per-warp counters of every local expert */
 #define MOE_EP_PERMUTE_MAX_TOPK 32            /* permute/unpermute keep one top-k column per lane of a warp */
 
-#define MOE_EP_PERMUTE_FP32 0
-#define MOE_EP_PERMUTE_BF16 1
-
 /* topk_idx [num_recv_rows, num_topk] local expert ids (outside [0, num_local_experts) = none) -> recv_slot, and
  * (unless NULL) words [2 + num_local_experts] int64: rows naming a local expert, ids outside [-1, num_local_experts),
  * then the pairs of each local expert rounded up to alignment (not written when num_recv_rows is 0).
@@ -214,7 +219,7 @@ int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights
                    void* out_x, float* out_probs, float* out_scales, uint8_t* covered, void* stream);
 
 /* Gather-sum: out[r] = sum over k ascending of y[recv_slot[r, k]] (slots in [0, num_rows) only), accumulated in
- * fp32 from 0.0f and rounded once to the element type (MOE_EP_PERMUTE_FP32 / _BF16). y [num_rows, hidden],
+ * fp32 from 0.0f and rounded once to the element type (MOE_EP_DTYPE_*). y [num_rows, hidden],
  * out [num_recv_rows, hidden]; hidden * element bytes and the pointers 16-byte aligned. */
 int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t hidden,
                      int64_t num_rows, int64_t dtype, void* out, void* stream);

@@ -26,6 +26,7 @@ from .event import EventOverlap
 from .handle import DispatchHandle, rounded_counts
 from .low_latency import LowLatencyMode, rdma_size_hint
 from .ops import fp8
+from .ops.permute import ROW_DTYPES
 from .transports import DispatchArgs, create_low_latency_transport, create_transport, resolve_transport
 from .transports.base import REFUSABLE
 
@@ -441,7 +442,7 @@ class Buffer:
         ``is_token_in_rank`` names); rows arrive ordered by source rank, then source token.
 
         Arguments:
-            x: ``torch.Tensor`` ``[N, H]`` BF16/FP32, or the FP8 pair ``(float8_e4m3fn [N, H], float32 scales
+            x: ``torch.Tensor`` ``[N, H]`` BF16/FP16/FP32, or the FP8 pair ``(float8_e4m3fn [N, H], float32 scales
                 [N, H/128])`` (1x128 blocks).
             handle: a handle from an earlier dispatch on this buffer: its layout is reused (no count exchange, no
                 host sync); then no layout tensor and no top-k may be given.
@@ -464,8 +465,9 @@ class Buffer:
                 returned value, the per-expert list included, is exact in every mode.
             allocate_on_comm_stream: outputs are owned by the communication stream (needs ``previous_event``).
             num_experts: beyond DeepEP: the expert count when no ``num_tokens_per_expert`` is given.
-            fp8_dispatch: beyond DeepEP: quantize BF16 ``x`` to FP8 in the send path; rows arrive dequantized
-                to BF16, or as ``(fp8, scales)`` with ``fp8_out=True``; ``round_scale``: power-of-two scales.
+            fp8_dispatch: beyond DeepEP: quantize BF16 (or FP32; not FP16) ``x`` to FP8 in the send path; rows
+                arrive dequantized to ``x``'s dtype, or as ``(fp8, scales)`` with ``fp8_out=True``; ``round_scale``:
+                power-of-two scales.
 
         Returns ``(recv_x, recv_topk_idx [N_recv, K] int64 local ids or None, recv_topk_weights [N_recv, K]
         float32 or None, num_recv_tokens_per_expert_list list[int], handle, event)``; ``recv_x`` as ``x`` (a pair
@@ -637,7 +639,10 @@ class Buffer:
             if fp8_dispatch:
                 raise ValueError("fp8_dispatch: x is already FP8; fp8_dispatch quantizes BF16 input")
             return data.contiguous(), scales.contiguous()
-        data = _check("x", x, (torch.bfloat16, torch.float32), (None, None), self._cuda)
+        data = _check("x", x, ROW_DTYPES, (None, None), self._cuda)
+        if fp8_dispatch and data.dtype == torch.float16:
+            # the send-path quantizer reads BF16 or FP32 rows (csrc/kernels/fp8.cuh); FP16 rows travel as they are
+            raise ValueError("x: fp8_dispatch quantizes BF16 or FP32 rows, got float16 (pass fp8_dispatch=False)")
         if fp8_out and not fp8_dispatch:
             raise ValueError("fp8_out: only meaningful with fp8_dispatch=True (BF16 input quantized in the send path)")
         if round_scale and not fp8_dispatch:
@@ -674,12 +679,12 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        """Reduce received rows back to their tokens: ``x`` ``[N_recv, H]`` BF16/FP32 in dispatch order →
+        """Reduce received rows back to their tokens: ``x`` ``[N_recv, H]`` BF16/FP16/FP32 in dispatch order →
         ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``; sums in fp32, adds ``bias``
         (0–2 tensors ``[N, H]``) once, casts to ``x.dtype``. Gate weights are applied by the caller before.
         A handle of a dispatch without top-k combines alike, with or without ``topk_weights``."""
         handle = self._check_handle(handle)
-        _check("x", x, (torch.bfloat16, torch.float32), (handle.num_recv_rows, None), self._cuda)
+        _check("x", x, ROW_DTYPES, (handle.num_recv_rows, None), self._cuda)
         if topk_weights is not None:
             _check("topk_weights", topk_weights, (torch.float32,), (handle.num_recv_rows, None), self._cuda)
         biases = self._check_biases(bias, x, handle.num_tokens)
@@ -721,7 +726,7 @@ class Buffer:
         block padded with zero rows to a multiple of ``expert_alignment``.
 
         Arguments:
-            x: ``[N, H]`` BF16/FP32, or the FP8 pair ``(float8_e4m3fn [N, H], float32 scales [N, H/128])``.
+            x: ``[N, H]`` BF16/FP16/FP32, or the FP8 pair ``(float8_e4m3fn [N, H], float32 scales [N, H/128])``.
             topk_idx: ``[N, K]`` int64/int32 global expert ids, -1 = none (required without ``handle``); a
                 repeated id in one row gives that expert two rows.
             topk_weights: ``[N, K]`` float32 or None: each row's weight lands in ``expert_probs``.
@@ -788,7 +793,7 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
         bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     ):
-        """Reverse of :meth:`dispatch_experts`: expert outputs ``y`` ``[M, H]`` BF16/FP32 in the handle's layout →
+        """Reverse of :meth:`dispatch_experts`: expert outputs ``y`` ``[M, H]`` BF16/FP16/FP32 in the handle's layout →
         ``(combined_x [N, H] y.dtype, combined_weights [N, K] float32 or None, event)``.
 
         ``combined_x[t]`` sums the rows of token ``t``'s pairs (per rank: top-k columns ascending in fp32, rounded
@@ -798,7 +803,7 @@ class Buffer:
         the caller before.
         """
         layout = self._check_expert_handle(handle).expert_layout
-        _check("y", y, (torch.bfloat16, torch.float32), (layout.num_rows, None), self._cuda)
+        _check("y", y, ROW_DTYPES, (layout.num_rows, None), self._cuda)
         if expert_weights is not None:
             _check("expert_weights", expert_weights, (torch.float32,), (layout.num_rows,), self._cuda)
         biases = self._check_biases(bias, y, handle.num_tokens)

@@ -110,6 +110,9 @@ def _check_dispatch_case(buffer: Buffer, case: dict, seed: int, dtype: torch.dty
 
     if h % 128 == 0 and dtype == torch.bfloat16:
         _check_fp8(buffer, x, idx, w, num_experts, recv_x, recv_idx)
+    if h % 128 == 0 and dtype == torch.float16:  # FP16 rows travel as they are: the send path quantizes no FP16
+        with pytest.raises(ValueError, match="x: fp8_dispatch quantizes BF16 or FP32 rows, got float16"):
+            buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts, fp8_dispatch=True)
 
 
 def _check_fp8(buffer: Buffer, x, idx, w, num_experts, recv_x, recv_idx) -> None:
@@ -142,7 +145,7 @@ def _suite(seed: int) -> None:
     buffer = Buffer(transport="torch", timeout_s=60)
     assert buffer.transport_name == ("local" if dist.get_world_size() == 1 else "torch")
     for i, case in enumerate(CASES):
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
             _check_dispatch_case(buffer, case, seed + i, dtype)
     # async_finish / previous_event / allocate_on_comm_stream are accepted and harmless on CPU
     idx = torch.zeros(3, 1, dtype=torch.int64)
@@ -175,7 +178,7 @@ def _errors() -> None:
         (lambda: buffer.get_dispatch_layout(idx, world + 1), ValueError, "num_experts") if world > 1 else None,
         (lambda: buffer.dispatch(x, topk_idx=idx - 2, num_experts=2 * world), ValueError, "topk_idx"),
         (lambda: buffer.dispatch_experts(x, topk_idx=idx + 2 * world, num_experts=2 * world), ValueError, "topk_idx"),
-        (lambda: buffer.dispatch(x.half(), topk_idx=idx, num_experts=world), TypeError, "x"),
+        (lambda: buffer.dispatch(x.double(), topk_idx=idx, num_experts=world), TypeError, "x"),
         (lambda: buffer.dispatch(x[0], topk_idx=idx, num_experts=world), ValueError, "x"),
         (lambda: buffer.dispatch(x, topk_idx=idx[:3], num_experts=world), ValueError, "topk_idx"),
         (

@@ -233,7 +233,7 @@ def _check_errors(buffer: Buffer) -> None:
     bad = [
         (lambda: buffer.dispatch_experts(x), ValueError, "topk_idx"),
         (lambda: buffer.dispatch_experts(x, idx), ValueError, "num_experts"),
-        (lambda: buffer.dispatch_experts(x.half(), idx, None, world), TypeError, "x"),
+        (lambda: buffer.dispatch_experts(x.double(), idx, None, world), TypeError, "x"),
         (lambda: buffer.dispatch_experts(x, idx[:3], None, world), ValueError, "topk_idx"),
         (lambda: buffer.dispatch_experts(x, idx + world, None, world), ValueError, "topk_idx"),
         (
@@ -254,7 +254,7 @@ def _check_errors(buffer: Buffer) -> None:
         (lambda: buffer.dispatch_experts(x, idx, handle=handle), ValueError, "topk_idx"),
         (lambda: buffer.dispatch_experts(x[:3], handle=handle), ValueError, "x"),
         (lambda: buffer.combine_experts(torch.zeros(rows + 1, 256), handle), ValueError, "y"),
-        (lambda: buffer.combine_experts(torch.zeros(rows, 256).half(), handle), TypeError, "y"),
+        (lambda: buffer.combine_experts(torch.zeros(rows, 256).double(), handle), TypeError, "y"),
         (
             lambda: buffer.combine_experts(torch.zeros(rows, 256), handle, torch.ones(rows, 1)),
             ValueError,
@@ -279,7 +279,7 @@ def _check_errors(buffer: Buffer) -> None:
 def _suite(seed: int) -> None:
     buffer = Buffer(transport="torch", timeout_s=60)
     for i, case in enumerate(CASES):
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
             _check_case(buffer, case, seed + i, dtype)
     for fp8_dispatch, alignment, probs_use, dtype in (
         (False, 1, "used", torch.float32),
@@ -288,6 +288,7 @@ def _suite(seed: int) -> None:
         (True, 1, "unused", torch.float32),
         (False, 2, "none", torch.bfloat16),
         (True, 3, "used", torch.bfloat16),
+        (False, 4, "used", torch.float16),  # FP16 rows as BF16 ones (FP8 dispatch takes no FP16)
     ):
         _check_gradients(buffer, seed, fp8_dispatch, alignment, probs_use, dtype)
     _check_errors(buffer)

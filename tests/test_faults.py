@@ -206,7 +206,7 @@ def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
         (
             TypeError,
             "x: expected dtype",
-            lambda: buffer.dispatch(x.half() if bad else x, topk_idx=idx, num_experts=num_experts),
+            lambda: buffer.dispatch(x.double() if bad else x, topk_idx=idx, num_experts=num_experts),
         ),
         (
             ValueError,
@@ -219,7 +219,11 @@ def _one_rank_bad_input(transport: str, ranks_per_node: int | None) -> None:
             lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=w.double() if bad else w, num_experts=num_experts),
         ),
         (ValueError, "num_experts: ", lambda: buffer.dispatch(x, topk_idx=idx, num_experts=0 if bad else num_experts)),
-        (TypeError, "x: expected dtype", lambda: buffer.dispatch_experts(x.half() if bad else x, idx, w, num_experts)),
+        (
+            TypeError,
+            "x: expected dtype",
+            lambda: buffer.dispatch_experts(x.double() if bad else x, idx, w, num_experts),
+        ),
     ]
 
     def layout_then_dispatch():

@@ -373,7 +373,7 @@ def _suite(seed: int, layouts: tuple[int, ...]) -> None:
         assert buffer.transport_name == "hierarchical" and buffer.transport.num_nodes == world // p
         assert type(buffer.transport.intra).__name__ == "TorchTransport"  # CPU: the torch transport inside nodes
         for i, case in enumerate(CASES):
-            for dtype in (torch.bfloat16, torch.float32) if i == 0 else (torch.bfloat16,):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32) if i == 0 else (torch.bfloat16,):
                 _check_case(buffer, flat, case, seed + i, dtype, p)
         _autograd(buffer, seed)
         _errors(buffer)

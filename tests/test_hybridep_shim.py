@@ -1,7 +1,8 @@
 """``megatron.hybridep_shim`` called directly (gloo, 1-3 ranks) against a plain loop: the expert-major rows with
 ``pad_multiple`` padding, per-row probs, ``tokens_per_expert``; the static row budget (``num_permuted_tokens``)
 cutting the layout (overflow flag at ``handle[-1]``, clipped device counts, dropped rows contributing nothing to
-combine or to the input gradient) or padding it with zero rows; and the config-time refusals of ``install()``."""
+combine or to the input gradient) or padding it with zero rows; FP32 and FP16 tokens (FP16 bit for bit: rows moved as
+they are, sums in fp32 rounded to fp16); and the config-time refusals of ``install()``."""
 
 from __future__ import annotations
 
@@ -35,13 +36,13 @@ def _layout(xs, maps, probs, rank: int, world: int):
     return rows
 
 
-def _case(seed: int, budget_delta: int | None) -> None:
+def _case(seed: int, budget_delta: int | None, dtype: torch.dtype = torch.float32) -> None:
     from moe_ep_plugin.megatron import hybridep_shim
 
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed * 31 + rank)
     n, num_experts = 3 + (seed + rank) % 5, LOCAL * world
-    x = torch.randn(n, HIDDEN, generator=gen).requires_grad_(True)
+    x = torch.randn(n, HIDDEN, generator=gen).to(dtype).requires_grad_(True)
     routing_map = torch.rand(n, num_experts, generator=gen) < 0.5
     probs = (torch.rand(n, num_experts, generator=gen) * routing_map).requires_grad_(True)
     xs, maps, ps = zip(*gather_all((x.detach(), routing_map, probs.detach())), strict=True)
@@ -62,7 +63,7 @@ def _case(seed: int, budget_delta: int | None) -> None:
     mine, budget = layouts[rank], budgets[rank]
     kept = mine if budget is None else mine[:budget]
     rows = len(mine) if budget is None else budget
-    want = torch.zeros(rows, HIDDEN)
+    want = torch.zeros(rows, HIDDEN, dtype=dtype)
     want_p = torch.zeros(rows)
     for i, r in enumerate(kept):
         if r is not None:
@@ -79,7 +80,9 @@ def _case(seed: int, budget_delta: int | None) -> None:
     assert tokens_per_expert.dtype == torch.int64 and tokens_per_expert.tolist() == aligned
     assert int(handle[-1][0]) == int(budget is not None and len(mine) > budget)
 
-    # combine of y = the rows themselves scaled by the receiving rank: each token's kept rows summed
+    # combine of y = the rows themselves scaled by the receiving rank (in dtype): each token's kept rows summed in
+    # fp32. FP16: a token's rows on one rank are copies of one value (at most two: exact), its ranks' partials of
+    # like magnitude (exact in fp32), so the kernels' two roundings (per rank, then over ranks) equal this one.
     y = out * (rank + 1)
     combined = hybridep_shim.hybrid_ep_combine(y, handle, num_permuted_tokens=None, pad_multiple=PAD)
     expected = torch.zeros(n, HIDDEN)
@@ -87,11 +90,14 @@ def _case(seed: int, budget_delta: int | None) -> None:
     for r, lay in enumerate(layouts):
         for row in lay if budgets[r] is None else lay[: budgets[r]]:
             if row is not None and row[0] == rank:
-                expected[row[1]] += xs[rank][row[1]] * (r + 1)
+                expected[row[1]] += (xs[rank][row[1]] * (r + 1)).float()
                 grad_x[row[1]] += r + 1
-    torch.testing.assert_close(combined, expected, rtol=1e-6, atol=1e-6)
+    exact = dict(rtol=0, atol=0) if dtype == torch.float16 else dict(rtol=1e-6, atol=1e-6)
+    assert combined.dtype == dtype
+    torch.testing.assert_close(combined, expected.to(dtype), **exact)
     combined.sum().backward()  # d/dx of sum(combine(dispatch(x) * s)): s per kept row
-    torch.testing.assert_close(x.grad, grad_x, rtol=1e-6, atol=1e-6)
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad, grad_x.to(dtype), **exact)
 
 
 def _suite(seed: int) -> None:
@@ -101,6 +107,8 @@ def _suite(seed: int) -> None:
     try:
         for i, delta in enumerate((None, -3, 5, -1000)):
             _case(seed + i, delta)
+        for i, delta in enumerate((None, -3)):  # FP16 tokens, as Megatron's fp16: True hands them
+            _case(seed + 10 + i, delta, torch.float16)
     finally:
         ep_megatron.uninstall()
 
@@ -150,16 +158,11 @@ def test_flex_config_refusals() -> None:
             else:
                 with pytest.raises(ValueError, match=f"moe_flex_dispatcher_backend: '{backend}' is not served"):
                     config(backend)
-        # FP16 tokens: served on the torch transport (carried as fp32); a kernel transport or FP8 dispatch is
-        # refused when the config is built, not at the first dispatch
-        for backend in registration.SERVED_FLEX_BACKENDS:
-            config(backend, fp16=True)
-        ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
-        for backend in registration.SERVED_FLEX_BACKENDS:
-            with pytest.raises(
-                ValueError,
-                match="fp16: True needs ep_plugin.transport 'torch'; transport 'nvlink' carries bf16 and fp32",
-            ):
+        # FP16 tokens: served on every transport (rows as they are, as BF16's); FP8 dispatch with them is refused
+        # when the config is built, not at the first dispatch
+        for transport in ("torch", "nvlink"):
+            ep_megatron.install(ep_megatron.PluginOptions(transport=transport))
+            for backend in registration.SERVED_FLEX_BACKENDS:
                 config(backend, fp16=True)
         ep_megatron.install(ep_megatron.PluginOptions(transport="torch", fp8_dispatch=True))
         with pytest.raises(ValueError, match="ep_plugin.fp8_dispatch"):

@@ -110,14 +110,18 @@ def test_config_validation_after_install() -> None:
     ):
         with pytest.raises(AssertionError, match=match):
             _moe_config(**{**overlap, **extra})
-    # FP16: the torch transport serves it; a kernel transport is refused when the config is made or given them.
+    # FP16: every transport serves it (rows as they are, as BF16's); FP8 dispatch, which quantizes BF16 rows, is
+    # refused when the config is made or given the options.
     fp16 = _moe_config(fp16=True)
-    ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport="torch"))
-    with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'.*bf16 and fp32"):
-        ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport="nvlink"))
+    for transport in ("torch", "nvlink", "hierarchical", "auto"):
+        ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport=transport))
+    with pytest.raises(ValueError, match="fp16: True with ep_plugin.fp8_dispatch"):
+        ep_megatron.set_plugin_options(fp16, ep_megatron.PluginOptions(transport="nvlink", fp8_dispatch=True))
     ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink"))
-    with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport"):
-        _moe_config(fp16=True)
+    assert _moe_config(fp16=True).fp16
+    ep_megatron.install(ep_megatron.PluginOptions(transport="nvlink", fp8_dispatch=True))
+    with pytest.raises(ValueError, match="fp16: True with ep_plugin.fp8_dispatch"):
+        _moe_config(fp16=True, hidden_size=128)
     ep_megatron.install(ep_megatron.PluginOptions(fp8_dispatch=True))
     with pytest.raises(ValueError, match="multiple of 128"):
         _moe_config(hidden_size=96)

@@ -9,6 +9,7 @@ experts the output is ``sum_k p_k x`` (``x`` FP8-rounded when dispatched in FP8)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -220,28 +221,20 @@ def _errors() -> None:
             routing_map_to_topk(rmap, rmap.float()[:1], TOPK)
         with pytest.raises(RuntimeError, match="dispatch_preprocess"):
             fp8_dispatcher.token_dispatch(torch.randn(2, 96), torch.ones(2, TOPK))
-        # FP16: the kernel transports refuse it when the dispatcher is built for an fp16 config, else at dispatch
-        nvlink = PluginOptions(transport="nvlink")
-        with pytest.raises(ValueError, match="fp16: True needs ep_plugin.transport 'torch'"):
+        # FP16: served on every transport; FP8 dispatch (which quantizes BF16 rows) is refused when the dispatcher is
+        # built for an fp16 config
+        fp16_config = dataclasses.replace(config, hidden_size=128, fp16=True)
+        EPPluginTokenDispatcher(
+            EXPERTS, list(range(EXPERTS)), fp16_config, pgc, options=PluginOptions(transport="nvlink")
+        )
+        with pytest.raises(ValueError, match="fp16: True with ep_plugin.fp8_dispatch"):
             EPPluginTokenDispatcher(
                 EXPERTS,
                 list(range(EXPERTS)),
-                TransformerConfig(
-                    num_layers=1,
-                    hidden_size=96,
-                    num_attention_heads=2,
-                    num_moe_experts=EXPERTS,
-                    moe_router_topk=TOPK,
-                    use_cpu_initialization=True,
-                    fp16=True,
-                ),
+                fp16_config,
                 pgc,
-                options=nvlink,
+                options=PluginOptions(transport="nvlink", fp8_dispatch=True),
             )
-        dispatcher = EPPluginTokenDispatcher(EXPERTS, list(range(EXPERTS)), config, pgc, options=nvlink)
-        h, p = dispatcher.dispatch_preprocess(torch.randn(2, 96, dtype=torch.float16), rmap, rmap.float())
-        with pytest.raises(TypeError, match="hidden_states: float16 needs ep_plugin.transport 'torch'"):
-            dispatcher.token_dispatch(h, p)
         # drop-and-pad: a capacity (ceil(2 x 3 / 8 x 4) = 3) beyond the 2 tokens a rank holds
         pad_config = TransformerConfig(
             num_layers=1,

@@ -7,9 +7,9 @@ The case is Megatron's: hidden 64, 32 x 2 tokens, 2 or 4 experts top-2 with the 
 sequence parallelism (``flex`` needs TP x EP > 1: at 1x1 Megatron's own ``MoEFlexTokenDispatcher`` asserts it). Its
 assertions (an fp16 output of the input's shape, an fp16 input gradient, a gradient for every parameter) hold, and
 beyond them the output and every gradient equal those of Megatron's ``alltoall`` on the same layer within four
-fp16 units in the last place (the tokens travel as fp32 on the ``torch`` transport, so only the summation order
-differs: ``support/megatron_parity.py``). Megatron's test builds on CUDA (``use_cpu_initialization=False``,
-``.cuda()``); here the layer is made on the CPU, where the gloo ranks run.
+fp16 units in the last place (the fp16 tokens travel as they are and the combine sums in fp32, so only the
+summation order differs: ``support/megatron_parity.py``). Megatron's test builds on CUDA
+(``use_cpu_initialization=False``, ``.cuda()``); here the layer is made on the CPU, where the gloo ranks run.
 """
 
 from __future__ import annotations

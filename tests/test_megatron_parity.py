@@ -30,7 +30,7 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 
 def _flex_backends(tp: int, ep: int, mode: str, dtype: torch.dtype) -> tuple[str, ...]:
     """The flex backends a case runs with: Megatron's flex needs TP x EP > 1 and refuses drop-and-pad with
-    ``deepep``; BF16 and FP16 (on the ``torch`` transport, carried as FP32). ``install()`` refuses
+    ``deepep``; BF16 and FP16 (FP16 rows moved as they are, as BF16's). ``install()`` refuses
     drop-and-pad with ``hybridep`` at expert TP > 1: Megatron's ``_HybridEPManager`` (0.16.1 and 0.19.2) sizes its
     capacity from TP x E experts while the router pads to the capacity of E (docs/compat.md). Without CUDA,
     megatron-core >= 0.19 runs ``deepep`` only (:func:`support.megatron_host.flex_backends_on_host`)."""

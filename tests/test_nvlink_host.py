@@ -361,14 +361,14 @@ def test_cached_dispatch_experts(fake: FakeLib) -> None:
     assert t._recv_guess == 16
 
 
-def _combine_handle(lib: FakeLib, t: NVLinkTransport):
+def _combine_handle(lib: FakeLib, t: NVLinkTransport, dtype: torch.dtype = torch.bfloat16):
     """A fresh expert-major handle whose recv_slot holds ``RECV_SLOT`` (the kernel's part), the calls cleared →
-    ``(handle, at, y [M, H] BF16, expert_weights [M], their [N_recv, K] slot weights)``."""
+    ``(handle, at, y [M, H] dtype, expert_weights [M], their [N_recv, K] slot weights)``."""
     fresh, _, _, _, at = _fresh(lib, t)
     handle = fresh.handle
     handle.expert_layout.recv_slot.copy_(torch.tensor(RECV_SLOT, dtype=torch.int32))
     lib.calls.clear()
-    y = torch.randn(NUM_ROWS, H).to(torch.bfloat16)
+    y = torch.randn(NUM_ROWS, H).to(dtype)
     expert_weights = torch.rand(NUM_ROWS)
     expected = [[expert_weights[s].item() if s >= 0 else 0.0 for s in row] for row in RECV_SLOT]
     return handle, at, y, expert_weights, sum(expected, [])
@@ -396,7 +396,7 @@ def _combine(
         out_weights=0 if out_weights is None else out_weights.data_ptr(),
         num_tokens=N,
         hidden=H,
-        elem_bytes=2,
+        dtype=permute.DTYPE_CODES[out.dtype],  # the element type the kernel sums (MOE_EP_DTYPE_*)
         num_topk=K if out_weights is not None else 0,
         num_recv_rows=NUM_RECV,
         num_sms=num_sms,
@@ -408,7 +408,8 @@ def _combine(
 
 
 def _unpermute_call(y: torch.Tensor, at: At, out: int) -> tuple:
-    return ("moe_ep_unpermute", (y.data_ptr(), at(6), NUM_RECV, K, H, NUM_ROWS, 1, out, STREAM))
+    code = permute.DTYPE_CODES[y.dtype]
+    return ("moe_ep_unpermute", (y.data_ptr(), at(6), NUM_RECV, K, H, NUM_ROWS, code, out, STREAM))
 
 
 PUSH = dict(num_send_warps=TUNING.combine_send_warps, num_send_blocks=TUNING.combine_send_blocks)
@@ -423,11 +424,13 @@ PUSH = dict(num_send_warps=TUNING.combine_send_warps, num_send_blocks=TUNING.com
     ],
     ids=["below-threshold", "one-byte-short", "region-too-small"],
 )
-def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, asks: bool) -> None:
-    """Push: unpermute into a tensor, then the start barrier and the combine of that tensor."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, asks: bool, dtype: torch.dtype) -> None:
+    """Push: unpermute into a tensor, then the start barrier and the combine of that tensor; both kernels are
+    handed the rows' element type (FP16 rows as BF16 ones, each with its own code)."""
     t = _transport(fake, guess=16)
     fake.pull_rows = pull_rows
-    handle, at, y, expert_weights, weights = _combine_handle(fake, t)
+    handle, at, y, expert_weights, weights = _combine_handle(fake, t, dtype)
     out, out_weights = t.combine_experts(y, handle, expert_weights, (), _config(pull_combine_min_bytes=min_bytes))
     [unpermuted] = _calls(fake, "moe_ep_unpermute")
     recv_y = unpermuted[7]
@@ -442,7 +445,7 @@ def test_combine_experts_push(fake: FakeLib, min_bytes: int, pull_rows: int, ask
     assert fake.combine_memory == {"host_counts": None, "topk_weights": weights}
     assert (tuple(out.shape), out.dtype, tuple(out_weights.shape), out_weights.dtype) == (
         (N, H),
-        torch.bfloat16,
+        dtype,
         (N, K),
         torch.float32,
     )
@@ -568,7 +571,7 @@ def test_a_refusing_rank_joins_the_notify_with_its_code(fake: FakeLib) -> None:
     nothing (its peers' next calls end on their own records)."""
     t = _transport(fake, guess=16)
     fake.read_values = [0] * (R * R + 2)
-    t.refuse("dispatch", TypeError("x: expected dtype in [...], got torch.float16"))
+    t.refuse("dispatch", TypeError("x: expected dtype in [...], got torch.float64"))
     # it joins the notify and waits for it with one host read; it launches nothing else
     assert {name for name, _ in fake.calls} == {"moe_ep_notify_dispatch", "moe_ep_read_start", "moe_ep_read_wait"}
     assert len(_calls(fake, "moe_ep_read_wait")) == 1

@@ -1,7 +1,8 @@
 """The torch transport's own guarantees, beyond the Buffer suite (tests/test_buffer.py): the handle fields as
 moe_ep_plugin/handle.py defines them, combine's fp32 sum from the biases (or 0.0) in DeepEP V2's summing order
-(bit for bit, signed zeros included), cached FP8 dispatch, and the collectives each call makes (one count exchange
-per new layout; payload and metadata one all-to-all each; none of either in a cached dispatch or combine)."""
+(bit for bit, signed zeros included, for FP32, BF16 and FP16 rows), cached FP8 dispatch, and the collectives each
+call makes (one count exchange per new layout; payload and metadata one all-to-all each; none of either in a cached
+dispatch or combine)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ from moe_ep_plugin.ops import fp8
 from moe_ep_plugin.ops.layout import summing_order as layout_summing_order
 from moe_ep_plugin.transports import torch_transport
 
-# Rank r's value in the order-sensitive columns: 1 + 2^24 rounds back to 2^24, so the sum over three ranks is 0,
-# 1 or 2^24 depending on the order the copies are added in.
-ORDER_VALUES = (1.0, 2.0**24, -(2.0**24))
+# Rank r's value in the order-sensitive columns, per dtype of the combined rows: 1 + 2^24 rounds back to 2^24 in fp32,
+# so the sum over three ranks is 0, 1 or 2^24 depending on the order the copies are added in. FP16 holds no 2^24: its
+# smallest subnormal 2^-24 against 2^15 (whose fp32 ulp is 2^-8) does the same, and both sums round to FP16 exactly.
+ORDER_VALUES = {
+    torch.float32: (1.0, 2.0**24, -(2.0**24)),
+    torch.bfloat16: (1.0, 2.0**24, -(2.0**24)),
+    torch.float16: (2.0**-24, 2.0**15, -(2.0**15)),
+}
 
 
 def _record_collectives() -> list[str]:
@@ -104,10 +110,7 @@ def _suite(seed: int) -> None:
 
     # combine: half the columns carry rank-scaled rows (which row goes where), half ORDER_VALUES (summation
     # order); rows of tokens with t % 3 == 0 are -0.0 everywhere, which must sum to +0.0 as from 0.0.
-    y = recv_x.float() * (rank + 1)
-    y[:, h // 2 :] = ORDER_VALUES[rank % 3]
-    y[handle.recv_src_idx % 3 == 0] = -0.0
-    ys, srcs, recv_ws = zip(*gather_all((y, handle.recv_src_idx, recv_w)), strict=False)
+    srcs, recv_ws = zip(*gather_all((handle.recv_src_idx, recv_w)), strict=False)
     copies: list[dict[int, int]] = [{} for _ in range(n)]  # token -> {rank: row of its copy on that rank}
     for r in range(world):
         # rank r's rows from this rank: the slice [rpm[me-1, r], rpm[me, r]) of what r received
@@ -116,7 +119,11 @@ def _suite(seed: int) -> None:
             copies[int(srcs[r][row])][r] = row
     orders = [summing_order(row, local, world) for row in idx.tolist()]
     bias = torch.randn(n, h, generator=gen)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, order_values in ORDER_VALUES.items():
+        y = recv_x.float() * (rank + 1)
+        y[:, h // 2 :] = order_values[rank % 3]
+        y[handle.recv_src_idx % 3 == 0] = -0.0
+        ys = gather_all(y)
         expected, expected_b = torch.zeros(n, h), bias.to(dtype).float().clone()
         expected_w = torch.zeros(n, k)
         for t in range(n):  # fp32 from 0.0 (or the bias), the copies in summing order

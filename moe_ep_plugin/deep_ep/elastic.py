@@ -339,7 +339,7 @@ class ElasticBuffer:
         """Send each token to the ranks of its experts.
 
         Arguments:
-            x: ``[T, H]`` BF16 (FP32 accepted), or the FP8 pair ``(float8_e4m3fn [T, H], float32 scales
+            x: ``[T, H]`` BF16 (FP16 and FP32 accepted), or the FP8 pair ``(float8_e4m3fn [T, H], float32 scales
                 [T, H/128])``; the rows arrive in the same form.
             topk_idx: ``[T, K]`` ``topk_idx_t`` (int64; int32 accepted) global expert ids, -1 = none; None with
                 ``handle``.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..buffer_cache import get_buffer
-from .options import PluginOptions, as_token_dtype, carried
+from .options import PluginOptions
 
 _options = PluginOptions()
 
@@ -46,7 +46,7 @@ def fused_dispatch(
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """``x`` ``[T, H]`` BF16/FP32 (FP16 on the ``torch`` transport, carried as FP32), ``token_indices`` ``[T, K]``
+    """``x`` ``[T, H]`` BF16/FP16/FP32, ``token_indices`` ``[T, K]``
     int64 global expert ids (-1 = none), ``token_probs`` ``[T, K]`` float32 → ``(recv_x [R, H] x.dtype, recv_indices
     [R, K] local ids / -1, recv_probs [R, K] float32, tokens_per_expert [L] int64 on CPU, handle)``. Differentiable in
     ``x`` and ``token_probs``.
@@ -58,11 +58,10 @@ def fused_dispatch(
         raise ValueError(f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
     if token_probs.dtype != torch.float32:
         raise TypeError(f"token_probs: expected float32 (as DeepEP), got {token_probs.dtype}")
-    rows = carried(x, _options, "x")
-    buffer = get_buffer(group, _hidden_bytes(rows), _options.transport, _options.timeout_s, device=x.device)
+    buffer = get_buffer(group, _hidden_bytes(x), _options.transport, _options.timeout_s, device=x.device)
     recv_x, recv_idx, recv_probs, counts, handle = ep_autograd.dispatch(
         buffer,
-        rows.contiguous(),
+        x.contiguous(),
         token_indices,
         token_probs,
         num_experts,
@@ -70,7 +69,7 @@ def fused_dispatch(
         round_scale=_options.round_scale,
     )
     counts = torch.tensor(list(counts), dtype=torch.long, device="cpu")
-    return as_token_dtype(recv_x, x.dtype), recv_idx, recv_probs, counts, (group, buffer, handle)
+    return recv_x, recv_idx, recv_probs, counts, (group, buffer, handle)
 
 
 def fused_combine(
@@ -85,8 +84,8 @@ def fused_combine(
     handle_group, buffer, dispatch_handle = handle
     if handle_group is not group:
         raise ValueError("group: differs from the group of the dispatch that made this handle")
-    combined = ep_autograd.combine(buffer, carried(x, _options, "x").contiguous(), dispatch_handle)
-    return as_token_dtype(combined, x.dtype), None
+    combined = ep_autograd.combine(buffer, x.contiguous(), dispatch_handle)
+    return combined, None
 
 
 def set_deepep_num_sms(num_sms: int | None) -> None:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from ..deep_ep import ElasticBuffer, EPHandle
 from ..ops import fp8
 from . import deepep_shim
-from .options import as_token_dtype, carried
 
 _elastic_buffer: ElasticBuffer | None = None
 
@@ -172,7 +171,7 @@ def deepepv2_dispatch(
 
     Arguments:
         buffer: the :func:`get_elastic_buffer` buffer.
-        x: ``[T, H]`` BF16 (FP32 accepted; FP16 on the ``torch`` transport, carried as FP32) tokens.
+        x: ``[T, H]`` BF16 (FP16 and FP32 accepted) tokens.
         token_indices: ``[T, K]`` int64 global expert ids, -1 = none.
         token_probs: ``[T, K]`` float32 routing probabilities.
         num_experts: experts over the group.
@@ -197,7 +196,7 @@ def deepepv2_dispatch(
         raise TypeError(f"do_cpu_sync: expected a bool, got {do_cpu_sync!r}")
     recv_x, *rest = _Dispatch.apply(
         _check_buffer(buffer),
-        carried(x, deepep_shim.current_options(), "x").contiguous(),
+        x.contiguous(),
         token_indices,
         token_probs,
         num_experts,
@@ -206,7 +205,7 @@ def deepepv2_dispatch(
         num_sms,
         do_cpu_sync,
     )
-    return (as_token_dtype(recv_x, x.dtype), *rest)
+    return (recv_x, *rest)
 
 
 def deepepv2_combine(
@@ -231,7 +230,5 @@ def deepepv2_combine(
     """
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle: expected the handle of deepepv2_dispatch, got {type(handle).__name__}")
-    combined, combined_probs = _Combine.apply(
-        _check_buffer(buffer), carried(x, deepep_shim.current_options(), "x").contiguous(), handle, num_sms
-    )
-    return as_token_dtype(combined, x.dtype), combined_probs
+    combined, combined_probs = _Combine.apply(_check_buffer(buffer), x.contiguous(), handle, num_sms)
+    return combined, combined_probs

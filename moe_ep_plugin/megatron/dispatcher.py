@@ -26,7 +26,7 @@ Expert TP (TP > 1): the group is Megatron's TP x EP group and ``[T, E]`` becomes
 column repeated for the TP ranks of its EP rank), so K and E scale by TP; the combine sums the TP partial outputs.
 Drop-and-pad: ``drop_and_pad.py`` instead: each expert's ``capacity`` tokens as ``alltoall`` takes them, every pair a
 row of its own, ``capacity * TP * EP`` rows per local expert, no host read (CUDA-graph capturable on ``nvlink``).
-FP16 (``torch`` transport): rows travel as fp32 and come back as fp16; the combine sums in fp32 and casts once.
+FP16: rows travel as fp16 on every transport and the combine sums them in fp32, as BF16 rows.
 
 Megatron's 1F1B EP-overlap schedule (``overlap_moe_expert_parallel_comm``) calls these methods from separate nodes
 whose inputs are detached: tokens and probs reach the autograd functions only through the arguments, and what this
@@ -50,9 +50,7 @@ from ..buffer_cache import get_buffer, sm_configs
 from . import budget, drop_and_pad, ncclep_shim
 from .options import (
     PluginOptions,
-    as_token_dtype,
     captured_dispatch,
-    carried,
     check_fp16,
     get_plugin_options,
     row_budget,
@@ -182,8 +180,6 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         (prob 0) to the quantization alignment when ``moe_router_padding_for_quantization`` is set."""
         if self._routing_map is None or self._routing_map.shape[0] != hidden_states.shape[0]:
             raise RuntimeError("token_dispatch called without a matching dispatch_preprocess")
-        dtype = hidden_states.dtype  # fp16 travels as fp32 (carried) and comes back as fp16
-        hidden_states = carried(hidden_states, self.options, "hidden_states")
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         if self.drop_and_pad:
             expert_x, expert_probs, tokens_per_expert, handle = self._dispatch_padded(
@@ -198,7 +194,6 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
                 self._buffer, hidden_states, *self._routed(probs), expert_alignment=self.alignment, **self._wire()
             )
-        expert_x = as_token_dtype(expert_x, dtype)
         self._tokens_per_expert, self._handle = tokens_per_expert, handle
         self._routing_map = None
         if self.shared_experts is not None:
@@ -332,14 +327,12 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()
-        y = carried(hidden_states, self.options, "hidden_states")  # fp16: summed in fp32, cast to fp16 once
         if self._pad is not None:
-            out = drop_and_pad.combine(self._buffer, y, self._handle, self._pad, configs=self._configs)
+            out = drop_and_pad.combine(self._buffer, hidden_states, self._handle, self._pad, configs=self._configs)
         elif isinstance(self._handle, budget.BudgetHandle):
-            out = budget.combine(self._buffer, y, self._handle, configs=self._configs)
+            out = budget.combine(self._buffer, hidden_states, self._handle, configs=self._configs)
         else:
-            out = ep_autograd.combine_experts(self._buffer, y, self._handle, configs=self._configs)
-        out = as_token_dtype(out, hidden_states.dtype)
+            out = ep_autograd.combine_experts(self._buffer, hidden_states, self._handle, configs=self._configs)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

@@ -36,7 +36,7 @@ from ..config import combine_config, dispatch_config, positive_int
 from ..ops.library import MAX_TOPK
 from . import budget as row_budget
 from . import deepep_shim
-from .options import SYNC_FREE_TRANSPORTS, as_token_dtype, carried
+from .options import SYNC_FREE_TRANSPORTS
 
 HYBRIDEP_TOKEN_ALIGNMENT = 64  # HybridEP's public-API chunk, re-exported for Megatron's pad-uneven-inputs path
 
@@ -87,7 +87,7 @@ def hybrid_ep_dispatch(
     pad_multiple: int | None = None,
     num_sms_preprocessing_api: int | None = None,
 ):
-    """Dispatch ``x`` ``[T, H]`` (BF16/FP32; FP16 on the ``torch`` transport, carried as FP32) routed by
+    """Dispatch ``x`` ``[T, H]`` (BF16/FP16/FP32) routed by
     ``routing_map`` ``[T, E]`` bool with ``probs`` ``[T, E]`` float32 (dense, 0 where not routed) straight into the
     expert-major layout.
 
@@ -121,10 +121,9 @@ def hybrid_ep_dispatch(
         if value is not None:
             positive_int(value, name, 0)
     options = deepep_shim.current_options()
-    rows_in = carried(x, options, "x")
     buffer = get_buffer(
         group,
-        x.size(1) * max(rows_in.element_size(), 2),
+        x.size(1) * max(x.element_size(), 2),
         options.transport,
         options.timeout_s,
         ranks_per_node=options.ranks_per_node,
@@ -133,12 +132,12 @@ def hybrid_ep_dispatch(
     configs = _configs(num_sms_dispatch_api, num_sms_combine_api, num_ranks)
     if num_permuted_tokens is not None:
         return _budgeted_dispatch(
-            buffer, x, rows_in, routing_map, probs, group, num_experts, num_permuted_tokens, pad_multiple, configs
+            buffer, x, routing_map, probs, group, num_experts, num_permuted_tokens, pad_multiple, configs
         )
     topk, _ = _group_maxima(routing_map, group)
     expert_x, expert_probs, tokens_per_expert, handle = ep_autograd.dispatch_experts_from_routing_map(
         buffer,
-        rows_in,
+        x,
         routing_map,
         probs,
         topk,
@@ -148,7 +147,6 @@ def hybrid_ep_dispatch(
         round_scale=options.round_scale,
         configs=configs,
     )
-    expert_x = as_token_dtype(expert_x, x.dtype)
     rows = sum(tokens_per_expert)
     overflow = torch.zeros(1, dtype=torch.int32, device=x.device)
     counts = torch.tensor(tokens_per_expert, dtype=torch.int64, device="cpu")
@@ -158,7 +156,6 @@ def hybrid_ep_dispatch(
 def _budgeted_dispatch(
     buffer: Any,
     x: torch.Tensor,
-    rows_in: torch.Tensor,
     routing_map: torch.Tensor,
     probs: torch.Tensor,
     group: dist.ProcessGroup,
@@ -183,7 +180,7 @@ def _budgeted_dispatch(
     expert_x, expert_probs, _, handle, excess = row_budget.dispatch(
         buffer,
         budget,
-        rows_in,
+        x,
         routing_map,
         probs,
         topk,
@@ -198,7 +195,7 @@ def _budgeted_dispatch(
     too_wide = (routing_map.sum(1) > topk).any()
     overflow = ((excess > 0) | too_wide).to(torch.int32).reshape(1)
     handle_out = (buffer, handle, num_permuted_tokens, num_permuted_tokens, configs, overflow)
-    return as_token_dtype(expert_x, x.dtype), expert_probs, None, clipped, handle_out
+    return expert_x, expert_probs, None, clipped, handle_out
 
 
 def hybrid_ep_combine(
@@ -220,9 +217,6 @@ def hybrid_ep_combine(
         raise ValueError(
             f"x: expected [{expected}, hidden] (the dispatch's rows), got {getattr(x, 'shape', type(x).__name__)}"
         )
-    rows_in = carried(x, deepep_shim.current_options(), "x")
     if isinstance(dispatch_handle, row_budget.BudgetHandle):
-        combined = row_budget.combine(buffer, rows_in, dispatch_handle, configs=configs)
-    else:
-        combined = ep_autograd.combine_experts(buffer, fit_rows(rows_in, rows), dispatch_handle, configs=configs)
-    return as_token_dtype(combined, x.dtype)
+        return row_budget.combine(buffer, x, dispatch_handle, configs=configs)
+    return ep_autograd.combine_experts(buffer, fit_rows(x, rows), dispatch_handle, configs=configs)

@@ -44,7 +44,6 @@ from ..config import combine_config, dispatch_config, positive_int
 from . import budget as row_budget
 from . import deepep_shim
 from .hybridep_shim import fit_rows
-from .options import as_token_dtype, carried
 
 
 @dataclass
@@ -262,7 +261,7 @@ def nccl_ep_dispatch(
     recv_tokens: torch.Tensor | None = None,
     recv_topk_weights: torch.Tensor | None = None,
 ):
-    """Dispatch ``tokens`` ``[T, H]`` (BF16/FP32; FP16 on the ``torch`` transport, carried as FP32) to the experts
+    """Dispatch ``tokens`` ``[T, H]`` (BF16/FP16/FP32) to the experts
     ``topk_idx`` ``[T, K]`` (global ids, int64/int32) names, with ``topk_weights`` ``[T, K]`` float32.
 
     Returns ``(recv_tokens [C, H], tokens_per_expert [L] int32 (device, aligned), dispatched_probs [C] float32)``,
@@ -290,12 +289,11 @@ def nccl_ep_dispatch(
         )
     options = deepep_shim.current_options()
     capacity = buffer.recv_capacity_per_rank
-    tokens_in = carried(tokens, options, "tokens")
     alignment = max(buffer.alignment, 1)
     if capacity is None:  # eager mode: exactly the rows received, counted on the host
         rows, probs, tokens_per_expert, handle = ep_autograd.dispatch_experts(
             state.buffer,
-            tokens_in,
+            tokens,
             topk_idx,
             topk_weights,
             state.num_experts,
@@ -304,7 +302,7 @@ def nccl_ep_dispatch(
             round_scale=options.round_scale,
             configs=state.configs,
         )
-        out, out_probs = as_token_dtype(rows, tokens.dtype), probs
+        out, out_probs = rows, probs
         capacity = num_rows = sum(tokens_per_expert)
         kept = torch.tensor(tokens_per_expert, dtype=torch.int32).to(tokens.device)
         total = torch.tensor([num_rows], dtype=torch.int64, device=tokens.device)
@@ -314,7 +312,7 @@ def nccl_ep_dispatch(
         rows, out_probs, _, handle, excess = row_budget.dispatch_topk(
             state.buffer,
             budget,
-            tokens_in,
+            tokens,
             topk_idx.to(torch.int64),
             topk_weights,
             state.num_experts,
@@ -323,7 +321,7 @@ def nccl_ep_dispatch(
             round_scale=options.round_scale,
             configs=state.configs,
         )
-        out, num_rows = as_token_dtype(rows, tokens.dtype), capacity
+        out, num_rows = rows, capacity
         ends = handle.blocks.cumsum(0)
         kept = (ends.clamp(max=capacity) - (ends - handle.blocks).clamp(max=capacity)).to(torch.int32)
         state.dropped += excess
@@ -363,9 +361,8 @@ def nccl_ep_combine(
     rows = buffer.max_tokens_per_rank if num_local_tokens is None else num_local_tokens
     if rows < num_tokens:
         raise ValueError(f"num_local_tokens: {rows} is fewer than the {num_tokens} tokens dispatched")
-    carried_out = carried(expert_out, deepep_shim.current_options(), "expert_out")
     if budgeted:
-        combined = row_budget.combine(state.buffer, carried_out, buffer.handle, configs=state.configs)
+        combined = row_budget.combine(state.buffer, expert_out, buffer.handle, configs=state.configs)
     else:
-        combined = ep_autograd.combine_experts(state.buffer, carried_out, buffer.handle, configs=state.configs)
-    return fit_rows(as_token_dtype(combined, expert_out.dtype), rows)
+        combined = ep_autograd.combine_experts(state.buffer, expert_out, buffer.handle, configs=state.configs)
+    return fit_rows(combined, rows)

@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..plugin_options import PluginOptions as SharedOptions
 
 PLUGIN_DISPATCHER_TYPE = "ep_plugin"
@@ -26,12 +24,8 @@ __all__ = [
     "set_plugin_options",
     "get_plugin_options",
     "check_fp16",
-    "fp16_served",
-    "carried",
-    "as_token_dtype",
     "captured_dispatch",
 ]
-FP16_DTYPES = "bf16 and fp32"  # what the kernel transports carry
 # Megatron's per-rank row budget (megatron-core 0.19): ep_plugin's where ep_plugin.recv_capacity_factor is unset
 MEGATRON_BUDGET_KEY = "moe_expert_rank_capacity_factor"
 # transports whose dispatch with fixed-size outputs reads nothing on the host (``local``: a group of one rank)
@@ -95,39 +89,9 @@ def graph_regions(regions: Any) -> list[str]:
     return sorted(getattr(region, "name", str(region)) for region in regions)
 
 
-def fp16_served(options: PluginOptions) -> bool:
-    """Whether FP16 tokens can be dispatched with ``options``: the ``torch`` transport carries them as fp32 (exact)
-    and sums the combine in fp32; the kernel transports carry bf16/fp32 only (``auto`` without CUDA is ``torch``)."""
-    return options.transport == "torch" or (options.transport == "auto" and not torch.cuda.is_available())
-
-
-def carried(x: torch.Tensor, options: PluginOptions, name: str) -> torch.Tensor:
-    """``x`` as the Buffer carries it: fp16 rows as fp32 (which holds every fp16 value, so the rows arrive unchanged
-    and a combine sums them in fp32) where :func:`fp16_served`, else a TypeError naming ``name``; other dtypes as
-    they are. Every front door of Megatron's (``ep_plugin`` and the ``flex`` shims) passes its tokens through here
-    and casts its results back with :func:`as_token_dtype`."""
-    if x.dtype != torch.float16:
-        return x
-    if not fp16_served(options):
-        raise TypeError(
-            f"{name}: float16 needs ep_plugin.transport 'torch' (transport {options.transport!r} carries {FP16_DTYPES})"
-        )
-    return x.float()
-
-
-def as_token_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A result ``y`` of rows :func:`carried` made fp32, cast back to the tokens' ``dtype`` once (after any fp32
-    sum)."""
-    return y.to(dtype) if dtype == torch.float16 else y
-
-
 def check_fp16(config: Any, options: PluginOptions) -> None:
-    """Refuse ``fp16: True`` at config time where ``options`` pick a kernel transport."""
-    if getattr(config, "fp16", False) and not fp16_served(options):
-        raise ValueError(
-            f"fp16: True needs ep_plugin.transport 'torch'; transport {options.transport!r} carries "
-            f"{FP16_DTYPES} (use bf16: True)"
-        )
+    """Refuse ``fp16: True`` with FP8 dispatch at config time: the send-path quantizer reads BF16 (or FP32) rows.
+    FP16 tokens themselves are served on every transport, moved as they are and summed in fp32 as BF16 ones."""
     if getattr(config, "fp16", False) and options.fp8_dispatch:
         raise ValueError("fp16: True with ep_plugin.fp8_dispatch: FP8 dispatch takes bf16 tokens (use bf16: True)")
 

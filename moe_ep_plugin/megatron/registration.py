@@ -358,9 +358,8 @@ def _wrap_should_free_input(original: Any) -> Any:
 
 
 def _check_flex(config: Any) -> None:
-    """A ``flex`` config asks for a backend this library serves, in a dtype its shims carry (fp16 on the ``torch``
-    transport), with plugin options it can honour (FP8 dispatch needs the hidden size to be a multiple of 128): else
-    a ValueError naming the key, at config time."""
+    """A ``flex`` config asks for a backend this library serves, with plugin options it can honour (FP8 dispatch
+    needs BF16 tokens and the hidden size a multiple of 128): else a ValueError naming the key, at config time."""
     backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
     if backend not in SERVED_FLEX_BACKENDS:
         raise ValueError(
@@ -377,7 +376,7 @@ def _check_flex(config: Any) -> None:
             f"x experts); use moe_token_dispatcher_type: ep_plugin or alltoall"
         )
     options = get_plugin_options(config, _default_options)
-    check_fp16(config, options)  # the shims carry fp16 tokens as fp32 on the torch transport, as ep_plugin does
+    check_fp16(config, options)  # fp16 tokens travel as they are on every transport, but not through FP8 dispatch
     check_budget(config, options)
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     if options.fp8_dispatch and hidden % 128:

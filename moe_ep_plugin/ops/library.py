@@ -12,15 +12,17 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 16
+ABI_VERSION = 17
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
 READ_BYTES = 16384  # the most one host read brings
 PERMUTE_MAX_LOCAL_EXPERTS = 1024  # expert_slots keeps per-warp counters of every local expert
 PERMUTE_MAX_TOPK = 32  # permute/unpermute keep one top-k column per lane of a warp
-PERMUTE_FP32 = 0  # unpermute's element type codes
-PERMUTE_BF16 = 1
+# Element types of the rows a kernel sums (combine, unpermute, sum_segments: csrc/moe_ep.h MOE_EP_DTYPE_*)
+DTYPE_FP32 = 0
+DTYPE_BF16 = 1
+DTYPE_FP16 = 2
 
 # Error record codes (csrc/moe_ep.h).
 ERR_BARRIER_TIMEOUT = 1
@@ -95,7 +97,7 @@ class CombineParams(ctypes.Structure):
             for name in (
                 "num_tokens",
                 "hidden",
-                "elem_bytes",
+                "dtype",
                 "num_topk",
                 "num_recv_rows",
                 "num_sms",

@@ -23,9 +23,16 @@ from .library import ptr as _ptr
 
 _MAX_KERNEL_LOCAL_EXPERTS = library.PERMUTE_MAX_LOCAL_EXPERTS
 _MAX_KERNEL_TOPK = library.PERMUTE_MAX_TOPK
-# The one table of dtype codes: the kernels' element types (csrc/moe_ep.h MOE_EP_PERMUTE_*), FP8 after them; also
-# the dtype word of the dispatch_meta every rank checks.
-DTYPE_CODES = {torch.float32: library.PERMUTE_FP32, torch.bfloat16: library.PERMUTE_BF16, torch.float8_e4m3fn: 2}
+# The one table of dtype codes: the element types the kernels sum (csrc/moe_ep.h MOE_EP_DTYPE_*), FP8 after them;
+# also the dtype word of the dispatch_meta (and the hierarchical transport's signature) every rank checks.
+DTYPE_CODES = {
+    torch.float32: library.DTYPE_FP32,
+    torch.bfloat16: library.DTYPE_BF16,
+    torch.float16: library.DTYPE_FP16,
+    torch.float8_e4m3fn: 3,
+}
+# The dtypes of rows the Buffer dispatches and combines (FP8 rows are dispatched only, as an (x, scales) pair)
+ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT32_MAX = 2**31 - 1
 
 
@@ -132,7 +139,7 @@ def permute(
 
 
 def unpermute(y: torch.Tensor, recv_slot: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``y`` ``[M, H]`` BF16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``, written
+    """``y`` ``[M, H]`` BF16/FP16/FP32 expert outputs, ``recv_slot`` ``[N, K]`` int32 → ``[N, H]`` ``y.dtype``, written
     into ``out`` when given (contiguous ``[N, H]`` ``y.dtype`` on ``y``'s device; e.g. the nvlink transport's own
     peer region, where its combine reads the rows).
 
@@ -184,7 +191,7 @@ def unpermute_onto(acc: torch.Tensor, y: torch.Tensor, recv_slot: torch.Tensor) 
 
 
 def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch.Tensor:
-    """``rows`` ``[P, H]`` BF16/FP32, ``index`` ``[P]`` int64 → ``[num_out, H]`` ``rows.dtype``.
+    """``rows`` ``[P, H]`` BF16/FP16/FP32, ``index`` ``[P]`` int64 → ``[num_out, H]`` ``rows.dtype``.
 
     ``out[t]`` = the rows ``p`` with ``index[p] == t``, summed in ascending ``p`` in fp32 from 0.0 and rounded once
     (0 where no row names ``t``; indices outside ``[0, num_out)`` add nothing). Unlike :func:`unpermute`, an output
@@ -359,11 +366,11 @@ def _kernel_rows(t: torch.Tensor) -> bool:
 
 
 def _check_float_rows(name: str, t: object) -> None:
-    """``t`` is a 2-D BF16/FP32 tensor (expert outputs or rows to sum), else the error names ``name``."""
+    """``t`` is a 2-D BF16/FP16/FP32 tensor (expert outputs or rows to sum), else the error names ``name``."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D [rows, hidden] tensor, got {_describe(t)}")
-    if t.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"{name}: expected BF16 or FP32, got {t.dtype}")
+    if t.dtype not in ROW_DTYPES:
+        raise TypeError(f"{name}: expected BF16, FP16 or FP32, got {t.dtype}")
 
 
 def _describe(t: object) -> str:

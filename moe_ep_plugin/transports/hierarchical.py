@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..config import Config, positive_int
 from ..handle import DispatchHandle
-from ..ops import fp8
+from ..ops import fp8, permute
 from ..ops.layout import count_invalid, invalid_ids_error, send_positions
 from .base import DispatchArgs, DispatchResult, Transport, negative_counts_error, refusal_code, refused
 from .torch_transport import TorchTransport
@@ -234,7 +234,7 @@ class HierarchicalTransport(Transport):
         x, topk = args.x, args.topk_idx
         signature = [
             x.shape[1],
-            _DTYPE_CODES.get(x.dtype, -1),
+            permute.DTYPE_CODES.get(x.dtype, -1),
             0 if topk is None else topk.shape[1],
             args.num_experts,
             int(args.wire_fp8),
@@ -532,7 +532,6 @@ class HierarchicalTransport(Transport):
 _RAIL_DISPATCH = "inter-node (rail group) dispatch"
 _NODE_DISPATCH = "intra-node (node group) dispatch"
 _RAIL_COMBINE = "inter-node (rail group) combine"
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, fp8.FP8_DTYPE: 2}
 _COUNT_WORDS = 11  # words of the count exchange beyond the R per-rank counts: ids, tokens, signature (8), refusal
 
 

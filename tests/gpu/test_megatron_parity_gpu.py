@@ -4,9 +4,9 @@ capacity dropping and drop-and-pad, half of them recomputed — with the layer o
 tokens' GPU with the ``nvlink`` kernels, and ``alltoall`` over gloo's CUDA all-to-all; ``flex`` + ``deepep`` and
 ``flex`` + ``hybridep`` on this library beside them as on the CPU.
 
-TP x EP 1x2, 1x4 and 2x2 (expert TP = TP, sequence parallel), BF16 only: the kernel transports carry no FP16
-(refused at config time, docs/megatron.md). Megatron's TP gathers and reduce-scatters of CUDA tensors run on host
-copies over gloo (``support.megatron_host.tp_collectives_through_host``); the plugin's dispatch over the TP x EP
+TP x EP 1x2, 1x4 and 2x2 (expert TP = TP, sequence parallel), BF16 and FP16 (the kernels move FP16 rows as BF16
+ones and sum them in fp32, docs/megatron.md "FP16"). Megatron's TP gathers and reduce-scatters of CUDA tensors run on
+host copies over gloo (``support.megatron_host.tp_collectives_through_host``); the plugin's dispatch over the TP x EP
 group runs on the kernels. Skips without a GPU or the kernel library, naming the reason.
 """
 
@@ -47,8 +47,6 @@ def _suite(tp: int, ep: int, seed: int) -> None:
     try:
         with tp_collectives_through_host():
             for i, (mode, dtype, recompute) in enumerate(CASES):
-                if dtype != torch.bfloat16:
-                    continue
                 # Megatron's flex refuses drop-and-pad with deepep; install() with hybridep at expert TP > 1
                 flex = tuple(b for b in FLEX_BACKENDS if mode != "pad" or (b == "hybridep" and tp == 1))
                 check_case(tp, ep, mode, dtype, recompute, seed + i, flex, device)

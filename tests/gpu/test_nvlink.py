@@ -1,6 +1,6 @@
 """The ``nvlink`` kernels against the ``torch`` transport on the same inputs, on every local GPU.
 
-BF16/FP32 rows and FP8 bytes must match bit for bit, metadata exactly, combine bit for bit (both sum from the
+BF16/FP16/FP32 rows and FP8 bytes must match bit for bit, metadata exactly, combine bit for bit (both sum from the
 biases in summing order in fp32). Also: ``num_worst_tokens``, cached dispatch,
 the expert-major dispatch/combine against the torch transport's dispatch + permute / unpermute + combine,
 both ways rows travel (copy engine and SM stores, alone and together), CUDA-graph captured dispatch+combine replayed
@@ -103,6 +103,7 @@ MODES = [
     ("fp8_wire_ue8m0", torch.bfloat16, True, True, True, False),
     ("fp8_wire_from_fp32", torch.float32, True, False, False, False),
     ("fp8_input", torch.bfloat16, False, False, False, True),
+    ("fp16", torch.float16, False, False, False, False),  # moved as BF16 rows are, summed by the __half kernels
 ]
 
 
@@ -435,18 +436,20 @@ def _variants(nv: Buffer, ref, cases: list[dict]) -> None:
         _check_case(nv, ref, cases[1], mode, PULL_QUANTIZED)
     _check_expert_case(nv, ref, cases[1], MODES[2], 16, PULL_QUANTIZED)
     for copy_engine in COPY_ENGINE:
-        for mode in (MODES[0], MODES[2], MODES[6]):
+        for mode in (MODES[0], MODES[2], MODES[6], MODES[7]):
             _check_case(nv, ref, cases[0], mode, copy_engine)
         _check_expert_case(nv, ref, cases[2], MODES[2], 16, copy_engine)
     Buffer.set_num_sms(2)
     _check_case(nv, ref, cases[3], MODES[3], PUSH)
     Buffer.set_num_sms(24)
     for case in (cases[0], cases[1], cases[5]):
-        for mode in (MODES[0], MODES[2], MODES[3], MODES[6]):
+        for mode in (MODES[0], MODES[2], MODES[3], MODES[6], MODES[7]):
             _check_case(nv, ref, case, mode, PUSH)
         _check_expert_case(nv, ref, case, MODES[2], 16, PUSH)
     _check_expert_case(nv, ref, cases[2], MODES[0], 16, WARP_COMBINE)
     _check_case(nv, ref, cases[2], MODES[0], WARP_COMBINE)
+    _check_case(nv, ref, cases[2], MODES[7], WARP_COMBINE)
+    _check_expert_case(nv, ref, cases[2], MODES[7], 16, WARP_COMBINE)
     _check_case(nv, ref, cases[2], MODES[2], WARP_COMBINE)
     Buffer.set_num_sms(2)
     _check_case(nv, ref, cases[0], MODES[2], ONE_WARP)
@@ -465,7 +468,7 @@ def _single_rank() -> None:
     assert nv.transport_name == "local" and nv.transport.device.type == "cuda"
     Buffer.set_num_sms(24)
     for case in (CASES[0], CASES[4]):
-        for mode in (MODES[0], MODES[3], MODES[6]):
+        for mode in (MODES[0], MODES[3], MODES[6], MODES[7]):
             _check_case(nv, ref, case, mode)
             _check_expert_case(nv, ref, case, mode, 1)
         _check_expert_case(nv, ref, case, MODES[2], 16)
@@ -525,8 +528,8 @@ def _refusing_peer(timeout_s: float) -> None:
     x = torch.randn(16, 256, device=device).to(torch.bfloat16)
     idx = torch.arange(16 * 2, device=device).reshape(16, 2) % 4
     cases = [
-        (TypeError, "x: expected dtype", lambda nv: nv.dispatch(x.half() if bad else x, topk_idx=idx, num_experts=4)),
-        (TypeError, "x: expected dtype", lambda nv: nv.dispatch_experts(x.half() if bad else x, idx, None, 4)),
+        (TypeError, "x: expected dtype", lambda nv: nv.dispatch(x.double() if bad else x, topk_idx=idx, num_experts=4)),
+        (TypeError, "x: expected dtype", lambda nv: nv.dispatch_experts(x.double() if bad else x, idx, None, 4)),
         (ValueError, "topk_idx: expected shape", lambda nv: nv.dispatch_experts(x, idx[:3] if bad else idx, None, 4)),
         (
             TypeError,

@@ -34,6 +34,9 @@ CASES = [
     (0, 4, 8, 1, 256, torch.bfloat16, "random", 0),
     (1, 1, 1, 1, 128, torch.float32, "random", 0),
     (37, 2, 4, 16, 2048, torch.bfloat16, "random", 0),
+    (37, 2, 4, 16, 2048, torch.float16, "random", 0),
+    (513, 8, 32, 128, 7168, torch.float16, "random", 0),
+    (50, 4, 4, 16, 100, torch.float16, "random", 0),  # 200-byte rows: torch path
     (513, 8, 32, 128, 7168, torch.bfloat16, "random", 0),
     (300, 6, 16, 16, 4096, fp8.FP8_DTYPE, "random", 0),
     (1000, 8, 8, 128, 512, fp8.FP8_DTYPE, "one_expert", 0),
@@ -89,9 +92,10 @@ def test_kernels_match_torch(
     x_cpu = (torch.randn(n, hidden, generator=gen) * 100).to(dtype)
     w_cpu = torch.rand(n, k, generator=gen)
     s_cpu = torch.rand(n, hidden // 128 + 1, generator=gen)
-    out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-    # Wide exponent range, so the fixed summation order shows in the rounded bits.
-    y_cpu = (torch.randn(num_rows, hidden, generator=gen) * torch.rand(num_rows, 1, generator=gen).pow(8) * 1e4).to(
+    out_dtype = dtype if dtype in (torch.float32, torch.float16) else torch.bfloat16
+    # Wide exponent range, so the fixed summation order shows in the rounded bits (FP16: below its 65504 maximum).
+    top = 1e3 if out_dtype == torch.float16 else 1e4
+    y_cpu = (torch.randn(num_rows, hidden, generator=gen) * torch.rand(num_rows, 1, generator=gen).pow(8) * top).to(
         out_dtype
     )
     idx, w, s, y = idx_cpu.cuda(), w_cpu.cuda(), s_cpu.cuda(), y_cpu.cuda()
@@ -152,6 +156,7 @@ def test_kernels_on_a_side_stream_and_second_device() -> None:
         (0, 5, 256, torch.bfloat16),
         (6000, 300, 7168, torch.bfloat16),
         (3000, 64, 1028, torch.float32),
+        (3000, 64, 1024, torch.float16),
         (700, 0, 256, torch.bfloat16),
         (100, 10, 100, torch.bfloat16),  # 200-byte rows: torch path
     ],

@@ -567,7 +567,7 @@ class NVLinkTransport(Transport):
             out_weights=_ptr(out_weights),
             num_tokens=handle.num_tokens,
             hidden=hidden,
-            elem_bytes=elem_bytes,
+            dtype=permute.DTYPE_CODES[dtype],  # what the kernel sums in fp32 and rounds the sum to
             num_topk=k,
             num_recv_rows=handle.num_recv_rows,
             num_sms=num_sms,
