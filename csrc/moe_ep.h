@@ -1,5 +1,5 @@
 /* moe_ep_plugin kernel library: the plain C ABI that moe_ep_plugin/ops/library.py mirrors with ctypes (the one
- * header of the library; entry points in csrc/api.cu and csrc/runtime.cu).
+ * header of the library; entry points in csrc/api.cu, csrc/runtime.cu and csrc/drop_and_pad.cu).
  *
  * No torch headers: every tensor is a raw device pointer, every stream a cudaStream_t passed as void*.
  * Functions return 0 on success, or a nonzero code with a message in moe_ep_last_error().
@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 17
+#define MOE_EP_ABI_VERSION 18
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
@@ -231,6 +231,38 @@ int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_r
  * and the pointers 16-byte aligned. */
 int moe_ep_sum_segments(const void* y, const int64_t* rows, const int64_t* offsets, int64_t num_segments,
                         int64_t hidden, int64_t num_y_rows, int64_t dtype, void* out, void* stream);
+
+/* Drop-and-pad (drop_and_pad.cu): every expert takes exactly `capacity` (C) tokens, so all rows are fixed by it.
+ * Pair p = e * C + c is expert e's c-th token. Nothing here synchronizes with the host. */
+#define MOE_EP_PAD_MAX_SLOTS 12288 /* pad_sum keeps a token's valid slots in shared memory */
+
+/* routing_map [num_tokens, num_experts] bool (bytes) -> expert e's C tokens: its marked tokens in token order, then
+ * the unmarked ones (a stable descending sort of column e), the first C taken. tokens [E * C] int64 the token of
+ * each pair, experts [E * C] int64 its expert, slot [num_tokens, E] int32 each (token, expert)'s pair, -1 where the
+ * expert does not take the token. One launch, one block per expert. */
+int moe_ep_pad_select(const uint8_t* routing_map, int64_t num_tokens, int64_t num_experts, int64_t capacity,
+                      int64_t* tokens, int64_t* experts, int32_t* slot, void* stream);
+
+/* Row moves between the pair order [G * L * C] (source group g, expert l of L, token c) and the expert-major order
+ * [L * block] (expert l's G * C rows by group, then zero rows to `block`), rows of row_bytes (a multiple of 16, the
+ * pointers 16-byte aligned; any element type). inverse = 0: out [L * block] from the pair rows of `in`, read
+ * through tokens[q] (int64, G = 1: rows of a [num_in] token tensor) when given; probs (or NULL, with out_probs)
+ * [num_in, G * L] float32 through tokens, else [num_in], land in out_probs [L * block] (0 on padding). inverse = 1
+ * (no tokens): out [G * L * C] pair rows from the expert-major rows of `in`, probs [num_in] alike. Source rows
+ * outside [0, num_in) read as zero. One launch. */
+int moe_ep_pad_arrange(const void* in, const int64_t* tokens, const float* probs, int64_t num_in, int64_t row_bytes,
+                       int64_t groups, int64_t local, int64_t capacity, int64_t block, int64_t inverse, void* out,
+                       float* out_probs, void* stream);
+
+/* out[t] = sum over k ascending of y[row(slot[t, k])], in fp32 from 0.0f, rounded once to the element type
+ * (MOE_EP_DTYPE_*), where pair p's row is (p / capacity) * block + p % capacity (block >= capacity: the
+ * pairs' rows in blocks of `block` per expert) and pairs < 0 or with a row past num_y_rows add nothing; slot
+ * [num_tokens, num_slots] int32, y [num_y_rows, hidden], out [num_tokens, hidden]; hidden * element bytes and the
+ * pointers 16-byte aligned. weights (or NULL, with out_weights) [num_y_rows] float32: out_weights[t, k] = 0.0f +
+ * weights[row], 0 for an invalid pair. One launch, one block per (token, 256 vectors of its row). */
+int moe_ep_pad_sum(const void* y, const int32_t* slot, const float* weights, int64_t num_tokens, int64_t num_slots,
+                   int64_t capacity, int64_t block, int64_t num_y_rows, int64_t hidden, int64_t dtype, void* out,
+                   float* out_weights, void* stream);
 
 /* Low-latency mode (low_latency.cu), DeepEP V1's decode kernels on CUDA-IPC peer memory. A context made for it
  * holds, after moe_ep_staging_offset() bytes, two alternating buffer sets (moe_ep_ll_set_bytes each): per set a

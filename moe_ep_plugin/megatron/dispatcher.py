@@ -323,7 +323,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states: torch.Tensor):
         """Expert outputs ``[M, H]`` → ``[T, H]``: each row's local experts summed, sent back to its source rank
         and summed over ranks per token."""
-        if self._handle is None:
+        if self._handle is None and self._pad is None:  # drop-and-pad in a group of one rank has no handle
             raise RuntimeError("token_combine called before token_dispatch")
         if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
             self.shared_experts.wait_current_stream()

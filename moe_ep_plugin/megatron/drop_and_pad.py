@@ -6,6 +6,10 @@ count, known without a host read, so the whole dispatch and combine can be captu
     L * C rows to each rank) -> [G, L, C] received -> expert-major [L, G * C (+ padding), H]
     combine: the reverse, then each token's pairs summed in fp32
 
+Each arrow is one call of ``ops.pad`` (one kernel on CUDA): the pair selection (``select_pairs``), the pairs' rows
+and probs (``arrange`` through the tokens), the received rows to expert-major and back (``arrange``), the token sums
+(``sum_pairs``), forward and backward alike.
+
 Megatron's router returns a map with exactly ``C`` = capacity tokens per expert (kept tokens, then padding tokens
 with prob 0). Each expert takes the first ``C`` tokens of its column in a stable descending sort (marked tokens
 first, each group in token order), which is ``alltoall``'s permute: both dispatchers see the same rows and probs, in
@@ -14,8 +18,9 @@ the same order (source rank, then token). Every (token, expert) pair crosses as 
 and the expert-major order is a reshape. The ranks of the group must hold the same token count (as ``alltoall``
 assumes); a rank receiving more rows than its count is an error of the dispatch.
 
-In a group of one rank the Buffer's ``local`` transport keeps the pairs (its dispatch with room for every row reads
-nothing either).
+On the ``local`` transport (a group of one rank) nothing crosses: its dispatch would hand every pair row back
+unchanged, so the pairs are gathered straight into the expert-major layout and the combine sums them from there,
+with no Buffer call (FP8 rows are quantized and dequantized as that transport's dispatch does).
 """
 
 from __future__ import annotations
@@ -27,15 +32,19 @@ import torch
 from .. import Buffer
 from .. import autograd as ep_autograd
 from ..handle import DispatchHandle
-from ..ops import permute
+from ..ops import fp8, pad
 
 
 @dataclass(frozen=True)
 class PadLayout:
-    """One drop-and-pad dispatch: ``tokens`` ``[E * C]`` int64 the token of every pair row (expert ``e`` owns rows
-    ``[e * C, (e + 1) * C)``); ``block`` the rows of each local expert (``G * C`` rounded up to the alignment)."""
+    """One drop-and-pad dispatch: ``tokens`` ``[E * C]`` int64 the token of every pair (expert ``e`` owns pairs
+    ``[e * C, (e + 1) * C)``); ``slot`` ``[T, E]`` int32 each (token, expert)'s pair (-1 where the expert does not take
+    the token); ``experts`` ``[E * C, 1]`` int64 each pair's expert; ``block`` the rows of each local expert (``G *
+    C`` rounded up to the alignment)."""
 
     tokens: torch.Tensor
+    slot: torch.Tensor
+    experts: torch.Tensor
     num_tokens: int
     num_experts: int
     capacity: int
@@ -53,23 +62,22 @@ class PadLayout:
 
 def pad_layout(routing_map: torch.Tensor, capacity: int, group_size: int, alignment: int) -> PadLayout:
     """``routing_map`` ``[T, E]`` bool (``E`` a multiple of ``group_size``), ``capacity`` ``C`` <= T → the layout:
-    each expert's first ``C`` tokens as ``alltoall`` takes them. Device ops only (no host read)."""
+    each expert's first ``C`` tokens as ``alltoall`` takes them (``pad.select_pairs``). No host read."""
     num_tokens, num_experts = routing_map.shape
     if not 0 < capacity <= num_tokens:
         raise ValueError(
             f"moe_expert_capacity_factor: a capacity of {capacity} tokens per expert needs 1 to "
             f"{num_tokens} tokens (the tokens this rank holds)"
         )
-    order = routing_map.t().to(torch.int8).argsort(dim=1, descending=True, stable=True)
-    rows = group_size * capacity
-    return PadLayout(
-        order[:, :capacity].reshape(-1),
-        num_tokens,
-        num_experts,
-        capacity,
-        group_size,
-        -(-rows // alignment) * alignment,
-    )
+    tokens, slot, experts = pad.select_pairs(routing_map, capacity)
+    block = -(-group_size * capacity // alignment) * alignment
+    return PadLayout(tokens, slot, experts.unsqueeze(1), num_tokens, num_experts, capacity, group_size, block)
+
+
+def _rows_stay(buffer: Buffer) -> bool:
+    """Whether ``buffer``'s transport keeps every row on this rank (``local``): then the pairs' rows are the experts'
+    rows, in blocks of the expert-major ``block``; otherwise they cross in blocks of ``C``."""
+    return buffer.transport_name == "local"
 
 
 def dispatch(
@@ -81,11 +89,11 @@ def dispatch(
     fp8_dispatch: bool = False,
     round_scale: bool = False,
     configs: ep_autograd.Configs = None,
-) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle | None]:
     """Send every pair of ``layout`` to its expert's rank.
 
     Arguments:
-        buffer: the Buffer of the group (``layout.group_size`` ranks).
+        buffer: the Buffer of the group (``layout.group_size`` ranks; not called on the ``local`` transport).
         x: ``[T, H]`` BF16/FP32 tokens.
         probs: ``[T, E]`` router probs (any float dtype).
         layout: from :func:`pad_layout`.
@@ -95,17 +103,15 @@ def dispatch(
     Returns:
         ``(expert_x [L * block, H] x.dtype, expert_probs [L * block] float32, handle)``: local expert ``l`` owns
         rows ``[l * block, (l + 1) * block)``, its ``G * C`` pairs by source rank then token, then zero rows (prob
-        0); ``handle`` for :func:`combine`. Gradients reach ``x`` and ``probs``.
+        0); ``handle`` for :func:`combine` (None on the ``local`` transport). Gradients reach ``x`` and ``probs``.
     """
-    rows = _Pairs.apply(x, layout.tokens)
-    row_probs = probs.t().gather(1, layout.tokens.view(layout.num_experts, layout.capacity)).reshape(-1).float()
-    # each row's expert, [E * C, 1] (an expand: repeat_interleave would read its output size on the host)
-    experts = torch.arange(layout.num_experts, device=x.device).unsqueeze(1).expand(-1, layout.capacity)
-    experts = experts.reshape(-1, 1)
+    if _rows_stay(buffer):
+        return (*_Pairs.apply(x, probs, layout, layout.block, (fp8_dispatch, round_scale)), None)
+    rows, row_probs = _Pairs.apply(x, probs, layout, layout.capacity, None)
     recv_x, _, recv_probs, _, handle = ep_autograd.dispatch(
         buffer,
         rows,
-        experts,
+        layout.experts,
         row_probs.unsqueeze(1),
         layout.num_experts,
         fp8_dispatch=fp8_dispatch,
@@ -113,64 +119,92 @@ def dispatch(
         configs=configs,
         num_worst_tokens=layout.num_pairs,
     )
-    return _expert_major(recv_x, layout), _expert_major(recv_probs.squeeze(1), layout), handle
+    expert_x, expert_probs = _Arrange.apply(recv_x, recv_probs.squeeze(1), layout, False)
+    return expert_x, expert_probs, handle
 
 
 def combine(
-    buffer: Buffer, y: torch.Tensor, handle: DispatchHandle, layout: PadLayout, *, configs: ep_autograd.Configs = None
+    buffer: Buffer,
+    y: torch.Tensor,
+    handle: DispatchHandle | None,
+    layout: PadLayout,
+    *,
+    configs: ep_autograd.Configs = None,
 ) -> torch.Tensor:
     """Reverse of :func:`dispatch`: expert outputs ``y`` ``[L * block, H]`` BF16/FP32 → ``[T, H]`` ``y.dtype``, each
     token's pair rows summed in fp32 (expert order) and rounded once; padding rows are ignored."""
+    rows = layout.num_local * layout.block
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != rows:
+        raise ValueError(f"y: expected [{rows}, H] expert-major rows, got {_describe(y)}")
+    if _rows_stay(buffer):
+        return _TokenSum.apply(y, layout, layout.block)
     # each pair row comes back to its sender unchanged (the fp32 sum of one copy)
-    rows = ep_autograd.combine(buffer, _received_order(y, layout), handle, configs=configs)
-    return _TokenSum.apply(rows, layout.tokens, layout.num_tokens)
+    rows = ep_autograd.combine(buffer, _Arrange.apply(y, None, layout, True)[0], handle, configs=configs)
+    return _TokenSum.apply(rows, layout, layout.capacity)
 
 
-def _expert_major(received: torch.Tensor, layout: PadLayout) -> torch.Tensor:
-    """Received rows ``[G * L * C, ...]`` (source rank, expert, token) → ``[L * block, ...]`` (expert, source rank,
-    token; zero rows after each expert's ``G * C``)."""
-    g, c = layout.group_size, layout.capacity
-    tail = received.shape[1:]
-    blocks = received.reshape(g, layout.num_local, c, *tail).transpose(0, 1).reshape(layout.num_local, g * c, *tail)
-    if layout.block > g * c:
-        padding = blocks.new_zeros(layout.num_local, layout.block - g * c, *tail)
-        blocks = torch.cat([blocks, padding], dim=1)
-    return blocks.reshape(layout.num_local * layout.block, *tail)
+def _describe(t: object) -> str:
+    return f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _received_order(y: torch.Tensor, layout: PadLayout) -> torch.Tensor:
-    """Inverse of :func:`_expert_major` for ``[L * block, H]`` rows (the padding dropped)."""
-    g, c = layout.group_size, layout.capacity
-    blocks = y.reshape(layout.num_local, layout.block, y.shape[1])[:, : g * c]
-    return blocks.reshape(layout.num_local, g, c, y.shape[1]).transpose(0, 1).reshape(-1, y.shape[1])
+def _gather_pairs(rows: torch.Tensor, layout: PadLayout, block: int, probs: torch.Tensor | None = None):
+    """Token rows ``[T, H]`` (and probs ``[T, E]`` float32) → the pairs' rows ``[E * block, H]`` (and their probs),
+    zero rows after each expert's ``C``."""
+    return pad.arrange(rows, 1, layout.num_experts, layout.capacity, block, tokens=layout.tokens, probs=probs)
 
 
 class _Pairs(torch.autograd.Function):
-    """``x`` ``[T, H]`` → its rows ``tokens`` ``[P]``; the gradient sums each token's rows in fp32, in pair order
-    (``permute.sum_by_index``)."""
+    """``x`` ``[T, H]``, ``probs`` ``[T, E]`` → the pairs' rows in blocks of ``block`` and their float32 probs
+    (``_gather_pairs``); ``wire`` = ``(fp8_dispatch, round_scale)`` rounds ``x`` through FP8 first (straight through),
+    as the ``local`` transport's dispatch does (None: the Buffer's dispatch does it). The gradient sums each token's
+    rows in fp32 in expert order (``pad.sum_pairs``) and takes each pair's prob gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(tokens)
-        ctx.num_tokens = x.shape[0]
-        return x.index_select(0, tokens)
+    def forward(
+        ctx, x: torch.Tensor, probs: torch.Tensor, layout: PadLayout, block: int, wire: tuple[bool, bool] | None
+    ):
+        ctx.layout, ctx.block, ctx.probs_dtype = layout, block, probs.dtype
+        if wire is not None and wire[0]:
+            fp8.check_fp8_hidden(x.shape[1], "x")
+            x = fp8.dequantize(*fp8.quantize(x, round_scale=wire[1]), x.dtype)
+        return _gather_pairs(x, layout, block, probs.float())
 
     @staticmethod
-    def backward(ctx, grad_rows: torch.Tensor):
-        (tokens,) = ctx.saved_tensors
-        return permute.sum_by_index(grad_rows, tokens, ctx.num_tokens), None
+    def backward(ctx, grad_rows: torch.Tensor, grad_probs: torch.Tensor):
+        layout = ctx.layout
+        grad_x, grad_p = pad.sum_pairs(grad_rows, layout.slot, layout.capacity, ctx.block, grad_probs)
+        return grad_x, grad_p.to(ctx.probs_dtype), None, None, None
+
+
+class _Arrange(torch.autograd.Function):
+    """Received pair rows ``[G * L * C, H]`` (and probs) → expert-major ``[L * block, H]``, or with ``inverse`` back;
+    the gradient is the other direction (``pad.arrange``)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, probs: torch.Tensor | None, layout: PadLayout, inverse: bool):
+        ctx.layout, ctx.inverse = layout, inverse
+        return _arrange(rows, probs, layout, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor, grad_probs: torch.Tensor | None):
+        grad_x, grad_p = _arrange(grad_rows, grad_probs, ctx.layout, not ctx.inverse)
+        return grad_x, grad_p, None, None
+
+
+def _arrange(rows: torch.Tensor, probs: torch.Tensor | None, layout: PadLayout, inverse: bool):
+    g = layout.group_size
+    return pad.arrange(rows, g, layout.num_local, layout.capacity, layout.block, probs=probs, inverse=inverse)
 
 
 class _TokenSum(torch.autograd.Function):
-    """Pair rows ``[P, H]`` → ``[T, H]``, each token's rows summed in fp32 in pair order (``permute.sum_by_index``);
-    the gradient gathers each row's token."""
+    """The pairs' rows ``[E * block, H]`` → ``[T, H]``, each token's rows summed in fp32 in expert order
+    (``pad.sum_pairs``); the gradient gathers each row's token (zero rows after each expert's ``C``)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        ctx.save_for_backward(tokens)
-        return permute.sum_by_index(rows, tokens, num_tokens)
+    def forward(ctx, rows: torch.Tensor, layout: PadLayout, block: int) -> torch.Tensor:
+        ctx.layout, ctx.block = layout, block
+        return pad.sum_pairs(rows, layout.slot, layout.capacity, block)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (tokens,) = ctx.saved_tensors
-        return grad.index_select(0, tokens), None, None
+        return _gather_pairs(grad, ctx.layout, ctx.block)[0], None, None

@@ -12,7 +12,7 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 17
+ABI_VERSION = 18
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
@@ -23,6 +23,7 @@ PERMUTE_MAX_TOPK = 32  # permute/unpermute keep one top-k column per lane of a w
 DTYPE_FP32 = 0
 DTYPE_BF16 = 1
 DTYPE_FP16 = 2
+PAD_MAX_SLOTS = 12288  # pad_sum keeps a token's valid slots in shared memory
 
 # Error record codes (csrc/moe_ep.h).
 ERR_BARRIER_TIMEOUT = 1
@@ -214,6 +215,9 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_sum_segments.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _p, _p]
+    lib.moe_ep_pad_select.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p, _p]
+    lib.moe_ep_pad_arrange.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p]
+    lib.moe_ep_pad_sum.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p]
     lib.moe_ep_ll_set_bytes.restype = _i64
     lib.moe_ep_ll_set_bytes.argtypes = [_i64, _i64, _i64]
     lib.moe_ep_ll_combine_buffer.restype = _p
@@ -235,6 +239,9 @@ def load() -> ctypes.CDLL:
         "moe_ep_permute",
         "moe_ep_unpermute",
         "moe_ep_sum_segments",
+        "moe_ep_pad_select",
+        "moe_ep_pad_arrange",
+        "moe_ep_pad_sum",
         "moe_ep_ll_dispatch_send",
         "moe_ep_ll_dispatch_recv",
         "moe_ep_ll_combine_send",
