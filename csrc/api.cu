@@ -517,42 +517,6 @@ extern "C" int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t
     });
 }
 
-namespace {
-
-template <typename T>
-int launch_sum_segments(const void* y, const int64_t* rows, const int64_t* offsets, int64_t num_segments,
-                        int64_t row_vecs, int64_t num_y_rows, void* out, cudaStream_t stream) {
-    static std::atomic<int> cache[kMaxDevices];
-    int resident = 0;
-    if (int err = resident_blocks(reinterpret_cast<const void*>(sum_segments_kernel<T>), 0, cache, &resident))
-        return err;
-    const int64_t chunks_per_row = ceil_div(row_vecs, kChunkVecs);
-    const int64_t blocks = std::min<int64_t>(ceil_div(num_segments * chunks_per_row, kWarpsPerBlock), resident);
-    sum_segments_kernel<T><<<unsigned(blocks), kBlockThreads, 0, stream>>>(static_cast<const int4*>(y), rows, offsets,
-                                                                           num_segments, row_vecs, chunks_per_row,
-                                                                           num_y_rows, static_cast<int4*>(out));
-    return check_launch("sum_segments_kernel");
-}
-
-}  // namespace
-
-extern "C" int moe_ep_sum_segments(const void* y, const int64_t* rows, const int64_t* offsets, int64_t num_segments,
-                                   int64_t hidden, int64_t num_y_rows, int64_t dtype, void* out, void* stream) {
-    const int64_t elem_bytes = dtype_bytes(dtype);
-    const int64_t row_bytes = hidden * elem_bytes;
-    if (elem_bytes == 0 || num_segments < 0 || row_bytes < 16 || row_bytes % 16 != 0 || num_y_rows < 0 ||
-        !aligned16(y) || !aligned16(out) || (num_segments > 0 && (rows == nullptr || offsets == nullptr)))
-        return set_error(-1,
-                         "moe_ep_sum_segments: need an FP32/BF16/FP16 dtype code, rows a positive multiple of 16 "
-                         "bytes, 16-byte aligned y and out, and rows and offsets");
-    if (num_segments == 0) return 0;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int64_t row_vecs = row_bytes / 16;
-    return by_dtype(dtype, [&](auto t) {
-        return launch_sum_segments<decltype(t)>(y, rows, offsets, num_segments, row_vecs, num_y_rows, out, s);
-    });
-}
-
 // Low-latency kernels, host side: shape checks and the buffer set's call sequence.
 namespace moe_ep {
 

@@ -165,7 +165,7 @@ __device__ __noinline__ bool wait_flag(const DevCtx& c, const int* flag, int tar
 }
 
 // 16 bytes of T (8 BF16, 8 FP16 or 4 FP32 values) added into fp32 accumulators, and fp32 accumulators rounded back
-// (RNE): the one fp32 summation combine, unpermute and sum_segments use, so their sums match bit for bit. The two
+// (RNE): the one fp32 summation combine, unpermute and pad_sum use, so their sums match bit for bit. The two
 // 16-bit types differ only in their pair type and its conversions (Half2 below).
 template <typename T>
 struct Vec;

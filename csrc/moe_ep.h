@@ -17,14 +17,14 @@
 extern "C" {
 #endif
 
-#define MOE_EP_ABI_VERSION 18
+#define MOE_EP_ABI_VERSION 19
 #define MOE_EP_MAX_RANKS 8
 #define MOE_EP_MAX_TOPK 32
 #define MOE_EP_MAX_EXPERTS 1024   /* experts whose counts notify exchanges (expert-major mode) */
 #define MOE_EP_MAX_COPY_STREAMS 4 /* copy-engine combine: streams the pieces alternate between */
 #define MOE_EP_META_WORDS 8 /* words describing a dispatch that every rank's must equal (moe_ep_plugin META_FIELDS) */
 
-/* Element types of the rows a kernel sums (combine, unpermute, sum_segments): each sums in fp32 from 0.0f and
+/* Element types of the rows a kernel sums (combine, unpermute, pad_sum): each sums in fp32 from 0.0f and
  * rounds once to the type (RNE). Kernels that only move rows take their width in bytes instead. */
 #define MOE_EP_DTYPE_FP32 0
 #define MOE_EP_DTYPE_BF16 1
@@ -223,14 +223,6 @@ int moe_ep_permute(const void* x, const int32_t* recv_slot, const float* weights
  * out [num_recv_rows, hidden]; hidden * element bytes and the pointers 16-byte aligned. */
 int moe_ep_unpermute(const void* y, const int32_t* recv_slot, int64_t num_recv_rows, int64_t num_topk, int64_t hidden,
                      int64_t num_rows, int64_t dtype, void* out, void* stream);
-
-/* Segment sum: out[s] = sum of y[rows[j]] over j in [offsets[s], offsets[s + 1]) in that order (rows outside
- * [0, num_y_rows) add nothing), accumulated in fp32 from 0.0f and rounded once to the element type. Unlike
- * unpermute, a segment may hold any number of rows. offsets [num_segments + 1] int64 non-decreasing, from 0, and
- * rows [offsets[num_segments]] int64; y [num_y_rows, hidden], out [num_segments, hidden]; hidden * element bytes
- * and the pointers 16-byte aligned. */
-int moe_ep_sum_segments(const void* y, const int64_t* rows, const int64_t* offsets, int64_t num_segments,
-                        int64_t hidden, int64_t num_y_rows, int64_t dtype, void* out, void* stream);
 
 /* Drop-and-pad (drop_and_pad.cu): every expert takes exactly `capacity` (C) tokens, so all rows are fixed by it.
  * Pair p = e * C + c is expert e's c-th token. Nothing here synchronizes with the host. */

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from support.fake_kernels import FakeLib, installed
 
 from moe_ep_plugin.config import Config, round_up
-from moe_ep_plugin.ops import permute
 from moe_ep_plugin.transports.base import DispatchArgs
 from moe_ep_plugin.transports.local import LocalTransport
 
@@ -193,16 +192,3 @@ def test_read_free_dispatch_stores_rows_in_one_permute_and_none_without_rows(n: 
         assert permutes[0][4] == n and permutes[0][8] == worst  # every token's row, into the worst-case rows
     else:
         assert not result.recv_x.view(torch.uint8).any() and not result.recv_scales.any()
-
-
-@pytest.mark.parametrize("p", [0, 9])
-def test_sum_by_index_is_one_kernel_and_none_without_rows(p: int) -> None:
-    """``permute.sum_by_index``: one segment-sum launch over the rows, none (zeros) when there are no rows."""
-    rows = torch.randn(p, 64).bfloat16()
-    lib = FakeLib(1)
-    with installed(lib):
-        out = permute.sum_by_index(rows, torch.zeros(p, dtype=torch.int64), 3)
-    names = [name for name, _ in lib.calls]
-    assert names == (["moe_ep_sum_segments"] if p else []) and out.shape == (3, 64)
-    if not p:
-        assert not out.any()

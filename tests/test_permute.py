@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_ep_plugin.ops import fp8
-from moe_ep_plugin.ops.permute import expert_slots, permute, sum_by_index, unpermute, unpermute_onto
+from moe_ep_plugin.ops.permute import expert_slots, permute, unpermute, unpermute_onto
 
 
 def routing(kind: str, n: int, k: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
@@ -149,36 +149,6 @@ def test_out_of_range_ids_and_slots_are_ignored() -> None:
     assert unpermute(y[:0], bad).tolist() == [[0.0] * 3] * 3  # no rows at all: every slot is out of range
 
 
-def reference_sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch.Tensor:
-    out = torch.zeros(num_out, rows.shape[1], dtype=torch.float32)
-    for p in range(rows.shape[0]):
-        if 0 <= index[p] < num_out:
-            out[index[p]] = out[index[p]] + rows[p].float()
-    return out.to(rows.dtype)
-
-
-@pytest.mark.parametrize(
-    "p,num_out,dtype",
-    [
-        (0, 3, torch.float32),
-        (7, 0, torch.bfloat16),
-        (50, 9, torch.bfloat16),
-        (90, 2, torch.float32),
-        (40, 40, torch.bfloat16),
-    ],
-)
-def test_sum_by_index_matches_a_loop(p: int, num_out: int, dtype: torch.dtype) -> None:
-    """Rows summed per output row in ascending row order, fp32 from 0.0: outputs named by no row, by one, and by
-    more than 32 rows (past unpermute's top-k bound); indices outside ``[0, num_out)`` add nothing."""
-    seed = random.randrange(2**31)
-    gen = torch.Generator().manual_seed(seed)
-    rows = (torch.randn(p, 24, generator=gen) * 100).to(dtype)
-    index = torch.randint(-2, num_out + 2, (p,), generator=gen)
-    got = sum_by_index(rows, index, num_out)
-    assert got.dtype == dtype and got.shape == (num_out, 24)
-    assert torch.equal(bits(got), bits(reference_sum_by_index(rows, index, num_out))), f"seed {seed}"
-
-
 def test_arguments_are_validated() -> None:
     idx = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(TypeError, match="recv_topk_idx"):
@@ -214,14 +184,6 @@ def test_arguments_are_validated() -> None:
         unpermute(x, slot[:, :0])
     with pytest.raises(ValueError, match="out"):
         unpermute(x, slot, out=torch.zeros(3, 4, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="rows"):
-        sum_by_index(x.double(), torch.zeros(3, dtype=torch.int64), 1)
-    with pytest.raises(ValueError, match="index"):
-        sum_by_index(x, torch.zeros(2, dtype=torch.int64), 1)
-    with pytest.raises(TypeError, match="index"):
-        sum_by_index(x, torch.zeros(3, dtype=torch.int32), 1)
-    with pytest.raises(ValueError, match="num_out"):
-        sum_by_index(x, torch.zeros(3, dtype=torch.int64), -1)
 
 
 def test_not_differentiable_on_any_path() -> None:

@@ -1,6 +1,6 @@
 #pragma once
 // Device code of the local expert-major permutation (csrc/moe_ep.h; launched from csrc/api.cu): slot assignment,
-// the row scatter into expert blocks and the fixed-order gather-sums back (per row's slots, per segment of rows). The transports compose their expert-major
+// the row scatter into expert blocks and the fixed-order gather-sums back. The transports compose their expert-major
 // dispatch and combine with these.
 #include <algorithm>
 #include <atomic>
@@ -327,43 +327,6 @@ __global__ void __launch_bounds__(kBlockThreads)
         for (int64_t v = chunk.first + lane; v < chunk.last; v += 32)
             dst[v] = sum_rows<T, kUnpermuteBatch>(y, row_vecs, list, n, v);
         __syncwarp();  // the list is rewritten for the next item
-    }
-}
-
-// out[s] = y[rows[j]] summed over j in [offsets[s], offsets[s + 1]) in that order, in fp32 from 0.0f, rounded once;
-// rows outside [0, num_y_rows) add nothing. A segment may hold any number of rows (unpermute's hold at most 32), so
-// each lane reads the row ids itself (one broadcast load per id) instead of a warp's shared list. Every output row
-// is written.
-template <typename T>
-__global__ void __launch_bounds__(kBlockThreads)
-    sum_segments_kernel(const int4* __restrict__ y, const int64_t* __restrict__ rows,
-                        const int64_t* __restrict__ offsets, int64_t num_segments, int64_t row_vecs,
-                        int64_t chunks_per_row, int64_t num_y_rows, int4* __restrict__ out) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t num_items = num_segments * chunks_per_row;
-    for (int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + warp; item < num_items;
-         item += int64_t(gridDim.x) * kWarpsPerBlock) {
-        const RowChunk chunk = row_chunk(item, chunks_per_row, row_vecs);
-        const int64_t s = chunk.row, begin = __ldg(offsets + s), end = __ldg(offsets + s + 1);
-        for (int64_t v = chunk.first + lane; v < chunk.last; v += 32) {
-            float acc[Vec<T>::kN];
-#pragma unroll
-            for (int i = 0; i < Vec<T>::kN; ++i) acc[i] = 0.0f;
-            for (int64_t j0 = begin; j0 < end; j0 += kUnpermuteBatch) {
-                int4 buf[kUnpermuteBatch];
-                bool valid[kUnpermuteBatch];
-#pragma unroll
-                for (int u = 0; u < kUnpermuteBatch; ++u) {
-                    const int64_t r = j0 + u < end ? __ldg(rows + j0 + u) : -1;
-                    valid[u] = r >= 0 && r < num_y_rows;
-                    if (valid[u]) buf[u] = __ldg(y + r * row_vecs + v);
-                }
-#pragma unroll
-                for (int u = 0; u < kUnpermuteBatch; ++u)
-                    if (valid[u]) Vec<T>::add(acc, buf[u]);
-            }
-            out[s * row_vecs + v] = Vec<T>::pack(acc);
-        }
     }
 }
 

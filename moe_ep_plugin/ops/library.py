@@ -12,14 +12,14 @@ import os
 
 LIB_NAME = "libmoe_ep_kernels.so"
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", LIB_NAME)
-ABI_VERSION = 18
+ABI_VERSION = 19
 MAX_RANKS = 8
 MAX_TOPK = 32
 MAX_EXPERTS = 1024  # experts an expert-major notify exchanges counts for
 READ_BYTES = 16384  # the most one host read brings
 PERMUTE_MAX_LOCAL_EXPERTS = 1024  # expert_slots keeps per-warp counters of every local expert
 PERMUTE_MAX_TOPK = 32  # permute/unpermute keep one top-k column per lane of a warp
-# Element types of the rows a kernel sums (combine, unpermute, sum_segments: csrc/moe_ep.h MOE_EP_DTYPE_*)
+# Element types of the rows a kernel sums (combine, unpermute, pad_sum: csrc/moe_ep.h MOE_EP_DTYPE_*)
 DTYPE_FP32 = 0
 DTYPE_BF16 = 1
 DTYPE_FP16 = 2
@@ -214,7 +214,6 @@ def load() -> ctypes.CDLL:
     lib.moe_ep_expert_slots.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _p]
     lib.moe_ep_permute.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p]
     lib.moe_ep_unpermute.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
-    lib.moe_ep_sum_segments.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _p, _p]
     lib.moe_ep_pad_select.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p, _p]
     lib.moe_ep_pad_arrange.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p]
     lib.moe_ep_pad_sum.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p]
@@ -238,7 +237,6 @@ def load() -> ctypes.CDLL:
         "moe_ep_expert_slots",
         "moe_ep_permute",
         "moe_ep_unpermute",
-        "moe_ep_sum_segments",
         "moe_ep_pad_select",
         "moe_ep_pad_arrange",
         "moe_ep_pad_sum",

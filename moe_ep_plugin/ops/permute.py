@@ -190,51 +190,6 @@ def unpermute_onto(acc: torch.Tensor, y: torch.Tensor, recv_slot: torch.Tensor) 
     return _sum_slots(acc, y, recv_slot)
 
 
-def sum_by_index(rows: torch.Tensor, index: torch.Tensor, num_out: int) -> torch.Tensor:
-    """``rows`` ``[P, H]`` BF16/FP16/FP32, ``index`` ``[P]`` int64 → ``[num_out, H]`` ``rows.dtype``.
-
-    ``out[t]`` = the rows ``p`` with ``index[p] == t``, summed in ascending ``p`` in fp32 from 0.0 and rounded once
-    (0 where no row names ``t``; indices outside ``[0, num_out)`` add nothing). Unlike :func:`unpermute`, an output
-    row may gather any number of rows. No host sync.
-    """
-    _check_float_rows("rows", rows)
-    if not isinstance(index, torch.Tensor) or tuple(index.shape) != (rows.shape[0],):
-        raise ValueError(f"index: expected shape [{rows.shape[0]}], got {_describe(index)}")
-    if index.dtype != torch.int64:
-        raise TypeError(f"index: expected int64, got {index.dtype}")
-    if index.device != rows.device:
-        raise ValueError(f"index: expected a tensor on {rows.device}, got {index.device}")
-    positive_int(num_out, "num_out", 0, _INT32_MAX)
-    rows = rows.contiguous()
-    key = torch.where((index >= 0) & (index < num_out), index, num_out)  # num_out: the dump segment, never summed
-    # no rows: every output row is 0 (and an empty tensor may have a null data pointer, which the kernel refuses)
-    if not (rows.shape[0] and _kernel_rows(rows)):
-        with torch.no_grad():
-            return _torch_sum_by_index(rows, key, num_out)
-    out = torch.empty(num_out, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    if num_out == 0:
-        return out
-    # segments in ascending p: a stable sort of the row ids by output row, offsets from the per-row counts
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_out + 1, dtype=torch.int64, device=rows.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    offsets = torch.zeros(num_out + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(counts[:num_out], 0, out=offsets[1:])
-    _launch(
-        rows,
-        "moe_ep_sum_segments",
-        rows.data_ptr(),
-        order.data_ptr(),
-        offsets.data_ptr(),
-        num_out,
-        rows.shape[1],
-        rows.shape[0],
-        DTYPE_CODES[rows.dtype],
-        out.data_ptr(),
-    )
-    return out
-
-
 # --- torch implementations (CPU, or CUDA without the kernel library); the kernels must match them bit for bit ---
 
 
@@ -283,14 +238,6 @@ def _torch_permute(
 def _torch_unpermute(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """Top-k columns in ascending order, each adding its gathered rows to an fp32 sum from 0.0."""
     return _sum_slots(None, y, slot).to(y.dtype)
-
-
-def _torch_sum_by_index(rows: torch.Tensor, key: torch.Tensor, num_out: int) -> torch.Tensor:
-    """:func:`sum_by_index` with ``key`` (indices outside ``[0, num_out)`` already ``num_out``): ``index_put_``
-    accumulates each output row's rows in ascending ``p`` (in sequence on the CPU; after a stable sort by index on
-    CUDA), in fp32 here."""
-    total = torch.zeros(num_out + 1, rows.shape[1], dtype=torch.float32, device=rows.device)
-    return total.index_put_((key,), rows.float(), accumulate=True)[:num_out].to(rows.dtype)
 
 
 def _sum_slots(start: torch.Tensor | None, y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:

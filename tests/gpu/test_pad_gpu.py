@@ -2,12 +2,11 @@
 (tests/test_pad_ops.py checks those against plain loops), bit for bit on fresh random inputs at the edges: no tokens,
 every token marking one expert, more marked tokens than the capacity, capacity T, invalid slots, BF16 and FP32 rows,
 Megatron-sized rows. Then drop-and-pad's dispatch and combine on the ``local`` transport (a group of one rank: the
-fused path, forward and backward) against the chain it replaced (an index_select, reshapes,
-``permute.sum_by_index``), and its forward's kernel count under the profiler (three launches: the pair selection,
-the gather, the token sums). The multi-rank path (the same kernels around the Buffer's dispatch) is
-tests/gpu/test_drop_and_pad_gpu.py's and test_megatron_parity_gpu.py's. Outputs land in
-memory the test filled with 0xFF first, so rows a kernel forgot to write show up. Skips without a GPU or the kernel
-library.
+fused path, forward and backward) against the chain it replaced (an index_select, reshapes, the token sums the
+removed ``permute.sum_by_index`` gave, written out here), and its forward's kernel count under the profiler (three
+launches: the pair selection, the gather, the token sums). The multi-rank path (the same kernels around the Buffer's
+dispatch) is tests/gpu/test_drop_and_pad_gpu.py's and test_megatron_parity_gpu.py's. Outputs land in memory the test
+filled with 0xFF first, so rows a kernel forgot to write show up. Skips without a GPU or the kernel library.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from support.gpu_marks import NEEDS_KERNELS  # noqa: E402
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.megatron import drop_and_pad  # noqa: E402
-from moe_ep_plugin.ops import pad, permute  # noqa: E402
+from moe_ep_plugin.ops import pad  # noqa: E402
 
 pytestmark = NEEDS_KERNELS
 DEVICE = "cuda"
@@ -147,6 +146,18 @@ def test_sum_pairs_kernel_equals_torch(
     _same("sum vs cpu", got, pad.sum_pairs(rows.cpu(), slot.cpu(), capacity, block)[0], seed)
 
 
+def _token_sums(pairs: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``pairs`` ``[E * C, H]`` in pair order, ``order`` ``[E, C]`` each pair's token → ``[num_tokens, H]``
+    ``pairs.dtype``: each token's pairs summed in ascending pair order in fp32 from 0.0, rounded once (0 for a token
+    no pair names), as the removed ``permute.sum_by_index`` summed them. Expert by expert: an expert's ``C`` tokens
+    are distinct, so each step adds at most one row to a token, and a token's pairs come in ascending ``p``."""
+    experts, capacity = order.shape
+    total = torch.zeros(num_tokens, pairs.shape[1], dtype=torch.float32, device=pairs.device)
+    for e, rows in enumerate(pairs.reshape(experts, capacity, -1).float()):
+        total[order[e]] += rows
+    return total.to(pairs.dtype)
+
+
 def _pre_fusion(
     x: torch.Tensor,
     probs: torch.Tensor,
@@ -159,7 +170,7 @@ def _pre_fusion(
 ) -> tuple[torch.Tensor, ...]:
     """Drop-and-pad at one rank as the chain before the fusion computed it (Buffer's ``local`` transport hands the
     pairs back unchanged): the stable sort, an index_select of the pairs, zero rows after each expert's ``C``,
-    ``permute.sum_by_index`` for the token sums; the gradients by the same ops in reverse."""
+    :func:`_token_sums` for the token sums; the gradients by the same ops in reverse."""
     num_tokens, experts = rmap.shape
     order = rmap.t().to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :capacity]
     tokens = order.reshape(-1)
@@ -174,9 +185,9 @@ def _pre_fusion(
 
     expert_x = expert_major(x.index_select(0, tokens))
     expert_probs = expert_major(probs.t().gather(1, order).reshape(-1).float())
-    out = permute.sum_by_index(pair_order(expert_x * scale.unsqueeze(1)), tokens, num_tokens)
+    out = _token_sums(pair_order(expert_x * scale.unsqueeze(1)), order, num_tokens)
     grad_y = expert_major(grad_out.index_select(0, tokens)) * scale.unsqueeze(1)
-    grad_x = permute.sum_by_index(pair_order(grad_y), tokens, num_tokens)
+    grad_x = _token_sums(pair_order(grad_y), order, num_tokens)
     grad_p = torch.zeros(experts, num_tokens, device=x.device)
     grad_p = grad_p.scatter_add(1, order, pair_order(grad_probs).view(experts, capacity)).t().to(probs.dtype)
     return expert_x, expert_probs, out, grad_x, grad_p

@@ -148,30 +148,3 @@ def test_kernels_on_a_side_stream_and_second_device() -> None:
     slot_cpu = P.expert_slots(idx_cpu, 16, 1)[0]
     assert torch.equal(slot.cpu(), slot_cpu)
     assert torch.equal(back.cpu(), P.unpermute(P.permute(x, slot_cpu, sum(counts))[0], slot_cpu))
-
-
-@pytest.mark.parametrize(
-    "p,num_out,hidden,dtype",
-    [
-        (0, 5, 256, torch.bfloat16),
-        (6000, 300, 7168, torch.bfloat16),
-        (3000, 64, 1028, torch.float32),
-        (3000, 64, 1024, torch.float16),
-        (700, 0, 256, torch.bfloat16),
-        (100, 10, 100, torch.bfloat16),  # 200-byte rows: torch path
-    ],
-)
-def test_sum_by_index_kernel_matches_torch_and_cpu(p: int, num_out: int, hidden: int, dtype: torch.dtype) -> None:
-    """Output rows named by no row, by one and by hundreds (a third of the rows go to output 0), and indices
-    outside ``[0, num_out)``: the kernel's bits equal the torch path's on the GPU and on the CPU."""
-    seed = random.randrange(2**31)
-    gen = torch.Generator().manual_seed(seed)
-    rows_cpu = (torch.randn(p, hidden, generator=gen) * 100).to(dtype)
-    index_cpu = torch.randint(-2, num_out + 2, (p,), generator=gen)
-    index_cpu[torch.rand(p, generator=gen) < 0.3] = 0
-    rows, index = rows_cpu.cuda(), index_cpu.cuda()
-    _poison(num_out * hidden * rows.element_size())
-    got = P.sum_by_index(rows, index, num_out)
-    key = torch.where((index >= 0) & (index < num_out), index, num_out)
-    _same("sum_by_index vs torch", got, P._torch_sum_by_index(rows, key, num_out), seed)
-    _same("sum_by_index vs cpu", got, P.sum_by_index(rows_cpu, index_cpu, num_out), seed)
