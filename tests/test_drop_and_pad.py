@@ -4,13 +4,14 @@ with more or fewer marked tokens than ``C`` are covered too; every local expert 
 (source rank, then token), padded to the alignment; the combine sums each token's pair rows in fp32 in expert
 order. Gradients of the tokens and of the probs are checked exactly (integer-valued upstream gradients). World
 sizes 1–4 on the ``torch`` transport (``local`` at one rank), 2 x 2 emulated nodes on ``hierarchical``, BF16 and FP32,
-FP8 rows."""
+FP8 rows. At one rank the whole path, backward included, reads nothing on the host (``support.host_reads``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.host_reads import no_host_reads
 from support.reference import gather_all
 
 from moe_ep_plugin import Buffer
@@ -141,3 +142,26 @@ def test_unequal_capacities_raise_on_every_rank() -> None:
 def test_capacity_beyond_the_tokens_raises() -> None:
     with pytest.raises(ValueError, match="moe_expert_capacity_factor: a capacity of 5 tokens per expert needs 1 to 4"):
         drop_and_pad.pad_layout(torch.ones(4, 2, dtype=torch.bool), 5, 1, 1)
+
+
+def _reads_nothing() -> None:
+    """One rank (``local``): the layout, dispatch, combine and backward of every row form with each way a tensor
+    reaches a Python value patched to raise."""
+    for seed, (dtype, use_fp8) in enumerate(
+        [(torch.bfloat16, False), (torch.float16, False), (torch.float32, False), (torch.bfloat16, True)]
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(7, HIDDEN, generator=gen).to(dtype).requires_grad_()
+        probs = torch.rand(7, 6, generator=gen).requires_grad_()
+        rmap = _routing_map("random", 7, 6, gen)
+        buffer = Buffer(transport="torch")
+        with no_host_reads():
+            layout = drop_and_pad.pad_layout(rmap, 3, 1, 4)
+            expert_x, expert_probs, handle = drop_and_pad.dispatch(buffer, x, probs, layout, fp8_dispatch=use_fp8)
+            out = drop_and_pad.combine(buffer, expert_x * 2, handle, layout)
+            torch.autograd.backward((out, expert_probs), (torch.ones_like(out), torch.ones_like(expert_probs)))
+        assert buffer.transport_name == "local" and x.grad.shape == x.shape and probs.grad.shape == probs.shape
+
+
+def test_one_rank_reads_nothing_on_the_host() -> None:
+    spawn(_reads_nothing, 1, backend="gloo")

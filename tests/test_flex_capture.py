@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from test_megatron_budget import no_host_reads  # noqa: E402
+from support.host_reads import no_host_reads  # noqa: E402
 
 from moe_ep_plugin.launch import spawn  # noqa: E402
 

@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import math
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from unittest import mock
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from support.fake_kernels import STREAM, FakeLib, installed, nvlink_transport  # noqa: E402
+from support.host_reads import no_host_reads  # noqa: E402
 
 from moe_ep_plugin import Buffer  # noqa: E402
 from moe_ep_plugin.config import round_up  # noqa: E402
@@ -29,24 +29,6 @@ from moe_ep_plugin.launch import spawn  # noqa: E402
 from moe_ep_plugin.ops import layout  # noqa: E402
 
 EXPERTS, TOPK, HIDDEN, TOKENS = 8, 3, 32, 6
-# how a tensor reaches a Python value: any of them on the dispatch path would be a host read of a device count
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-@contextlib.contextmanager
-def no_host_reads() -> Iterator[None]:
-    """While inside, each of ``HOST_READS`` on a tensor raises ``AssertionError`` naming it."""
-
-    def refuse(name: str):
-        def read(self, *args, **kwargs):
-            raise AssertionError(f"host read: Tensor.{name}")
-
-        return read
-
-    with contextlib.ExitStack() as stack:
-        for name in HOST_READS:
-            stack.enter_context(mock.patch.object(torch.Tensor, name, refuse(name)))
-        yield
 
 
 def _routing(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
