@@ -62,6 +62,21 @@ def _setup() -> torch.device:
     return device
 
 
+def _elastic_buffer(device: torch.device, num_topk: int):
+    """An ``ElasticBuffer`` on ``device`` (it takes no device in DeepEP) over the nvlink kernels, this file's sizes."""
+    from moe_ep_plugin.deep_ep import ElasticBuffer
+
+    return ElasticBuffer(
+        dist.group.WORLD,
+        num_max_tokens_per_rank=TOKENS,
+        hidden=HIDDEN,
+        num_topk=num_topk,
+        transport="nvlink",
+        device=device,
+        num_cpu_timeout_secs=TIMEOUT_S,
+    )
+
+
 @contextlib.contextmanager
 def _default_device(device: torch.device) -> Iterator[None]:
     previous = torch.get_default_device()
@@ -180,22 +195,13 @@ def _ncclep(world: int) -> None:
 
 
 def _deepepv2(world: int) -> None:
-    from moe_ep_plugin.deep_ep import ElasticBuffer
     from moe_ep_plugin.megatron import PluginOptions, deepep_shim
     from moe_ep_plugin.megatron import deepepv2_shim as shim
 
     device = _setup()
     deepep_shim.configure(PluginOptions(transport="nvlink", timeout_s=TIMEOUT_S))
     experts = LOCAL * world
-    buffer = ElasticBuffer(  # what get_elastic_buffer makes, on this rank's GPU (it takes no device)
-        dist.group.WORLD,
-        num_max_tokens_per_rank=TOKENS,
-        hidden=HIDDEN,
-        num_topk=TOPK,
-        transport="nvlink",
-        device=device,
-        num_cpu_timeout_secs=TIMEOUT_S,
-    )
+    buffer = _elastic_buffer(device, TOPK)  # what get_elastic_buffer makes, on this rank's GPU
     gen = torch.Generator(device).manual_seed(37 + dist.get_rank())
     x = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
     idx = torch.empty(TOKENS, TOPK, dtype=torch.int64, device=device)
@@ -327,18 +333,8 @@ def _elastic_case(buffer, device: torch.device, world: int, expand: bool, alignm
 
 
 def _elastic(world: int, expand: bool) -> None:
-    from moe_ep_plugin.deep_ep import ElasticBuffer
-
     device = _setup()
-    buffer = ElasticBuffer(
-        dist.group.WORLD,
-        num_max_tokens_per_rank=TOKENS,
-        hidden=HIDDEN,
-        num_topk=ELASTIC_TOPK,
-        transport="nvlink",
-        device=device,
-        num_cpu_timeout_secs=TIMEOUT_S,
-    )
+    buffer = _elastic_buffer(device, ELASTIC_TOPK)
     for alignment in (1, 128):
         for use_fp8 in (False, True):
             _elastic_case(buffer, device, world, expand, alignment, use_fp8)
